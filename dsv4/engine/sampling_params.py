@@ -1,0 +1,120 @@
+"""Per-request sampling parameters, with vLLM's names, defaults and meanings.
+
+`SamplingParams` is plain data: the serve layer fills it from an OpenAI request, the
+engine calls `validate()` once on admission, and the sampler and stop checker read it.
+Construction only normalises (`stop` to a list, `None` lists to empty ones); `validate`
+rejects bad values with a `ValueError` that names the field.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# Below this temperature a request samples greedily (argmax), as in vLLM.
+GREEDY_TEMPERATURE_EPS = 1e-5
+# Most alternatives a request may ask for per position (`logprobs`, `prompt_logprobs`).
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None  # normalised to list[str]
+    stop_token_ids: list[int] | None = None  # normalised to list[int]
+    ignore_eos: bool = False
+    logprobs: int | None = None  # alternatives per sampled token; 0: the chosen one only
+    prompt_logprobs: int | None = None  # the same, per prompt position
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def finishing_token_ids(self, eos_token_id: int | None) -> list[int]:
+        """Token ids that end this request: stop_token_ids, plus EOS unless ignore_eos.
+        These are the ids masked out while fewer than min_tokens were generated."""
+        ids = list(self.stop_token_ids)
+        if eos_token_id is not None and not self.ignore_eos and eos_token_id not in ids:
+            ids.append(eos_token_id)
+        return ids
+
+    def validate(self, vocab_size: int, max_model_len: int | None = None) -> None:
+        """Raise ValueError naming the first field with a bad value."""
+        _check_int(self, "n", low=1)
+        _check_float(self, "temperature", low=0.0)
+        _check_float(self, "top_p", low=0.0, low_inclusive=False, high=1.0)
+        _check_int(self, "top_k", low=-1)
+        _check_float(self, "min_p", low=0.0, high=1.0)
+        if self.seed is not None:
+            _check_int(self, "seed")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_float(self, name, low=-2.0, high=2.0)
+        _check_float(self, "repetition_penalty", low=0.0, low_inclusive=False)
+        _check_int(self, "max_tokens", low=1, high=max_model_len)
+        _check_int(self, "min_tokens", low=0, high=self.max_tokens)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(self, name, low=0, high=MAX_LOGPROBS)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop: every stop string must be a non-empty str, got {s!r}")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or not 0 <= t < vocab_size:
+                raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(params: SamplingParams, name: str, low: int | None = None,
+               high: int | None = None) -> None:
+    value = getattr(params, name)
+    if not _is_int(value):
+        raise ValueError(f"{name}: must be an int, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise ValueError(f"{name}: must be {_range_text(low, high, True)}, got {value}")
+
+
+def _check_float(params: SamplingParams, name: str, low: float | None = None,
+                 high: float | None = None, low_inclusive: bool = True) -> None:
+    value = getattr(params, name)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+    too_low = low is not None and (value < low if low_inclusive else value <= low)
+    if too_low or (high is not None and value > high):
+        raise ValueError(f"{name}: must be {_range_text(low, high, low_inclusive)}, "
+                         f"got {value}")
+
+
+def _range_text(low: float | None, high: float | None, low_inclusive: bool) -> str:
+    if high is None:
+        return f">= {low}" if low_inclusive else f"> {low}"
+    if low is None:
+        return f"<= {high}"
+    return f"in {'[' if low_inclusive else '('}{low}, {high}]"
