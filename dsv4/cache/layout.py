@@ -1,0 +1,100 @@
+"""Page math for V4's cache (DESIGN §4).
+
+* compressed history: shareable 256-token pages. Per page and layer: 64 C4 slots + 64
+  indexer-key slots (CSA layers) or 2 C128 slots (HCA layers). Entry e of ratio m sits on
+  logical page e*m // 256, slot e % (256 // m).
+* sliding-window keys: request-private 128-slot pages, logical page = pos // 128, every layer.
+* compressor continuation: request-private rings addressed by position, `span + S` rows
+  per request (span 8 for CSA compressor and indexer, 128 for HCA), S = speculative slots.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import CSA_RATIO, HCA_RATIO, ModelConfig
+
+PAGE_TOKENS = 256
+SWA_PAGE_TOKENS = 128
+CSA_SPAN = 2 * CSA_RATIO  # open group + previous group (overlap)
+HCA_SPAN = HCA_RATIO
+
+
+def dtype_bytes(dtype) -> int:
+    import torch
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    cfg: ModelConfig
+    spec_slots: int = 0          # S: most speculative tokens in flight
+    with_mtp: bool = False       # also keep SWA keys for the MTP layer
+
+    @property
+    def csa_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.cfg.compress_ratios) if r == CSA_RATIO)
+
+    @property
+    def hca_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, r in enumerate(self.cfg.compress_ratios) if r == HCA_RATIO)
+
+    @property
+    def num_swa_layers(self) -> int:
+        return self.cfg.num_hidden_layers + (self.cfg.num_nextn_predict_layers if self.with_mtp else 0)
+
+    @property
+    def csa_ring(self) -> int:
+        return CSA_SPAN + self.spec_slots
+
+    @property
+    def hca_ring(self) -> int:
+        return HCA_SPAN + self.spec_slots
+
+    @property
+    def swa_keep(self) -> int:
+        """Positions of SWA keys a request must keep behind its end: W + S."""
+        return self.cfg.sliding_window + self.spec_slots
+
+    # ---- bytes ------------------------------------------------------------------------
+    def page_bytes(self, elem: int) -> int:
+        """One 256-token compressed-history page across all layers."""
+        c = self.cfg
+        per_csa = (PAGE_TOKENS // CSA_RATIO) * (c.head_dim + c.index_head_dim)
+        per_hca = (PAGE_TOKENS // HCA_RATIO) * c.head_dim
+        return elem * (len(self.csa_layers) * per_csa + len(self.hca_layers) * per_hca)
+
+    def swa_page_bytes(self, elem: int) -> int:
+        return elem * SWA_PAGE_TOKENS * self.cfg.head_dim * self.num_swa_layers
+
+    def ring_bytes(self, elem: int) -> int:
+        """Compressor rings of one request (kv + gate, all compressed layers)."""
+        c = self.cfg
+        csa = self.csa_ring * 2 * 2 * (c.head_dim + c.index_head_dim)
+        hca = self.hca_ring * 2 * c.head_dim
+        return elem * (len(self.csa_layers) * csa + len(self.hca_layers) * hca)
+
+    def swa_pages_per_request(self, chunk: int) -> int:
+        """SWA pages a request holds while running a chunk of `chunk` tokens (worst alignment)."""
+        return -(-(self.swa_keep + chunk) // SWA_PAGE_TOKENS) + 1
+
+    def plan(self, budget_bytes: int, elem: int, max_num_seqs: int, max_chunk: int) -> "CachePlan":
+        """Split a memory budget: rings and SWA pages for `max_num_seqs`, the rest history pages."""
+        swa_pages = max_num_seqs * self.swa_pages_per_request(max_chunk)
+        fixed = max_num_seqs * self.ring_bytes(elem) + swa_pages * self.swa_page_bytes(elem)
+        pages = (budget_bytes - fixed) // max(self.page_bytes(elem), 1)
+        if pages < 1:
+            raise ValueError(f"cache memory budget of {budget_bytes / 2**20:.1f} MiB is too small: "
+                             f"{fixed / 2**20:.1f} MiB go to rings and sliding-window pages of "
+                             f"{max_num_seqs} requests; lower max_num_seqs or raise the budget")
+        return CachePlan(num_pages=int(pages), num_swa_pages=swa_pages, max_num_seqs=max_num_seqs)
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    num_pages: int       # 256-token compressed-history pages
+    num_swa_pages: int   # 128-slot sliding-window pages
+    max_num_seqs: int    # ring rows (request state slots)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.num_pages * PAGE_TOKENS

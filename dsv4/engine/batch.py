@@ -1,0 +1,143 @@
+"""Build the per-step `ForwardBatch` from the sequences scheduled in a step.
+
+Vectorised over tokens (no Python loop over tokens); one short loop over sequences to pad
+their page tables. Built on the CPU, then moved to the device in one go.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache.layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout
+from ..config import CSA_RATIO, HCA_RATIO
+from ..model.forward_batch import CompressPlan, ForwardBatch
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's share of a step: tokens [start, start + len(token_ids))."""
+    slot: int                     # request state slot (its ring rows)
+    start: int                    # absolute position of the first token
+    token_ids: list[int]
+    page_table: list[int]         # logical 256-token page -> physical page (-1 none)
+    swa_table: list[int]          # logical 128-token SWA page -> physical SWA page (-1 freed)
+    logits: str = "last"          # "last", "all" or "none"
+    extra: dict = field(default_factory=dict)
+
+
+def build_forward_batch(chunks: list[SeqChunk], layout: CacheLayout, max_num_seqs: int,
+                        device) -> ForwardBatch:
+    lens = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.long)
+    starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
+    slots = torch.tensor([c.slot for c in chunks], dtype=torch.long)
+    offs = torch.cumsum(lens, 0) - lens
+    req = torch.repeat_interleave(torch.arange(len(chunks)), lens)
+    pos = starts[req] + torch.arange(int(lens.sum())) - offs[req]
+    pages = _pad([c.page_table for c in chunks])
+    swa_pages = _pad([c.swa_table for c in chunks])
+    W = layout.cfg.sliding_window
+    seq = _Seqs(req, pos, starts, starts + lens, offs, slots)
+    fb = ForwardBatch(
+        token_ids=torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long),
+        positions=pos,
+        swa_write=_swa_slots(swa_pages, req, pos),
+        swa_idx=_swa_window(swa_pages, req, pos, W),
+        c4_cand=_causal_entries(pages, req, pos, CSA_RATIO),
+        c128_idx=_causal_entries(pages, req, pos, HCA_RATIO),
+        csa=_compress_plan(pages, seq, CSA_RATIO, True, layout.csa_ring, max_num_seqs),
+        hca=_compress_plan(pages, seq, HCA_RATIO, False, layout.hca_ring, max_num_seqs),
+        logits_rows=_logits_rows(chunks, offs, lens),
+        seq_lens=tuple(lens.tolist()),
+    )
+    return _to(fb, device)
+
+
+@dataclass
+class _Seqs:
+    req: torch.Tensor     # [T] sequence of each token
+    pos: torch.Tensor     # [T] absolute position of each token
+    starts: torch.Tensor  # [R]
+    ends: torch.Tensor    # [R]
+    offs: torch.Tensor    # [R] first token row of each sequence
+    slots: torch.Tensor   # [R]
+
+
+def _pad(tables: list[list[int]]) -> torch.Tensor:
+    width = max([len(t) for t in tables] + [1])
+    out = torch.full((len(tables), width), -1, dtype=torch.long)
+    for i, t in enumerate(tables):
+        out[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+    return out
+
+
+def _lookup(table: torch.Tensor, req: torch.Tensor, logical: torch.Tensor, what: str) -> torch.Tensor:
+    if logical.numel() and int(logical.max()) >= table.shape[1]:
+        raise RuntimeError(f"{what} page table too short: needs logical page {int(logical.max())}")
+    phys = table[req, logical]
+    if (phys < 0).any():
+        raise RuntimeError(f"{what} page missing for a position the step reads or writes")
+    return phys
+
+
+def _swa_slots(swa_pages, req, pos):
+    return _lookup(swa_pages, req, pos // SWA_PAGE_TOKENS, "SWA") * SWA_PAGE_TOKENS + pos % SWA_PAGE_TOKENS
+
+
+def _swa_window(swa_pages, req, pos, W):
+    q = pos[:, None] - W + 1 + torch.arange(W)[None, :]                    # [T, W]
+    valid = q >= 0
+    r = req[:, None].expand_as(q)
+    slots = torch.full_like(q, -1)
+    slots[valid] = _swa_slots(swa_pages, r[valid], q[valid])
+    return slots
+
+
+def _causal_entries(pages, req, pos, ratio):
+    per_page = PAGE_TOKENS // ratio
+    limit = (pos + 1) // ratio                                             # entries e < limit
+    width = int(limit.max()) if limit.numel() else 0
+    e = torch.arange(width)[None, :].expand(pos.shape[0], width)
+    valid = e < limit[:, None]
+    r = req[:, None].expand_as(e)
+    slots = torch.full_like(e, -1)
+    slots[valid] = _lookup(pages, r[valid], e[valid] // per_page, "history") * per_page + e[valid] % per_page
+    return slots
+
+
+def _compress_plan(pages, s: _Seqs, ratio, overlap, cap, max_num_seqs) -> CompressPlan:
+    per_page = PAGE_TOKENS // ratio
+    tok = torch.nonzero((s.pos + 1) % ratio == 0).flatten()
+    r = s.req[tok]
+    e = (s.pos[tok] + 1) // ratio - 1
+    entry_slot = _lookup(pages, r, e // per_page, "history") * per_page + e % per_page
+    ring_rows = max_num_seqs * cap
+    span = torch.arange(-ratio if overlap else 0, ratio)
+    q = (e * ratio)[:, None] + span[None, :]                               # [G, span] positions
+    start = s.starts[r][:, None]
+    fresh_row = ring_rows + s.offs[r][:, None] + (q - start)
+    ring_row = s.slots[r][:, None] * cap + q % cap
+    rows = torch.where(q < 0, -1, torch.where(q >= start, fresh_row, ring_row))
+    keep = torch.nonzero(s.pos >= s.ends[s.req] - cap).flatten()          # tail rows the ring keeps
+    ring_dst = s.slots[s.req[keep]] * cap + s.pos[keep] % cap
+    return CompressPlan(rows=rows, entry_slot=entry_slot, entry_pos=e * ratio, ring_dst=ring_dst,
+                        ring_src=keep, ring_rows=ring_rows)
+
+
+def _logits_rows(chunks, offs, lens):
+    rows = []
+    for c, o, n in zip(chunks, offs.tolist(), lens.tolist()):
+        if c.logits == "all":
+            rows.extend(range(o, o + n))
+        elif c.logits == "last":
+            rows.append(o + n - 1)
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def _to(fb: ForwardBatch, device) -> ForwardBatch:
+    def move(x):
+        return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
+    plans = {k: CompressPlan(**{f: move(getattr(getattr(fb, k), f)) for f in CompressPlan.__dataclass_fields__})
+             for k in ("csa", "hca")}
+    fields = {f: move(getattr(fb, f)) for f in ForwardBatch.__dataclass_fields__ if f not in plans}
+    return ForwardBatch(**fields, **plans)

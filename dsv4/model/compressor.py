@@ -1,0 +1,69 @@
+"""The compressors (CSA with overlap, HCA without) and the lightning indexer."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import CSA_RATIO, HCA_RATIO, ModelConfig
+from ..ops.compress import compress_pool
+from ..ops.indexer import indexer_topk
+from ..ops.rope import apply_rope, rope_cos_sin
+from .forward_batch import CompressPlan
+from .layers import Linear, RMSNorm, param
+
+
+class Compressor(nn.Module):
+    """Pools groups of `ratio` tokens into one entry of `dim` channels.
+
+    With overlap (CSA) the projections are 2*dim wide: first half for the next group, second
+    half for the own group (see ops/compress.py).
+    """
+
+    def __init__(self, cfg: ModelConfig, ratio: int, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.ratio, self.overlap = ratio, ratio == CSA_RATIO
+        width = 2 * dim if self.overlap else dim
+        self.wkv = Linear(cfg.hidden_size, width, dtype)
+        self.wgate = Linear(cfg.hidden_size, width, dtype)
+        self.ape = param(ratio, width, dtype=torch.float32)
+        self.norm = RMSNorm(dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, plan: CompressPlan, ring_kv: torch.Tensor, ring_gate: torch.Tensor,
+                pool: torch.Tensor, inv_freq: torch.Tensor) -> None:
+        """Close this step's groups into `pool`, then move the step's tail into the ring."""
+        kv, gate = self.wkv(x), self.wgate(x)
+        if plan.rows.shape[0]:
+            pooled = compress_pool(torch.cat([ring_kv, kv.to(ring_kv.dtype)]),
+                                   torch.cat([ring_gate, gate.to(ring_gate.dtype)]),
+                                   plan.rows, self.ape, self.overlap)
+            cos, sin = rope_cos_sin(plan.entry_pos, inv_freq)
+            pool[plan.entry_slot] = apply_rope(self.norm(pooled), cos, sin).to(pool.dtype)
+        if plan.ring_dst.shape[0]:
+            ring_kv[plan.ring_dst] = kv[plan.ring_src].to(ring_kv.dtype)
+            ring_gate[plan.ring_dst] = gate[plan.ring_src].to(ring_gate.dtype)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: its own ratio-4 compressor of index keys, per-head queries from the
+    attention's low-rank q, and a top-k over ReLU(q.k) weighted per head."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.heads, self.dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = Linear(cfg.q_lora_rank, self.heads * self.dim, dtype)
+        self.weights_proj = Linear(cfg.hidden_size, self.heads, dtype)
+        self.compressor = Compressor(cfg, CSA_RATIO, self.dim, dtype)
+
+    def select(self, x: torch.Tensor, q_res: torch.Tensor, cand: torch.Tensor, keys: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """-> [T, min(topk, E4)] slots of the chosen entries (-1 where fewer are causal)."""
+        q = apply_rope(self.wq_b(q_res).unflatten(-1, (self.heads, self.dim)), cos, sin)
+        weights = self.weights_proj(x).float() * self.heads ** -0.5
+        return indexer_topk(q, weights, keys, cand, self.topk)
+
+
+def make_compressor(cfg: ModelConfig, ratio: int, dtype: torch.dtype) -> Compressor | None:
+    if ratio == 0:
+        return None
+    assert ratio in (CSA_RATIO, HCA_RATIO)
+    return Compressor(cfg, ratio, cfg.head_dim, dtype)

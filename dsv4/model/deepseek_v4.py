@@ -1,0 +1,76 @@
+"""The DeepSeek-V4 model over a flat mixed batch (DESIGN §3).
+
+Residual state: hc_mult streams per token, h [T, N, hidden]. Each block: mHC pre ->
+RMSNorm -> attention -> mHC post, then the same around the MoE. After the last block:
+hc_head -> RMSNorm -> head. Weight names follow DeepSeek's released checkpoints.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..ops.mhc import hc_head, hc_post, hc_pre
+from .attention import Attention, RopeTables
+from .forward_batch import ForwardBatch
+from .layers import RMSNorm, param
+from .moe import MoE
+from .rope import compress_inv_freq, main_inv_freq
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, ratio: int, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        n, hc_dim = cfg.hc_mult, cfg.hc_mult * cfg.hidden_size
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, layer, ratio, dtype)
+        self.ffn = MoE(cfg, layer, dtype)
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", param((2 + n) * n, hc_dim, dtype=torch.float32))
+            setattr(self, f"hc_{site}_base", param((2 + n) * n, dtype=torch.float32))
+            setattr(self, f"hc_{site}_scale", param(3, dtype=torch.float32))
+
+    def forward(self, h: torch.Tensor, fb: ForwardBatch, pools, rope: RopeTables) -> torch.Tensor:
+        x, post, comb = self._pre(h, "attn")
+        h = hc_post(self.attn(self.attn_norm(x), fb, pools, rope), h, post, comb)
+        x, post, comb = self._pre(h, "ffn")
+        return hc_post(self.ffn(self.ffn_norm(x), fb.token_ids), h, post, comb)
+
+    def _pre(self, h, site):
+        c = self.cfg
+        return hc_pre(h, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                      getattr(self, f"hc_{site}_scale"), c.rms_norm_eps, c.hc_eps, c.hc_sinkhorn_iters)
+
+
+class DeepseekV4(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        n = cfg.hc_mult
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, _freeze=True)
+        self.layers = nn.ModuleList(Block(cfg, i, r, dtype) for i, r in enumerate(cfg.compress_ratios))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Module()
+        self.head.weight = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.hc_head_fn = param(n, n * cfg.hidden_size, dtype=torch.float32)
+        self.hc_head_base = param(n, dtype=torch.float32)
+        self.hc_head_scale = param(1, dtype=torch.float32)
+        self.register_buffer("main_freq", main_inv_freq(cfg), persistent=False)
+        self.register_buffer("compress_freq", compress_inv_freq(cfg), persistent=False)
+        self.mtp = nn.ModuleList()  # filled by dsv4.model.mtp.attach_mtp when the checkpoint has it
+
+    def forward(self, fb: ForwardBatch, pools) -> torch.Tensor:
+        """One step over the batch -> final residual streams [T, N, hidden]."""
+        rope = RopeTables(fb.positions, self.main_freq, self.compress_freq)
+        h = self.embed(fb.token_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for block in self.layers:
+            h = block(h, fb, pools, rope)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Streams [L, N, hidden] -> fp32 logits [L, vocab]."""
+        c = self.cfg
+        x = self.norm(hc_head(h, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.rms_norm_eps, c.hc_eps))
+        return torch.nn.functional.linear(x, self.head.weight).float()

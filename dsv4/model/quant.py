@@ -1,0 +1,61 @@
+"""FP8 (e4m3, E8M0 scale per 128x128 block) and MXFP4 (e2m1 pairs, E8M0 scale per 32
+inputs) weight formats of the released checkpoints: exact dequantisation, and quantisers
+used to write test checkpoints."""
+from __future__ import annotations
+
+import torch
+
+# e2m1 magnitudes by the low 3 bits of a nibble; bit 3 is the sign
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+FP4_BLOCK = 32
+FP8_MAX = 448.0
+
+
+def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 (float8_e8m0fnu, or raw exponent bytes as uint8) or a float scale -> fp32."""
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.float() - 127)
+    return scale.float()
+
+
+def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """weight [out, in] float8_e4m3fn, scale [ceil(out/b0), ceil(in/b1)] -> fp32 [out, in]."""
+    out, inp = weight.shape
+    s = e8m0_to_float(scale).repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:out, :inp]
+    return weight.float() * s
+
+
+def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """packed [out, in/2] int8 (low nibble = even input), scale [out, in/32] -> fp32 [out, in]."""
+    b = packed.view(torch.uint8).to(torch.int32)
+    nibbles = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)            # [out, in]
+    mag = E2M1_VALUES.to(packed.device)[nibbles & 7]
+    values = torch.where(nibbles & 8 != 0, -mag, mag)
+    return values * e8m0_to_float(scale).repeat_interleave(FP4_BLOCK, dim=-1)
+
+
+def _pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """Smallest power of two s with amax / s <= qmax (E8M0-representable)."""
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp(min=1e-30) / qmax)))
+
+
+def quant_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+    out, inp = weight.shape
+    r0, r1 = -(-out // block[0]), -(-inp // block[1])
+    padded = torch.zeros(r0 * block[0], r1 * block[1])
+    padded[:out, :inp] = weight.float()
+    amax = padded.view(r0, block[0], r1, block[1]).abs().amax(dim=(1, 3))
+    scale = _pow2_scale(amax, FP8_MAX)
+    s = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:out, :inp]
+    return (weight.float() / s).to(torch.float8_e4m3fn), scale.to(torch.float8_e8m0fnu)
+
+
+def quant_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    out, inp = weight.shape
+    blocks = weight.float().view(out, inp // FP4_BLOCK, FP4_BLOCK)
+    scale = _pow2_scale(blocks.abs().amax(-1), 6.0)
+    x = (blocks / scale[..., None]).flatten(1)
+    code = (x.abs()[..., None] - E2M1_VALUES).abs().argmin(-1)             # nearest magnitude
+    nib = (code | torch.where(x < 0, 8, 0)).to(torch.uint8)
+    packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).view(torch.int8)
+    return packed, scale.to(torch.float8_e8m0fnu)

@@ -1,0 +1,158 @@
+"""Load a checkpoint folder (safetensors shards, DeepSeek or transformers names, BF16/FP32,
+FP8 block-scaled, MXFP4 experts) into a `DeepseekV4`, one shard at a time.
+
+`iter_checkpoint(dir)` yields (canonical DeepSeek name, expert index | None, dequantised
+tensor); `load_weights(model, dir)` copies them into the model's parameters and checks that
+every parameter was filled exactly once, with the right shape.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+from .names import DS_EXPERT, HF_DOWN, HF_GATE_UP, hf_to_ds, is_transformers_name
+from .quant import dequant_fp4, dequant_fp8
+
+QUANT_SCALE = re.compile(r"^(.*)\.(scale|weight_scale_inv)$")
+
+
+class CheckpointError(ValueError):
+    """A tensor is missing, unexpected or mis-shaped; the message names it."""
+
+
+def shard_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"no .safetensors files in {path!r}")
+    return [os.path.join(path, f) for f in files]
+
+
+def checkpoint_keys(path: str) -> list[str]:
+    keys = []
+    for file in shard_files(path):
+        with safe_open(file, "pt") as f:
+            keys.extend(f.keys())
+    return keys
+
+
+def iter_checkpoint(path: str, block: tuple[int, int] = (128, 128)) -> Iterator[tuple[str, int | None, torch.Tensor]]:
+    """Yield (canonical name, expert index or None, tensor) with quantised weights dequantised
+    to fp32. A weight and its scale may sit in different shards; the first waits for the other."""
+    waiting_weights: dict[str, torch.Tensor] = {}
+    waiting_scales: dict[str, torch.Tensor] = {}
+    for file in shard_files(path):
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                tensor = f.get_tensor(key)
+                scale_of = QUANT_SCALE.match(key)
+                if scale_of:
+                    base = scale_of.group(1) + ".weight"
+                    if base in waiting_weights:
+                        yield from _canonical(base, _dequant(waiting_weights.pop(base), tensor, block, base))
+                    else:
+                        waiting_scales[base] = tensor
+                elif tensor.dtype in (torch.float8_e4m3fn, torch.int8):
+                    if key in waiting_scales:
+                        yield from _canonical(key, _dequant(tensor, waiting_scales.pop(key), block, key))
+                    else:
+                        waiting_weights[key] = tensor
+                else:
+                    yield from _canonical(key, tensor)
+    if waiting_weights:
+        raise CheckpointError(f"quantised tensor {next(iter(waiting_weights))!r} has no scale tensor")
+    if waiting_scales:
+        raise CheckpointError(f"scale for {next(iter(waiting_scales))!r} has no quantised weight")
+
+
+def _dequant(weight: torch.Tensor, scale: torch.Tensor, block, name: str) -> torch.Tensor:
+    if weight.dtype == torch.int8:
+        if weight.shape[1] * 2 != scale.shape[1] * 32 or weight.shape[0] != scale.shape[0]:
+            raise CheckpointError(f"{name}: MXFP4 scale shape {tuple(scale.shape)} does not fit packed "
+                                  f"weight {tuple(weight.shape)} (expected [{weight.shape[0]}, "
+                                  f"{weight.shape[1] * 2 // 32}])")
+        return dequant_fp4(weight, scale)
+    want = (-(-weight.shape[0] // block[0]), -(-weight.shape[1] // block[1]))
+    if tuple(scale.shape) != want:
+        raise CheckpointError(f"{name}: FP8 scale shape {tuple(scale.shape)}, expected {list(want)}")
+    return dequant_fp8(weight, scale, block)
+
+
+def _canonical(key: str, tensor: torch.Tensor) -> Iterator[tuple[str, int | None, torch.Tensor]]:
+    if is_transformers_name(key):
+        if m := HF_GATE_UP.match(key):
+            layer = hf_to_ds(m.group(1))
+            w1, w3 = tensor.chunk(2, dim=1)
+            yield f"{layer}.ffn.experts.w1", None, w1
+            yield f"{layer}.ffn.experts.w3", None, w3
+            return
+        if m := HF_DOWN.match(key):
+            yield f"{hf_to_ds(m.group(1))}.ffn.experts.w2", None, tensor
+            return
+        key = hf_to_ds(key)
+    if m := DS_EXPERT.match(key):
+        yield f"{m.group(1)}.{m.group(3)}", int(m.group(2)), tensor
+        return
+    yield key, None, tensor
+
+
+def load_weights(model: torch.nn.Module, path: str) -> None:
+    """Fill every parameter and persistent buffer of `model` from the checkpoint at `path`."""
+    targets = dict(model.named_parameters())
+    targets.update((n, b) for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] == "tid2eid")
+    filled: dict[str, int] = {}
+    block = getattr(getattr(model, "cfg", None), "quant_block", (128, 128))
+    with torch.no_grad():
+        for name, expert, tensor in iter_checkpoint(path, block):
+            if name not in targets:
+                raise CheckpointError(f"unexpected tensor {name!r} in {path!r} (not part of this model config)")
+            target = targets[name] if expert is None else _expert_slice(targets[name], expert, name)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(f"tensor {name!r}{'' if expert is None else f' expert {expert}'}: shape "
+                                      f"{tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            target.copy_(tensor.to(target.dtype))
+            filled[name] = filled.get(name, 0) + 1
+    _check_complete(targets, filled)
+
+
+def _expert_slice(param: torch.Tensor, expert: int, name: str) -> torch.Tensor:
+    if not 0 <= expert < param.shape[0]:
+        raise CheckpointError(f"tensor {name!r}: expert {expert} out of range [0, {param.shape[0]})")
+    return param[expert]
+
+
+def _check_complete(targets: dict[str, torch.Tensor], filled: dict[str, int]) -> None:
+    for name, t in targets.items():
+        got = filled.get(name, 0)
+        if got == 0:
+            raise CheckpointError(f"missing tensor {name!r} in checkpoint")
+        stacked = name.endswith(("experts.w1", "experts.w2", "experts.w3"))
+        if got not in ((1, t.shape[0]) if stacked else (1,)):
+            raise CheckpointError(f"tensor {name!r} appears {got} times" +
+                                  (f" (expected 1 stacked or {t.shape[0]} per-expert)" if stacked else ""))
+
+
+def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32):
+    """Build a `DeepseekV4` for the checkpoint at `path` (with its MTP blocks when the
+    checkpoint has them) and load its weights."""
+    from ..config import ModelConfig
+    from .deepseek_v4 import DeepseekV4
+    from .mtp import attach_mtp
+
+    cfg = ModelConfig.from_dir(path)
+    has_mtp = any(k.startswith("mtp.") for k in checkpoint_keys(path))
+    with torch.device(device):
+        model = DeepseekV4(cfg, dtype)
+        if has_mtp and cfg.num_nextn_predict_layers:
+            attach_mtp(model)
+    load_weights(model, path)
+    return model.eval()

@@ -1,0 +1,37 @@
+"""Sparse shared-KV attention with per-head sinks (torch reference).
+
+Each query token t attends over key rows gathered from one or more sources: for a source
+(kv [N, D], idx [T, K]), `idx[t, k]` is a row of kv, -1 marks an unused slot. K and V are the
+same vector (V4's single shared head). exp(sink_h) joins the softmax denominator only.
+"""
+from __future__ import annotations
+
+import torch
+
+QUERY_BLOCK = 1024  # queries per block; bounds the gathered [block, K, D] tensor
+
+
+def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [T, H, D]; sources [(kv [N, D], idx [T, K])]; sinks [H] -> out [T, H, D]."""
+    out = torch.empty_like(q)
+    for start in range(0, q.shape[0], QUERY_BLOCK):
+        stop = min(start + QUERY_BLOCK, q.shape[0])
+        keys, valid = _gather([(kv, idx[start:stop]) for kv, idx in sources])
+        out[start:stop] = _attend(q[start:stop], keys, valid, sinks, scale)
+    return out
+
+
+def _gather(sources):
+    keys = torch.cat([kv[idx.clamp(min=0)] for kv, idx in sources], dim=1).float()   # [T, K, D]
+    valid = torch.cat([idx >= 0 for _, idx in sources], dim=1)
+    return keys, valid
+
+
+def _attend(q, keys, valid, sinks, scale):
+    logits = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    sink = sinks.float()[None, :, None].expand(q.shape[0], -1, 1)
+    logits = torch.cat([logits, sink], dim=-1)
+    probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)

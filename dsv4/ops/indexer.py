@@ -1,0 +1,35 @@
+"""Lightning indexer (torch reference): score compressed entries, keep the top k.
+
+score(t, e) = sum_h w[t, h] * ReLU(q[t, h] . k[e]) * Di^-0.5, over the candidate entries
+of token t (`cand[t, j]`: flat row of the indexer-key pool, -1 = not causal / absent).
+"""
+import torch
+
+QUERY_BLOCK = 1024
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor,
+                 topk: int) -> torch.Tensor:
+    """q [T, Hi, Di], weights [T, Hi] (already x index_heads^-0.5), keys [N, Di], cand [T, E].
+
+    Returns [T, min(topk, E)] flat rows of the chosen entries, -1 where fewer are valid.
+    """
+    k = min(topk, cand.shape[1])
+    out = torch.full((cand.shape[0], k), -1, dtype=cand.dtype, device=cand.device)
+    if k == 0:
+        return out
+    for start in range(0, q.shape[0], QUERY_BLOCK):
+        stop = min(start + QUERY_BLOCK, q.shape[0])
+        out[start:stop] = _select(q[start:stop], weights[start:stop], keys, cand[start:stop], k)
+    return out
+
+
+def _select(q, weights, keys, cand, k):
+    valid = cand >= 0
+    gathered = keys[cand.clamp(min=0)].float()                             # [T, E, Di]
+    scores = torch.relu(torch.einsum("thd,ted->the", q.float(), gathered)) * q.shape[-1] ** -0.5
+    scores = (scores * weights.float()[..., None]).sum(dim=1)              # [T, E]
+    scores = scores.masked_fill(~valid, float("-inf"))
+    top = scores.topk(k, dim=-1)
+    chosen = cand.gather(1, top.indices)
+    return torch.where(torch.isfinite(top.values), chosen, torch.full_like(chosen, -1))

@@ -1,0 +1,62 @@
+"""Mixture of experts (torch reference): routing and the routed experts with clamped SwiGLU."""
+import torch
+import torch.nn.functional as F
+
+
+def route_topk(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
+               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score-based routing. x [T, H] -> (weights [T, k] fp32, expert ids [T, k]).
+
+    scores = sqrt(softplus(x W^T)); the bias only changes which experts are chosen; the
+    chosen scores are normalised to sum 1 and multiplied by `scaling`.
+    """
+    scores = F.softplus(F.linear(x.float(), gate_w.float())).sqrt()
+    ids = torch.topk(scores + bias.float(), topk, dim=-1, sorted=False).indices
+    return _weights(scores, ids, scaling), ids
+
+
+def route_hash(x: torch.Tensor, gate_w: torch.Tensor, token_ids: torch.Tensor, tid2eid: torch.Tensor,
+               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hash routing: the experts come from a fixed token-id table, the weights from the gate."""
+    scores = F.softplus(F.linear(x.float(), gate_w.float())).sqrt()
+    ids = tid2eid[token_ids].long()
+    return _weights(scores, ids, scaling), ids
+
+
+def _weights(scores, ids, scaling):
+    w = scores.gather(1, ids)
+    return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scaling
+
+
+def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
+                   w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
+    """x [T, H]; weights/ids [T, k]; w1/w3 [E, I, H] (gate/up), w2 [E, H, I] -> [T, H].
+
+    Tokens are grouped by expert (one sort), then each expert that received tokens runs once.
+    """
+    out = torch.zeros_like(x, dtype=torch.float32)
+    flat_ids = ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w1.shape[0]).tolist()
+    token_of = order // ids.shape[1]
+    weight_of = weights.flatten()[order]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        tok = token_of[start:start + count]
+        h = swiglu_clamped(x[tok] @ w1[expert].T, x[tok] @ w3[expert].T, limit)
+        y = (h @ w2[expert].T).float() * weight_of[start:start + count, None]
+        out.index_add_(0, tok, y)
+        start += count
+    return out.to(x.dtype)
+
+
+def dense_swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                 limit: float) -> torch.Tensor:
+    """The shared expert: clamped SwiGLU MLP. w1/w3 [I, H], w2 [H, I]."""
+    return swiglu_clamped(x @ w1.T, x @ w3.T, limit) @ w2.T
