@@ -83,11 +83,12 @@ class SamplingBatch:
         params = [row.params for row in rows]
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         shared = [i for i in random_rows if rows[i].generator is None]
+        top_k, top_p, min_p = _filter_tensors(params, random_rows, vocab_size, device)
         return cls(
             is_greedy=_tensor([p.is_greedy for p in params], torch.bool, device),
             temperature=_tensor([1.0 if p.is_greedy else p.temperature for p in params],
                                 torch.float32, device),
-            **_filter_tensors(params, random_rows, vocab_size, device),
+            top_k=top_k, top_p=top_p, min_p=min_p,
             penalties=_build_penalties(rows, vocab_size, device),
             banned=_build_min_tokens_ban(rows, eos_token_id, device),
             random_rows=random_rows,
@@ -104,8 +105,9 @@ def _tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> tor
 
 
 def _filter_tensors(params: list[SamplingParams], random_rows: list[int], vocab_size: int,
-                    device: torch.device | str) -> dict:
-    """top_k / top_p / min_p tensors, or None where no sampling row uses the filter."""
+                    device: torch.device | str) -> tuple[torch.Tensor | None, ...]:
+    """(top_k, top_p, min_p) as SamplingBatch holds them: None where no sampling row
+    uses the filter; on greedy rows and rows without the filter, the "off" value."""
     def top_k_of(p: SamplingParams) -> int:
         return vocab_size if p.is_greedy or p.top_k <= 0 else min(p.top_k, vocab_size)
 
@@ -116,15 +118,13 @@ def _filter_tensors(params: list[SamplingParams], random_rows: list[int], vocab_
         return 0.0 if p.is_greedy else p.min_p
 
     sampling = [params[i] for i in random_rows]
-    uses_top = any(top_k_of(p) < vocab_size or top_p_of(p) < 1.0 for p in sampling)
-    uses_min_p = any(min_p_of(p) > 0.0 for p in sampling)
-    return dict(
-        top_k=_tensor([top_k_of(p) for p in params], torch.long, device) if uses_top else None,
-        top_p=_tensor([top_p_of(p) for p in params], torch.float32, device)
-        if uses_top else None,
-        min_p=_tensor([min_p_of(p) for p in params], torch.float32, device)
-        if uses_min_p else None,
-    )
+    top_k = top_p = min_p = None
+    if any(top_k_of(p) < vocab_size or top_p_of(p) < 1.0 for p in sampling):
+        top_k = _tensor([top_k_of(p) for p in params], torch.long, device)
+        top_p = _tensor([top_p_of(p) for p in params], torch.float32, device)
+    if any(min_p_of(p) > 0.0 for p in sampling):
+        min_p = _tensor([min_p_of(p) for p in params], torch.float32, device)
+    return top_k, top_p, min_p
 
 
 def _build_penalties(rows: Sequence[SamplingRow], vocab_size: int,
