@@ -55,7 +55,7 @@ def iter_checkpoint(path: str, block: tuple[int, int] = (128, 128)) -> Iterator[
             for key in f.keys():
                 tensor = f.get_tensor(key)
                 scale_of = QUANT_SCALE.match(key)
-                if scale_of:
+                if scale_of and (scale_of.group(2) == "weight_scale_inv" or not is_transformers_name(key)):
                     base = scale_of.group(1) + ".weight"
                     if base in waiting_weights:
                         yield from _canonical(base, _dequant(waiting_weights.pop(base), tensor, block, base))

@@ -1,0 +1,68 @@
+"""`dsv4 check`: dsv4's logits against transformers' DeepseekV4ForCausalLM on the same
+checkpoint and random prompts."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+DEFAULT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("check", help="compare dsv4's logits with the transformers reference")
+    p.add_argument("--model", required=True, help="checkpoint folder")
+    p.add_argument("--prompt-len", type=int, default=300, help="tokens per random prompt")
+    p.add_argument("--num-prompts", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--tolerance", type=float, default=None,
+                   help="max |Δlogit| allowed, relative to max |reference logit| (default by dtype)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.set_defaults(func=run)
+
+
+def compare(model_dir: str, prompt_len: int, num_prompts: int, seed: int, device: str,
+            dtype: torch.dtype) -> dict:
+    from ..engine.oneshot import full_logits
+    from ..model.reference import load_reference
+    from ..model.weights import load_model
+
+    ours = load_model(model_dir, device, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, ours.cfg.vocab_size, (prompt_len,), generator=gen) for _ in range(num_prompts)]
+    got = [full_logits(ours, p.tolist()).cpu() for p in prompts]
+    del ours
+    ref_model = load_reference(model_dir, device, dtype)
+    with torch.no_grad():
+        want = [ref_model(p[None].to(device), use_cache=False).logits[0].float().cpu() for p in prompts]
+    diff = max(float((g - w).abs().max()) for g, w in zip(got, want))
+    scale = max(float(w.abs().max()) for w in want)
+    agree = sum(int((g.argmax(-1) == w.argmax(-1)).sum()) for g, w in zip(got, want))
+    positions = prompt_len * num_prompts
+    return {"max_abs_diff": diff, "ref_scale": scale, "argmax_agree": agree / positions, "positions": positions}
+
+
+def run(args) -> int:
+    if args.prompt_len < 1 or args.num_prompts < 1:
+        raise SystemExit("dsv4 check: --prompt-len and --num-prompts must be at least 1")
+    dtype = DTYPES[args.dtype]
+    try:
+        result = compare(args.model, args.prompt_len, args.num_prompts, args.seed, args.device, dtype)
+    except RuntimeError as e:
+        if "dsv4[check]" in str(e):
+            print(f"dsv4 check: {e}")
+            return 2
+        raise
+    tol = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[dtype]
+    result["tolerance"] = tol
+    result["ok"] = result["max_abs_diff"] <= tol * result["ref_scale"]
+    print(f"max |Δlogit| {result['max_abs_diff']:.3e}  (reference scale {result['ref_scale']:.3f}, "
+          f"relative {result['max_abs_diff'] / max(result['ref_scale'], 1e-30):.2e}, tolerance {tol:.0e})")
+    print(f"greedy agreement {result['argmax_agree'] * 100:.2f}% over {result['positions']} positions: "
+          f"{'PASS' if result['ok'] else 'FAIL'}")
+    if args.json:
+        print(json.dumps(result))
+    return 0 if result["ok"] else 1
