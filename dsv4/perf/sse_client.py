@@ -59,10 +59,13 @@ def request_body(endpoint: str, model: str, prompt: str | list[int], output_len:
 
 async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
                          prompt_len: int, headers: dict[str, str] | None = None) -> RequestOutcome:
-    """Send one streaming request; every failure becomes an unsuccessful outcome."""
+    """Send one streaming request; every failure becomes an unsuccessful outcome. The body
+    is encoded before the clock starts, so TTFT does not include client-side JSON work."""
+    payload = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **(headers or {})}
     sent = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body, headers=headers) as response:
+        async with client.stream("POST", url, content=payload, headers=headers) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 return _failure(f"HTTP {response.status_code}: {text[:300]}", sent)
