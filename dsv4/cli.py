@@ -10,6 +10,7 @@ import sys
 SUBCOMMAND_MODULES = (
     "dsv4.tools.check",
     "dsv4.tools.init_random",
+    "dsv4.tools.bench_cli",
 )
 
 

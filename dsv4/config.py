@@ -378,3 +378,30 @@ def _validate(c: ModelConfig):
                                             f"got {c.index_head_dim}")
     if c.mtp_compress_ratio not in LAYER_TYPE_OF_RATIO:
         raise ConfigError("compress_ratios", f"MTP entry must be one of {sorted(LAYER_TYPE_OF_RATIO)}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine setting (the CLI flags of `generate`, `serve` and `bench`)."""
+    device: str = "cpu"
+    dtype: str = "float32"                 # float32 | bfloat16
+    max_num_batched_tokens: int = 2048     # tokens per step, all sequences together
+    max_num_seqs: int = 64                 # sequences per step (and request state slots)
+    max_model_len: int | None = None       # prompt + output tokens; None: min(model max, cache)
+    num_pages: int | None = None           # 256-token history pages; None: from the memory budget
+    cache_memory_gb: float | None = None   # cache budget; None: 1 GiB on CPU, 90% of free on GPU
+    spec_slots: int = 0                    # S: speculative tokens the private state can roll back
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"expected a positive integer, got {getattr(self, name)}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError("dtype", f"expected 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError("max_model_len", f"expected a positive integer, got {self.max_model_len}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ConfigError("num_pages", f"expected a positive integer, got {self.num_pages}")
+        if self.spec_slots < 0:
+            raise ConfigError("spec_slots", f"expected >= 0, got {self.spec_slots}")

@@ -1,0 +1,203 @@
+"""LLMEngine: requests in, tokens out, one `step()` at a time (scheduler -> cache ->
+runner -> sampler). Bad requests raise ValueError at `add_request` and cost nothing else."""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+
+import torch
+
+from ..cache.layout import CacheLayout, CachePlan, dtype_bytes
+from ..cache.manager import CacheManager
+from ..config import ConfigError, EngineConfig
+from .outputs import RequestOutput
+from .request import Request, Status
+from .runner import ModelRunner, StepLogits
+from .sampler import Sampler, SamplingBatch, SamplingRow, compute_prompt_logprobs, make_generator
+from .sampling_params import SamplingParams
+from .scheduler import ScheduledChunk, Scheduler
+from .stop import StopChecker
+
+log = logging.getLogger("dsv4.engine")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str, config: EngineConfig = EngineConfig(), model=None, tokenizer=None):
+        from ..model.weights import load_model
+        self.config = config
+        self.model = model if model is not None else load_model(model_dir, config.device, DTYPES[config.dtype])
+        self.cfg = self.model.cfg
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_dir)
+        self.layout = CacheLayout(self.cfg, spec_slots=config.spec_slots)
+        self.plan = self._plan()
+        self.max_model_len = self._max_model_len()
+        self.cache = CacheManager(self.layout, self.plan)
+        self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.layout, self.plan, config.device)
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
+        self.requests: dict[str, Request] = {}
+        self._stops: dict[str, StopChecker] = {}
+        self._arrivals = itertools.count()
+        self.eos_token_id = self.tokenizer.eos_id if self.tokenizer is not None else self.cfg.eos_token_id
+        log.info(self.memory_report())
+
+    # ---- set-up ---------------------------------------------------------------------
+    def _plan(self) -> CachePlan:
+        c, elem = self.config, dtype_bytes(DTYPES[self.config.dtype])
+        if c.num_pages is not None:
+            swa = c.max_num_seqs * self.layout.swa_pages_per_request(c.max_num_batched_tokens)
+            return CachePlan(num_pages=c.num_pages, num_swa_pages=swa, max_num_seqs=c.max_num_seqs)
+        if c.cache_memory_gb is not None:
+            budget = int(c.cache_memory_gb * 2**30)
+        elif str(c.device).startswith("cuda"):
+            free, _ = torch.cuda.mem_get_info(torch.device(c.device))
+            budget = int(free * 0.9)
+        else:
+            budget = 2**30
+        return self.layout.plan(budget, elem, c.max_num_seqs, c.max_num_batched_tokens)
+
+    def _max_model_len(self) -> int:
+        want = self.config.max_model_len
+        limit = min(self.cfg.max_position_embeddings, self.plan.max_tokens)
+        if want is not None and want > self.cfg.max_position_embeddings:
+            raise ConfigError("max_model_len", f"{want} exceeds the model's max_position_embeddings "
+                                               f"{self.cfg.max_position_embeddings}")
+        return want if want is not None else limit
+
+    def memory_report(self) -> str:
+        elem = dtype_bytes(DTYPES[self.config.dtype])
+        p, lay = self.plan, self.layout
+        total = (p.num_pages * lay.page_bytes(elem) + p.num_swa_pages * lay.swa_page_bytes(elem)
+                 + p.max_num_seqs * lay.ring_bytes(elem))
+        per_request = -(-self.max_model_len // 256)
+        return (f"KV cache: {p.num_pages} history pages x 256 tokens = {p.max_tokens} tokens, "
+                f"{p.num_swa_pages} sliding-window pages, {p.max_num_seqs} request slots, "
+                f"{total / 2**20:.1f} MiB; {p.num_pages // max(per_request, 1)} requests of "
+                f"max_model_len {self.max_model_len} fit at once")
+
+    # ---- requests -------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        self._validate(request_id, prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params, arrival=next(self._arrivals),
+                      generator=make_generator(params.seed, self.config.device))
+        self.requests[request_id] = req
+        self._stops[request_id] = StopChecker(params, self.eos_token_id, len(prompt_token_ids), self.max_model_len)
+        self.scheduler.add(req)
+        return req
+
+    def _validate(self, request_id, ids, params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if not ids:
+            raise ValueError("prompt: must contain at least one token")
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: token id {bad[0]!r} is outside the vocabulary "
+                             f"[0, {self.cfg.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt: {len(ids)} tokens do not fit max_model_len {self.max_model_len} "
+                             f"(the prompt plus at least one generated token)")
+        params.validate(self.cfg.vocab_size)
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds max_model_len {self.max_model_len}")
+        if not self.cache.fits_ever(total, self.config.max_num_batched_tokens):
+            raise ValueError(f"max_tokens: a request of {total} tokens cannot fit the KV cache "
+                             f"({self.plan.num_pages} pages of 256 tokens) even alone")
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish(req, Status.ABORTED)
+            req.finish_reason = "abort"
+        self._stops.pop(request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- the step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        step = self.runner.execute(chunks)
+        sampled = self._sample(chunks, step)
+        outputs = []
+        for i, c in enumerate(chunks):
+            req = c.request
+            if req.wants_prompt_logprobs and step.num_rows[i] > 1:
+                self._record_prompt_logprobs(req, c, step, i)
+            req.num_computed += c.num_tokens
+            self.cache.trim(req)
+            if i in sampled:
+                outputs.append(self._append(req, *sampled[i]))
+        return outputs
+
+    def _sample(self, chunks: list[ScheduledChunk], step: StepLogits) -> dict[int, tuple]:
+        idx = [i for i, c in enumerate(chunks) if c.completes]
+        if not idx:
+            return {}
+        rows = torch.tensor([step.first_row[i] + step.num_rows[i] - 1 for i in idx], device=step.logits.device)
+        batch = SamplingBatch.build(
+            [SamplingRow(chunks[i].request.params, chunks[i].request.prompt_token_ids,
+                         chunks[i].request.output_token_ids, chunks[i].request.generator) for i in idx],
+            self.cfg.vocab_size, step.logits.device, self.eos_token_id, self.generator)
+        out = self.sampler(step.logits[rows], batch)
+        tokens, lps = out.token_ids.tolist(), out.logprobs.tolist()
+        top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
+        return {i: (tokens[j], lps[j], top_ids[j], top_lps[j]) for j, i in enumerate(idx)}
+
+    def _record_prompt_logprobs(self, req: Request, c: ScheduledChunk, step: StepLogits, i: int) -> None:
+        start, n_prompt = req.num_computed, len(req.prompt_token_ids)
+        if start == 0:
+            req.prompt_logprobs = [None]   # (again, after a preemption by recompute)
+        n = min(c.num_tokens, n_prompt - 1 - start)   # rows predicting a prompt token
+        if n <= 0:
+            return
+        logits = step.logits[step.first_row[i]:step.first_row[i] + n]
+        nxt = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + n], device=logits.device)
+        pl = compute_prompt_logprobs(logits, nxt, req.params.prompt_logprobs or 0)
+        for t, lp, ids, lps in zip(nxt.tolist(), pl.token_logprobs.tolist(), pl.top_ids.tolist(),
+                                   pl.top_logprobs.tolist()):
+            req.prompt_logprobs.append({t: lp, **dict(zip(ids, lps))})
+
+    def _append(self, req: Request, token: int, logprob: float, top_ids, top_lps) -> RequestOutput:
+        req.output_token_ids.append(token)
+        if req.params.logprobs is not None:
+            req.logprobs.append({token: logprob, **dict(zip(top_ids, top_lps))})
+        text, new_len = self._text(req)
+        result = self._stops[req.request_id].check(req.output_token_ids, text, new_len)
+        if result is not None:
+            req.finish_reason, req.stop_reason = result.finish_reason, result.stop_reason
+            if result.output_text is not None:
+                req.output_text = result.output_text
+            self.scheduler.finish(req)
+            self.requests.pop(req.request_id, None)
+            self._stops.pop(req.request_id, None)
+        return self.output_of(req, [token])
+
+    def _text(self, req: Request) -> tuple[str | None, int | None]:
+        if self.tokenizer is None:
+            return None, None
+        old = req.output_text or ""
+        req.output_text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens)
+        return req.output_text, max(len(req.output_text) - len(old), 0)
+
+    def output_of(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=list(req.output_token_ids),
+            new_token_ids=new_tokens, finished=req.is_finished, finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason, text=req.output_text,
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            prompt_logprobs=list(req.prompt_logprobs) if req.wants_prompt_logprobs else None)
+
+
+def _load_tokenizer(model_dir: str | None):
+    if not model_dir or not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        return None
+    from ..serve.tokenizer import Tokenizer
+    return Tokenizer.from_dir(model_dir)

@@ -1,0 +1,67 @@
+"""One request's bookkeeping. Its cache state lives in the pools; here are the handles.
+
+State machine: WAITING -> RUNNING (prefilling while num_computed < len(all tokens) - 1,
+decoding after) -> FINISHED; ABORTED from anywhere; PREEMPTED (by recompute) puts it back
+to WAITING with num_computed = 0 and no cache held.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int                               # admission order; newest = largest
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0                      # tokens whose KV (and compressor state) is written
+    slot: int | None = None                    # request state slot: its compressor ring rows
+    pages: list[int] = field(default_factory=list)       # logical 256-token page -> physical
+    swa_pages: list[int] = field(default_factory=list)   # logical 128-token SWA page -> physical or -1
+    generator: torch.Generator | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    output_text: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_remaining(self) -> int:
+        """Known tokens whose KV is not written yet (1 for a decoding request)."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.status is Status.RUNNING and self.num_remaining == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (Status.FINISHED, Status.ABORTED)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None

@@ -1,0 +1,90 @@
+"""Continuous batching with chunked prefill (DESIGN §5).
+
+Each step: running requests first (decodes, then unfinished prefills, oldest first), then
+waiting ones in arrival order, under `max_num_batched_tokens` and `max_num_seqs`. A
+request is scheduled only once the cache manager has reserved what its chunk needs. When a
+running request cannot get pages, the newest running request is preempted by recompute
+(everything it held is freed; it re-enters the front of the waiting queue) until it fits.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..cache.manager import CacheManager
+from .request import Request, Status
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_tokens: int      # tokens [num_computed, num_computed + num_tokens) this step
+
+    @property
+    def completes(self) -> bool:
+        """The chunk reaches the last known token, so a new token is sampled after it."""
+        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, cache: CacheManager, max_num_batched_tokens: int, max_num_seqs: int):
+        self.cache = cache
+        self.max_tokens, self.max_seqs = max_num_batched_tokens, max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        budget, chunks = self.max_tokens, []
+        order = sorted(self.running, key=lambda r: (not r.is_decoding, r.arrival))
+        for req in order:
+            if budget == 0 or req.status is not Status.RUNNING:
+                continue
+            n = min(req.num_remaining, budget)
+            if not self._reserve_or_preempt(req, n, chunks):
+                continue
+            chunks.append(ScheduledChunk(req, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            req = self.waiting[0]
+            n = min(req.num_remaining, budget)
+            if not self.cache.reserve(req, n):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            chunks.append(ScheduledChunk(req, n))
+            budget -= n
+        return chunks
+
+    def _reserve_or_preempt(self, req: Request, n: int, scheduled: list[ScheduledChunk]) -> bool:
+        while not self.cache.reserve(req, n):
+            victim = max((r for r in self.running if r is not req and all(c.request is not r for c in scheduled)),
+                         key=lambda r: r.arrival, default=None)
+            if victim is None or victim.arrival < req.arrival:
+                victim = req
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def preempt(self, req: Request) -> None:
+        self.cache.release(req)
+        self.running.remove(req)
+        req.status, req.num_computed = Status.WAITING, 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def finish(self, req: Request, status: Status = Status.FINISHED) -> None:
+        """Remove a request wherever it is and free everything it holds."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.cache.release(req)
+        req.status = status
