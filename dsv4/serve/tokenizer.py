@@ -18,7 +18,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from dsv4.serve.detokenizer import IncrementalDetokenizer
 from dsv4.serve.tokens import BOS, EOS, SPECIAL_TOKENS
 
-__all__ = ["SPECIAL_TOKENS", "Tokenizer", "train_test_tokenizer", "TEST_TOKENIZER_DIR"]
+__all__ = ["SPECIAL_TOKENS", "Tokenizer", "train_test_tokenizer", "build_test_tokenizer",
+           "TEST_TOKENIZER_DIR"]
 
 # The tokenizer shipped with the package for tests (built by `build_test_tokenizer`).
 TEST_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "test_tokenizer"
@@ -117,3 +118,25 @@ def train_test_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | P
               "model_max_length": 1048576, "tokenizer_class": "PreTrainedTokenizerFast"}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return Tokenizer.from_dir(out)
+
+
+# Text the shipped test tokenizer is trained on: several scripts, code, JSON and V4 markup.
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. What is the weather in Paris today?",
+    "Explain the theory of relativity in simple terms, step by step, and check the answer.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # 5\n",
+    '{"city": "Paris", "days": 3, "metric": true, "tags": ["a", "b"], "nested": {"k": null}}',
+    "你好，世界！今天天气怎么样？我们来计算一下：一加一等于二。",
+    "日本語のテキストと한국어 텍스트, Кириллица, Ελληνικά, العربية, emoji 🎉🚀👍🏽",
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n",
+    "## Tools\n\nYou have access to a set of tools to help answer the user's question.",
+    '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
+    '<｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>\n'
+    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
+    "<tool_result>sunny, 21 degrees</tool_result>",
+]
+
+
+def build_test_tokenizer(out_dir: str | Path = TEST_TOKENIZER_DIR, vocab_size: int = 1024) -> Tokenizer:
+    """(Re)build the small tokenizer shipped in dsv4/assets/test_tokenizer."""
+    return train_test_tokenizer(_CORPUS * 4, vocab_size, out_dir)
