@@ -11,6 +11,7 @@ SUBCOMMAND_MODULES = (
     "dsv4.tools.check",
     "dsv4.tools.init_random",
     "dsv4.tools.bench_cli",
+    "dsv4.tools.generate",
 )
 
 

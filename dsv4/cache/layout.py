@@ -73,13 +73,16 @@ class CacheLayout:
         hca = self.hca_ring * 2 * c.head_dim
         return elem * (len(self.csa_layers) * csa + len(self.hca_layers) * hca)
 
-    def swa_pages_per_request(self, chunk: int) -> int:
-        """SWA pages a request holds while running a chunk of `chunk` tokens (worst alignment)."""
-        return -(-(self.swa_keep + chunk) // SWA_PAGE_TOKENS) + 1
+    def swa_pages_needed(self, max_num_seqs: int, max_batched_tokens: int) -> int:
+        """SWA pages for the worst step: every sequence keeps W + S positions behind it
+        (plus a partly filled page at each end), and the step's new tokens (at most
+        `max_batched_tokens` in all) need pages of their own."""
+        per_seq = -(-self.swa_keep // SWA_PAGE_TOKENS) + 2
+        return max_num_seqs * per_seq + -(-max_batched_tokens // SWA_PAGE_TOKENS)
 
     def plan(self, budget_bytes: int, elem: int, max_num_seqs: int, max_chunk: int) -> "CachePlan":
         """Split a memory budget: rings and SWA pages for `max_num_seqs`, the rest history pages."""
-        swa_pages = max_num_seqs * self.swa_pages_per_request(max_chunk)
+        swa_pages = self.swa_pages_needed(max_num_seqs, max_chunk)
         fixed = max_num_seqs * self.ring_bytes(elem) + swa_pages * self.swa_page_bytes(elem)
         pages = (budget_bytes - fixed) // max(self.page_bytes(elem), 1)
         if pages < 1:

@@ -63,7 +63,7 @@ class CacheManager:
 
     def fits_ever(self, num_tokens: int, chunk: int) -> bool:
         """Could a request of `num_tokens` tokens run alone (chunks of `chunk` tokens)?"""
-        swa_needed = -(-(self.layout.swa_keep + chunk) // SWA_PAGE_TOKENS) + 1
+        swa_needed = self.layout.swa_pages_needed(1, chunk)
         return -(-num_tokens // PAGE_TOKENS) <= self.plan.num_pages and swa_needed <= self.plan.num_swa_pages
 
     def usage(self) -> dict:

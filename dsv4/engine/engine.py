@@ -48,7 +48,7 @@ class LLMEngine:
     def _plan(self) -> CachePlan:
         c, elem = self.config, dtype_bytes(DTYPES[self.config.dtype])
         if c.num_pages is not None:
-            swa = c.max_num_seqs * self.layout.swa_pages_per_request(c.max_num_batched_tokens)
+            swa = self.layout.swa_pages_needed(c.max_num_seqs, c.max_num_batched_tokens)
             return CachePlan(num_pages=c.num_pages, num_swa_pages=swa, max_num_seqs=c.max_num_seqs)
         if c.cache_memory_gb is not None:
             budget = int(c.cache_memory_gb * 2**30)
@@ -75,7 +75,7 @@ class LLMEngine:
         per_request = -(-self.max_model_len // 256)
         return (f"KV cache: {p.num_pages} history pages x 256 tokens = {p.max_tokens} tokens, "
                 f"{p.num_swa_pages} sliding-window pages, {p.max_num_seqs} request slots, "
-                f"{total / 2**20:.1f} MiB; {p.num_pages // max(per_request, 1)} requests of "
+                f"{total / 2**20:.1f} MiB; {p.num_pages // max(per_request, 1)} request(s) of "
                 f"max_model_len {self.max_model_len} fit at once")
 
     # ---- requests -------------------------------------------------------------------
