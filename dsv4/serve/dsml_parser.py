@@ -2,14 +2,15 @@
 
 It accepts exactly what the reference encoder writes (see dsml.py) and what the reference
 parser (`parse_tool_calls` in encoding_dsv4.py) accepts, and turns it into events as early as
-the text allows: ("start", name) once an invoke's header is complete, ("args", text) pieces
-of the OpenAI arguments JSON (a parameter's value streams as it arrives), ("end",) when the
-invoke closes. The argument pieces of one invoke concatenate to the reference's
+the text allows: ("start", name) once an invoke's header and its first parameter's header
+(or its close tag) are valid, ("args", text) pieces of the OpenAI arguments JSON (a
+parameter's value streams as it arrives), ("end",) when the invoke closes. The argument pieces of one invoke concatenate to the reference's
 decode_dsml_to_arguments: `{"k": <value>, ...}`, where a string="true" value becomes a JSON
 string and a string="false" value is spliced in raw.
 
 Invariant: `raw` is the consumed text not yet reflected in an event (since the last complete
-header or close tag); when the block turns out malformed the caller gives it back as text.
+header or close tag); when the block turns out malformed the caller gives it back as text,
+and an invoke already started is closed with the parameters it has (valid JSON).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class DsmlBlockParser:
         self.events: list[tuple] = []  # produced since the caller last cleared it
         self._state = self._between
         self._params: set[str] = set()
+        self._pending_name: str | None = None  # an invoke header not yet reported
+        self._in_invoke = False                # "start" reported, "end" not yet
         self._is_string = False
         self._accounted = False        # the current step produced an event or closed a tag
 
@@ -51,6 +54,8 @@ class DsmlBlockParser:
                 self.raw = "" if self._accounted else self.raw + buf[pos:pos + used]
                 pos += used
         except _Malformed:
+            if self._in_invoke:
+                self._end_invoke()
             return pos, MALFORMED
         return pos, CLOSED
 
@@ -66,8 +71,7 @@ class DsmlBlockParser:
         name = _read_name(buf, pos, _INVOKE_HEADER_END)
         if name is None:
             return 0
-        self._emit("start", name)
-        self._params = set()
+        self._pending_name, self._params = name, set()
         self._state = self._invoke_body
         return len(name) + len(_INVOKE_HEADER_END)
 
@@ -86,10 +90,20 @@ class DsmlBlockParser:
         if PARAM_OPEN in found:
             self._state = self._param_header
         else:
-            self._emit("args", "}" if self._params else "{}")
-            self._emit("end")
+            self._start_invoke()
+            self._end_invoke()
             self._state = self._between
         return len(found)
+
+    def _start_invoke(self) -> None:
+        if self._pending_name is not None:
+            self._emit("start", self._pending_name)
+            self._pending_name, self._in_invoke = None, True
+
+    def _end_invoke(self) -> None:
+        self._emit("args", "}" if self._params else "{}")
+        self._emit("end")
+        self._in_invoke = False
 
     def _param_header(self, buf: str, pos: int) -> int:
         name = _read_name(buf, pos, _PARAM_NAME_END)
@@ -102,6 +116,7 @@ class DsmlBlockParser:
         if name in self._params:
             raise _Malformed  # the reference rejects a repeated parameter name
         self._is_string = _FLAGS[flag]
+        self._start_invoke()
         opener = ", " if self._params else "{"
         self._params.add(name)
         self._emit("args", opener + to_json(name) + ": " + ('"' if self._is_string else ""))

@@ -144,12 +144,16 @@ class OutputParser:
         tail = self._buf[len(self._buf) - keep:]
         if final:
             keep = keep if _is_cut_block_start(tail) else 0
+            self._unfinished = "tool_calls" if keep else self._unfinished
         self._out.text(self._state, self._buf[:len(self._buf) - keep])
         self._buf = "" if final else tail
 
     def _step_block(self, final: bool) -> bool:
         eos_at = self._buf.find(EOS)
-        visible = self._buf if eos_at < 0 else self._buf[:eos_at]
+        if eos_at >= 0:
+            visible = self._buf[:eos_at]
+        else:                          # a partial EOS is not block text either
+            visible = self._buf[:len(self._buf) - (0 if final else _held_tail(self._buf, EOS))]
         used, status = self._block.feed(visible)
         for event in self._block.events:
             if self._tools_enabled:
