@@ -66,22 +66,23 @@ def random_state(cfg: ModelConfig, seed: int = 0, with_mtp: bool = True,
     return state
 
 
-def _random_tensor(name, shape, dtype, cfg, gen):
+def _random_tensor(name, shape, dtype, cfg, gen, device="cpu"):
     def randn(scale):
-        return (torch.randn(shape, generator=gen) * scale).to(dtype)
+        return (torch.randn(shape, generator=gen, device=device) * scale).to(dtype)
     n, H = cfg.hc_mult, cfg.hidden_size
     if name.endswith("tid2eid"):
-        return torch.stack([torch.randperm(cfg.n_routed_experts, generator=gen)[:shape[1]] for _ in range(shape[0])])
+        noise = torch.rand(shape[0], cfg.n_routed_experts, generator=gen, device=device)
+        return noise.argsort(dim=-1)[:, :shape[1]]   # k distinct experts per token
     if name == "embed.weight":
         return randn(1.0)
     if re.search(r"(norm\.weight|norm)$", name):
-        return (1 + torch.randn(shape, generator=gen) * 0.1).to(dtype)
+        return (1 + torch.randn(shape, generator=gen, device=device) * 0.1).to(dtype)
     if re.search(r"hc_\w*fn$", name):
         return randn(0.5 / (n * H) ** 0.5)
     if re.search(r"hc_\w*base$", name) or name.endswith("gate.bias"):
         return randn(0.1)
     if re.search(r"hc_\w*scale$", name):
-        return (1 + torch.randn(shape, generator=gen) * 0.1).to(dtype)
+        return (1 + torch.randn(shape, generator=gen, device=device) * 0.1).to(dtype)
     if name.endswith(("attn_sink", "ape")):
         return randn(0.5)
     if name.endswith(("experts.w1", "experts.w3")):

@@ -22,23 +22,36 @@ def _transformers():
 
 
 def load_reference(path: str, device="cpu", dtype: torch.dtype = torch.float32):
-    _, config_cls, model_cls = _transformers()
+    _, _, model_cls = _transformers()
     cfg = ModelConfig.from_dir(path)
     keys = checkpoint_keys(path)
     native = all(k.startswith("model.") or k == "lm_head.weight" for k in keys) and not cfg.quant_method
     if native:
         return model_cls.from_pretrained(path, dtype=dtype).to(device).eval()
+    return _build(cfg, iter_checkpoint(path, cfg.quant_block), device, dtype)
+
+
+def reference_from_model(model, dtype: torch.dtype | None = None):
+    """The reference with the weights of a loaded dsv4 model (e.g. a `random:` spec)."""
+    device = next(model.parameters()).device
+    named = ((n, None, t) for n, t in list(model.named_parameters()) + list(model.named_buffers())
+             if "freq" not in n)
+    return _build(model.cfg, named, device, dtype or model.dtype)
+
+
+def _build(cfg: ModelConfig, named, device, dtype):
+    _, config_cls, model_cls = _transformers()
     with torch.device(device):
         model = model_cls(config_cls(**cfg.to_transformers_dict())).to(dtype)
     _keep_fp32(model)
-    model.load_state_dict(_convert(path, cfg), strict=True)
+    model.load_state_dict(_convert(named), strict=True)
     return model.eval()
 
 
-def _convert(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """DeepSeek-named tensors -> transformers names (per-expert tensors stacked)."""
+def _convert(named) -> dict[str, torch.Tensor]:
+    """(DeepSeek name, expert, tensor) -> transformers names (per-expert tensors stacked)."""
     state, experts = {}, {}
-    for name, expert, tensor in iter_checkpoint(path, cfg.quant_block):
+    for name, expert, tensor in named:
         if name.startswith("mtp."):
             continue
         if ".ffn.experts." in name:

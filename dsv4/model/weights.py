@@ -147,7 +147,10 @@ def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32):
     from ..config import ModelConfig
     from .deepseek_v4 import DeepseekV4
     from .mtp import attach_mtp
+    from .random_model import build_random_model, is_random_spec
 
+    if is_random_spec(path):
+        return build_random_model(path, device, dtype)
     cfg = ModelConfig.from_dir(path)
     has_mtp = any(k.startswith("mtp.") for k in checkpoint_keys(path))
     with torch.device(device):

@@ -37,6 +37,7 @@ def add_mode(name: str, help: str, configure: Configure, run: Run) -> None:
 
 
 def register(subparsers) -> None:
+    from . import bench_offline_cli  # noqa: F401  (adds the latency and throughput modes)
     bench = subparsers.add_parser("bench", help="benchmarks", description="Benchmarks. Pick a mode.")
     modes = bench.add_subparsers(dest="bench_mode", required=True, metavar="MODE")
     for mode in MODES.values():

@@ -12,7 +12,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("check", help="compare dsv4's logits with the transformers reference")
-    p.add_argument("--model", required=True, help="checkpoint folder")
+    p.add_argument("--model", required=True, help="checkpoint folder or random:PRESET[:LAYERS][:key=val,...]")
     p.add_argument("--prompt-len", type=int, default=300, help="tokens per random prompt")
     p.add_argument("--num-prompts", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -27,15 +27,19 @@ def register(subparsers) -> None:
 def compare(model_dir: str, prompt_len: int, num_prompts: int, seed: int, device: str,
             dtype: torch.dtype) -> dict:
     from ..engine.oneshot import full_logits
-    from ..model.reference import load_reference
+    from ..model.random_model import is_random_spec
+    from ..model.reference import load_reference, reference_from_model
     from ..model.weights import load_model
 
     ours = load_model(model_dir, device, dtype)
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, ours.cfg.vocab_size, (prompt_len,), generator=gen) for _ in range(num_prompts)]
     got = [full_logits(ours, p.tolist()).cpu() for p in prompts]
-    del ours
-    ref_model = load_reference(model_dir, device, dtype)
+    if is_random_spec(model_dir):   # no files: the reference takes our weights (both fit at once)
+        ref_model = reference_from_model(ours)
+    else:
+        del ours
+        ref_model = load_reference(model_dir, device, dtype)
     with torch.no_grad():
         want = [ref_model(p[None].to(device), use_cache=False).logits[0].float().cpu() for p in prompts]
     diff = max(float((g - w).abs().max()) for g, w in zip(got, want))

@@ -1,0 +1,199 @@
+"""The GPU suite (one device call): probe the GPU, oracle check in bf16 on a reduced slice,
+dsv4 vs transformers on a V4-Flash-shaped slice, roofline ratios, and a profile.
+
+    python benchmarks/gpu_suite.py --out DIR [--layers 6] [--budget-s 520]
+
+Prints one table; writes suite.json, suite.txt and profile.txt into DIR.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from dsv4.perf import bench_offline as bo  # noqa: E402
+from dsv4.perf.roofline import H200, decode_step_cost, prefill_cost, roofline  # noqa: E402
+
+PREFILLS = (1024, 4096, 16384)
+DECODES = ((1, 1024), (8, 1024), (64, 1024), (1, 16384), (8, 16384), (64, 16384))
+T0 = time.perf_counter()
+
+
+def log(msg):
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def probe() -> dict:
+    x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    bw = 2 * x.numel() * 10 / (time.perf_counter() - t)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        a @ a
+    torch.cuda.synchronize()
+    flops = 2 * 8192**3 * 20 / (time.perf_counter() - t)
+    del x, y, a
+    return {"copy_bandwidth": bw, "bf16_matmul_flops": flops}
+
+
+def oracle() -> dict:
+    from dsv4.tools.check import compare
+    r = compare("random:flash-slice:2:n_routed_experts=32", 512, 1, 0, "cuda", torch.bfloat16)
+    r["ok"] = r["max_abs_diff"] <= 3e-2 * r["ref_scale"]
+    return r
+
+
+def dsv4_runs(spec: str, gpu, budget: float, results: dict) -> None:
+    from dsv4.engine.engine import LLMEngine
+    from dsv4.config import EngineConfig
+    from dsv4.model.weights import load_model
+    model = load_model(spec, "cuda", torch.bfloat16)
+    cfg = model.cfg
+    for n in PREFILLS:
+        if time.perf_counter() - T0 > budget:
+            break
+        eng = LLMEngine(spec, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=1, max_num_batched_tokens=n,
+                                           num_pages=n // 256 + 4), model=model)
+        r = [bo.time_one(eng, 1, n, 2, False, f"p{n}-{i}")["ttft"] for i in range(2)]
+        results[f"prefill {n}"] = {"dsv4_s": min(r), "bound_s": roofline(prefill_cost(cfg, n), gpu.hbm_bandwidth,
+                                                                          gpu.dense_flops).seconds}
+        log(f"dsv4 prefill {n}: {min(r):.3f}s")
+        del eng
+    for batch, ctx in DECODES:
+        if time.perf_counter() - T0 > budget:
+            break
+        pages = batch * (ctx // 256 + 2) + 8
+        eng = LLMEngine(spec, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=batch,
+                                           max_num_batched_tokens=max(batch, 256), num_pages=pages,
+                                           max_model_len=ctx + 64), model=model)
+        bo.time_one(eng, batch, ctx, 3, True, "warm")
+        step = bo.time_one(eng, batch, ctx, 9, True, "run")["step_times"]
+        step.sort()
+        results[f"decode b{batch} ctx{ctx}"] = {
+            "dsv4_s": step[len(step) // 2],
+            "bound_s": roofline(decode_step_cost(cfg, batch, ctx), gpu.hbm_bandwidth, gpu.dense_flops).seconds}
+        log(f"dsv4 decode b{batch} ctx{ctx}: {step[len(step) // 2] * 1e3:.2f} ms/step")
+        del eng
+    profile(spec, model)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def profile(spec, model) -> None:
+    from torch.profiler import ProfilerActivity, profile as prof
+    from dsv4.engine.engine import LLMEngine
+    from dsv4.config import EngineConfig
+    lines = []
+    for name, batch, ctx, synthetic in (("decode b8 ctx1024", 8, 1024, True), ("prefill 4096", 1, 4096, False)):
+        eng = LLMEngine(spec, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=batch,
+                                           max_num_batched_tokens=max(4096, batch), num_pages=batch * 20 + 8,
+                                           max_model_len=ctx + 64), model=model)
+        bo._add_batch(eng, batch, ctx, 2, synthetic, "prof")
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            eng.step()
+            torch.cuda.synchronize()
+        while eng.has_unfinished():
+            eng.step()
+        lines.append(f"== {name}\n" + p.key_averages().table(sort_by="cuda_time_total", row_limit=18))
+        del eng
+    with open(os.path.join(ARGS.out, "profile.txt"), "w") as f:
+        f.write("\n".join(lines))
+    log("profile written")
+
+
+def hf_runs(spec: str, budget: float, results: dict) -> None:
+    import hf_baseline as hb
+    from dsv4.model.weights import load_model
+    model = load_model(spec, "cuda", torch.bfloat16)
+    vocab = model.cfg.vocab_size
+    hf = hb.to_transformers(model)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    for n in PREFILLS:
+        key = f"prefill {n}"
+        if time.perf_counter() - T0 > budget:
+            results.setdefault(key, {})["hf"] = "skipped (suite time)"
+            continue
+        results.setdefault(key, {})["hf_s"] = _guard(lambda: min(hb.time_prefill(hf, 1, n, vocab)[0] for _ in range(2)))
+        log(f"hf prefill {n}: {results[key]['hf_s']}")
+    for batch, ctx in DECODES:
+        key = f"decode b{batch} ctx{ctx}"
+        if time.perf_counter() - T0 > budget:
+            results.setdefault(key, {})["hf_s"] = "skipped (suite time)"
+            continue
+        results.setdefault(key, {})["hf_s"] = _guard(lambda: hb.time_decode(hf, batch, ctx, vocab))
+        log(f"hf decode b{batch} ctx{ctx}: {results[key]['hf_s']}")
+
+
+def _guard(fn):
+    try:
+        return fn()
+    except torch.OutOfMemoryError:
+        gc.collect()
+        torch.cuda.empty_cache()
+        return "OOM"
+
+
+def table(results: dict) -> str:
+    head = f"{'case':<22}{'dsv4':>12}{'transformers':>14}{'dsv4/hf':>10}{'bound':>12}{'bound/dsv4':>12}"
+    rows = [head, "-" * len(head)]
+    for key, r in results.items():
+        d, h, b = r.get("dsv4_s"), r.get("hf_s"), r.get("bound_s")
+        fmt = (lambda s: f"{s * 1e3:.2f} ms" if isinstance(s, float) else str(s or "-"))
+        speed = f"{h / d:.1f}x" if isinstance(h, float) and d else "-"
+        eff = f"{b / d:.3f}" if b and d else "-"
+        rows.append(f"{key:<22}{fmt(d):>12}{fmt(h):>14}{speed:>10}{fmt(b):>12}{eff:>12}")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    os.makedirs(ARGS.out, exist_ok=True)
+    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    info.update(probe())
+    log(f"probe: {info}")
+    gpu = H200.measured(bandwidth=info["copy_bandwidth"], flops=info["bf16_matmul_flops"])
+    info["oracle"] = oracle()
+    log(f"oracle: {info['oracle']}")
+    gc.collect()
+    torch.cuda.empty_cache()
+    results: dict = {}
+    spec = f"random:flash-slice:{ARGS.layers}"
+    dsv4_runs(spec, gpu, ARGS.budget_s * 0.55, results)
+    hf_runs(spec, ARGS.budget_s, results)
+    text = table(results)
+    print(text)
+    with open(os.path.join(ARGS.out, "suite.json"), "w") as f:
+        json.dump({"info": info, "results": results}, f, indent=1)
+    with open(os.path.join(ARGS.out, "suite.txt"), "w") as f:
+        f.write(json.dumps(info) + "\n" + text + "\n")
+    return 0 if info["oracle"]["ok"] else 1
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--budget-s", type=float, default=500)
+    ARGS = p.parse_args()
+    sys.exit(main())

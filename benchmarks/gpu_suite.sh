@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The GPU suite in one command (fits one device call, < 10 minutes):
+#   bash benchmarks/gpu_suite.sh OUT_DIR
+# Needs transformers>=5.23 for the oracle and the baseline: wheels in .whl/ are installed
+# into /tmp/site first when present (the GPU machine has no registry).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-${OUT:-out}}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s "${BUDGET_S:-480}"
