@@ -1,12 +1,12 @@
 """An incremental parser for one DSML tool-call block (the text after `<｜DSML｜tool_calls>`).
 
-It accepts exactly what the reference encoder writes (see dsml.py) and what the reference
-parser (`parse_tool_calls` in encoding_dsv4.py) accepts, and turns it into events as early as
-the text allows: ("start", name) once an invoke's header and its first parameter's header
-(or its close tag) are valid, ("args", text) pieces of the OpenAI arguments JSON (a
-parameter's value streams as it arrives), ("end",) when the invoke closes. The argument pieces of one invoke concatenate to the reference's
-decode_dsml_to_arguments: `{"k": <value>, ...}`, where a string="true" value becomes a JSON
-string and a string="false" value is spliced in raw.
+It reads the canonical form the reference encoder writes (see dsml.py), which is what the
+reference parser (`parse_tool_calls` in encoding_dsv4.py) reads, and turns it into events as
+early as the text allows: ("start", name) once an invoke's header and its first parameter's
+header (or its close tag) are valid; ("args", text) pieces of the OpenAI arguments JSON, a
+parameter's value streaming as it arrives; ("end",) when the invoke closes. The pieces of one
+invoke concatenate to the reference's decode_dsml_to_arguments: `{"k": <value>, ...}`, where
+a string="true" value becomes a JSON string and a string="false" value is spliced in raw.
 
 Invariant: `raw` is the consumed text not yet reflected in an event (since the last complete
 header or close tag); when the block turns out malformed the caller gives it back as text,

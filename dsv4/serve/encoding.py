@@ -37,6 +37,9 @@ def encode_messages(messages: list[dict], *, thinking: bool, reasoning_effort: s
                     drop_thinking: bool = True) -> str:
     """The prompt for `messages`. `tools` are OpenAI tools ({"type": "function", ...});
     `reasoning_effort` must be one the release accepts (release.REASONING_EFFORTS).
+    `add_generation_prompt=False` leaves out the `<｜Assistant｜>` + think token after a final
+    user/developer message (a task's tokens stay). Messages may also carry the reference's
+    extras: role "latest_reminder", "task" (a TASK_TOKENS name) and "wo_eos".
     Raises ValueError for a message the format cannot express."""
     prefix = effort_prefix(release, reasoning_effort, thinking)
     if not messages:
@@ -58,6 +61,8 @@ def encode_messages(messages: list[dict], *, thinking: bool, reasoning_effort: s
 
 def _normalize(message: dict) -> dict:
     """A copy in the encoder's terms: text content, "reasoning", known role."""
+    if not isinstance(message, dict):
+        raise ValueError(f"a message must be an object, got {type(message).__name__}")
     role = message.get("role")
     if role not in _ROLES:
         raise ValueError(f"unsupported message role {role!r}")
@@ -69,6 +74,8 @@ def _normalize(message: dict) -> dict:
         reasoning = message.get("reasoning_content", message.get("reasoning"))
         msg["reasoning"] = _text(reasoning, role)
         msg["tool_calls"] = list(message.get("tool_calls") or [])
+        _check_functions(msg["tool_calls"], "tool call")
+    _check_functions(msg.get("tools") or [], "tool")
     if msg.get("task") is not None and msg["task"] not in TASK_TOKENS:
         raise ValueError(f"unknown task {msg['task']!r}; expected one of {list(TASK_TOKENS)}")
     return msg
@@ -90,6 +97,14 @@ def _text(content: Any, role: str) -> str:
     raise ValueError(f"{role} message: content must be a string or a list of parts")
 
 
+def _check_functions(items: list, what: str) -> None:
+    """Tools and tool calls are OpenAI objects with a named "function"."""
+    for item in items:
+        function = item.get("function") if isinstance(item, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"each {what} needs a function with a name, got {item!r}")
+
+
 def _attach_request_options(msgs: list[dict], tools: list[dict] | None,
                             response_format: dict | None) -> list[dict]:
     if not tools and not response_format:
@@ -99,6 +114,7 @@ def _attach_request_options(msgs: list[dict], tools: list[dict] | None,
     else:
         head, rest = {"role": "system", "content": ""}, msgs
     if tools:
+        _check_functions(tools, "tool")
         head["tools"] = tools  # request-level tools replace any on the message
     if response_format:
         head["response_format"] = response_format
@@ -186,7 +202,7 @@ def _render(index: int, msgs: list[dict], thinking: bool, drop: bool) -> str:
     prev_has_task = index > 0 and msgs[index - 1].get("task") is not None
     keep_reasoning = (thinking and not prev_has_task
                       and (not drop or index > _last_user_index(msgs)))
-    return render_assistant(msg, keep_reasoning)
+    return _render_assistant(msg, keep_reasoning)
 
 
 def _instructions(msg: dict) -> str:
@@ -211,7 +227,7 @@ def _render_block(block: dict) -> str:
     return f"<tool_result>{content}</tool_result>"
 
 
-def render_assistant(msg: dict, keep_reasoning: bool) -> str:
+def _render_assistant(msg: dict, keep_reasoning: bool) -> str:
     """An assistant turn: [reasoning</think>] content [\\n\\n tool-call block] [EOS]. With
     `keep_reasoning` this is exactly the text the model generates for the turn."""
     text = (msg.get("reasoning") or "") + THINK_END if keep_reasoning else ""

@@ -109,12 +109,8 @@ class OutputParser:
 
     def _step_text(self, final: bool) -> bool:
         """Reasoning or content up to the next marker; False when waiting for more text."""
-        if self._state == REASONING and not self._reasoning_started:
-            if THINK_START.startswith(self._buf) and not final and self._buf != THINK_START:
-                return False           # maybe a leading <think> the prompt already had
-            if self._buf.startswith(THINK_START):
-                self._buf = self._buf[len(THINK_START):]
-            self._reasoning_started = True
+        if self._state == REASONING and not self._skip_leading_think(final):
+            return False
         markers = (THINK_END, BLOCK_OPEN, EOS) if self._state == REASONING else (BLOCK_OPEN, EOS)
         at, marker = _earliest(self._buf, markers)
         if marker is None:
@@ -134,6 +130,17 @@ class OutputParser:
         else:
             self._block, self._block_from = DsmlBlockParser(separator + BLOCK_OPEN), self._state
             self._state = BLOCK
+        return True
+
+    def _skip_leading_think(self, final: bool) -> bool:
+        """Drop a `<think>` at the very start of the reasoning (the prompt normally ends with
+        it already); False while the start may still become one."""
+        if not self._reasoning_started:
+            if not final and len(self._buf) < len(THINK_START) and THINK_START.startswith(self._buf):
+                return False
+            if self._buf.startswith(THINK_START):
+                self._buf = self._buf[len(THINK_START):]
+            self._reasoning_started = True
         return True
 
     def _emit_text_until_marker(self, final: bool) -> None:

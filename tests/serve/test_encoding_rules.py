@@ -23,10 +23,18 @@ def call(arguments):
     ([{"role": "user", "content": 42}], "content"),
     ([{"role": "user", "content": "x", "task": "summarize"}], "task"),
     ([{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [call("[1, 2]")]}], "object"),
+    ([{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"id": "c"}]}], "tool call"),
+    ([{"role": "system", "content": "x", "tools": [{"type": "function"}]}], "tool"),
+    (["just a string"], "object"),
 ])
 def test_bad_input_is_a_value_error(messages, error):
     with pytest.raises(ValueError, match=error):
         encode_messages(messages, thinking=False)
+
+
+def test_bad_request_tools_are_a_value_error():
+    with pytest.raises(ValueError, match="tool"):
+        encode_messages([{"role": "user", "content": "x"}], thinking=False, tools=[{"name": "f"}])
 
 
 def test_input_is_not_modified():
