@@ -88,7 +88,8 @@ def tool_call_arguments(arguments: Any) -> dict:
 
 def render_tool_calls(tool_calls: list[dict]) -> str:
     """The block for OpenAI-format tool calls, without the separator before it."""
-    invokes = [_render_invoke(tc["function"]["name"], tool_call_arguments(tc["function"].get("arguments")))
+    invokes = [_render_invoke(tc["function"]["name"],
+                              tool_call_arguments(tc["function"].get("arguments")))
                for tc in tool_calls]
     return f"{BLOCK_OPEN}\n" + "\n".join(invokes) + f"\n{BLOCK_CLOSE}"
 

@@ -126,7 +126,7 @@ class DsmlBlockParser:
     def _param_value(self, buf: str, pos: int) -> int:
         end = buf.find(PARAM_CLOSE, pos)
         if end < 0:
-            keep = max(_held_prefix(buf, pos, PARAM_CLOSE), _held_prefix(buf, pos, EOS))
+            keep = max(held_tail(buf, PARAM_CLOSE, pos), held_tail(buf, EOS, pos))
             self._emit_value(buf[pos:len(buf) - keep])
             return len(buf) - keep - pos
         self._emit_value(buf[pos:end])
@@ -165,9 +165,10 @@ def _read_name(buf: str, pos: int, terminator: str) -> str | None:
     return name if end >= 0 else None
 
 
-def _held_prefix(buf: str, pos: int, marker: str) -> int:
-    """Length of the longest tail of buf[pos:] that is a proper prefix of `marker`."""
-    for size in range(min(len(marker) - 1, len(buf) - pos), 0, -1):
-        if buf.endswith(marker[:size]):
+def held_tail(text: str, marker: str, start: int = 0) -> int:
+    """Length of the longest tail of text[start:] that is a proper prefix of `marker`: text
+    that must wait, since the next characters may complete the marker."""
+    for size in range(min(len(marker) - 1, len(text) - start), 0, -1):
+        if text.endswith(marker[:size]):
             return size
     return 0

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from dsv4.serve.dsml import BLOCK_OPEN, BLOCK_SEPARATOR
-from dsv4.serve.dsml_parser import CLOSED, MALFORMED, DsmlBlockParser
+from dsv4.serve.dsml_parser import CLOSED, MALFORMED, DsmlBlockParser, held_tail
 from dsv4.serve.tokens import DSML, EOS, THINK_END, THINK_START
 
 REASONING, CONTENT, BLOCK, DONE = "reasoning", "content", "block", "done"
@@ -136,7 +136,8 @@ class OutputParser:
         """Drop a `<think>` at the very start of the reasoning (the prompt normally ends with
         it already); False while the start may still become one."""
         if not self._reasoning_started:
-            if not final and len(self._buf) < len(THINK_START) and THINK_START.startswith(self._buf):
+            maybe_tag = len(self._buf) < len(THINK_START) and THINK_START.startswith(self._buf)
+            if maybe_tag and not final:
                 return False
             if self._buf.startswith(THINK_START):
                 self._buf = self._buf[len(THINK_START):]
@@ -147,7 +148,7 @@ class OutputParser:
         """Emit the buffer except a tail that may begin a marker. At the end the tail is text,
         unless it is a cut-off DSML block start (its markup is dropped)."""
         markers = (_BLOCK_START, BLOCK_OPEN, EOS) + ((THINK_END,) if self._state == REASONING else ())
-        keep = max(_held_tail(self._buf, m) for m in markers)
+        keep = max(held_tail(self._buf, m) for m in markers)
         tail = self._buf[len(self._buf) - keep:]
         if final:
             keep = keep if _is_cut_block_start(tail) else 0
@@ -160,7 +161,7 @@ class OutputParser:
         if eos_at >= 0:
             visible = self._buf[:eos_at]
         else:                          # a partial EOS is not block text either
-            visible = self._buf[:len(self._buf) - (0 if final else _held_tail(self._buf, EOS))]
+            visible = self._buf[:len(self._buf) - (0 if final else held_tail(self._buf, EOS))]
         used, status = self._block.feed(visible)
         for event in self._block.events:
             if self._tools_enabled:
@@ -246,14 +247,6 @@ def _earliest(text: str, markers: tuple[str, ...]) -> tuple[int, str | None]:
         if 0 <= at < best:
             best, found = at, marker
     return best, found
-
-
-def _held_tail(text: str, marker: str) -> int:
-    """Length of the longest tail of `text` that is a proper prefix of `marker`."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:size]):
-            return size
-    return 0
 
 
 def _is_cut_block_start(tail: str) -> bool:

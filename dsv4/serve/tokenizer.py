@@ -137,6 +137,7 @@ _CORPUS = [
 ]
 
 
-def build_test_tokenizer(out_dir: str | Path = TEST_TOKENIZER_DIR, vocab_size: int = 1024) -> Tokenizer:
+def build_test_tokenizer(out_dir: str | Path = TEST_TOKENIZER_DIR,
+                         vocab_size: int = 1024) -> Tokenizer:
     """(Re)build the small tokenizer shipped in dsv4/assets/test_tokenizer."""
     return train_test_tokenizer(_CORPUS * 4, vocab_size, out_dir)
