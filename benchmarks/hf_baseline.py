@@ -36,12 +36,13 @@ def to_transformers(model):
 
 
 def _sync():
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 @torch.no_grad()
 def time_prefill(hf, batch: int, length: int, vocab: int) -> tuple[float, object]:
-    ids = torch.randint(100, vocab, (batch, length), device="cuda")
+    ids = torch.randint(100, vocab, (batch, length), device=next(hf.parameters()).device)
     _sync()
     t = time.perf_counter()
     out = hf(ids, use_cache=True, logits_to_keep=1)
