@@ -11,8 +11,11 @@ rules are followed here step by step:
      (_drop_thinking_messages);
   3. each message is rendered, followed by `<｜Assistant｜>` + `<think>` or `</think>` where
      the assistant is to speak next (render_message).
-Request-level `tools` and `response_format` go on the leading system/developer message, or
-on an empty system message put in front (vLLM `vllm/tokenizers/deepseek_v4.py`).
+Request-level `tools` go on the leading system/developer message, or on an empty system
+message put in front (vLLM `vllm/tokenizers/deepseek_v4.py`; SGLang differs only when the
+first message is a developer one: it puts an empty system message before it). Neither server
+hands `response_format` to the encoder; here it goes on the same message, after the tools,
+where the reference renders a message's own response_format.
 Choices where the references leave a gap: a list of text parts is joined with "\\n" (vLLM's
 chat parsing; SGLang joins with " "), and a tool result given as a list of parts follows the
 reference encoder's own rule ("\\n\\n" between parts, "[Unsupported TYPE]" for non-text ones).
