@@ -36,15 +36,19 @@ def build_forward_batch(chunks: list[SeqChunk], layout: CacheLayout, max_num_seq
     pos = starts[req] + torch.arange(int(lens.sum())) - offs[req]
     pages = _pad([c.page_table for c in chunks])
     swa_pages = _pad([c.swa_table for c in chunks])
+    _check_history(chunks)
     W = layout.cfg.sliding_window
     seq = _Seqs(req, pos, starts, starts + lens, offs, slots)
+    # the [T, E] causal-entry tables are the only large ones: build them on the device
+    dev_pages, dev_req, dev_pos = pages.to(device), req.to(device), pos.to(device)
+    max_pos = int(pos.max()) if pos.numel() else 0
     fb = ForwardBatch(
         token_ids=torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long),
         positions=pos,
         swa_write=_swa_slots(swa_pages, req, pos),
         swa_idx=_swa_window(swa_pages, req, pos, W),
-        c4_cand=_causal_entries(pages, req, pos, CSA_RATIO),
-        c128_idx=_causal_entries(pages, req, pos, HCA_RATIO),
+        c4_cand=_causal_entries(dev_pages, dev_req, dev_pos, CSA_RATIO, max_pos),
+        c128_idx=_causal_entries(dev_pages, dev_req, dev_pos, HCA_RATIO, max_pos),
         csa=_compress_plan(pages, seq, CSA_RATIO, True, layout.csa_ring, max_num_seqs),
         hca=_compress_plan(pages, seq, HCA_RATIO, False, layout.hca_ring, max_num_seqs),
         logits_rows=_logits_rows(chunks, offs, lens),
@@ -93,16 +97,24 @@ def _swa_window(swa_pages, req, pos, W):
     return slots
 
 
-def _causal_entries(pages, req, pos, ratio):
+def _check_history(chunks: list[SeqChunk]) -> None:
+    """Every history page up to each chunk's end must be held (checked per sequence, O(R))."""
+    for c in chunks:
+        needed = -(-(c.start + len(c.token_ids)) // PAGE_TOKENS)
+        if len(c.page_table) < needed or any(p < 0 for p in c.page_table[:needed]):
+            raise RuntimeError(f"history page missing: positions up to {c.start + len(c.token_ids)} need "
+                               f"{needed} pages, table {c.page_table[:needed]}")
+
+
+def _causal_entries(pages, req, pos, ratio, max_pos: int):
+    """[T, E] slots of entries e < (p+1)//ratio, -1 beyond; E from the largest position
+    (known on the CPU, so building this on the device needs no host sync)."""
     per_page = PAGE_TOKENS // ratio
-    limit = (pos + 1) // ratio                                             # entries e < limit
-    width = int(limit.max()) if limit.numel() else 0
-    e = torch.arange(width)[None, :].expand(pos.shape[0], width)
-    valid = e < limit[:, None]
-    r = req[:, None].expand_as(e)
-    slots = torch.full_like(e, -1)
-    slots[valid] = _lookup(pages, r[valid], e[valid] // per_page, "history") * per_page + e[valid] % per_page
-    return slots
+    width = (max_pos + 1) // ratio
+    e = torch.arange(width, device=pos.device)[None, :]
+    valid = e < ((pos + 1) // ratio)[:, None]
+    phys = pages[req[:, None], (e // per_page).clamp(max=pages.shape[1] - 1)]
+    return torch.where(valid, phys * per_page + e % per_page, -1)
 
 
 def _compress_plan(pages, s: _Seqs, ratio, overlap, cap, max_num_seqs) -> CompressPlan:
