@@ -12,6 +12,7 @@ SUBCOMMAND_MODULES = (
     "dsv4.tools.init_random",
     "dsv4.tools.bench_cli",
     "dsv4.tools.generate",
+    "dsv4.tools.serve_cli",
 )
 
 
