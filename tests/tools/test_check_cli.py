@@ -1,0 +1,59 @@
+"""`dsv4 check`: passes on `dsv4 init-random` checkpoints of both naming schemes (and FP8),
+fails when the logits disagree beyond the tolerance, and says how to install transformers
+when it is missing (exit status 2)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dsv4.cli import main
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("check")
+    made = {}
+    for label, flags in (("deepseek", []), ("transformers", ["--names", "transformers"]),
+                         ("fp8", ["--quant", "fp8"])):
+        made[label] = str(root / label)
+        assert main(["init-random", made[label], *flags]) == 0
+    return made
+
+
+def run_check(capsys, *argv):
+    capsys.readouterr()
+    code = main(["check", *argv])
+    return code, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("label", ["deepseek", "transformers", "fp8"])
+def test_check_passes_on_init_random_checkpoints(label, checkpoints, capsys):
+    code, out = run_check(capsys, "--model", checkpoints[label], "--json")
+    result = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and "PASS" in out
+    assert result["ok"] is True and result["tolerance"] == 1e-4 and result["positions"] == 300
+    assert 0 < result["max_abs_diff"] <= 1e-4 * result["ref_scale"]
+    assert result["argmax_agree"] >= 0.99
+
+
+def test_check_fails_beyond_the_tolerance(checkpoints, capsys):
+    code, out = run_check(capsys, "--model", checkpoints["deepseek"], "--prompt-len", "64", "--tolerance", "1e-12")
+    assert code == 1 and "FAIL" in out
+
+
+def test_check_refuses_empty_prompts(checkpoints):
+    with pytest.raises(SystemExit, match="--prompt-len and --num-prompts must be at least 1"):
+        main(["check", "--model", checkpoints["deepseek"], "--prompt-len", "0"])
+
+
+def test_check_without_transformers_says_how_to_install(checkpoints):
+    script = ("import sys; sys.modules['transformers'] = None\n"
+              "from dsv4.cli import main\n"
+              f"sys.exit(main(['check', '--model', {checkpoints['deepseek']!r}, '--prompt-len', '16']))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "pip install 'dsv4[check]'" in proc.stdout
+    assert "Traceback" not in proc.stderr
