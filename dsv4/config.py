@@ -201,6 +201,8 @@ def _parse(d: dict[str, Any]) -> ModelConfig:
     if "scoring_func" in d and d["scoring_func"] != "sqrtsoftplus":
         raise ConfigError("scoring_func", f"expected 'sqrtsoftplus', got {d['scoring_func']!r}")
     kw["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
+    if "torch_dtype" in d and "dtype" in d and d["torch_dtype"] != d["dtype"]:
+        raise ConfigError("torch_dtype", f"contradicts dtype: {d['torch_dtype']!r} vs {d['dtype']!r}")
     dtype = d.get("torch_dtype", d.get("dtype", "bfloat16"))
     if dtype not in ("bfloat16", "float32", "float16"):
         raise ConfigError("torch_dtype", f"expected bfloat16, float16 or float32, got {dtype!r}")
@@ -246,7 +248,7 @@ def _parse_ratios(d, n: int, n_mtp: int) -> tuple[tuple[int, ...], int]:
     types = d.get("layer_types")
     mtp_ratio = 0
     if ratios is not None:
-        if not isinstance(ratios, list) or any(r not in LAYER_TYPE_OF_RATIO for r in ratios):
+        if not isinstance(ratios, list) or any(isinstance(r, bool) or r not in LAYER_TYPE_OF_RATIO for r in ratios):
             raise ConfigError("compress_ratios", f"expected a list of values in {sorted(LAYER_TYPE_OF_RATIO)}, "
                                                  f"got {ratios!r}")
         if len(ratios) not in (n, n + n_mtp):
@@ -291,6 +293,16 @@ def _parse_mlp_types(d, n: int) -> tuple[str, ...]:
 def _parse_rope_dim(d, head_dim: int) -> int:
     rope_dim = d.get("qk_rope_head_dim")
     prf = d.get("partial_rotary_factor")
+    rp = d.get("rope_parameters")
+    nested = [v.get("partial_rotary_factor") for v in (rp or {}).values() if isinstance(v, dict)] if isinstance(
+        rp, dict) else []
+    for value in nested:
+        if value is None:
+            continue
+        if prf is not None and value != prf:
+            raise ConfigError("rope_parameters.partial_rotary_factor",
+                              f"contradicts partial_rotary_factor={prf}: got {value}")
+        prf = value
     if rope_dim is None and prf is not None:
         rope_dim = int(round(head_dim * prf))
     elif rope_dim is not None and prf is not None and int(round(head_dim * prf)) != rope_dim:
@@ -316,10 +328,12 @@ def _parse_rope(d, kw):
                 kw[dst] = float(src["rope_theta"])
         if main.get("rope_type", "default") != "default":
             raise ConfigError("rope_parameters.main.rope_type", f"expected 'default', got {main['rope_type']!r}")
-        if comp.get("rope_type", comp.get("type", "default")) == "yarn":
-            if yarn_src is not None and yarn_src.get("factor") != comp.get("factor"):
-                raise ConfigError("rope_scaling", "contradicts rope_parameters.compress")
-            yarn_src = comp
+        comp_kind = comp.get("rope_type", comp.get("type", "default"))
+        flat_kind = (yarn_src or {}).get("rope_type", (yarn_src or {}).get("type")) if yarn_src else None
+        if yarn_src and (flat_kind != comp_kind or yarn_src.get("factor") != comp.get("factor")):
+            raise ConfigError("rope_scaling", f"contradicts rope_parameters.compress: expected the same type "
+                                              f"({comp_kind!r}) and factor ({comp.get('factor')!r})")
+        yarn_src = comp if comp_kind == "yarn" else None
     elif isinstance(rp, dict) and rp and yarn_src is None:
         yarn_src = rp  # flat rope_parameters, transformers' legacy form
     if yarn_src:
@@ -376,8 +390,6 @@ def _validate(c: ModelConfig):
     if c.index_head_dim < c.qk_rope_head_dim:
         raise ConfigError("index_head_dim", f"expected at least qk_rope_head_dim={c.qk_rope_head_dim}, "
                                             f"got {c.index_head_dim}")
-    if c.mtp_compress_ratio not in LAYER_TYPE_OF_RATIO:
-        raise ConfigError("compress_ratios", f"MTP entry must be one of {sorted(LAYER_TYPE_OF_RATIO)}")
 
 
 @dataclass(frozen=True)

@@ -178,6 +178,16 @@ BAD = {
     "shared-experts": (R, setter("n_shared_experts", 2), "n_shared_experts", "expected 1, got 2"),
     "head-dim-odd": (R, setter("head_dim", 63), "head_dim", "expected an even number, got 63"),
     "index-head-dim": (R, setter("index_head_dim", 8), "index_head_dim", "expected at least qk_rope_head_dim=16, got 8"),
+    "bool-ratio": (R, setter("compress_ratios", [False, 4, 128, 4, 0]), "compress_ratios",
+                   "expected a list of values in [0, 4, 128]"),
+    "nested-rotary-factor": (H, setter("rope_parameters/main/partial_rotary_factor", 0.5),
+                             "rope_parameters.partial_rotary_factor", "contradicts partial_rotary_factor=0.25"),
+    "flat-yarn-vs-nested-default": (H, lambda d: {**setter("rope_parameters/compress", {
+        "rope_type": "default", "rope_theta": 160000.0})(d), "rope_scaling": {
+        "type": "yarn", "factor": 16, "original_max_position_embeddings": 65536}},
+        "rope_scaling", "contradicts rope_parameters.compress: expected the same type ('default')"),
+    "dtype-vs-torch-dtype": (R, lambda d: {**d, "torch_dtype": "float32", "dtype": "bfloat16"}, "torch_dtype",
+                             "contradicts dtype: 'float32' vs 'bfloat16'"),
 }
 
 

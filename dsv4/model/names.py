@@ -89,3 +89,11 @@ def ds_to_hf(name: str) -> str:
     for pattern, repl in _DS_TO_HF:
         name = re.sub(pattern, repl, name)
     return name
+
+
+def transformers_name(name: str) -> str:
+    """The transformers key that carries canonical tensor `name` (for error messages)."""
+    m = re.match(r"^(layers\.\d+)\.ffn\.experts\.(w[123])$", name)
+    if m:
+        return f"model.{m.group(1)}.mlp.experts." + ("down_proj" if m.group(2) == "w2" else "gate_up_proj")
+    return ds_to_hf(name)

@@ -19,7 +19,7 @@ PRESETS = {
     "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=64,
                  qk_rope_head_dim=16, q_lora_rank=32, o_groups=2, o_lora_rank=32, moe_intermediate_size=32,
                  n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, routed_scaling_factor=1.5,
-                 compress_ratios=[0, 4, 128, 4, 0], num_hash_layers=1, index_n_heads=8, index_head_dim=32,
+                 compress_ratios=[0, 4, 128, 4, 0], num_hash_layers=1, index_n_heads=16, index_head_dim=32,
                  index_topk=16, sliding_window=32, hc_mult=4, max_position_embeddings=65536),
     "flash-slice": dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=6, num_attention_heads=64,
                         head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from safetensors import safe_open
 
-from .names import DS_EXPERT, HF_DOWN, HF_GATE_UP, hf_to_ds, is_transformers_name
+from .names import DS_EXPERT, HF_DOWN, HF_GATE_UP, hf_to_ds, is_transformers_name, transformers_name
 from .quant import dequant_fp4, dequant_fp8
 
 QUANT_SCALE = re.compile(r"^(.*)\.(scale|weight_scale_inv)$")
@@ -23,6 +23,10 @@ QUANT_SCALE = re.compile(r"^(.*)\.(scale|weight_scale_inv)$")
 
 class CheckpointError(ValueError):
     """A tensor is missing, unexpected or mis-shaped; the message names it."""
+
+    def __init__(self, message: str, tensor: str | None = None):
+        super().__init__(message)
+        self.tensor = tensor
 
 
 def shard_files(path: str) -> list[str]:
@@ -110,6 +114,7 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
     targets = dict(model.named_parameters())
     targets.update((n, b) for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] == "tid2eid")
     filled: dict[str, int] = {}
+    hf_names = all(is_transformers_name(k) for k in checkpoint_keys(path))
     block = getattr(getattr(model, "cfg", None), "quant_block", (128, 128))
     with torch.no_grad():
         for name, expert, tensor in iter_checkpoint(path, block):
@@ -121,7 +126,12 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
                                       f"{tuple(tensor.shape)}, expected {tuple(target.shape)}")
             target.copy_(tensor.to(target.dtype))
             filled[name] = filled.get(name, 0) + 1
-    _check_complete(targets, filled)
+    try:
+        _check_complete(targets, filled)
+    except CheckpointError as e:
+        if hf_names and e.tensor and not e.tensor.startswith("mtp."):
+            raise CheckpointError(f"{e} (transformers name {transformers_name(e.tensor)!r})", e.tensor) from None
+        raise
 
 
 def _expert_slice(param: torch.Tensor, expert: int, name: str) -> torch.Tensor:
@@ -134,7 +144,7 @@ def _check_complete(targets: dict[str, torch.Tensor], filled: dict[str, int]) ->
     for name, t in targets.items():
         got = filled.get(name, 0)
         if got == 0:
-            raise CheckpointError(f"missing tensor {name!r} in checkpoint")
+            raise CheckpointError(f"missing tensor {name!r} in checkpoint", name)
         stacked = name.endswith(("experts.w1", "experts.w2", "experts.w3"))
         if got not in ((1, t.shape[0]) if stacked else (1,)):
             raise CheckpointError(f"tensor {name!r} appears {got} times" +

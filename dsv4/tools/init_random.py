@@ -26,6 +26,8 @@ def run(args) -> int:
     cfg = preset_config(args.preset, args.layers)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     state = random_state(cfg, seed=args.seed, with_mtp=args.names == "deepseek")
+    if args.quant and args.names == "transformers":
+        raise SystemExit("dsv4 init-random: --quant fp8 writes DeepSeek's released format; use --names deepseek")
     save_checkpoint(cfg, state, args.out_dir, names=args.names, quant=args.quant, dtype=dtype)
     params = sum(t.numel() for t in state.values())
     print(f"wrote {args.out_dir}: preset {args.preset}, {cfg.num_hidden_layers} layers, {params / 1e6:.2f} M "

@@ -90,7 +90,10 @@ CASES = {
     "mxfp4-scale-shape": ("fp8", reshape("layers.0.ffn.experts.1.w3.scale", lambda s: s[:, :1]),
                           "layers.0.ffn.experts.1.w3.weight: MXFP4 scale shape (32, 1)"),
     "hf-missing": ("transformers", drop("model.layers.0.self_attn.sinks"),
-                   "missing tensor 'layers.0.attn.attn_sink'"),
+                   "missing tensor 'layers.0.attn.attn_sink' in checkpoint (transformers name "
+                   "'model.layers.0.self_attn.sinks')"),
+    "hf-missing-experts": ("transformers", drop("model.layers.1.mlp.experts.gate_up_proj"),
+                           "(transformers name 'model.layers.1.mlp.experts.gate_up_proj')"),
     "hf-misshaped": ("transformers", reshape("model.layers.3.mlp.experts.down_proj", lambda w: w[:, :, :16]),
                      "tensor 'layers.3.ffn.experts.w2': shape (8, 64, 16), expected (8, 64, 32)"),
 }

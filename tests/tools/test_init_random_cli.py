@@ -84,3 +84,9 @@ def test_bad_flags_are_refused(argv, message, tmp_path, capsys):
         main(["init-random", str(tmp_path / "x"), *argv])
     assert message in str(info.value.code) + capsys.readouterr().err
     assert not (tmp_path / "x" / "config.json").exists()
+
+
+def test_fp8_with_transformers_names_is_refused_naming_the_flags(tmp_path):
+    with pytest.raises(SystemExit, match="--quant fp8 .* use --names deepseek"):
+        main(["init-random", str(tmp_path / "x"), "--names", "transformers", "--quant", "fp8"])
+    assert not os.path.exists(tmp_path / "x" / "config.json")
