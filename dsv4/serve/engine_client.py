@@ -87,7 +87,7 @@ class EngineClient:
                 raise EngineStartError(f"the engine core exited with code {self.process.exitcode} "
                                        f"while loading {self.model_dir!r} (see its log above)")
             if deadline is not None and time.monotonic() > deadline:
-                self.close()
+                self.close(timeout=1)
                 raise EngineStartError(f"the engine core did not get ready within {timeout:.0f} s")
         message = decode_output(self._pull.recv())
         if isinstance(message, StartupFailed):

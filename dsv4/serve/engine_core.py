@@ -34,6 +34,7 @@ class EngineCore:
         self._sent: dict[str, int] = {}   # request id -> tokens already forwarded
         self._failures: list[RequestFailed] = []
         self._steps = 0
+        self._generated = 0
 
     # ---- inputs ------------------------------------------------------------------------
     def handle(self, message: AddRequest | AbortRequests) -> None:
@@ -99,6 +100,7 @@ class EngineCore:
         tokens whose output was lost)."""
         sent = self._sent[out.request_id]
         new = TokenOutput(out.request_id, list(out.token_ids[sent:]))
+        self._generated += len(new.token_ids)
         if out.logprobs is not None:
             new.logprobs = [list(entry.items()) for entry in out.logprobs[sent:]]
         if sent == 0 and out.prompt_logprobs is not None:
@@ -122,7 +124,7 @@ class EngineCore:
         return EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
                            pages_used=usage["pages_used"], pages_free=self.engine.cache.pages.num_free,
                            swa_pages_used=usage["swa_pages_used"], slots_used=usage["slots_used"],
-                           steps=self._steps)
+                           steps=self._steps, generated_tokens=self._generated)
 
 
 def ready_message(engine) -> Ready:

@@ -82,7 +82,8 @@ class EngineStats(msgspec.Struct):
     pages_free: int = 0
     swa_pages_used: int = 0
     slots_used: int = 0
-    steps: int = 0
+    steps: int = 0              # engine steps run so far
+    generated_tokens: int = 0   # tokens sampled so far (forwarded or not)
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -84,6 +84,8 @@ class APIServer:
         self.uvicorn = uvicorn.Server(config)
         try:
             self.uvicorn.run(sockets=[self.sock])
+        except KeyboardInterrupt:
+            pass   # uvicorn re-raises Ctrl-C after its graceful shutdown
         finally:
             self.close()
         return 1 if self.engine_died else 0

@@ -105,6 +105,16 @@ def fake_engine_core(model_dir, config, addresses, parent_pid) -> None:
         time.sleep(SLOW_STEP_S if any(s.key == "endless" for s in active.values()) else STEP_S)
 
 
+def exiting_engine_core(*args) -> None:
+    """An engine core that dies before saying anything."""
+    os._exit(2)
+
+
+def silent_engine_core(*args) -> None:
+    """An engine core that never gets ready (the client's start timeout ends it)."""
+    time.sleep(120)
+
+
 class ThreadServer:
     """An APIServer running in a thread of this process."""
 
