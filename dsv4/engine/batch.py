@@ -27,7 +27,7 @@ class SeqChunk:
 
 
 def build_forward_batch(chunks: list[SeqChunk], layout: CacheLayout, max_num_seqs: int,
-                        device) -> ForwardBatch:
+                        device, stager: "PinnedStager | None" = None) -> ForwardBatch:
     lens = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.long)
     starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
     slots = torch.tensor([c.slot for c in chunks], dtype=torch.long)
@@ -54,7 +54,7 @@ def build_forward_batch(chunks: list[SeqChunk], layout: CacheLayout, max_num_seq
         logits_rows=_logits_rows(chunks, offs, lens),
         seq_lens=tuple(lens.tolist()),
     )
-    return _to(fb, device)
+    return _to(fb, device, stager)
 
 
 @dataclass
@@ -146,10 +146,43 @@ def _logits_rows(chunks, offs, lens):
     return torch.tensor(rows, dtype=torch.long)
 
 
-def _to(fb: ForwardBatch, device) -> ForwardBatch:
+class PinnedStager:
+    """One pinned host buffer, reused step after step: the step's CPU index tensors are
+    packed into it and cross to the GPU in a single asynchronous copy."""
+
+    def __init__(self, pin: bool = True):
+        self.pin = pin
+        self.host = torch.empty(0, dtype=torch.long)
+
+    def move(self, tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+        sizes = [t.numel() for t in tensors]
+        total = sum(sizes)
+        if self.host.numel() < total:
+            self.host = torch.empty(max(total, 2 * self.host.numel()), dtype=torch.long, pin_memory=self.pin)
+        torch.cat([t.flatten() for t in tensors], out=self.host[:total])
+        flat = self.host[:total].to(device, non_blocking=True)
+        return [part.view(t.shape) for part, t in zip(flat.split(sizes), tensors)]
+
+
+def _to(fb: ForwardBatch, device, stager: PinnedStager | None = None) -> ForwardBatch:
+    if stager is not None and torch.device(device).type == "cuda":
+        return _to_staged(fb, device, stager)
+
     def move(x):
         return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
     plans = {k: CompressPlan(**{f: move(getattr(getattr(fb, k), f)) for f in CompressPlan.__dataclass_fields__})
              for k in ("csa", "hca")}
     fields = {f: move(getattr(fb, f)) for f in ForwardBatch.__dataclass_fields__ if f not in plans}
     return ForwardBatch(**fields, **plans)
+
+
+def _to_staged(fb: ForwardBatch, device, stager: PinnedStager) -> ForwardBatch:
+    names = [(None, f) for f in ForwardBatch.__dataclass_fields__
+             if isinstance(getattr(fb, f), torch.Tensor) and getattr(fb, f).device.type == "cpu"]
+    names += [(k, f) for k in ("csa", "hca") for f in CompressPlan.__dataclass_fields__
+              if isinstance(getattr(getattr(fb, k), f), torch.Tensor)]
+    moved = stager.move([getattr(fb if k is None else getattr(fb, k), f) for k, f in names], device)
+    top = {f: t for (k, f), t in zip(names, moved) if k is None}
+    plans = {k: CompressPlan(**{**getattr(fb, k).__dict__, **{f: t for (kk, f), t in zip(names, moved) if kk == k}})
+             for k in ("csa", "hca")}
+    return ForwardBatch(**{**{f: getattr(fb, f) for f in ForwardBatch.__dataclass_fields__}, **top, **plans})

@@ -7,7 +7,7 @@ import torch
 
 from ..cache.layout import CacheLayout, CachePlan
 from ..cache.pools import KVPools
-from .batch import SeqChunk, build_forward_batch
+from .batch import PinnedStager, SeqChunk, build_forward_batch
 from .scheduler import ScheduledChunk
 
 
@@ -22,11 +22,12 @@ class ModelRunner:
     def __init__(self, model, layout: CacheLayout, plan: CachePlan, device):
         self.model, self.layout, self.plan, self.device = model, layout, plan, device
         self.pools = KVPools(layout, plan, model.dtype, device)
+        self.stager = PinnedStager()
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepLogits:
         seqs = [self._seq_chunk(c) for c in chunks]
-        fb = build_forward_batch(seqs, self.layout, self.plan.max_num_seqs, self.device)
+        fb = build_forward_batch(seqs, self.layout, self.plan.max_num_seqs, self.device, self.stager)
         hidden = self.model(fb, self.pools)
         logits = self.model.logits(hidden[fb.logits_rows])
         first, counts, row = [], [], 0
