@@ -17,7 +17,7 @@ def _fields(fb):
 def test_staged_batch_equals_the_direct_one():
     layout = CacheLayout(preset_config("tiny"))
     chunks = [SeqChunk(0, 0, list(range(300)), [0, 1], [0, 1, 2]),
-              SeqChunk(1, 130, list(range(7)), [2], [-1, 3])]
+              SeqChunk(1, 130, list(range(7)), [2], [4, 3])]
     fb = build_forward_batch(chunks, layout, 2, "cpu")
     stager = PinnedStager(pin=False)
     for _ in range(2):  # the buffer is reused on the second step
