@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from . import errors
 from .chat import create_chat_completion
 from .completions import create_completion
-from .metrics import CONTENT_TYPE_LATEST
+from .metrics import CONTENT_TYPE
 from .state import ServerState
 
 
@@ -87,7 +87,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
 def _require_engine(state: ServerState) -> None:

@@ -43,8 +43,9 @@ def plan_chat(req: ChatCompletionRequest, state: ServerState) -> ChatPlan:
     prompt_ids = state.tokenizer.encode(_prompt_text(req, state, thinking) + prefill)
     top = _top_logprobs(req)
     info = state.info
-    max_tokens = resolve_max_tokens(req.max_completion_tokens or req.max_tokens, len(prompt_ids),
-                                    info.max_model_len, info.max_request_tokens, None, "messages")
+    limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = resolve_max_tokens(getattr(req, limit_param), len(prompt_ids), info.max_model_len,
+                                    info.max_request_tokens, None, "messages", limit_param)
     if req.n > MAX_N:
         raise bad_request(f"n: at most {MAX_N} choices per request, got {req.n}", "n")
     base = sampling_params(req, info.vocab_size, max_tokens, logprobs=top, skip_special_tokens=False)

@@ -128,14 +128,15 @@ class ChatCompletionRequest(SamplingFields):
         choice = self.tool_choice
         if choice is None:
             return "auto" if self.tools else "none"
-        if choice in ("required",) or isinstance(choice, NamedToolChoice):
-            if not self.tools:
-                raise bad_request("tool_choice: requires tools", "tool_choice")
-        if isinstance(choice, NamedToolChoice):
-            if choice.function.name not in {t.function.name for t in self.tools}:
-                raise bad_request(f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice")
-            return "named"
-        return choice
+        if choice in ("none", "auto"):
+            return choice
+        if not self.tools:
+            raise bad_request("tool_choice: requires tools", "tool_choice")
+        if choice == "required":
+            return choice
+        if choice.function.name not in {t.function.name for t in self.tools}:
+            raise bad_request(f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice")
+        return "named"
 
 
 class CompletionRequest(SamplingFields):
@@ -222,7 +223,7 @@ def sampling_params(req: SamplingFields, vocab_size: int, max_tokens: int, **ext
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, max_request_tokens: int,
-                       default: int | None, prompt_param: str) -> int:
+                       default: int | None, prompt_param: str, param: str = "max_tokens") -> int:
     """max_tokens for a prompt of `prompt_len` tokens: the request's, else `default` (None: up
     to the context), never past the context or what the KV cache can hold for one request."""
     limit = min(max_model_len, max_request_tokens)
@@ -233,11 +234,11 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
     if requested is None:
         return limit - prompt_len if default is None else min(default, limit - prompt_len)
     if requested < 1:
-        raise bad_request(f"max_tokens: must be >= 1, got {requested}", "max_tokens")
+        raise bad_request(f"{param}: must be >= 1, got {requested}", param)
     if prompt_len + requested > limit:
-        raise bad_request(f"max_tokens: this model's maximum context length is {limit} tokens; you "
+        raise bad_request(f"{param}: this model's maximum context length is {limit} tokens; you "
                           f"requested {prompt_len + requested} ({prompt_len} in the prompt, {requested} "
-                          f"for the completion)", "max_tokens")
+                          f"for the completion)", param)
     return requested
 
 

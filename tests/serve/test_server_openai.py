@@ -86,13 +86,17 @@ def test_completions_echo_and_logprobs(client, tok):
     assert "".join(lp.tokens) == choice.text and lp.text_offset[n_prompt] == len(prompt)
 
 
-def test_completions_token_ids_stream(client):
+def test_completions_token_ids_stream(client, tok):
     chunks = list(client.completions.create(model="dsv4-test", prompt=[100, 200, 300], max_tokens=6, stream=True,
                                             stream_options={"include_usage": True}, temperature=0, extra_body=NO_EOS))
     whole = client.completions.create(model="dsv4-test", prompt=[100, 200, 300], max_tokens=6, temperature=0,
                                       extra_body=NO_EOS)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].usage.prompt_tokens == 3 and chunks[-1].usage.completion_tokens == 6
+    echoed = client.completions.create(model="dsv4-test", prompt=[100, 200, 300], max_tokens=6, stream=True, echo=True,
+                                       temperature=0, extra_body=NO_EOS)
+    prompt_text = tok.decode([100, 200, 300], skip_special_tokens=True)
+    assert "".join(c.choices[0].text for c in echoed) == prompt_text + whole.choices[0].text
 
 
 def test_stop_strings_are_honoured_whole_and_streamed(client):
