@@ -8,10 +8,10 @@ the API process (its parent) is gone.
 
 `EngineCore` is the loop's logic without sockets, so it can be tested in-process. Failure
 rules: a request rejected by `add_request` fails alone with 400; an exception inside
-`step()` is narrowed down by running each request of the failed batch alone for one step
-(their state is unchanged by a step that raised before the bookkeeping, and a request
-simply advances by a solo step that succeeds); the ones that still fail are aborted and
-reported with 500, the others go on.
+`step()` is narrowed down by running each request of the failed batch (and the next one to
+admit) alone for one step (their state is unchanged by a step that raised before the
+bookkeeping, and a request simply advances by a solo step that succeeds); the ones that
+still fail are aborted and reported with 500, the others go on.
 """
 from __future__ import annotations
 
@@ -72,28 +72,39 @@ class EngineCore:
         return [self._forward(o) for o in outs if o.request_id in self._sent]
 
     def _isolate(self) -> list:
-        """Run each request of the failed batch alone for one step; abort those that fail."""
+        """Run each request the failed step may have touched (the running ones and the next
+        to admit) alone for one step; abort those that fail on their own."""
         sched = self.engine.scheduler
-        suspects, running, waiting = list(sched.running), sched.running, sched.waiting
+        suspects = list(sched.running) + list(sched.waiting)[:1]
         outs, culprits = [], []
         for req in suspects:
-            sched.running, sched.waiting = [req], deque()
             try:
-                outs += self.engine.step()
+                outs += self._solo_step(req)
             except Exception as e:  # noqa: BLE001
                 log.exception("request %s fails on its own", req.request_id)
                 culprits.append((req.request_id, f"{type(e).__name__}: {e}"))
-            finally:
-                preempted = list(sched.waiting)
-                sched.running, sched.waiting = running, waiting
-                waiting.extendleft(reversed(preempted))
-                if req.is_finished or req in preempted:
-                    running.remove(req)
         for rid, message in culprits:
             self.engine.abort(rid)
             self._sent.pop(rid, None)
             self._failures.append(RequestFailed(rid, 500, f"engine step failed: {message}"))
         return outs
+
+    def _solo_step(self, req) -> list:
+        """One engine step with `req` as the only request the scheduler can see."""
+        sched = self.engine.scheduler
+        running, waiting = sched.running, sched.waiting
+        was_waiting = req in waiting
+        sched.running, sched.waiting = ([], deque([req])) if was_waiting else ([req], deque())
+        try:
+            return self.engine.step()
+        finally:
+            solo_running, solo_waiting = sched.running, sched.waiting
+            sched.running, sched.waiting = running, waiting
+            (waiting if was_waiting else running).remove(req)
+            if req in solo_running:
+                running.append(req)
+            elif req in solo_waiting:
+                waiting.appendleft(req)      # not admitted, or preempted
 
     def _forward(self, out) -> TokenOutput:
         """Everything of `out` not forwarded before (a step that raised may have appended

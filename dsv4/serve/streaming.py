@@ -133,4 +133,19 @@ async def answer(request: Request, group: RequestGroup, tracker: RequestTracker,
     gone = await until_disconnected(request, first_output(group, tracker))
     if gone is not None:
         return gone
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"X-Request-Id": request_id})
+    return EngineStream(stream(), lambda: _end(group, tracker, "abort"), request_id)
+
+
+class EngineStream(StreamingResponse):
+    """An SSE response that ends its engine requests however it ends, even when the client
+    hangs up before the body generator ever ran (so its own `finally` never does)."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None], request_id: str):
+        super().__init__(body, media_type="text/event-stream", headers={"X-Request-Id": request_id})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()

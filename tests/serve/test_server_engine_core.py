@@ -80,26 +80,39 @@ def test_abort_frees_everything(core):
     assert_idle(core)
 
 
-def test_a_request_failing_inside_the_step_fails_alone(core):
+def _fail_for_bad(core, where: str) -> None:
+    """Make the engine raise whenever request "bad" is in a step: in the model run once it
+    has a token ("execute"), or when the scheduler reserves its pages ("reserve")."""
+    if where == "execute":
+        obj, name = core.engine.runner, "execute"
+        is_bad = lambda chunks: any(c.request.request_id == "bad" and c.request.output_token_ids for c in chunks)  # noqa: E731
+    else:
+        obj, name = core.engine.cache, "reserve"
+        is_bad = lambda req, n: req.request_id == "bad"  # noqa: E731
+    real = getattr(obj, name)
+
+    def failing(*args):
+        if is_bad(*args):
+            raise RuntimeError("kernel fault")
+        return real(*args)
+
+    setattr(obj, name, failing)
+
+
+@pytest.mark.parametrize("where", ["execute", "reserve"])
+def test_a_request_failing_inside_the_step_fails_alone(core, where):
     add(core, "x", [5, 6, 7])
     add(core, "y", [8, 9, 10, 11])
     expected = run(core)
-    runner = core.engine.runner
-    real_execute = runner.execute
-
-    def execute(chunks):
-        if any(c.request.request_id == "bad" and c.request.output_token_ids for c in chunks):
-            raise RuntimeError("kernel fault")
-        return real_execute(chunks)
-
-    runner.execute = execute
+    _fail_for_bad(core, where)
     add(core, "x2", [5, 6, 7])
     add(core, "bad", [1, 2, 3])
     add(core, "y2", [8, 9, 10, 11])
     got = run(core)
     (failure,) = core.take_failures()
     assert (failure.request_id, failure.status) == ("bad", 500) and "kernel fault" in failure.message
-    assert got["x2"] == expected["x"] and got["y2"] == expected["y"] and len(got["bad"]) == 1
+    assert got["x2"] == expected["x"] and got["y2"] == expected["y"]
+    assert len(got.get("bad", [])) == (1 if where == "execute" else 0)
     assert_idle(core)
 
 
