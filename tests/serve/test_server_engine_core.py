@@ -1,6 +1,7 @@
 """The engine-core loop without processes: intake, forwarding, abort, per-request failure
 isolation, stats, and the IPC messages it speaks."""
 import os
+import threading
 
 import msgspec
 import pytest
@@ -135,17 +136,27 @@ def test_messages_round_trip():
         ipc.decode_input(ipc.encode(ipc.StartupFailed("wrong direction")))
 
 
-def test_the_loop_stops_on_shutdown_and_without_its_parent(core):
+def test_the_loop_serves_over_sockets_until_shutdown(core):
     addresses = ipc.Addresses.new()
     ctx = zmq.Context()
     try:
         push, pull = ipc.api_sockets(ctx, addresses)
         inbox, outbox = ipc.engine_sockets(ctx, addresses)
         serve_loop(core, inbox, outbox, parent_pid=-1)           # no parent: returns at once
+        loop = threading.Thread(target=serve_loop, args=(core, inbox, outbox, os.getppid()))
+        loop.start()
         push.send(ipc.encode(ipc.AddRequest("a", [5, 6], GREEDY)))
+        tokens, finished = [], False
+        while not finished:
+            assert pull.poll(30_000), "no output from the engine loop"
+            message = ipc.decode_output(pull.recv())
+            for out in message.outputs:
+                tokens += out.token_ids
+                finished = out.finished
+        assert len(tokens) == GREEDY.max_tokens and message.stats.num_running == 0
         push.send(ipc.encode(ipc.Shutdown()))
-        serve_loop(core, inbox, outbox, parent_pid=os.getppid())
-        assert not pull.poll(0)        # shut down before taking the request in
+        loop.join(30)
+        assert not loop.is_alive()
     finally:
         ctx.destroy(linger=0)
         addresses.remove()
