@@ -44,7 +44,6 @@ def run(args) -> int:
         info = server.start_engine()
     except EngineStartError as e:
         return _fail(f"the engine could not start: {e}")
-    print(f"dsv4 serve: {info.memory_report}", flush=True)
 
     def ready() -> None:
         print(f"dsv4 serve: ready at {server.url} (model {', '.join(names)}, max_model_len "
