@@ -102,7 +102,15 @@ class EngineClient:
         self._outbox = asyncio.Queue()
         push, pull = (zmq.asyncio.Socket.from_socket(s) for s in (self._push, self._pull))
         self._tasks = [loop.create_task(self._send_loop(push)), loop.create_task(self._receive_loop(pull))]
+        for task in self._tasks:
+            task.add_done_callback(self._task_done)
         loop.add_reader(self.process.sentinel, self._engine_died)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        """A socket task that fails leaves no way to reach the engine: treat it as dead."""
+        if not task.cancelled() and task.exception() is not None:
+            log.error("lost the engine core's sockets", exc_info=task.exception())
+            self._engine_died()
 
     @property
     def alive(self) -> bool:
@@ -156,7 +164,7 @@ class EngineClient:
             return
         self._dead = True
         asyncio.get_running_loop().remove_reader(self.process.sentinel)
-        log.error("the engine core died (exit code %s); failing %d request(s) in flight",
+        log.error("the engine core is gone (exit code %s); failing %d request(s) in flight",
                   self.process.exitcode, len(self.groups))
         for rid, group in list(self.groups.items()):
             group.put(rid, EngineDead())

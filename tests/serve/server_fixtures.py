@@ -3,10 +3,12 @@
 * `real_server` (session): `python -m dsv4.cli serve --port 0 ...` as a subprocess on the
   demo checkpoint (a random tiny model with the bundled test tokenizer until the trained
   demo lands), with an API key, reached at `real_server.base_url`.
-* `fake_server` (session) / `start_fake_server()`: the real API process in a thread of this
+* `fake_server` (session) / `fake_server_factory`: the real API process in a thread of this
   process, wired over the same IPC protocol to `fake_engine_core`, a scripted engine core
   whose replies are fixed texts chosen by a `[[key]]` marker in the prompt (see SCRIPTS).
-  Random weights never write `</think>` or DSML; the scripts do.
+  Random weights never write `</think>` or DSML; the scripts do. Markers beyond SCRIPTS:
+  [[fail]] (500 after one token), [[endless]] (one token per 20 ms until aborted),
+  [[crash]] (the core exits), [[garbage]] (the core sends an undecodable frame).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ STEP_S, SLOW_STEP_S = 0.002, 0.02
 class _Script:
     def __init__(self, tok, msg: AddRequest):
         text = tok.decode(msg.prompt_token_ids)
-        key = next((k for k in ("crash", "fail", "endless", *SCRIPTS) if f"[[{k}]]" in text), "plain")
+        key = next((k for k in ("crash", "garbage", "fail", "endless", *SCRIPTS) if f"[[{k}]]" in text), "plain")
         if key.endswith("_rest") and not text.endswith(("tool_calls>\n", '">\n')):
             key = "plain"                                # the prompt lacks the forced prefill
         self.key, self.params, self.rid = key, msg.params, msg.request_id
@@ -94,6 +96,8 @@ def fake_engine_core(model_dir, config, addresses, parent_pid) -> None:
                 script = _Script(tok, msg)
                 if script.key == "crash":
                     os._exit(3)
+                if script.key == "garbage":
+                    outbox.send(b"\xc1 not msgpack")
                 active[msg.request_id] = script
         results = [s.next_output() for s in list(active.values())]
         for r in results:

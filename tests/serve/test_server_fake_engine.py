@@ -178,6 +178,15 @@ def test_engine_death_fails_requests_in_flight_and_stops_the_server(fake_server_
     assert server.exit_code == 1
 
 
+def test_an_undecodable_engine_message_is_treated_as_engine_death(fake_server_factory):
+    server = fake_server_factory()
+    with httpx.Client(base_url=server.base_url, trust_env=False, timeout=30) as http:
+        r = http.post("/v1/chat/completions", json={"messages": user("[[garbage]]")})
+        assert r.status_code == 500 and "engine core died" in r.json()["error"]["message"]
+    server.thread.join(30)
+    assert server.exit_code == 1
+
+
 def test_health_and_generation_answer_503_while_the_engine_is_down():
     from types import SimpleNamespace
 
