@@ -11,7 +11,7 @@ import zmq
 from dsv4.config import EngineConfig
 from dsv4.engine.sampling_params import SamplingParams
 from dsv4.serve import ipc
-from dsv4.serve.engine_core import EngineCore, ready_message, serve_loop
+from dsv4.serve.engine_core import EngineCore, _startup_message, ready_message, serve_loop
 
 pytest_plugins = ["serve.server_fixtures"]
 
@@ -121,6 +121,13 @@ def test_ready_message_describes_the_engine(core):
     ready = ready_message(core.engine)
     assert ready.max_model_len == 512 and ready.num_pages == 8 and ready.vocab_size == core.engine.cfg.vocab_size
     assert ready.max_request_tokens == 512 and "KV cache" in ready.memory_report
+
+
+def test_start_up_failures_name_the_model_and_memory():
+    assert _startup_message("/m", FileNotFoundError("no config.json")) == \
+        "cannot load model '/m': FileNotFoundError: no config.json"
+    for error in (MemoryError(), RuntimeError("CUDA out of memory. Tried to allocate 2 GiB")):
+        assert "--cache-memory-gb" in _startup_message("/m", error)
 
 
 def test_messages_round_trip():

@@ -62,6 +62,16 @@ def test_alias_and_omitted_model_name_are_accepted(real_server, http):
     for body in ({"model": "dsv4-alias"}, {}):
         r = http.post("/v1/chat/completions", json={**body, "messages": MESSAGES, "max_tokens": 2})
         assert r.status_code == 200 and r.headers["x-request-id"] == r.json()["id"]
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers={"X-Request-Id": "abc"})
+    assert r.json()["id"] == r.headers["x-request-id"] == "cmpl-abc"
+
+
+def test_completions_batch_of_prompts_with_n(client, tok):
+    r = client.completions.create(model="dsv4-test", prompt=["one", "two words"], n=2, max_tokens=3, seed=1,
+                                  extra_body=NO_EOS)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == len(tok.encode("one")) + len(tok.encode("two words"))
+    assert r.usage.completion_tokens == 12
 
 
 def test_chat_logprobs_cover_every_token(client):
