@@ -8,7 +8,6 @@ dies).
 """
 from __future__ import annotations
 
-import logging
 import socket
 import sys
 from collections.abc import Callable
@@ -23,7 +22,6 @@ from .engine_core import run_engine_core
 from .ipc import Ready
 from .state import ServerState
 
-log = logging.getLogger("dsv4.serve")
 GRACEFUL_SHUTDOWN_S = 5
 
 
@@ -77,12 +75,12 @@ class APIServer:
     def serve(self, on_ready: Callable[[], None] | None = None) -> int:
         """Run until stopped (Ctrl-C, `stop()`) or the engine dies; 1 when it died."""
         s = self.settings
-        state = ServerState.create(self.client, s.model_dir, s.model_names, s.api_key)
-        self.client.on_death = self._engine_died
-        config = uvicorn.Config(build_app(state, on_ready), log_level=s.log_level,
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        self.uvicorn = uvicorn.Server(config)
         try:
+            state = ServerState.create(self.client, s.model_dir, s.model_names, s.api_key)
+            self.client.on_death = self._engine_died
+            config = uvicorn.Config(build_app(state, on_ready), log_level=s.log_level,
+                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+            self.uvicorn = uvicorn.Server(config)
             self.uvicorn.run(sockets=[self.sock])
         except KeyboardInterrupt:
             pass   # uvicorn re-raises Ctrl-C after its graceful shutdown
