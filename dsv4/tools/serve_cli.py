@@ -25,12 +25,12 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..engine.llm import default_model_dir
+    from ..assets import demo_model_dir
     from ..serve.engine_client import EngineStartError
     from ..serve.server import APIServer, ServeSettings
 
     config = engine_config(args)
-    model_dir = args.model or default_model_dir()
+    model_dir = args.model or demo_model_dir()
     _check_model_dir(model_dir)
     names = args.served_model_name or [args.model or DEMO_NAME]
     settings = ServeSettings(model_dir=model_dir, model_names=names, engine=config, host=args.host,
