@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..engine.sampling_params import SamplingParams
 from .errors import APIError, bad_request, from_value_error, validation_error
@@ -24,6 +24,12 @@ IMAGE_PARTS = ("image_url", "input_image", "image")
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """`"field": null` is the same as leaving the field out (OpenAI accepts both)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(_Model):

@@ -66,6 +66,13 @@ def test_alias_and_omitted_model_name_are_accepted(real_server, http):
     assert r.json()["id"] == r.headers["x-request-id"] == "cmpl-abc"
 
 
+def test_null_fields_mean_their_defaults(http):
+    nulls = dict.fromkeys(("n", "stream", "logprobs", "top_logprobs", "temperature", "stop", "seed", "tools",
+                           "tool_choice", "stream_options", "ignore_eos", "min_tokens"))
+    r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2, **nulls})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 1
+
+
 def test_completions_batch_of_prompts_with_n(client, tok):
     r = client.completions.create(model="dsv4-test", prompt=["one", "two words"], n=2, max_tokens=3, seed=1,
                                   extra_body=NO_EOS)
