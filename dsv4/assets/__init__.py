@@ -16,9 +16,9 @@ def demo_model_dir() -> str:
 
 
 def _random_demo() -> str:
-    from ..model.random_init import preset_config, random_state, save_checkpoint
     out = os.path.join(os.path.expanduser(os.environ.get("DSV4_CACHE", "~/.cache/dsv4")), "demo-random")
     if not os.path.isfile(os.path.join(out, "config.json")):
+        from ..model.random_init import preset_config, random_state, save_checkpoint
         tok_dir = os.path.join(ASSETS, "test_tokenizer")
         vocab = _tokenizer_vocab(tok_dir)
         cfg = preset_config("tiny", **({"vocab_size": vocab} if vocab else {}))
