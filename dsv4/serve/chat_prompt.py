@@ -15,6 +15,7 @@ from ..engine.sampling_params import SamplingParams
 from .dsml import BLOCK_OPEN, BLOCK_SEPARATOR, INVOKE_OPEN
 from .encoding import encode_messages
 from .errors import bad_request
+from .release import normalize_effort
 from .protocol import (ChatCompletionRequest, check_messages, check_model, check_response_format,
                        check_tools, resolve_max_tokens, sampling_params)
 from .state import ServerState
@@ -38,9 +39,10 @@ def plan_chat(req: ChatCompletionRequest, state: ServerState) -> ChatPlan:
     check_messages(req)
     check_tools(req.tools)
     mode = req.tool_choice_mode()
-    thinking = req.thinking and mode not in ("required", "named")
+    effort, thinking_allowed = normalize_effort(state.release, req.reasoning_effort)
+    thinking = req.thinking and thinking_allowed and mode not in ("required", "named")
     prefill = _prefill(req, mode)
-    prompt_ids = state.tokenizer.encode(_prompt_text(req, state, thinking) + prefill)
+    prompt_ids = state.tokenizer.encode(_prompt_text(req, state, thinking, effort) + prefill)
     top = _top_logprobs(req)
     info = state.info
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -58,11 +60,11 @@ def per_choice(params: SamplingParams) -> list[SamplingParams]:
             for i in range(params.n)]
 
 
-def _prompt_text(req: ChatCompletionRequest, state: ServerState, thinking: bool) -> str:
+def _prompt_text(req: ChatCompletionRequest, state: ServerState, thinking: bool, effort: str | None) -> str:
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
-        return encode_messages(messages, thinking=thinking, reasoning_effort=req.reasoning_effort,
+        return encode_messages(messages, thinking=thinking, reasoning_effort=effort,
                                tools=tools, response_format=check_response_format(req.response_format),
                                release=state.release)
     except ValueError as e:

@@ -45,6 +45,23 @@ _PREFIXES = {
 REASONING_EFFORTS = {release: tuple(prefixes) for release, prefixes in _PREFIXES.items()}
 
 
+# OpenAI's effort names -> the release's own (server policy, as vLLM maps them); "none"
+# turns thinking off instead.
+_OPENAI_EFFORTS = {
+    "preview": {"minimal": None, "low": None, "medium": None, "xhigh": "high"},
+    "0731": {"minimal": "low", "medium": "low", "xhigh": "high"},
+}
+
+
+def normalize_effort(release: str, reasoning_effort: str | None) -> tuple[str | None, bool]:
+    """(the release's effort, whether thinking stays allowed) for an OpenAI-style effort."""
+    if reasoning_effort == "none":
+        return None, False
+    if reasoning_effort in _PREFIXES.get(release, {}):
+        return reasoning_effort, True
+    return _OPENAI_EFFORTS.get(release, {}).get(reasoning_effort, reasoning_effort), True
+
+
 def effort_prefix(release: str, reasoning_effort: str | None, thinking: bool) -> str:
     """The text that follows BOS; raises ValueError for an effort the release does not know."""
     if release not in _PREFIXES:

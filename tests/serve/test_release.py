@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from dsv4.serve.release import REASONING_EFFORTS, RELEASES, detect_release, effort_prefix
+from dsv4.serve.release import REASONING_EFFORTS, RELEASES, detect_release, effort_prefix, normalize_effort
 
 # Module-level names of the two reference encoders, as the checkpoints ship them in
 # encoding/encoding_dsv4.py (only these assignments matter to the detection).
@@ -58,3 +58,13 @@ def test_prefixes_only_in_thinking_mode():
     assert effort_prefix("0731", "max", thinking=False) == ""
     assert effort_prefix("0731", "max", thinking=True).startswith("Reasoning Effort: Beyond maximum")
     assert effort_prefix("0731", "high", thinking=True) == effort_prefix("preview", "max", thinking=True)
+
+
+@pytest.mark.parametrize("release,given,want", [
+    ("0731", "medium", ("low", True)), ("0731", "minimal", ("low", True)), ("0731", "xhigh", ("high", True)),
+    ("0731", "max", ("max", True)), ("0731", "none", (None, False)), ("preview", "low", (None, True)),
+    ("preview", "medium", (None, True)), ("preview", "high", ("high", True)), ("preview", None, (None, True)),
+    ("0731", "bogus", ("bogus", True)),
+])
+def test_openai_effort_names_map_to_the_release(release, given, want):
+    assert normalize_effort(release, given) == want
