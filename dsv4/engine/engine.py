@@ -73,9 +73,10 @@ class LLMEngine:
         total = (p.num_pages * lay.page_bytes(elem) + p.num_swa_pages * lay.swa_page_bytes(elem)
                  + p.max_num_seqs * lay.ring_bytes(elem))
         per_request = -(-self.max_model_len // 256)
+        fit = min(p.num_pages // max(per_request, 1), p.max_num_seqs)   # pages and state slots both bound it
         return (f"KV cache: {p.num_pages} history pages x 256 tokens = {p.max_tokens} tokens, "
                 f"{p.num_swa_pages} sliding-window pages, {p.max_num_seqs} request slots, "
-                f"{total / 2**20:.1f} MiB; {p.num_pages // max(per_request, 1)} request(s) of "
+                f"{total / 2**20:.1f} MiB; {fit} request(s) of "
                 f"max_model_len {self.max_model_len} fit at once")
 
     # ---- requests -------------------------------------------------------------------
@@ -93,9 +94,9 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if not ids:
             raise ValueError("prompt: must contain at least one token")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.cfg.vocab_size]
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size]
         if bad:
-            raise ValueError(f"prompt_token_ids: token id {bad[0]!r} is outside the vocabulary "
+            raise ValueError(f"prompt_token_ids: {bad[0]!r} is not a token id of the vocabulary "
                              f"[0, {self.cfg.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens do not fit max_model_len {self.max_model_len} "
@@ -105,9 +106,13 @@ class LLMEngine:
         if total > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds max_model_len {self.max_model_len}")
-        if not self.cache.fits_ever(total, self.config.max_num_batched_tokens):
-            raise ValueError(f"max_tokens: a request of {total} tokens cannot fit the KV cache "
-                             f"({self.plan.num_pages} pages of 256 tokens) even alone")
+        chunk = self.config.max_num_batched_tokens
+        if not self.cache.fits_ever(total, chunk):
+            # name the prompt when it cannot fit even with a single generated token
+            field = "max_tokens" if self.cache.fits_ever(len(ids) + 1, chunk) else "prompt"
+            raise ValueError(f"{field}: a request of {total} tokens (prompt {len(ids)} + max_tokens "
+                             f"{params.max_tokens}) cannot fit the KV cache ({self.plan.num_pages} pages "
+                             f"of 256 tokens) even alone")
 
     def abort(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
@@ -129,7 +134,7 @@ class LLMEngine:
         outputs = []
         for i, c in enumerate(chunks):
             req = c.request
-            if req.wants_prompt_logprobs and step.num_rows[i] > 1:
+            if req.wants_prompt_logprobs and req.num_computed < len(req.prompt_token_ids):   # rows: all
                 self._record_prompt_logprobs(req, c, step, i)
             req.num_computed += c.num_tokens
             self.cache.trim(req)

@@ -39,13 +39,20 @@ class LLM:
         params = list(params) if isinstance(params, Sequence) else [params] * len(token_lists)
         if len(params) != len(token_lists):
             raise ValueError(f"sampling_params: {len(params)} given for {len(token_lists)} prompts")
+        for p in params:      # n is consumed here, before the engine sees (and checks) a request
+            p.validate(self.engine.cfg.vocab_size)
         ids = []
-        for tokens, p in zip(token_lists, params):
-            for k in range(p.n):
-                child = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + k)
-                rid = str(next(self._ids))
-                self.engine.add_request(rid, list(tokens), child)
-                ids.append(rid)
+        try:
+            for tokens, p in zip(token_lists, params):
+                for k in range(p.n):
+                    child = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + k)
+                    rid = str(next(self._ids))
+                    self.engine.add_request(rid, list(tokens), child)
+                    ids.append(rid)
+        except BaseException:
+            for rid in ids:   # a bad prompt fails the call: leave none of its requests queued
+                self.engine.abort(rid)
+            raise
         return self._run(ids, use_tqdm and len(ids) > 1)
 
     def _token_lists(self, prompts, prompt_token_ids) -> list[list[int]]:

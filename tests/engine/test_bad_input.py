@@ -1,0 +1,120 @@
+"""Bad requests are refused at `add_request` with a ValueError that names the field, cost
+nothing, and the engine keeps serving the requests it already has (DESIGN §7)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dsv4.config import ConfigError, EngineConfig
+from dsv4.engine.engine import LLMEngine
+from dsv4.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MAX_MODEL_LEN = 64
+ENGINE = dict(max_num_batched_tokens=16, max_num_seqs=4, num_pages=4, max_model_len=MAX_MODEL_LEN)
+
+
+def greedy(max_tokens=20, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def drain(engine, max_steps=500) -> dict[str, list[int]]:
+    done = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return done
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    raise AssertionError("engine did not finish")
+
+
+@pytest.fixture(scope="module")
+def good_prompt(tiny):
+    return tiny.ids(20, seed=81)
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tiny, good_prompt):
+    eng = tiny.engine(**ENGINE)
+    eng.add_request("good", good_prompt, greedy())
+    return drain(eng)["good"]
+
+
+V = 512  # the tiny preset's vocabulary (checked below)
+OK = [5, 6, 7]
+CASES = {
+    "empty prompt": ([], greedy(), "prompt"),
+    "token id = vocab size": ([1, 2, V], greedy(), "prompt_token_ids"),
+    "negative token id": ([1, -1, 2], greedy(), "prompt_token_ids"),
+    "float token id": ([1, 2.0], greedy(), "prompt_token_ids"),
+    "bool token id": ([1, True], greedy(), "prompt_token_ids"),
+    "max_tokens 0": (OK, greedy(0), "max_tokens"),
+    "max_tokens -3": (OK, greedy(-3), "max_tokens"),
+    "max_tokens not an int": (OK, greedy(2.5), "max_tokens"),
+    "temperature < 0": (OK, SamplingParams(temperature=-0.1), "temperature"),
+    "temperature nan": (OK, SamplingParams(temperature=math.nan), "temperature"),
+    "top_p 0": (OK, SamplingParams(top_p=0.0), "top_p"),
+    "top_p > 1": (OK, SamplingParams(top_p=1.5), "top_p"),
+    "top_p < 0": (OK, SamplingParams(top_p=-0.2), "top_p"),
+    "prompt = max_model_len": (list(range(MAX_MODEL_LEN)), greedy(1), "prompt"),
+    "prompt > max_model_len": (list(range(MAX_MODEL_LEN + 30)), greedy(1), "prompt"),
+    "prompt + max_tokens > max_model_len": (list(range(MAX_MODEL_LEN - 10)), greedy(11), "max_tokens"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_request_is_refused_and_engine_keeps_serving(tiny, h, good_prompt, undisturbed, case):
+    assert tiny.cfg.vocab_size == V
+    prompt, params, field = CASES[case]
+    eng = tiny.engine(**ENGINE)
+    initial = h.free_counts(eng)
+    eng.add_request("good", good_prompt, greedy())
+    eng.step()
+    eng.step()
+    before = h.free_counts(eng)
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        eng.add_request("bad", prompt, params)
+    assert h.free_counts(eng) == before, "a refused request took cache"
+    assert set(eng.requests) == {"good"}
+    assert [r.request_id for r in eng.scheduler.running + list(eng.scheduler.waiting)] == ["good"]
+    eng.add_request("bad", OK, greedy(3))          # the refused id left nothing behind
+    done = drain(eng)
+    assert done["good"] == undisturbed and len(done["bad"]) == 3
+    assert h.free_counts(eng) == initial
+
+
+def test_duplicate_request_id_is_refused(tiny, good_prompt):
+    eng = tiny.engine(**ENGINE)
+    eng.add_request("a", good_prompt, greedy())
+    with pytest.raises(ValueError, match=r"^request_id: "):
+        eng.add_request("a", OK, greedy())
+    assert len(eng.scheduler.waiting) == 1 and eng.scheduler.waiting[0].prompt_token_ids == good_prompt
+
+
+@pytest.fixture(scope="module")
+def short_model(tmp_path_factory):
+    """A tiny checkpoint whose model allows only 128 positions."""
+    from dsv4.model.random_init import preset_config, random_state, save_checkpoint
+    cfg = preset_config("tiny", max_position_embeddings=128)
+    path = str(tmp_path_factory.mktemp("short-model"))
+    save_checkpoint(cfg, random_state(cfg, seed=3), path)
+    return path
+
+
+def test_prompt_longer_than_the_model_allows(short_model):
+    eng = LLMEngine(short_model, EngineConfig(max_num_batched_tokens=64, max_num_seqs=2, num_pages=4))
+    assert eng.max_model_len == 128      # 4 pages would hold 1024 tokens: the model is the limit
+    with pytest.raises(ValueError, match=r"^prompt: 128 tokens do not fit max_model_len 128"):
+        eng.add_request("long", [3] * 128, greedy(1))
+    with pytest.raises(ValueError, match=r"^max_tokens: "):
+        eng.add_request("long", [3] * 100, greedy(29))
+    eng.add_request("ok", [3] * 100, greedy(28))
+    assert len(drain(eng)["ok"]) == 28
+
+
+def test_max_model_len_above_the_models_is_a_config_error(short_model):
+    with pytest.raises(ConfigError, match="max_model_len") as e:
+        LLMEngine(short_model, EngineConfig(max_num_batched_tokens=64, max_num_seqs=2, num_pages=4,
+                                            max_model_len=129))
+    assert isinstance(e.value, ValueError) and e.value.field == "max_model_len"

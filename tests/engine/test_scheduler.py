@@ -1,0 +1,150 @@
+"""Scheduler (DESIGN §5): continuous batching under a token budget, decodes first, then
+running prefills, then waiting requests in arrival order; pages reserved up front for the
+whole step; preemption by recompute frees everything and takes the newest request first.
+No model here: steps are simulated (num_computed advances, a token is appended on completion).
+"""
+from __future__ import annotations
+
+from dsv4.cache.layout import CacheLayout, CachePlan
+from dsv4.cache.manager import CacheManager
+from dsv4.engine.request import Request, Status
+from dsv4.engine.sampling_params import SamplingParams
+from dsv4.engine.scheduler import Scheduler
+from dsv4.model.random_init import preset_config
+
+
+def make(budget=32, max_seqs=4, num_pages=8, num_swa_pages=32) -> Scheduler:
+    layout = CacheLayout(preset_config("tiny"))
+    return Scheduler(CacheManager(layout, CachePlan(num_pages, num_swa_pages, max_seqs)), budget, max_seqs)
+
+
+_arrivals = iter(range(10**6))
+
+
+def add(sched: Scheduler, rid: str, prompt_len: int, arrival: int | None = None) -> Request:
+    req = Request(rid, [3] * prompt_len, SamplingParams(),
+                  arrival=next(_arrivals) if arrival is None else arrival)
+    sched.add(req)
+    return req
+
+
+def step(sched: Scheduler) -> list[tuple[str, int]]:
+    """Schedule, check the reservations, then do what LLMEngine.step does to the requests."""
+    chunks = sched.schedule()
+    assert sum(c.num_tokens for c in chunks) <= sched.max_tokens
+    assert len(chunks) <= sched.max_seqs
+    assert len({c.request.request_id for c in chunks}) == len(chunks)
+    for c in chunks:
+        req = c.request
+        assert req.status is Status.RUNNING and req.slot is not None
+        assert len(req.pages) * 256 >= req.num_computed + c.num_tokens, "history pages not reserved"
+    out = [(c.request.request_id, c.num_tokens) for c in chunks]
+    for c in chunks:
+        completes = c.completes
+        c.request.num_computed += c.num_tokens
+        sched.cache.trim(c.request)
+        if completes:
+            c.request.output_token_ids.append(7)
+    return out
+
+
+def holds_nothing(req: Request) -> bool:
+    return not req.pages and not any(p >= 0 for p in req.swa_pages) and req.slot is None
+
+
+def test_decodes_first_then_prefills_then_waiting_under_the_budget():
+    sched = make(budget=32)
+    add(sched, "a", 10)
+    add(sched, "b", 100)
+    add(sched, "c", 5)
+    assert step(sched) == [("a", 10), ("b", 22)]           # c does not fit the budget yet
+    assert step(sched) == [("a", 1), ("b", 31)]            # a decodes first
+    assert step(sched) == [("a", 1), ("b", 31)]
+    assert step(sched) == [("a", 1), ("b", 16), ("c", 5)]  # b's last chunk; c admitted behind it
+    assert step(sched) == [("a", 1), ("b", 1), ("c", 1)]   # all decoding
+
+
+def test_chunked_prefill_covers_the_prompt_exactly():
+    sched = make(budget=37)
+    req = add(sched, "long", 300)
+    chunks = []
+    while req.num_computed < 300:
+        chunks += [n for _, n in step(sched)]
+    assert chunks == [37] * 8 + [4] and req.output_token_ids == [7]
+
+
+def test_max_num_seqs_limits_running_requests():
+    sched = make(budget=64, max_seqs=2)
+    a, _, c = add(sched, "a", 4), add(sched, "b", 4), add(sched, "c", 4)
+    assert step(sched) == [("a", 4), ("b", 4)]
+    assert step(sched) == [("a", 1), ("b", 1)] and c.status is Status.WAITING and holds_nothing(c)
+    sched.finish(a)
+    assert a.status is Status.FINISHED and holds_nothing(a)
+    assert step(sched) == [("b", 1), ("c", 4)]
+
+
+def test_admission_reserves_pages_up_front():
+    """A waiting request is admitted only when all its chunk's pages are free; until then it
+    holds nothing, and the requests behind it wait too (arrival order)."""
+    sched = make(budget=512, num_pages=2)
+    a = add(sched, "a", 400)                                # 2 pages
+    b, c = add(sched, "b", 100), add(sched, "c", 10)
+    assert step(sched) == [("a", 400)]
+    assert holds_nothing(b) and holds_nothing(c) and list(sched.waiting) == [b, c]
+    assert sched.cache.pages.num_free == 0
+    sched.finish(a)
+    assert step(sched) == [("b", 100), ("c", 10)]
+
+
+def test_preemption_takes_the_newest_and_frees_everything():
+    sched = make(budget=64, num_pages=2)
+    a, b = add(sched, "a", 250), add(sched, "b", 200)
+    step(sched)
+    while a.num_computed < 250 or b.num_computed < 200:
+        step(sched)
+    free_before = sched.cache.pages.num_free
+    assert free_before == 0 and b.output_token_ids
+    outputs = list(b.output_token_ids)
+    while a.num_computed <= 256:                              # a needs its second page at 256
+        step(sched)
+    assert b.status is Status.WAITING and b.num_preemptions == 1 and b.num_computed == 0
+    assert holds_nothing(b) and sched.waiting[0] is b
+    assert b.output_token_ids[:len(outputs)] == outputs       # generated tokens survive (recompute)
+    assert a.num_preemptions == 0 and len(a.pages) == 2
+    sched.finish(a)
+    assert holds_nothing(a)
+    chunks = step(sched)
+    assert chunks == [("b", 64)]                              # recompute of prompt + outputs, chunked
+    assert b.num_tokens == 200 + len(b.output_token_ids)
+
+
+def test_a_request_preempts_itself_rather_than_an_older_one():
+    """When the request that needs a page is newer than every unscheduled running request, it
+    is the one preempted; the older one (here: re-admitted after the newer one, as after a
+    preemption, and still prefilling) keeps its pages."""
+    sched = make(budget=8, num_pages=2)
+    new = add(sched, "new", 250, arrival=1)
+    while new.num_computed < 250:
+        step(sched)
+    old = add(sched, "old", 250, arrival=0)
+    while True:
+        chunks = step(sched)
+        if new.status is not Status.RUNNING:
+            break
+        assert chunks[0] == ("new", 1)                        # decodes go first
+    assert chunks == [("old", 8)]                             # preempted in this step: old gets the budget
+    assert new.num_computed == 0 and new.num_preemptions == 1 and holds_nothing(new)
+    assert sched.waiting[0] is new
+    assert old.status is Status.RUNNING and old.num_preemptions == 0 and len(old.pages) == 1
+    assert 0 < old.num_computed < 250                         # it was prefilling, not scheduled yet
+
+
+def test_finish_frees_waiting_and_running_requests():
+    sched = make(budget=16)
+    a, b = add(sched, "a", 40), add(sched, "b", 40)
+    step(sched)
+    assert a.pages and holds_nothing(b)
+    sched.finish(a, Status.ABORTED)
+    sched.finish(b, Status.ABORTED)
+    assert holds_nothing(a) and holds_nothing(b) and not sched.has_work()
+    assert sched.cache.pages.num_free == 8 and len(sched.cache.free_slots) == 4
