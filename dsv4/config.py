@@ -404,6 +404,7 @@ class EngineConfig:
     cache_memory_gb: float | None = None   # cache budget; None: 1 GiB on CPU, 90% of free on GPU
     spec_slots: int = 0                    # S: speculative tokens the private state can roll back
     seed: int = 0
+    ops_backend: str = "auto"              # auto: Triton kernels on CUDA; reference: torch ops only
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs"):
@@ -417,3 +418,5 @@ class EngineConfig:
             raise ConfigError("num_pages", f"expected a positive integer, got {self.num_pages}")
         if self.spec_slots < 0:
             raise ConfigError("spec_slots", f"expected >= 0, got {self.spec_slots}")
+        if self.ops_backend not in ("auto", "reference"):
+            raise ConfigError("ops_backend", f"expected 'auto' or 'reference', got {self.ops_backend!r}")

@@ -26,7 +26,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class LLMEngine:
     def __init__(self, model_dir: str, config: EngineConfig = EngineConfig(), model=None, tokenizer=None):
         from ..model.weights import load_model
+        from ..ops.backend import set_backend
         self.config = config
+        set_backend(config.ops_backend)
         self.model = model if model is not None else load_model(model_dir, config.device, DTYPES[config.dtype])
         self.cfg = self.model.cfg
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_dir)

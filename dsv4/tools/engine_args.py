@@ -17,6 +17,7 @@ HELP = {
     "cache_memory_gb": "KV cache budget in GiB (default: 1 on CPU, 90%% of free GPU memory)",
     "spec_slots": "speculative tokens the private cache state can roll back",
     "seed": "engine seed for unseeded sampling",
+    "ops_backend": "auto (Triton kernels on CUDA) or reference (torch ops only)",
 }
 
 
