@@ -39,7 +39,7 @@ def dsv4_logits(model_dir: str, ids: list[int]) -> tuple[torch.Tensor, torch.Ten
     def batch(tokens):
         chunk = SeqChunk(slot=0, start=0, token_ids=list(tokens), page_table=list(range(pages)),
                          swa_table=list(range(swa_pages)), logits="all")
-        return build_forward_batch([chunk], layout, 1, "cpu")
+        return build_forward_batch([chunk], layout, pools.ring_slots, "cpu")
 
     fb = batch(ids[:-2])
     h = model(fb, pools)

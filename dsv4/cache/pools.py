@@ -17,26 +17,34 @@ from ..config import CSA_RATIO, HCA_RATIO
 
 
 class KVPools:
+    """Each pool has one extra page (and the rings one extra slot) past what the allocator
+    hands out: a scratch target for the padding rows of fixed-shape (CUDA graph) steps,
+    written but never read."""
+
     def __init__(self, layout: CacheLayout, plan: CachePlan, dtype: torch.dtype, device):
         self.layout, self.plan = layout, plan
         c = layout.cfg
-        D, Di, seqs = c.head_dim, c.index_head_dim, plan.max_num_seqs
+        self.scratch_page, self.scratch_swa_page, self.scratch_slot = (plan.num_pages, plan.num_swa_pages,
+                                                                       plan.max_num_seqs)
+        self.ring_slots = plan.max_num_seqs + 1
+        D, Di, seqs = c.head_dim, c.index_head_dim, self.ring_slots
+        pages, swa_pages = plan.num_pages + 1, plan.num_swa_pages + 1
 
         def empty(rows, dim):
             return torch.zeros(rows, dim, dtype=dtype, device=device)
 
-        self.swa = [empty(plan.num_swa_pages * SWA_PAGE_TOKENS, D) for _ in range(layout.num_swa_layers)]
+        self.swa = [empty(swa_pages * SWA_PAGE_TOKENS, D) for _ in range(layout.num_swa_layers)]
         self.c4, self.idx, self.c128 = {}, {}, {}
         self.ring_kv, self.ring_gate, self.iring_kv, self.iring_gate = {}, {}, {}, {}
         for layer in layout.csa_layers:
-            self.c4[layer] = empty(plan.num_pages * (PAGE_TOKENS // CSA_RATIO), D)
-            self.idx[layer] = empty(plan.num_pages * (PAGE_TOKENS // CSA_RATIO), Di)
+            self.c4[layer] = empty(pages * (PAGE_TOKENS // CSA_RATIO), D)
+            self.idx[layer] = empty(pages * (PAGE_TOKENS // CSA_RATIO), Di)
             self.ring_kv[layer] = empty(seqs * layout.csa_ring, 2 * D)
             self.ring_gate[layer] = empty(seqs * layout.csa_ring, 2 * D)
             self.iring_kv[layer] = empty(seqs * layout.csa_ring, 2 * Di)
             self.iring_gate[layer] = empty(seqs * layout.csa_ring, 2 * Di)
         for layer in layout.hca_layers:
-            self.c128[layer] = empty(plan.num_pages * (PAGE_TOKENS // HCA_RATIO), D)
+            self.c128[layer] = empty(pages * (PAGE_TOKENS // HCA_RATIO), D)
             self.ring_kv[layer] = empty(seqs * layout.hca_ring, D)
             self.ring_gate[layer] = empty(seqs * layout.hca_ring, D)
 

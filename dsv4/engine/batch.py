@@ -26,8 +26,9 @@ class SeqChunk:
     extra: dict = field(default_factory=dict)
 
 
-def build_forward_batch(chunks: list[SeqChunk], layout: CacheLayout, max_num_seqs: int,
+def build_forward_batch(chunks: list[SeqChunk], layout: CacheLayout, ring_slots: int,
                         device, stager: "PinnedStager | None" = None) -> ForwardBatch:
+    """`ring_slots`: request slots the pools' rings have (KVPools.ring_slots)."""
     lens = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.long)
     starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
     slots = torch.tensor([c.slot for c in chunks], dtype=torch.long)
@@ -49,8 +50,8 @@ def build_forward_batch(chunks: list[SeqChunk], layout: CacheLayout, max_num_seq
         swa_idx=_swa_window(swa_pages, req, pos, W),
         c4_cand=_causal_entries(dev_pages, dev_req, dev_pos, CSA_RATIO, max_pos),
         c128_idx=_causal_entries(dev_pages, dev_req, dev_pos, HCA_RATIO, max_pos),
-        csa=_compress_plan(pages, seq, CSA_RATIO, True, layout.csa_ring, max_num_seqs),
-        hca=_compress_plan(pages, seq, HCA_RATIO, False, layout.hca_ring, max_num_seqs),
+        csa=_compress_plan(pages, seq, CSA_RATIO, True, layout.csa_ring, ring_slots),
+        hca=_compress_plan(pages, seq, HCA_RATIO, False, layout.hca_ring, ring_slots),
         logits_rows=_logits_rows(chunks, offs, lens),
         seq_lens=tuple(lens.tolist()),
     )
@@ -117,13 +118,13 @@ def _causal_entries(pages, req, pos, ratio, max_pos: int):
     return torch.where(valid, phys * per_page + e % per_page, -1)
 
 
-def _compress_plan(pages, s: _Seqs, ratio, overlap, cap, max_num_seqs) -> CompressPlan:
+def _compress_plan(pages, s: _Seqs, ratio, overlap, cap, ring_slots) -> CompressPlan:
     per_page = PAGE_TOKENS // ratio
     tok = torch.nonzero((s.pos + 1) % ratio == 0).flatten()
     r = s.req[tok]
     e = (s.pos[tok] + 1) // ratio - 1
     entry_slot = _lookup(pages, r, e // per_page, "history") * per_page + e % per_page
-    ring_rows = max_num_seqs * cap
+    ring_rows = ring_slots * cap
     span = torch.arange(-ratio if overlap else 0, ratio)
     q = (e * ratio)[:, None] + span[None, :]                               # [G, span] positions
     start = s.starts[r][:, None]

@@ -20,5 +20,5 @@ def full_logits(model, token_ids: list[int], device=None) -> torch.Tensor:
                     model.dtype, device)
     chunk = SeqChunk(slot=0, start=0, token_ids=list(token_ids), page_table=list(range(pages)),
                      swa_table=list(range(swa_pages)), logits="all")
-    fb = build_forward_batch([chunk], layout, 1, device)
+    fb = build_forward_batch([chunk], layout, pools.ring_slots, device)
     return model.logits(model(fb, pools)[fb.logits_rows])

@@ -27,7 +27,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepLogits:
         seqs = [self._seq_chunk(c) for c in chunks]
-        fb = build_forward_batch(seqs, self.layout, self.plan.max_num_seqs, self.device, self.stager)
+        fb = build_forward_batch(seqs, self.layout, self.pools.ring_slots, self.device, self.stager)
         hidden = self.model(fb, self.pools)
         logits = self.model.logits(hidden[fb.logits_rows])
         first, counts, row = [], [], 0
