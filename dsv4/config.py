@@ -405,9 +405,11 @@ class EngineConfig:
     spec_slots: int = 0                    # S: speculative tokens the private state can roll back
     seed: int = 0
     ops_backend: str = "auto"              # auto: Triton kernels on CUDA; reference: torch ops only
+    enforce_eager: bool = False            # no CUDA graphs for decode steps
+    cuda_graph_max_bs: int = 256           # largest decode batch replayed as a CUDA graph
 
     def __post_init__(self):
-        for name in ("max_num_batched_tokens", "max_num_seqs"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_bs"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"expected a positive integer, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16"):

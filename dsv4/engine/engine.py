@@ -37,7 +37,8 @@ class LLMEngine:
         self.max_model_len = self._max_model_len()
         self.cache = CacheManager(self.layout, self.plan)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.layout, self.plan, config.device)
+        self.runner = ModelRunner(self.model, self.layout, self.plan, config.device,
+                                  0 if config.enforce_eager else config.cuda_graph_max_bs)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}

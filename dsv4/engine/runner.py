@@ -8,6 +8,7 @@ import torch
 from ..cache.layout import CacheLayout, CachePlan
 from ..cache.pools import KVPools
 from .batch import PinnedStager, SeqChunk, build_forward_batch
+from .cuda_graphs import DecodeGraphs
 from .scheduler import ScheduledChunk
 
 
@@ -19,14 +20,20 @@ class StepLogits:
 
 
 class ModelRunner:
-    def __init__(self, model, layout: CacheLayout, plan: CachePlan, device):
+    def __init__(self, model, layout: CacheLayout, plan: CachePlan, device, cuda_graph_max_bs: int = 0):
+        """cuda_graph_max_bs > 0 on a CUDA device: decode steps up to that batch replay CUDA graphs."""
         self.model, self.layout, self.plan, self.device = model, layout, plan, device
         self.pools = KVPools(layout, plan, model.dtype, device)
         self.stager = PinnedStager()
+        use_graphs = cuda_graph_max_bs > 0 and torch.device(device).type == "cuda"
+        self.graphs = DecodeGraphs(model, self.pools, cuda_graph_max_bs, capture=True) if use_graphs else None
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> StepLogits:
         seqs = [self._seq_chunk(c) for c in chunks]
+        if self.graphs is not None and self.graphs.accepts(seqs):
+            fb = build_forward_batch(seqs, self.layout, self.pools.ring_slots, "cpu")
+            return StepLogits(self.graphs.run(fb), list(range(len(seqs))), [1] * len(seqs))
         fb = build_forward_batch(seqs, self.layout, self.pools.ring_slots, self.device, self.stager)
         hidden = self.model(fb, self.pools)
         logits = self.model.logits(hidden[fb.logits_rows])

@@ -45,7 +45,9 @@ def routed_experts_grouped(x, weights, ids, w1, w2, w3, limit):
     k = ids.shape[1]
     flat_ids = ids.flatten()
     order = torch.argsort(flat_ids, stable=True)
-    offs = torch.cumsum(torch.bincount(flat_ids, minlength=w1.shape[0]), 0).to(torch.int32)
+    counts = torch.zeros(w1.shape[0], dtype=torch.long, device=x.device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))   # bincount would sync to size its output
+    offs = torch.cumsum(counts, 0).to(torch.int32)
     token_of = order // k
     xs = x[token_of]
     h = swiglu_clamped(torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs),

@@ -18,6 +18,8 @@ HELP = {
     "spec_slots": "speculative tokens the private cache state can roll back",
     "seed": "engine seed for unseeded sampling",
     "ops_backend": "auto (Triton kernels on CUDA) or reference (torch ops only)",
+    "enforce_eager": "run decode steps eagerly (no CUDA graphs)",
+    "cuda_graph_max_bs": "largest decode batch replayed as a CUDA graph",
 }
 
 
@@ -26,6 +28,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
         kind = hints[f.name]
+        if kind is bool:
+            group.add_argument("--" + f.name.replace("_", "-"), action="store_true", help=HELP.get(f.name))
+            continue
         conv = int if kind in (int, int | None) else float if kind in (float, float | None) else str
         group.add_argument("--" + f.name.replace("_", "-"), type=conv, default=f.default, help=HELP.get(f.name))
 

@@ -1,0 +1,57 @@
+"""Decode steps padded to CUDA-graph shapes (batch bucket, bucketed entry widths, scratch
+targets for the padding rows) give the same results as the unpadded step. Here the padded
+step runs eagerly (capture=False); on a GPU the same padded step is captured and replayed."""
+import torch
+
+from dsv4.config import EngineConfig
+from dsv4.engine.cuda_graphs import DecodeGraphs, batch_bucket, width_bucket
+from dsv4.engine.engine import LLMEngine
+from dsv4.engine.sampling_params import SamplingParams
+from dsv4.model.random_init import preset_config, random_state, save_checkpoint
+
+
+def _engine(path, padded: bool):
+    eng = LLMEngine(path, EngineConfig(max_num_batched_tokens=64, max_num_seqs=6, num_pages=24))
+    if padded:
+        eng.runner.graphs = DecodeGraphs(eng.model, eng.runner.pools, max_bs=8, capture=False)
+    return eng
+
+
+def _run(eng, prompts, max_tokens):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def test_padded_decode_steps_equal_plain_ones(tmp_path, monkeypatch):
+    torch.set_num_threads(1)
+    cfg = preset_config("tiny")
+    save_checkpoint(cfg, random_state(cfg, seed=3), str(tmp_path))
+    gen = torch.Generator().manual_seed(0)
+    # lengths put decode positions across C4 and C128 group ends and SWA page ends
+    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist() for n in (3, 120, 126, 250, 61)]
+    plain = _run(_engine(str(tmp_path), False), prompts, 24)
+    padded_engine = _engine(str(tmp_path), True)
+    calls = []
+    run = padded_engine.runner.graphs.run
+    monkeypatch.setattr(padded_engine.runner.graphs, "run", lambda fb: calls.append(fb.num_tokens) or run(fb))
+    padded = _run(padded_engine, prompts, 24)
+    assert calls and max(calls) == 5, "the padded path ran for decode steps of the whole batch"
+    for a, b in zip(plain, padded):
+        assert a.token_ids == b.token_ids
+        for la, lb in zip(a.logprobs, b.logprobs):
+            (ta, va), (tb, vb) = next(iter(la.items())), next(iter(lb.items()))
+            assert ta == tb and abs(va - vb) < 1e-4
+    assert padded_engine.cache.pages.num_free == padded_engine.plan.num_pages
+
+
+def test_buckets():
+    assert [batch_bucket(n, 256) for n in (1, 3, 9, 256)] == [1, 4, 16, 256]
+    assert batch_bucket(257, 256) is None and batch_bucket(5, 4) is None
+    assert [width_bucket(n) for n in (0, 1, 16, 17, 100, 512, 513, 4098)] == [16, 16, 16, 32, 128, 512, 1024, 4608]
