@@ -66,52 +66,104 @@ def oracle() -> dict:
     return r
 
 
-def dsv4_runs(spec: str, gpu, budget: float, results: dict) -> None:
-    from dsv4.engine.engine import LLMEngine
+# dsv4 paths compared: the torch reference ops run eagerly (the definition), and the
+# fast path (Triton kernels where they exist + CUDA graphs for decode)
+MODES = {"reference": dict(ops_backend="reference", enforce_eager=True), "fast": dict(ops_backend="auto")}
+
+
+def engine_for(spec, model, mode, **kw):
     from dsv4.config import EngineConfig
+    from dsv4.engine.engine import LLMEngine
+    return LLMEngine(spec, EngineConfig(device=DEV, dtype="bfloat16", **MODES[mode], **kw), model=model)
+
+
+def dsv4_runs(spec: str, gpu, budget: float, results: dict) -> None:
     from dsv4.model.weights import load_model
     model = load_model(spec, DEV, torch.bfloat16)
     cfg = model.cfg
-    for n in PREFILLS:
-        if time.perf_counter() - T0 > budget:
-            break
-        eng = LLMEngine(spec, EngineConfig(device=DEV, dtype="bfloat16", max_num_seqs=1, max_num_batched_tokens=n,
-                                           num_pages=n // 256 + 4), model=model)
-        r = [bo.time_one(eng, 1, n, 2, False, f"p{n}-{i}")["ttft"] for i in range(2)]
-        results[f"prefill {n}"] = {"dsv4_s": min(r), "bound_s": roofline(prefill_cost(cfg, n), gpu.hbm_bandwidth,
-                                                                          gpu.dense_flops).seconds}
-        log(f"dsv4 prefill {n}: {min(r):.3f}s")
-        del eng
-    for batch, ctx in DECODES:
-        if time.perf_counter() - T0 > budget:
-            break
-        pages = batch * (ctx // 256 + 2) + 8
-        eng = LLMEngine(spec, EngineConfig(device=DEV, dtype="bfloat16", max_num_seqs=batch,
-                                           max_num_batched_tokens=max(batch, 256), num_pages=pages,
-                                           max_model_len=ctx + 64), model=model)
-        bo.time_one(eng, batch, ctx, 3, True, "warm")
-        step = bo.time_one(eng, batch, ctx, 9, True, "run")["step_times"]
-        step.sort()
-        results[f"decode b{batch} ctx{ctx}"] = {
-            "dsv4_s": step[len(step) // 2],
-            "bound_s": roofline(decode_step_cost(cfg, batch, ctx), gpu.hbm_bandwidth, gpu.dense_flops).seconds}
-        log(f"dsv4 decode b{batch} ctx{ctx}: {step[len(step) // 2] * 1e3:.2f} ms/step")
-        del eng
+    for mode in MODES:
+        for n in PREFILLS:
+            if time.perf_counter() - T0 > budget:
+                break
+            eng = engine_for(spec, model, mode, max_num_seqs=1, max_num_batched_tokens=n, num_pages=n // 256 + 4)
+            r = [bo.time_one(eng, 1, n, 2, False, f"p{n}-{i}")["ttft"] for i in range(2)]
+            row = results.setdefault(f"prefill {n}", {})
+            row[f"{mode}_s"] = min(r)
+            row["bound_s"] = roofline(prefill_cost(cfg, n), gpu.hbm_bandwidth, gpu.dense_flops).seconds
+            log(f"dsv4 {mode} prefill {n}: {min(r):.3f}s")
+            del eng
+        for batch, ctx in DECODES:
+            if time.perf_counter() - T0 > budget:
+                break
+            eng = engine_for(spec, model, mode, max_num_seqs=batch, max_num_batched_tokens=max(batch, 256),
+                             num_pages=batch * (ctx // 256 + 2) + 8, max_model_len=ctx + 64)
+            bo.time_one(eng, batch, ctx, 3, True, "warm")
+            step = sorted(bo.time_one(eng, batch, ctx, 9, True, "run")["step_times"])
+            row = results.setdefault(f"decode b{batch} ctx{ctx}", {})
+            row[f"{mode}_s"] = step[len(step) // 2]
+            row["bound_s"] = roofline(decode_step_cost(cfg, batch, ctx), gpu.hbm_bandwidth, gpu.dense_flops).seconds
+            log(f"dsv4 {mode} decode b{batch} ctx{ctx}: {row[f'{mode}_s'] * 1e3:.2f} ms/step")
+            del eng
+    results["greedy"] = greedy_identity(spec, model)
     profile(spec, model)
     del model
     gc.collect()
     torch.cuda.empty_cache()
 
 
+def greedy_identity(spec, model, lengths=(100, 700, 1500, 3000), new_tokens=24) -> dict:
+    """Greedy tokens of the fast path vs the reference path on the same prompts."""
+    from dsv4.engine.sampling_params import SamplingParams
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(100, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=1)
+    outs = {}
+    for mode in MODES:
+        eng = engine_for(spec, model, mode, max_num_seqs=len(prompts), max_num_batched_tokens=4096,
+                         num_pages=64, max_model_len=4096)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"g{i}", p, params)
+        done = {}
+        while eng.has_unfinished():
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+        outs[mode] = [done[f"g{i}"] for i in range(len(prompts))]
+    same = sum(a == b for r, f in zip(outs["reference"], outs["fast"]) for a, b in zip(r.token_ids, f.token_ids))
+    first = []
+    for r, f in zip(outs["reference"], outs["fast"]):
+        k = next((i for i, (a, b) in enumerate(zip(r.token_ids, f.token_ids)) if a != b), None)
+        if k is not None:
+            lp = sorted(r.logprobs[k].values(), reverse=True)
+            first.append({"step": k, "ref_top2_margin": lp[0] - lp[1] if len(lp) > 1 else None})
+    result = {"tokens_equal": same, "tokens": len(lengths) * new_tokens, "first_divergences": first}
+    log(f"greedy identity: {result}")
+    return result
+
+
+def kernel_scripts() -> dict:
+    """The kernel checks/microbenchmarks (benchmarks/kernels/*.py) and the Triton tests, compiled."""
+    import glob
+    import subprocess
+    out = {}
+    here = os.path.dirname(os.path.abspath(__file__))
+    for script in sorted(glob.glob(os.path.join(here, "kernels", "*.py"))):
+        r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=150)
+        out[os.path.basename(script)] = {"rc": r.returncode, "out": (r.stdout + r.stderr)[-3000:]}
+        log(f"kernel script {os.path.basename(script)}: rc {r.returncode}\n{r.stdout[-1500:]}{r.stderr[-800:]}")
+    env = {**os.environ, "DSV4_TRITON_DEVICE": "cuda"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", os.path.join(os.path.dirname(here), "tests",
+                        "ops_triton")], capture_output=True, text=True, timeout=200, env=env)
+    out["pytest ops_triton (cuda)"] = {"rc": r.returncode, "out": r.stdout[-2000:]}
+    log(f"triton tests on cuda: rc {r.returncode}\n{r.stdout[-1200:]}")
+    return out
+
+
 def profile(spec, model) -> None:
     from torch.profiler import ProfilerActivity, profile as prof
-    from dsv4.engine.engine import LLMEngine
-    from dsv4.config import EngineConfig
     lines = []
     for name, batch, ctx, synthetic in (("decode b8 ctx1024", 8, 1024, True), ("prefill 4096", 1, 4096, False)):
-        eng = LLMEngine(spec, EngineConfig(device=DEV, dtype="bfloat16", max_num_seqs=batch,
-                                           max_num_batched_tokens=max(4096, batch), num_pages=batch * 20 + 8,
-                                           max_model_len=ctx + 64), model=model)
+        eng = engine_for(spec, model, "fast", max_num_seqs=batch, max_num_batched_tokens=max(4096, batch),
+                         num_pages=batch * 20 + 8, max_model_len=ctx + 64)
+        bo.time_one(eng, batch, ctx, 2, synthetic, "prof-warm")   # graphs captured before profiling
         bo._add_batch(eng, batch, ctx, 2, synthetic, "prof")
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEV == "cuda" else [])
         with prof(activities=acts) as p:
@@ -161,14 +213,17 @@ def _guard(fn):
 
 
 def table(results: dict) -> str:
-    head = f"{'case':<22}{'dsv4':>12}{'transformers':>14}{'dsv4/hf':>10}{'bound':>12}{'bound/dsv4':>12}"
+    head = (f"{'case':<22}{'reference':>12}{'fast':>11}{'transformers':>14}{'fast/hf':>9}{'bound':>11}"
+            f"{'bound/fast':>12}")
     rows = [head, "-" * len(head)]
     for key, r in results.items():
-        d, h, b = r.get("dsv4_s"), r.get("hf_s"), r.get("bound_s")
+        if key == "greedy":
+            continue
+        ref, fast, h, b = r.get("reference_s"), r.get("fast_s"), r.get("hf_s"), r.get("bound_s")
         fmt = (lambda s: f"{s * 1e3:.2f} ms" if isinstance(s, float) else str(s or "-"))
-        speed = f"{h / d:.1f}x" if isinstance(h, float) and d else "-"
-        eff = f"{b / d:.3f}" if b and d else "-"
-        rows.append(f"{key:<22}{fmt(d):>12}{fmt(h):>14}{speed:>10}{fmt(b):>12}{eff:>12}")
+        speed = f"{h / fast:.1f}x" if isinstance(h, float) and fast else "-"
+        eff = f"{b / fast:.3f}" if b and fast else "-"
+        rows.append(f"{key:<22}{fmt(ref):>12}{fmt(fast):>11}{fmt(h):>14}{speed:>9}{fmt(b):>11}{eff:>12}")
     return "\n".join(rows)
 
 
@@ -182,6 +237,8 @@ def main() -> int:
     log(f"oracle: {info['oracle']}")
     gc.collect()
     torch.cuda.empty_cache()
+    if DEV == "cuda":
+        info["kernels"] = kernel_scripts()
     results: dict = {}
     spec = SLICE or f"random:flash-slice:{ARGS.layers}"
     dsv4_runs(spec, gpu, ARGS.budget_s * 0.55, results)
