@@ -13,6 +13,7 @@ import statistics
 import time
 
 import torch
+from tqdm import tqdm
 
 from ..config import EngineConfig
 from ..engine.engine import LLMEngine
@@ -75,7 +76,8 @@ def run_latency(model: str, device: str, dtype: str, batch: int, input_len: int,
         torch.cuda.reset_peak_memory_stats()
     for w in range(warmup):
         time_one(engine, batch, input_len, min(output_len, 4), synthetic, f"warm{w}")
-    runs = [time_one(engine, batch, input_len, output_len, synthetic, f"run{i}") for i in range(iters)]
+    runs = [time_one(engine, batch, input_len, output_len, synthetic, f"run{i}")
+            for i in tqdm(range(iters), desc="iterations", disable=iters < 2)]
     return summarize(engine, runs, batch, input_len, output_len, synthetic, bandwidth, peak)
 
 
@@ -94,6 +96,7 @@ def summarize(engine, runs, batch, input_len, output_len, synthetic, bandwidth, 
     if not synthetic:
         out["prefill_tokens_per_s"] = batch * input_len / out["ttft_s"]
         out["prefill_bound_s"] = roofline(prefill, bandwidth, peak).seconds
+        out["prefill_vs_bound"] = out["prefill_bound_s"] / out["ttft_s"]
     if out["decode_step_s"]:
         out["decode_tokens_per_s"] = batch / out["decode_step_s"]
         out["decode_vs_bound"] = out["decode_bound_s"] / out["decode_step_s"]
@@ -110,8 +113,9 @@ def run_throughput(model: str, device: str, dtype: str, num_prompts: int, input_
     _add_batch(engine, num_prompts, input_len, output_len, False, "tp")
     _sync(device)
     t0 = time.perf_counter()
-    while engine.has_unfinished():
-        engine.step()
+    with tqdm(total=num_prompts, desc="requests") as bar:
+        while engine.has_unfinished():
+            bar.update(sum(o.finished for o in engine.step()))
     _sync(device)
     elapsed = time.perf_counter() - t0
     return {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len, "elapsed_s": elapsed,
