@@ -40,16 +40,16 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
-        budget, chunks = self.max_tokens, []
+        chunks: list[ScheduledChunk] = []
         order = sorted(self.running, key=lambda r: (not r.is_decoding, r.arrival))
         for req in order:
+            budget = self.max_tokens - sum(c.num_tokens for c in chunks)
             if budget == 0 or req.status is not Status.RUNNING:
                 continue
             n = min(req.num_remaining, budget)
-            if not self._reserve_or_preempt(req, n, chunks):
-                continue
-            chunks.append(ScheduledChunk(req, n))
-            budget -= n
+            if self._reserve_or_preempt(req, n, chunks):
+                chunks.append(ScheduledChunk(req, n))
+        budget = self.max_tokens - sum(c.num_tokens for c in chunks)
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             req = self.waiting[0]
             n = min(req.num_remaining, budget)
@@ -63,12 +63,14 @@ class Scheduler:
         return chunks
 
     def _reserve_or_preempt(self, req: Request, n: int, scheduled: list[ScheduledChunk]) -> bool:
+        """Reserve for `req`, preempting the newest running request (even one already scheduled
+        this step: its chunk is withdrawn) until it fits; False if `req` itself was newest."""
         while not self.cache.reserve(req, n):
-            victim = max((r for r in self.running if r is not req and all(c.request is not r for c in scheduled)),
-                         key=lambda r: r.arrival, default=None)
+            victim = max((r for r in self.running if r is not req), key=lambda r: r.arrival, default=None)
             if victim is None or victim.arrival < req.arrival:
                 victim = req
             self.preempt(victim)
+            scheduled[:] = [c for c in scheduled if c.request is not victim]
             if victim is req:
                 return False
         return True

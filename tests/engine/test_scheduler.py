@@ -148,3 +148,18 @@ def test_finish_frees_waiting_and_running_requests():
     sched.finish(b, Status.ABORTED)
     assert holds_nothing(a) and holds_nothing(b) and not sched.has_work()
     assert sched.cache.pages.num_free == 8 and len(sched.cache.free_slots) == 4
+
+
+def test_an_older_prefill_preempts_a_newer_decode_already_scheduled_in_the_step():
+    # 3 history pages in all. "new" (arrival 100) is queued before "old" (arrival 1), so it is
+    # admitted first and is decoding when "old", still prefilling, needs a page that only
+    # "new" holds. Decodes are scheduled first, yet the newest request must be the one to go:
+    # its chunk is withdrawn, and "old" keeps its progress.
+    sched = make(budget=266, max_seqs=2, num_pages=3)
+    new = add(sched, "new", 10, arrival=100)
+    old = add(sched, "old", 600, arrival=1)
+    assert step(sched) == [("new", 10), ("old", 256)]       # new: page 0; old: page 1
+    sched.max_tokens = 300
+    assert step(sched) == [("old", 299)]                     # old needs 2 more pages: new goes
+    assert new.status is Status.WAITING and holds_nothing(new) and new.num_computed == 0
+    assert old.num_computed == 555 and len(old.pages) == 3
