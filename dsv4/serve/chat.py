@@ -11,14 +11,14 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from .chat_prompt import ChatPlan, plan_chat
 from .ipc import TokenOutput
 from .parsers import Delta, OutputParser, ParsedMessage
 from .protocol import ChatCompletionRequest, parse_body
 from .state import ServerState
-from .streaming import DONE, RequestError, Usage, answer, guarded, outputs, sse, sse_error
+from .streaming import DONE, RequestError, Usage, answer, guarded, outputs, respond_whole, sse, sse_error
 from .textstream import TextStream, TokenTexts, chat_logprobs
 
 
@@ -84,18 +84,10 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     group = state.client.submit([plan.prompt_ids] * req.n, plan.params, uuid.uuid4().hex)
     tracker = state.metrics.track(req.n, len(plan.prompt_ids))
     usage = Usage(len(plan.prompt_ids), choices)
-    return await answer(request, group, tracker, rid, lambda: _respond(group, tracker, head, choices, usage),
+    return await answer(request, group, tracker, rid, lambda: respond_whole(group, tracker, head, choices, usage,
+                                                                  {"object": "chat.completion"}),
                         (lambda: _stream(group, tracker, head, choices, usage, req.include_usage))
                         if req.stream else None)
-
-
-async def _respond(group, tracker, head: dict, choices: list[ChatChoice], usage: Usage) -> JSONResponse:
-    with guarded(group, tracker):
-        async for index, out in outputs(group, tracker):
-            choices[index].update(out)
-    body = {**head, "object": "chat.completion", "choices": [c.whole() for c in choices],
-            "usage": usage.to_dict()}
-    return JSONResponse(body, headers={"X-Request-Id": head["id"]})
 
 
 async def _stream(group, tracker, head: dict, choices: list[ChatChoice], usage: Usage, include_usage: bool):

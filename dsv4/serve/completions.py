@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from ..engine.sampling_params import SamplingParams
 from .chat_prompt import MAX_N, per_choice
@@ -16,7 +16,7 @@ from .errors import bad_request
 from .ipc import TokenOutput
 from .protocol import CompletionRequest, check_model, parse_body, resolve_max_tokens, sampling_params
 from .state import ServerState
-from .streaming import DONE, RequestError, Usage, answer, guarded, outputs, sse, sse_error
+from .streaming import DONE, RequestError, Usage, answer, guarded, outputs, respond_whole, sse, sse_error
 from .textstream import LegacyLogprobs, TextStream, TokenTexts
 
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default for completions
@@ -111,17 +111,9 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     group = state.client.submit([c.prompt.ids for c in choices], children, uuid.uuid4().hex)
     tracker = state.metrics.track(len(choices), sum(len(p.ids) for p in prompts))
     usage = Usage(sum(len(p.ids) for p in prompts), choices)
-    return await answer(request, group, tracker, rid, lambda: _respond(group, tracker, head, choices, usage),
+    return await answer(request, group, tracker, rid, lambda: respond_whole(group, tracker, head, choices, usage),
                         (lambda: _stream(group, tracker, head, choices, usage, req.include_usage))
                         if req.stream else None)
-
-
-async def _respond(group, tracker, head: dict, choices: list[CompletionChoice], usage: Usage) -> JSONResponse:
-    with guarded(group, tracker):
-        async for index, out in outputs(group, tracker):
-            choices[index].update(out)
-    body = {**head, "choices": [c.whole() for c in choices], "usage": usage.to_dict()}
-    return JSONResponse(body, headers={"X-Request-Id": head["id"]})
 
 
 async def _stream(group, tracker, head: dict, choices: list[CompletionChoice], usage: Usage, include_usage: bool):

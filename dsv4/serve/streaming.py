@@ -66,6 +66,17 @@ def guarded(group: RequestGroup, tracker: RequestTracker):
         _end(group, tracker, "abort")
 
 
+async def respond_whole(group: RequestGroup, tracker: RequestTracker, head: dict, choices: list, usage,
+                        extra: dict | None = None):
+    """Non-streaming answer: feed every output to its choice, then one JSON body."""
+    from fastapi.responses import JSONResponse
+    with guarded(group, tracker):
+        async for index, out in outputs(group, tracker):
+            choices[index].update(out)
+    body = {**head, **(extra or {}), "choices": [c.whole() for c in choices], "usage": usage.to_dict()}
+    return JSONResponse(body, headers={"X-Request-Id": head["id"]})
+
+
 def _end(group: RequestGroup, tracker: RequestTracker, reason: str) -> None:
     group.abort()
     tracker.close(reason)
