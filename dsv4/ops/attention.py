@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import torch
 
+from .backend import use_triton
+
 QUERY_BLOCK = 1024  # queries per block; bounds the gathered [block, K, D] tensor
 
 
 def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """q [T, H, D]; sources [(kv [N, D], idx [T, K])]; sinks [H] -> out [T, H, D]."""
+    if use_triton(q):
+        from .triton import attention as triton_attention
+        if triton_attention.supports(q, sources, sinks):
+            return triton_attention.sparse_attention(q, sources, sinks, scale)
     out = torch.empty_like(q)
     for start in range(0, q.shape[0], QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, q.shape[0])

@@ -1,0 +1,142 @@
+"""Sparse shared-KV attention on the GPU: the Triton kernel (dsv4/ops/triton/attention.py)
+against the torch reference (dsv4/ops/attention.py) at V4-Flash shapes (H = 64, D = 512,
+W = 128 window slots + K = 512 selected C4 slots, bf16, fp32 sinks).
+
+    python benchmarks/kernels/attention.py          # needs CUDA; well under a minute
+
+Checks first (exit 1 on a mismatch): every output within 2e-2 + 2e-2 |ref| of the reference
+(the kernel rounds the probabilities to bf16 for the P.V product; the reference stays fp32).
+Then times both (CUDA events, median) and prints a table. Roofline columns: bytes the kernel
+must move = q read T*H*D*2 + key rows read once per token T*(W+K)*D*2 (an upper bound: no
+reuse across tokens or head blocks) + indices T*(W+K)*8 + out written T*H*D*2, against
+4.2 TB/s; FLOPs = 4*T*H*(W+K)*D against 800 TFLOP/s (bf16 dense). Every slot is valid.
+
+Cases: decode, T tokens of T different requests (each its own 128 window rows and 512 rows
+chosen among its 16384 C4 entries); prefill, one chunk of T tokens late in a long prompt
+(position 262144 on; a 68 MB C4 pool, larger than L2): windows of consecutive rows of an SWA ring, C4 rows drawn at random below
+each token's causal limit (repeats possible). A second table times tile shapes and the
+slot split (tuning aid): the first row of each case is the default.
+"""
+import pathlib
+import statistics
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+
+from dsv4.ops import backend  # noqa: E402
+from dsv4.ops.attention import sparse_attention as dispatch  # noqa: E402
+from dsv4.ops.triton import attention as tri  # noqa: E402
+
+H, D, W, K = 64, 512, 128, 512
+HBM_BPS, PEAK_FLOPS = 4.2e12, 800e12
+CASES = [("decode", 1), ("decode", 8), ("decode", 64), ("prefill", 4096), ("prefill", 16384)]
+C4_PER_REQUEST, PREFILL_START = 16384, 262144
+TOL = 2e-2
+DEVICE = "cuda"
+# (h_block, block_k, num_warps, num_stages, num_splits); None = the wrapper's choice
+TILES = [(16, 32, 8, 2, None), (16, 32, 4, 2, None), (16, 64, 8, 2, None), (32, 32, 8, 2, None),
+         (32, 64, 8, 2, None), (16, 32, 8, 3, None), (64, 32, 8, 2, None), (16, 32, 8, 2, 1)]
+TUNE_CASES = [("decode", 1), ("decode", 64), ("prefill", 4096)]
+
+
+def make_case(kind, T, gen):
+    """q [T, H, D], sources [(swa [Nswa, D], swa_idx [T, W]), (c4 [Nc, D], c4_idx [T, K])], sinks [H]."""
+    def rows(n):
+        return torch.randn(n, D, generator=gen, device=DEVICE).to(torch.bfloat16)
+
+    q = torch.randn(T, H, D, generator=gen, device=DEVICE).to(torch.bfloat16)
+    sinks = torch.randn(H, generator=gen, device=DEVICE)
+    t = torch.arange(T, device=DEVICE)[:, None]
+    if kind == "decode":            # request t: window rows [t*W, (t+1)*W), C4 rows [t*E, (t+1)*E)
+        swa, c4 = rows(T * W), rows(T * C4_PER_REQUEST)
+        swa_idx = torch.rand(T, W, generator=gen, device=DEVICE).argsort(dim=1) + t * W
+        pick = torch.rand(T, C4_PER_REQUEST, generator=gen, device=DEVICE).topk(K, dim=1).indices
+        c4_idx = pick + t * C4_PER_REQUEST
+    else:                           # one request at positions PREFILL_START + t
+        swa, c4 = rows(T + W), rows((PREFILL_START + T) // 4)
+        swa_idx = t + torch.arange(W, device=DEVICE)[None, :]
+        limit = (PREFILL_START + t + 1) // 4
+        c4_idx = (torch.rand(T, K, generator=gen, device=DEVICE) * limit).long()
+    return q, [(swa, swa_idx), (c4, c4_idx)], sinks
+
+
+def reference(*args):
+    previous = backend.get_backend()
+    backend.set_backend("reference")
+    try:
+        return dispatch(*args)
+    finally:
+        backend.set_backend(previous)
+
+
+def median_ms(fn, reps):
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("needs CUDA")
+        return 1
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    scale = D ** -0.5
+    failures = 0
+    print(f"sparse attention, H={H} D={D} W={W} K={K} bf16 on {torch.cuda.get_device_name()}")
+    print(f"{'case':>14} {'max err':>8} {'ref ms':>9} {'triton ms':>10} {'speedup':>8} "
+          f"{'MB':>8} {'GB/s':>7} {'%HBM':>5} {'TFLOP/s':>8} {'%peak':>6}")
+    for kind, T in CASES:
+        q, sources, sinks = make_case(kind, T, gen)
+        out = tri.sparse_attention(q, sources, sinks, scale)
+        want = reference(q, sources, sinks, scale)
+        err = (out.float() - want.float()).abs()
+        bad = (err > TOL + TOL * want.float().abs()).sum().item()
+        if bad or not torch.isfinite(out).all():
+            print(f"MISMATCH {kind} T={T}: {bad} elements, max err {err.max().item():.3g}")
+            failures += 1
+        ref_ms = median_ms(lambda: reference(q, sources, sinks, scale), reps=5 if T >= 4096 else 20)
+        tri_ms = median_ms(lambda: tri.sparse_attention(q, sources, sinks, scale), reps=50)
+        nbytes = 2 * T * H * D * 2 + T * (W + K) * (D * 2 + 8)
+        flops = 4 * T * H * (W + K) * D
+        gbs, tfs = nbytes / tri_ms / 1e6, flops / tri_ms / 1e9
+        print(f"{kind + ' T=' + str(T):>14} {err.max().item():8.2e} {ref_ms:9.3f} {tri_ms:10.4f} "
+              f"{ref_ms / tri_ms:7.1f}x {nbytes / 1e6:8.1f} {gbs:7.0f} {100 * gbs * 1e9 / HBM_BPS:4.0f}% "
+              f"{tfs:8.1f} {100 * tfs * 1e12 / PEAK_FLOPS:5.1f}%")
+        del q, sources, out, want, err
+        torch.cuda.empty_cache()
+
+    print("\ntile shapes (tuning aid): h_block, block_k, num_warps, num_stages, num_splits (None = auto)")
+    for kind, T in TUNE_CASES:
+        q, sources, sinks = make_case(kind, T, gen)
+        want = reference(q, sources, sinks, scale).float()
+        for hb, bk, nw, ns, splits in TILES:
+            knobs = dict(h_block=hb, block_k=bk, num_warps=nw, num_stages=ns, num_splits=splits)
+            try:
+                out = tri.sparse_attention(q, sources, sinks, scale, **knobs)
+                ok = bool(((out.float() - want).abs() <= TOL + TOL * want.abs()).all())
+                ms = median_ms(lambda: tri.sparse_attention(q, sources, sinks, scale, **knobs), reps=30)
+                print(f"{kind + ' T=' + str(T):>14}  {hb:3d} {bk:3d} {nw:2d} {ns:2d} {str(splits):>5}  "
+                      f"{ms:9.4f} ms{'' if ok else '  MISMATCH'}")
+                failures += not ok
+            except Exception as e:     # a tile that does not fit (shared memory) is reported, not fatal
+                print(f"{kind + ' T=' + str(T):>14}  {hb:3d} {bk:3d} {nw:2d} {ns:2d} {str(splits):>5}  "
+                      f"failed: {type(e).__name__}: {str(e)[:80]}")
+        del q, sources, want
+        torch.cuda.empty_cache()
+    print("OK" if not failures else f"{failures} FAILED")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Sparse shared-KV attention with per-head sinks (Triton). Same contract as the reference
+`dsv4.ops.attention.sparse_attention`, which is the definition.
+
+One program handles one query token x a block of H_BLOCK heads (all heads of a token share
+the same key rows: one shared K=V head). It walks the token's key slots in blocks of BLOCK_K,
+first over source 0's index list (W0 slots), then over source 1's (W1 slots; none when there
+is one source): together a virtual list of W0 + W1 slots. Rows are gathered straight from the
+pools (no copy), masked where the index is -1. Scores are a [H_BLOCK, D] x [D, BLOCK_K] dot,
+the softmax is online (running max m and sum l, in log2 units), the output accumulates in
+fp32 as [H_BLOCK, D]. (One loop per source, not a per-slot select between two pool pointers:
+Triton loses the rows' alignment through a pointer select and falls back to 2-byte loads.)
+
+The sink joins the denominator only: m starts at sink_h (so it is always finite and a token
+with no valid key needs no special case: out = 0 / exp2(0)), and exp2(sink_h - m) is added to
+l at the end.
+
+Few programs (decode: T * H / H_BLOCK small against the SM count) leave the GPU idle, so the
+slot range can also be split across num_splits programs (flash-decoding): each writes its
+partial (m, l, acc) and a second kernel merges them and adds the sink.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+# Triton's interpreter multiplies the raw uint16 bits in a bf16 tl.dot: upcast there (tests only)
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _attend(q, m, l, acc, kv_ptr, idx_ptr, stride_kv, lo, hi, qk_scale,
+            dims, d_ok, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr):
+    """Online softmax of one token's q [H_BLOCK, BLOCK_D] over its key slots [lo, hi) of one
+    source: idx_ptr points at the token's index row, a slot names a row of the pool kv_ptr
+    (-1: unused). Carries m, l [H_BLOCK] (log2 units) and acc [H_BLOCK, BLOCK_D] fp32."""
+    for start in range(lo, hi, BLOCK_K):
+        slots = start + tl.arange(0, BLOCK_K)
+        idx = tl.load(idx_ptr + slots, mask=slots < hi, other=-1).to(tl.int64)
+        valid = idx >= 0                                                            # [BLOCK_K]
+        k = tl.load(kv_ptr + idx[:, None] * stride_kv + dims[None, :],
+                    mask=valid[:, None] & d_ok[None, :], other=0.0)                 # [BLOCK_K, BLOCK_D]
+        if FP32_DOT:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee" if FP32_DOT else "tf32") * qk_scale  # [H_BLOCK, BLOCK_K]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])                                             # unused slots: 0
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision="ieee" if FP32_DOT else "tf32")
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def _sparse_attn_kernel(
+        q_ptr, sink_ptr, out_ptr,                  # q [T, H, D], sinks [H], out [T, H, D]
+        kv0_ptr, idx0_ptr, kv1_ptr, idx1_ptr,      # pools [N, D] (row stride), idx [T, W] (last dim contiguous)
+        m_ptr, l_ptr, part_ptr,                    # split partials: m, l [T, H, S], acc [T, H, S, D] fp32
+        H, W0, W1, num_splits, slots_per_split,    # grid: (T * cdiv(H, H_BLOCK), num_splits)
+        qk_scale,                                  # scale * log2(e)
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kv0, stride_i0, stride_kv1, stride_i1,
+        D: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+        SPLIT: tl.constexpr, FP32_DOT: tl.constexpr):  # SPLIT: num_splits > 1, write partials
+    n_hb = tl.cdiv(H, H_BLOCK)
+    pid = tl.program_id(0)                      # token-major: the head blocks of a token are adjacent (L2 reuse)
+    t = (pid // n_hb).to(tl.int64)
+    heads = (pid % n_hb) * H_BLOCK + tl.arange(0, H_BLOCK)
+    dims = tl.arange(0, BLOCK_D)
+    h_ok, d_ok = heads < H, dims < D
+    hd_ok = h_ok[:, None] & d_ok[None, :]
+
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=hd_ok, other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+    sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
+    m = sink                                            # [H_BLOCK] running max (log2 units), >= sink
+    l = tl.zeros([H_BLOCK], dtype=tl.float32)           # [H_BLOCK] sum of exp2(s - m) over keys
+    acc = tl.zeros([H_BLOCK, BLOCK_D], dtype=tl.float32)
+
+    # this program's slots [first, last) of the virtual list: W0 slots of source 0, then W1 of source 1
+    first = tl.program_id(1) * slots_per_split
+    last = tl.minimum(first + slots_per_split, W0 + W1)
+    m, l, acc = _attend(q, m, l, acc, kv0_ptr, idx0_ptr + t * stride_i0, stride_kv0,
+                        first, tl.minimum(last, W0), qk_scale, dims, d_ok, BLOCK_K, FP32_DOT)
+    m, l, acc = _attend(q, m, l, acc, kv1_ptr, idx1_ptr + t * stride_i1, stride_kv1,
+                        tl.maximum(first, W0) - W0, last - W0, qk_scale, dims, d_ok, BLOCK_K, FP32_DOT)
+
+    if not SPLIT:
+        out = acc / (l + tl.exp2(sink - m))[:, None]
+        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=hd_ok)
+    else:
+        row = (t * H + heads) * num_splits + tl.program_id(1)      # [H_BLOCK] rows of [T, H, S]
+        tl.store(m_ptr + row, m, mask=h_ok)
+        tl.store(l_ptr + row, l, mask=h_ok)
+        tl.store(part_ptr + row[:, None] * D + dims[None, :], acc, mask=hd_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+        m_ptr, l_ptr, part_ptr, sink_ptr, out_ptr,  # partials as above, sinks [H], out [T, H, D]
+        H, num_splits, stride_ot, stride_oh,
+        D: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    n_hb = tl.cdiv(H, H_BLOCK)
+    pid = tl.program_id(0)
+    t = (pid // n_hb).to(tl.int64)
+    heads = (pid % n_hb) * H_BLOCK + tl.arange(0, H_BLOCK)
+    dims = tl.arange(0, BLOCK_D)
+    h_ok, d_ok = heads < H, dims < D
+    hd_ok = h_ok[:, None] & d_ok[None, :]
+    rows = (t * H + heads) * num_splits
+
+    sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
+    m = sink                                    # every split's m is >= sink, so m_max is finite
+    for s in range(num_splits):
+        m = tl.maximum(m, tl.load(m_ptr + rows + s, mask=h_ok, other=0.0))
+    l = tl.exp2(sink - m)
+    acc = tl.zeros([H_BLOCK, BLOCK_D], dtype=tl.float32)
+    for s in range(num_splits):
+        w = tl.exp2(tl.load(m_ptr + rows + s, mask=h_ok, other=0.0) - m)
+        l += w * tl.load(l_ptr + rows + s, mask=h_ok, other=0.0)
+        acc += w[:, None] * tl.load(part_ptr + (rows + s)[:, None] * D + dims[None, :], mask=hd_ok, other=0.0)
+    tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+             (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=hd_ok)
+
+
+def supports(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor) -> bool:
+    """Inputs the kernel takes; anything else goes to the reference. One or two sources, pools
+    of q's dtype (fp32/fp16/bf16) with contiguous rows (pools are never copied)."""
+    return (q.dim() == 3 and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+            and 1 <= len(sources) <= 2 and sinks.shape == (q.shape[1],)
+            and all(kv.dim() == 2 and kv.dtype == q.dtype and kv.shape[1] == q.shape[2] and kv.stride(1) == 1
+                    and idx.dim() == 2 and idx.shape[0] == q.shape[0] and idx.dtype in (torch.int32, torch.int64)
+                    for kv, idx in sources))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _default_splits(q: torch.Tensor, programs: int, slot_blocks: int) -> int:
+    """Split the slots when one wave of programs would leave SMs idle; keep >= 2 blocks a split."""
+    if not q.is_cuda:
+        return 1
+    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    if programs >= sms:
+        return 1
+    return max(1, min(triton.cdiv(sms, programs), slot_blocks // 2))
+
+
+def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
+                     scale: float, *, h_block: int = 16, block_k: int = 32, num_splits: int | None = None,
+                     num_warps: int = 8, num_stages: int = 2) -> torch.Tensor:
+    """q [T, H, D]; sources [(kv [N, D], idx [T, K])] (one or two; idx -1 = unused slot);
+    sinks [H] (finite) -> out [T, H, D] in q's dtype. Keyword arguments are tuning knobs (tests
+    and benchmarks); `num_splits=None` splits the slots when T is small (CUDA only).
+    Defaults (D = 512, bf16, sm_90, Triton 3.9 ahead-of-time): 103 registers, no spills, 50 KB
+    of shared memory; the keys go through cp.async. benchmarks/kernels/attention.py times others."""
+    assert supports(q, sources, sinks), "sparse_attention (triton): unsupported inputs, use the reference"
+    T, H, D = q.shape
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    q = q if q.stride(2) == 1 else q.contiguous()
+    sinks = sinks.contiguous()
+    kv0, idx0 = sources[0]
+    kv1, idx1 = sources[1] if len(sources) == 2 else (kv0, idx0[:, :0])    # one source: W1 = 0
+    idx0, idx1 = (i if i.stride(1) == 1 else i.contiguous() for i in (idx0, idx1))
+    W0, W1 = idx0.shape[1], idx1.shape[1]
+
+    h_block = max(16, min(h_block, triton.next_power_of_2(H)))   # tl.dot needs >= 16 rows
+    n_hb = triton.cdiv(H, h_block)
+    slot_blocks = triton.cdiv(W0 + W1, block_k)
+    splits = num_splits or _default_splits(q, T * n_hb, slot_blocks)
+    blocks_per_split = triton.cdiv(slot_blocks, max(1, min(splits, slot_blocks)))
+    splits = max(1, triton.cdiv(slot_blocks, blocks_per_split))      # no empty split
+    slots_per_split = blocks_per_split * block_k
+    if splits > 1:
+        m = torch.empty((T, H, splits), device=q.device, dtype=torch.float32)
+        l = torch.empty_like(m)
+        part = torch.empty((T, H, splits, D), device=q.device, dtype=torch.float32)
+    else:
+        m = l = part = out                                   # unused by the kernel
+    block_d = triton.next_power_of_2(D)
+    _sparse_attn_kernel[(T * n_hb, splits)](
+        q, sinks, out, kv0, idx0, kv1, idx1, m, l, part,
+        H, W0, W1, splits, slots_per_split, scale * LOG2E.value,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv0.stride(0), idx0.stride(0), kv1.stride(0), idx1.stride(0),
+        D=D, H_BLOCK=h_block, BLOCK_K=block_k, BLOCK_D=block_d, SPLIT=splits > 1,
+        FP32_DOT=q.dtype == torch.float32 or INTERPRETING,
+        num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        _merge_splits_kernel[(T * n_hb,)](
+            m, l, part, sinks, out, H, splits, out.stride(0), out.stride(1),
+            D=D, H_BLOCK=h_block, BLOCK_D=block_d, num_warps=4)
+    return out

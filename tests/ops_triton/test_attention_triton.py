@@ -1,0 +1,123 @@
+"""Triton sparse shared-KV attention against the torch reference (dsv4.ops.attention), the
+definition: one/two sources, -1 holes, rows with no valid key, repeated rows, full lists,
+head dims that are not a power of two, split slots (flash-decoding) and the dispatch."""
+import pytest
+import torch
+
+import dsv4.ops.attention as attention_ops
+from dsv4.ops import backend
+from dsv4.ops.triton import attention as triton_attention
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def reference(*args):
+    """The torch reference, also on CUDA (where the op would dispatch to the kernel)."""
+    previous = backend.get_backend()
+    backend.set_backend("reference")
+    try:
+        return attention_ops.sparse_attention(*args)
+    finally:
+        backend.set_backend(previous)
+
+
+def make_inputs(device, T, H, D, lists, dtype=torch.float32, pool_rows=(37, 53), holes=0.3, seed=0):
+    """q [T, H, D], sources [(kv [N, D], idx [T, K])] for K in `lists`, sinks [H]. Indices are
+    random (so rows repeat), a fraction `holes` is -1, and token 1 (if any) has no valid key."""
+    g = torch.Generator().manual_seed(seed)
+    q = (3 * torch.randn(T, H, D, generator=g)).to(device, dtype)     # x3: sharper softmax than N(0, 1)
+    sources = []
+    for K, N in zip(lists, pool_rows):
+        kv = torch.randn(N, D, generator=g).to(device, dtype)
+        idx = torch.randint(0, N, (T, K), generator=g)
+        idx[torch.rand(T, K, generator=g) < holes] = -1
+        if T > 1:
+            idx[1] = -1
+        sources.append((kv, idx.to(device)))
+    sinks = torch.randn(H, generator=g).to(device)
+    return q, sources, sinks
+
+
+def check(q, sources, sinks, **knobs):
+    scale = q.shape[-1] ** -0.5
+    out = triton_attention.sparse_attention(q, sources, sinks, scale, **knobs)
+    want = reference(q, sources, sinks, scale)
+    assert out.shape == want.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.float(), want.float(), **TOL[q.dtype])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [0, 1, 5])
+@pytest.mark.parametrize("H", [4, 16])
+@pytest.mark.parametrize("lists", [(24,), (20, 45)], ids=["one_source", "two_sources"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_matches_reference(device, dtype, T, H, lists, splits):
+    q, sources, sinks = make_inputs(device, T, H, 64, lists, dtype)
+    out = check(q, sources, sinks, num_splits=splits)
+    if T > 1:
+        assert out[1].abs().max() == 0          # no valid key: all weight on the sink
+
+
+@pytest.mark.parametrize("D", [48, 80])
+def test_head_dim_not_power_of_two(device, D):
+    check(*make_inputs(device, 3, 4, D, (16, 24)))
+
+
+@pytest.mark.parametrize("lists", [(32, 64), (20, 45)], ids=["block_multiple", "ragged"])
+def test_full_lists(device, lists):
+    """Maximum-length lists: every slot valid."""
+    check(*make_inputs(device, 4, 16, 64, lists, holes=0.0), block_k=16, num_splits=2)
+
+
+def test_repeated_rows(device):
+    """Every slot of a token names the same row: the softmax must count each slot."""
+    q, sources, sinks = make_inputs(device, 3, 4, 64, (8, 8), holes=0.0)
+    for _, idx in sources:
+        idx[:] = 5
+    check(q, sources, sinks)
+
+
+def test_empty_and_hollow_lists(device):
+    """A zero-length second list and an all -1 list: output 0 only where nothing is valid."""
+    q, sources, sinks = make_inputs(device, 3, 4, 64, (16, 1))
+    kv1, idx1 = sources[1]
+    check(q, [sources[0], (kv1, idx1[:, :0])], sinks)
+    out = check(q, [(sources[0][0], torch.full_like(sources[0][1], -1))], sinks)
+    assert out.abs().max() == 0
+
+
+def test_partial_head_blocks_and_strides(device):
+    """H = 40 over blocks of 16 (the last one masked); q and idx not contiguous; int32 indices."""
+    q, sources, sinks = make_inputs(device, 3, 40, 64, (16, 24))
+    q = torch.cat([q, q], dim=-1)[..., ::2]                   # stride(2) == 2
+    kv1, idx1 = sources[1]
+    idx1 = torch.cat([idx1, idx1], dim=-1)[:, ::2].to(torch.int32)
+    check(q, [sources[0], (kv1, idx1)], sinks, h_block=16)
+
+
+def test_large_logits_and_sinks(device):
+    """Scores far above and far below the sink stay finite and exact."""
+    q, sources, sinks = make_inputs(device, 3, 4, 64, (16, 24))
+    check(q * 10, sources, sinks * 20)
+
+
+def test_dispatch_and_fallback(device, monkeypatch):
+    """ops.attention.sparse_attention runs the kernel where the Triton backend is chosen and the
+    inputs are supported; anything else (three sources, a pool of another dtype) goes to the
+    reference, which the kernel's own wrapper refuses."""
+    calls = []
+    kernel = triton_attention.sparse_attention
+    monkeypatch.setattr(attention_ops, "use_triton", lambda t: True)
+    monkeypatch.setattr(triton_attention, "sparse_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    q, sources, sinks = make_inputs(device, 3, 4, 64, (16, 24, 8), pool_rows=(37, 53, 11))
+    scale = 0.125
+    for srcs in (sources[:2], sources, [(sources[0][0].double(), sources[0][1])]):
+        monkeypatch.setattr(attention_ops, "use_triton", lambda t: True)
+        got = attention_ops.sparse_attention(q, srcs, sinks, scale)
+        monkeypatch.setattr(attention_ops, "use_triton", lambda t: False)
+        torch.testing.assert_close(got, attention_ops.sparse_attention(q, srcs, sinks, scale), **TOL[q.dtype])
+    assert len(calls) == 1
+    assert not triton_attention.supports(q, sources, sinks)
+    with pytest.raises(AssertionError):
+        kernel(q, sources, sinks, scale)
