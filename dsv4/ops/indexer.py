@@ -5,6 +5,8 @@ of token t (`cand[t, j]`: flat row of the indexer-key pool, -1 = not causal / ab
 """
 import torch
 
+from .backend import use_triton
+
 QUERY_BLOCK = 1024
 
 
@@ -14,6 +16,9 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, can
 
     Returns [T, min(topk, E)] flat rows of the chosen entries, -1 where fewer are valid.
     """
+    if use_triton(q):
+        from .triton.indexer import indexer_topk as triton_indexer_topk
+        return triton_indexer_topk(q, weights, keys, cand, topk)
     k = min(topk, cand.shape[1])
     out = torch.full((cand.shape[0], k), -1, dtype=cand.dtype, device=cand.device)
     if k == 0:

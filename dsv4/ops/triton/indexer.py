@@ -1,0 +1,96 @@
+"""Lightning indexer in Triton: the [T, E] scores in one kernel, then torch.topk.
+
+The reference (dsv4/ops/indexer.py, the definition) gathers a [T, E, Di] fp32 copy of the
+candidate keys; here each program reads its key rows straight from the pool by index, so
+nothing bigger than the [T, E] fp32 scores is ever materialised.
+
+score(t, j) = sum_h w[t, h] * ReLU(q[t, h] . keys[cand[t, j]]) * Di^-0.5   (fp32)
+            = -inf where cand[t, j] < 0.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_E = 64        # candidates per program: [Hi, Di] x [Di, BLOCK_E] is one wgmma-sized dot
+NUM_WARPS = 4
+
+
+@triton.jit
+def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, out_ptr,
+                   E, HI, DI, n_eblk, scale,
+                   stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
+                   stride_kn, stride_kd, stride_ct, stride_ce, stride_ot,
+                   HI_P: tl.constexpr, DI_P: tl.constexpr, BLOCK_E: tl.constexpr,
+                   FP32_DOT: tl.constexpr):
+    # One program = token t x candidates [e0, e0 + BLOCK_E). The E blocks of one token are
+    # adjacent program ids, so q[t] is read from DRAM once and then served by L2.
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid // n_eblk
+    offs_e = (pid % n_eblk) * BLOCK_E + tl.arange(0, BLOCK_E)                 # [BLOCK_E]
+    offs_h = tl.arange(0, HI_P)                                               # [HI_P]
+    offs_d = tl.arange(0, DI_P)                                               # [DI_P]
+    h_ok, d_ok, e_ok = offs_h < HI, offs_d < DI, offs_e < E
+
+    rows = tl.load(cand_ptr + t * stride_ct + offs_e * stride_ce, mask=e_ok, other=-1)
+    rows = rows.to(tl.int64)                                                  # [BLOCK_E]
+    valid = rows >= 0
+    scores = tl.full([BLOCK_E], float("-inf"), tl.float32)
+    # Candidates past the causal limit are a -1 tail: a block of only -1 does no work.
+    if tl.max(rows, axis=0) >= 0:
+        q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                    mask=h_ok[:, None] & d_ok[None, :], other=0.0)            # [HI_P, DI_P]
+        k = tl.load(keys_ptr + rows[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                    mask=valid[:, None] & d_ok[None, :], other=0.0)          # [BLOCK_E, DI_P]
+        if FP32_DOT:            # fp32 or mixed inputs: exact fp32 products (no tf32)
+            q = q.to(tl.float32)
+            k = k.to(tl.float32)
+        # bf16 x bf16 products are exact in fp32 and accumulate in fp32, like the reference.
+        dots = tl.dot(q, tl.trans(k), input_precision="ieee")               # [HI_P, BLOCK_E]
+        # Padded heads have q = 0 and w = 0: they add nothing.
+        w = tl.load(w_ptr + t * stride_wt + offs_h * stride_wh, mask=h_ok, other=0.0)
+        w = w.to(tl.float32) * scale                                          # [HI_P]
+        s = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)                # [BLOCK_E]
+        scores = tl.where(valid, s, float("-inf"))
+    tl.store(out_ptr + t * stride_ot + offs_e, scores, mask=e_ok)
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor,
+                   block_e: int = BLOCK_E) -> torch.Tensor:
+    """q [T, Hi, Di], weights [T, Hi], keys [N, Di], cand [T, E] (-1 = absent) -> [T, E] fp32."""
+    T, Hi, Di = q.shape
+    E = cand.shape[1]
+    scores = torch.empty((T, E), dtype=torch.float32, device=q.device)
+    if T == 0 or E == 0:
+        return scores
+    n_eblk = triton.cdiv(E, block_e)
+    # tl.dot needs every dimension >= 16 on the GPU; the padding is masked.
+    hi_p = max(16, triton.next_power_of_2(Hi))
+    di_p = max(16, triton.next_power_of_2(Di))
+    # Tensor-core dot for bf16/fp16 pairs; fp32 otherwise. Triton's CPU interpreter multiplies
+    # the raw bits of 16-bit floats in tl.dot, so there both sides go up to fp32 first (the same
+    # products: 16-bit x 16-bit is exact in fp32).
+    fp32_dot = (q.dtype != keys.dtype or q.dtype not in (torch.bfloat16, torch.float16)
+                or os.environ.get("TRITON_INTERPRET") == "1")
+    _scores_kernel[(T * n_eblk,)](
+        q, weights, keys, cand, scores,
+        E, Hi, Di, n_eblk, Di ** -0.5,
+        q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
+        keys.stride(0), keys.stride(1), cand.stride(0), cand.stride(1), scores.stride(0),
+        HI_P=hi_p, DI_P=di_p, BLOCK_E=block_e, FP32_DOT=fp32_dot, num_warps=NUM_WARPS)
+    return scores
+
+
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor,
+                 topk: int) -> torch.Tensor:
+    """Same contract as dsv4.ops.indexer.indexer_topk: [T, min(topk, E)] flat rows of the
+    chosen entries, -1 where fewer are valid."""
+    T, E = cand.shape
+    k = min(topk, E)
+    if T == 0 or k == 0:
+        return torch.full((T, k), -1, dtype=cand.dtype, device=cand.device)
+    # Selection exactly as the reference's _select.
+    top = indexer_scores(q, weights, keys, cand).topk(k, dim=-1)
+    chosen = cand.gather(1, top.indices)
+    return torch.where(torch.isfinite(top.values), chosen, torch.full_like(chosen, -1))

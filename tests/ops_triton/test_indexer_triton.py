@@ -1,0 +1,113 @@
+"""Lightning indexer: the Triton scores and selection against the torch reference
+(dsv4/ops/indexer.py). Scores are compared numerically (fp32, different summation order);
+selections as sets, and only on rows whose k-th and (k+1)-th reference scores do not nearly tie."""
+import pytest
+import torch
+
+from dsv4.ops import backend
+from dsv4.ops import indexer as ref
+from dsv4.ops.triton import indexer as tri
+
+TIE_GAP = 1e-4          # relative gap between the k-th and (k+1)-th score for a row to count
+
+
+def reference_scores(q, weights, keys, cand):
+    """[T, E] fp32: the reference's scores (the math of dsv4.ops.indexer._select)."""
+    gathered = keys[cand.clamp(min=0)].float()                             # [T, E, Di]
+    scores = torch.relu(torch.einsum("thd,ted->the", q.float(), gathered)) * q.shape[-1] ** -0.5
+    scores = (scores * weights.float()[..., None]).sum(dim=1)
+    return scores.masked_fill(cand < 0, float("-inf"))
+
+
+def make_inputs(T, E, Hi, Di, dtype, device, seed=0, key_dtype=None):
+    """Random q/weights/key pool; cand row t holds distinct pool rows, then a -1 tail whose
+    length differs per row (row 0 full, some rows empty)."""
+    g = torch.Generator().manual_seed(seed)
+    n = E + 5
+    q = torch.randn(T, Hi, Di, generator=g).to(dtype)
+    weights = torch.randn(T, Hi, generator=g) * Hi ** -0.5
+    keys = torch.randn(n, Di, generator=g).to(key_dtype or dtype)
+    cand = torch.full((T, E), -1, dtype=torch.long)
+    for t in range(T):
+        n_valid = E - (7 * t) % (E + 1)
+        cand[t, :n_valid] = torch.randperm(n, generator=g)[:n_valid]
+    return q.to(device), weights.to(device), keys.to(device), cand.to(device)
+
+
+def assert_scores_close(got, want):
+    finite = torch.isfinite(want)
+    scale = want[finite].abs().max().item() if finite.any() else 1.0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)   # -inf must match
+
+
+def assert_same_selection(got, q, weights, keys, cand, topk):
+    """Same count of -1 on every row; same set of rows where the choice is tie-free."""
+    want = ref.indexer_topk(q.cpu(), weights.cpu(), keys.cpu(), cand.cpu(), topk)
+    got = got.cpu()
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal((got < 0).sum(1), (want < 0).sum(1))
+    k = want.shape[1]
+    scores = reference_scores(q.cpu(), weights.cpu(), keys.cpu(), cand.cpu()).sort(1, descending=True).values
+    checked = 0
+    for t in range(want.shape[0]):
+        if k < cand.shape[1] and torch.isfinite(scores[t, k]):
+            gap = (scores[t, k - 1] - scores[t, k]).item()
+            if gap <= TIE_GAP * abs(scores[t, k - 1].item()) or gap == 0:
+                continue
+        assert sorted(got[t].tolist()) == sorted(want[t].tolist()), f"row {t}"
+        checked += 1
+    assert checked >= (want.shape[0] + 1) // 2, "too few tie-free rows to be a test"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hi", [4, 8])
+@pytest.mark.parametrize("E", [0, 1, 37])
+@pytest.mark.parametrize("T", [0, 1, 6])
+def test_scores_match_reference(T, E, Hi, dtype, device):
+    q, weights, keys, cand = make_inputs(T, E, Hi, 32, dtype, device, seed=T * 100 + E + Hi)
+    got = tri.indexer_scores(q, weights, keys, cand)
+    assert got.shape == (T, E) and got.dtype == torch.float32
+    assert_scores_close(got.cpu(), reference_scores(q.cpu(), weights.cpu(), keys.cpu(), cand.cpu()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("topk", [5, 37, 512])       # fewer than valid, all of E, more than E
+@pytest.mark.parametrize("E", [0, 1, 37])
+@pytest.mark.parametrize("T", [0, 1, 6])
+def test_selection_matches_reference(T, E, topk, dtype, device):
+    q, weights, keys, cand = make_inputs(T, E, 8, 32, dtype, device, seed=T * 100 + E + topk)
+    got = tri.indexer_topk(q, weights, keys, cand, topk)
+    assert got.device.type == torch.device(device).type
+    assert_same_selection(got, q, weights, keys, cand, topk)
+
+
+def test_strided_pool_int32_cand_mixed_dtypes(device):
+    """Keys as a column slice of a wider pool, int32 candidates, bf16 q with fp32 keys,
+    a head count and dim that are not powers of two, and E over several blocks."""
+    T, E, Hi, Di = 3, tri.BLOCK_E + 11, 5, 24
+    q, weights, keys, cand = make_inputs(T, E, Hi, Di, torch.bfloat16, device, seed=7,
+                                         key_dtype=torch.float32)
+    pool = torch.randn(keys.shape[0], Di + 8, device=device)
+    pool[:, 4:4 + Di] = keys
+    keys = pool[:, 4:4 + Di]
+    cand = cand.to(torch.int32)
+    assert_scores_close(tri.indexer_scores(q, weights, keys, cand).cpu(),
+                        reference_scores(q.cpu(), weights.cpu(), keys.cpu(), cand.cpu()))
+    assert_same_selection(tri.indexer_topk(q, weights, keys, cand, 16), q, weights, keys, cand, 16)
+
+
+def test_dispatch(device, monkeypatch):
+    """indexer_topk runs the Triton kernel exactly when the tensors are on CUDA and the
+    backend is "auto"."""
+    calls = []
+    monkeypatch.setattr(tri, "indexer_topk", lambda *args: calls.append(args) or args[3][:, :2])
+    q, weights, keys, cand = make_inputs(2, 4, 4, 16, torch.float32, device)
+    ref.indexer_topk(q, weights, keys, cand, 2)
+    assert len(calls) == (1 if device == "cuda" else 0)
+    previous = backend.get_backend()
+    backend.set_backend("reference")
+    try:
+        ref.indexer_topk(q, weights, keys, cand, 2)
+    finally:
+        backend.set_backend(previous)
+    assert len(calls) == (1 if device == "cuda" else 0)
