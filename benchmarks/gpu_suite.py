@@ -146,12 +146,12 @@ def kernel_scripts() -> dict:
     out = {}
     here = os.path.dirname(os.path.abspath(__file__))
     for script in sorted(glob.glob(os.path.join(here, "kernels", "*.py"))):
-        r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=150)
+        r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=100)
         out[os.path.basename(script)] = {"rc": r.returncode, "out": (r.stdout + r.stderr)[-3000:]}
         log(f"kernel script {os.path.basename(script)}: rc {r.returncode}\n{r.stdout[-1500:]}{r.stderr[-800:]}")
     env = {**os.environ, "DSV4_TRITON_DEVICE": "cuda"}
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", os.path.join(os.path.dirname(here), "tests",
-                        "ops_triton")], capture_output=True, text=True, timeout=200, env=env)
+                        "ops_triton")], capture_output=True, text=True, timeout=150, env=env)
     out["pytest ops_triton (cuda)"] = {"rc": r.returncode, "out": r.stdout[-2000:]}
     log(f"triton tests on cuda: rc {r.returncode}\n{r.stdout[-1200:]}")
     return out
@@ -239,6 +239,9 @@ def main() -> int:
     torch.cuda.empty_cache()
     if DEV == "cuda":
         info["kernels"] = kernel_scripts()
+    global T0
+    T0 = time.perf_counter()          # the model budget starts after the kernel checks
+    log("model runs start")
     results: dict = {}
     spec = SLICE or f"random:flash-slice:{ARGS.layers}"
     dsv4_runs(spec, gpu, ARGS.budget_s * 0.55, results)
