@@ -142,19 +142,26 @@ def greedy_identity(spec, model, lengths=(100, 700, 1500, 3000), new_tokens=24) 
 def kernel_scripts() -> dict:
     """The kernel checks/microbenchmarks (benchmarks/kernels/*.py) and the Triton tests, compiled."""
     import glob
-    import subprocess
     out = {}
     here = os.path.dirname(os.path.abspath(__file__))
     for script in sorted(glob.glob(os.path.join(here, "kernels", "*.py"))):
-        r = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=100)
-        out[os.path.basename(script)] = {"rc": r.returncode, "out": (r.stdout + r.stderr)[-3000:]}
-        log(f"kernel script {os.path.basename(script)}: rc {r.returncode}\n{r.stdout[-1500:]}{r.stderr[-800:]}")
+        name = os.path.basename(script)
+        out[name] = _run([sys.executable, script], 100, os.environ)
+        log(f"kernel script {name}: rc {out[name]['rc']}\n{out[name]['out'][-2500:]}")
     env = {**os.environ, "DSV4_TRITON_DEVICE": "cuda"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", os.path.join(os.path.dirname(here), "tests",
-                        "ops_triton")], capture_output=True, text=True, timeout=150, env=env)
-    out["pytest ops_triton (cuda)"] = {"rc": r.returncode, "out": r.stdout[-2000:]}
-    log(f"triton tests on cuda: rc {r.returncode}\n{r.stdout[-1200:]}")
+    tests = os.path.join(os.path.dirname(here), "tests", "ops_triton")
+    out["pytest ops_triton (cuda)"] = r = _run([sys.executable, "-m", "pytest", "-q", tests], 150, env)
+    log(f"triton tests on cuda: rc {r['rc']}\n{r['out'][-1500:]}")
     return out
+
+
+def _run(cmd, timeout, env) -> dict:
+    import subprocess
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        return {"rc": r.returncode, "out": (r.stdout + r.stderr)[-4000:]}
+    except subprocess.TimeoutExpired as e:
+        return {"rc": "timeout", "out": str(e.stdout or "")[-4000:]}
 
 
 def profile(spec, model) -> None:
