@@ -23,7 +23,7 @@ from dsv4.perf import bench_offline as bo  # noqa: E402
 from dsv4.perf.roofline import H200, decode_step_cost, prefill_cost, roofline  # noqa: E402
 
 PREFILLS = (1024, 4096, 16384)
-DECODES = ((1, 1024), (8, 1024), (64, 1024), (1, 16384), (8, 16384), (64, 16384))
+DECODES = ((1, 1024), (8, 1024), (64, 1024), (1, 4096), (64, 4096), (1, 16384), (8, 16384), (64, 16384))
 T0 = time.perf_counter()
 DEV = "cuda"
 ORACLE_SPEC, SLICE = "random:flash-slice:2:n_routed_experts=32", None
@@ -104,19 +104,18 @@ def dsv4_runs(spec: str, gpu, budget: float, results: dict) -> None:
             row["bound_s"] = roofline(decode_step_cost(cfg, batch, ctx), gpu.hbm_bandwidth, gpu.dense_flops).seconds
             log(f"dsv4 {mode} decode b{batch} ctx{ctx}: {row[f'{mode}_s'] * 1e3:.2f} ms/step")
             del eng
-    results["greedy"] = greedy_identity(spec, model)
+    results["greedy"] = greedy_identity(spec, model, random_prompts(cfg.vocab_size))
     profile(spec, model)
     del model
     gc.collect()
     torch.cuda.empty_cache()
 
 
-def greedy_identity(spec, model, lengths=(100, 700, 1500, 3000), new_tokens=24) -> dict:
-    """Greedy tokens of the fast path vs the reference path on the same prompts."""
+def greedy_identity(spec, model, prompts: list[list[int]], new_tokens: int = 24) -> dict:
+    """Greedy tokens of the fast path vs the reference path on the same prompts. Where they
+    part, the reference's top-2 logprob margin at that step says whether it was a near-tie."""
     from dsv4.engine.sampling_params import SamplingParams
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(100, model.cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
-    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=2)
     outs = {}
     for mode in MODES:
         eng = engine_for(spec, model, mode, max_num_seqs=len(prompts), max_num_batched_tokens=4096,
@@ -127,16 +126,36 @@ def greedy_identity(spec, model, lengths=(100, 700, 1500, 3000), new_tokens=24) 
         while eng.has_unfinished():
             done.update({o.request_id: o for o in eng.step() if o.finished})
         outs[mode] = [done[f"g{i}"] for i in range(len(prompts))]
-    same = sum(a == b for r, f in zip(outs["reference"], outs["fast"]) for a, b in zip(r.token_ids, f.token_ids))
-    first = []
+    identical, parted = 0, []
     for r, f in zip(outs["reference"], outs["fast"]):
         k = next((i for i, (a, b) in enumerate(zip(r.token_ids, f.token_ids)) if a != b), None)
-        if k is not None:
-            lp = sorted(r.logprobs[k].values(), reverse=True)
-            first.append({"step": k, "ref_top2_margin": lp[0] - lp[1] if len(lp) > 1 else None})
-    result = {"tokens_equal": same, "tokens": len(lengths) * new_tokens, "first_divergences": first}
-    log(f"greedy identity: {result}")
+        if k is None:
+            identical += 1
+            continue
+        lp = sorted(r.logprobs[k].values(), reverse=True)
+        parted.append({"step": k, "ref_top2_margin": round(lp[0] - lp[1], 5)})
+    result = {"sequences_identical": identical, "sequences": len(prompts), "new_tokens": new_tokens,
+              "first_divergences": parted}
+    log(f"greedy identity ({'random' if spec.startswith('random:') else 'demo'}): {result}")
     return result
+
+
+def random_prompts(vocab: int, lengths=(100, 700, 1500, 3000)) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(100, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def demo_identity() -> dict:
+    """The same check on the trained demo model (real margins, unlike random weights)."""
+    import json
+    from dsv4.assets import DEMO_DIR
+    from dsv4.model.weights import load_model
+    from dsv4.serve.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(DEMO_DIR)
+    with open(os.path.join(DEMO_DIR, "heldout.json")) as f:
+        prompts = [tok.encode(p["prompt"]) for p in json.load(f)["prompts"]]
+    model = load_model(DEMO_DIR, DEV, torch.bfloat16)
+    return greedy_identity(DEMO_DIR, model, prompts, new_tokens=48)
 
 
 def kernel_scripts() -> dict:
@@ -251,6 +270,7 @@ def main() -> int:
     log("model runs start")
     results: dict = {}
     spec = SLICE or f"random:flash-slice:{ARGS.layers}"
+    info["greedy_demo"] = demo_identity()
     dsv4_runs(spec, gpu, ARGS.budget_s * 0.55, results)
     hf_runs(spec, ARGS.budget_s, results)
     text = table(results)
