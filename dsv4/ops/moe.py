@@ -2,6 +2,13 @@
 import torch
 import torch.nn.functional as F
 
+from .backend import use_triton
+
+# decode sizes: up to this many (token, expert) pairs T*k run the Triton GEMV kernels, which
+# stream each selected expert once; larger batches use the grouped GEMM (see
+# benchmarks/kernels/moe.py for the crossover)
+TRITON_MAX_PAIRS = 64
+
 
 def route_topk(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
                scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,6 +42,9 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
                    w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
     """x [T, H]; weights/ids [T, k]; w1/w3 [E, I, H] (gate/up), w2 [E, H, I] -> [T, H]."""
+    if use_triton(x) and ids.numel() <= TRITON_MAX_PAIRS:
+        from .triton import moe as triton_moe
+        return triton_moe.routed_experts(x, weights, ids, w1, w2, w3, limit)
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         return routed_experts_grouped(x, weights, ids, w1, w2, w3, limit)
     return routed_experts_loop(x, weights, ids, w1, w2, w3, limit)

@@ -1,0 +1,90 @@
+"""Triton decode-size routed experts (dsv4/ops/triton/moe.py) against the torch reference
+`routed_experts_loop` (dsv4/ops/moe.py), the definition: empty/one/few tokens, k in {1, 2, 6},
+experts repeated across tokens, the SwiGLU clamp engaged, fp32 and bf16, dimensions that are
+not multiples of the tiles, and the dispatch from `routed_experts`."""
+import pytest
+import torch
+
+from dsv4.ops import moe as moe_ops
+from dsv4.ops.triton import moe as triton_moe
+
+E, H, I, LIMIT = 8, 72, 48, 2.0  # H, I: not multiples of the tiles below
+FP32_TOL = dict(rtol=1e-5, atol=1e-5)  # rounding of a differently ordered sum
+SMALL_TILES = dict(up_tiles=(16, 32, 2), down_tiles=(16, 32, 2))  # several loop iterations, masked tails
+
+
+def make_inputs(device, T, k, dtype, seed=0):
+    """x [T, H], routing weights [T, k] fp32, ids [T, k] (distinct within a token, shared
+    across tokens), w1/w3 [E, I, H] scaled so |gate| and |up| often exceed LIMIT, w2 [E, H, I]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else \
+        torch.zeros(0, k, dtype=torch.long)
+    weights = torch.rand(T, k, generator=g) * 2.5
+    w1 = torch.randn(E, I, H, generator=g) * (3 * LIMIT / H ** 0.5)  # gate std ~ 3 LIMIT
+    w3 = torch.randn(E, I, H, generator=g) * (1.5 * LIMIT / H ** 0.5)
+    w2 = torch.randn(E, H, I, generator=g) / I ** 0.5
+    cast = lambda t: t.to(device, dtype)  # noqa: E731
+    return cast(x), weights.to(device), ids.to(device), cast(w1), cast(w2), cast(w3)
+
+
+def check(device, T, k, dtype, **tiles):
+    x, weights, ids, w1, w2, w3 = make_inputs(device, T, k, dtype)
+    got = triton_moe.routed_experts(x, weights, ids, w1, w2, w3, LIMIT, **tiles)
+    want = moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT)
+    assert got.shape == want.shape == (T, H) and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, **FP32_TOL)
+    else:  # the reference rounds gate, up, h, each expert's output and the sum to bf16 (the
+        # kernel only h and the sum): within a bf16 ulp of sum_j w_j |w2[e_j]| |h_j| and of out
+        xf, w1f, w2f, w3f = (t.float() for t in (x, w1, w2, w3))
+        h = moe_ops.swiglu_clamped(torch.einsum("th,tjih->tji", xf, w1f[ids]),
+                                   torch.einsum("th,tjih->tji", xf, w3f[ids]), LIMIT)   # [T, k, I]
+        terms = torch.einsum("tj,tjni,tji->tn", weights, w2f[ids].abs(), h.abs())     # [T, H]
+        assert ((got.float() - want.float()).abs() <= 2 ** -7 * (terms + want.float().abs())).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,k", [(0, 6), (1, 1), (1, 6), (3, 2), (3, 6)])
+def test_routed_experts(device, dtype, T, k):
+    check(device, T, k, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_small_tiles(device, dtype):
+    check(device, 3, 6, dtype, **SMALL_TILES)
+
+
+def test_inputs_exercise_clamp_and_repeats(device):
+    """The cases above engage both clamps (and leave values unclamped) and share experts."""
+    x, _, ids, w1, _, w3 = make_inputs(device, 3, 6, torch.float32)
+    gate = torch.einsum("th,tjih->tji", x, w1[ids])
+    up = torch.einsum("th,tjih->tji", x, w3[ids])
+    assert (gate > LIMIT).any() and (gate < LIMIT).any()
+    assert (up > LIMIT).any() and (up < -LIMIT).any() and (up.abs() < LIMIT).any()
+    assert ids.flatten().unique().numel() < ids.numel()  # some expert serves several tokens
+
+
+def test_dispatch(device, monkeypatch):
+    """routed_experts takes the kernel exactly when use_triton says so and T*k is small."""
+    calls = []
+    kernel = triton_moe.routed_experts
+    monkeypatch.setattr(triton_moe, "routed_experts", lambda *a: calls.append(a[2].numel()) or kernel(*a))
+    monkeypatch.setattr(moe_ops, "TRITON_MAX_PAIRS", 6)
+    x, weights, ids, w1, w2, w3 = make_inputs(device, 3, 2, torch.float32)
+    args = (weights, ids, w1, w2, w3, LIMIT)
+    want = moe_ops.routed_experts_loop(x, *args)
+
+    monkeypatch.setattr(moe_ops, "use_triton", lambda tensor: False)
+    torch.testing.assert_close(moe_ops.routed_experts(x, *args), want, **FP32_TOL)
+    assert calls == []
+    monkeypatch.setattr(moe_ops, "use_triton", lambda tensor: True)
+    torch.testing.assert_close(moe_ops.routed_experts(x, *args), want, **FP32_TOL)  # 6 pairs
+    assert calls == [6]
+    torch.testing.assert_close(moe_ops.routed_experts(x[:1], weights[:1], ids[:1], w1, w2, w3, LIMIT),
+                               moe_ops.routed_experts_loop(x[:1], weights[:1], ids[:1], w1, w2, w3, LIMIT),
+                               **FP32_TOL)
+    assert calls == [6, 2]
+    x4, weights4, ids4, *_ = make_inputs(device, 4, 2, torch.float32, seed=1)  # 8 pairs > 6
+    moe_ops.routed_experts(x4, weights4, ids4, w1, w2, w3, LIMIT)
+    assert calls == [6, 2]
