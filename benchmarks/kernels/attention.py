@@ -18,13 +18,13 @@ each token's causal limit (repeats possible). A second table times tile shapes a
 slot split (tuning aid): the first row of each case is the default.
 """
 import pathlib
-import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
+from dsv4.perf.timing import median_ms  # noqa: E402
 from dsv4.ops import backend  # noqa: E402
 from dsv4.ops.attention import sparse_attention as dispatch  # noqa: E402
 from dsv4.ops.triton import attention as tri  # noqa: E402
@@ -63,27 +63,8 @@ def make_case(kind, T, gen):
 
 
 def reference(*args):
-    previous = backend.get_backend()
-    backend.set_backend("reference")
-    try:
+    with backend.forced("reference"):
         return dispatch(*args)
-    finally:
-        backend.set_backend(previous)
-
-
-def median_ms(fn, reps):
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def main() -> int:

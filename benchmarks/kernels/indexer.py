@@ -17,13 +17,13 @@ rows; prefill, one chunk of T tokens at positions 0..T-1, E = T / 4 entries, tok
 entries e < (t + 1) // 4 (causal -1 tail).
 """
 import pathlib
-import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
+from dsv4.perf.timing import median_ms  # noqa: E402
 from dsv4.ops import backend  # noqa: E402
 from dsv4.ops import indexer as ref  # noqa: E402
 from dsv4.ops.triton import indexer as tri  # noqa: E402
@@ -67,12 +67,8 @@ def reference_scores(q, weights, keys, cand):
 
 
 def reference_topk(*args):
-    previous = backend.get_backend()
-    backend.set_backend("reference")
-    try:
+    with backend.forced("reference"):
         return ref.indexer_topk(*args)
-    finally:
-        backend.set_backend(previous)
 
 
 def check(q, weights, keys, cand):
@@ -104,20 +100,6 @@ def check(q, weights, keys, cand):
     if tie_free.float().mean().item() < 0.5:
         errors.append(f"only {tie_free.sum().item()} of {cand.shape[0]} rows are tie-free")
     return errors
-
-
-def median_ms(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def run_case(kind, T, E, gen):

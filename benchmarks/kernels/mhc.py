@@ -16,13 +16,13 @@ The hc_pre kernels read h twice (projection, then collapse); at T <= 64 the seco
 L2. A second table times the projection kernel alone for a few tile shapes (tuning aid).
 """
 import pathlib
-import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
+from dsv4.perf.timing import median_ms  # noqa: E402
 from dsv4.ops import backend  # noqa: E402
 from dsv4.ops import mhc as ref  # noqa: E402
 from dsv4.ops.triton import mhc as tri  # noqa: E402
@@ -36,27 +36,8 @@ PROJ_TILES = ((64, 64), (32, 64), (128, 64), (64, 32), (64, 128))  # (BT, BK); f
 
 
 def reference(fn, *args):
-    previous = backend.get_backend()
-    backend.set_backend("reference")
-    try:
+    with backend.forced("reference"):
         return fn(*args)
-    finally:
-        backend.set_backend(previous)
-
-
-def median_ms(fn, reps=REPS):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def make_case(T, gen):

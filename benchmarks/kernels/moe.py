@@ -16,13 +16,13 @@ Then the crossover with the grouped GEMM (for moe.TRITON_MAX_PAIRS), and a tile 
 for each kernel (whole op timed, the other kernel at its default).
 """
 import pathlib
-import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
+from dsv4.perf.timing import median_ms  # noqa: E402
 from dsv4.ops import moe as ref  # noqa: E402
 from dsv4.ops.triton import moe as tri  # noqa: E402
 
@@ -36,21 +36,6 @@ UP_GRID = [(bi, bh, nw) for bi, bh in ((8, 256), (16, 128), (16, 256), (16, 512)
            for nw in (4, 8)]                                   # (BLOCK_I, BLOCK_H, num_warps)
 DOWN_GRID = [(bh, bi, nw) for bh, bi in ((8, 256), (16, 128), (16, 256), (16, 512), (32, 128), (32, 256))
              for nw in (4, 8)]                                 # (BLOCK_H, BLOCK_I, num_warps)
-
-
-def median_ms(fn, reps=REPS):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def make_weights(gen):

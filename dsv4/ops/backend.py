@@ -5,6 +5,7 @@ or the Triton kernels (CUDA only). Chosen once per engine (`EngineConfig.ops_bac
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 BACKENDS = ("auto", "reference")
@@ -25,3 +26,14 @@ def get_backend() -> str:
 def use_triton(tensor) -> bool:
     """True when the Triton kernel should run for an op on `tensor`."""
     return _state["backend"] == "auto" and HAS_TRITON and tensor.is_cuda
+
+
+@contextlib.contextmanager
+def forced(name: str):
+    """Run a block with another backend (e.g. "reference" to compute a kernel's definition)."""
+    previous = get_backend()
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)

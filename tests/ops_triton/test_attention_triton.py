@@ -13,12 +13,8 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2
 
 def reference(*args):
     """The torch reference, also on CUDA (where the op would dispatch to the kernel)."""
-    previous = backend.get_backend()
-    backend.set_backend("reference")
-    try:
+    with backend.forced("reference"):
         return attention_ops.sparse_attention(*args)
-    finally:
-        backend.set_backend(previous)
 
 
 def make_inputs(device, T, H, D, lists, dtype=torch.float32, pool_rows=(37, 53), holes=0.3, seed=0):

@@ -18,12 +18,8 @@ FP32_TOL = dict(rtol=1e-5, atol=1e-6)  # post and comb are fp32 whatever h's dty
 
 def reference(fn, *args):
     """The torch reference, also on CUDA (where the op would dispatch to the kernel)."""
-    previous = backend.get_backend()
-    backend.set_backend("reference")
-    try:
+    with backend.forced("reference"):
         return fn(*args)
-    finally:
-        backend.set_backend(previous)
 
 
 def make_inputs(device, T, N, D, dtype, nmix, seed=0):
