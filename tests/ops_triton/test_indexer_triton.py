@@ -104,10 +104,6 @@ def test_dispatch(device, monkeypatch):
     q, weights, keys, cand = make_inputs(2, 4, 4, 16, torch.float32, device)
     ref.indexer_topk(q, weights, keys, cand, 2)
     assert len(calls) == (1 if device == "cuda" else 0)
-    previous = backend.get_backend()
-    backend.set_backend("reference")
-    try:
+    with backend.forced("reference"):
         ref.indexer_topk(q, weights, keys, cand, 2)
-    finally:
-        backend.set_backend(previous)
     assert len(calls) == (1 if device == "cuda" else 0)
