@@ -126,7 +126,7 @@ class _Probe:
 
     def __init__(self, model: DemoModel):
         from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
-            DeepseekV4Attention, DeepseekV4CSACompressor, DeepseekV4Indexer, DeepseekV4IndexerScorer)
+            DeepseekV4Attention, DeepseekV4CSACompressor, DeepseekV4Indexer)
         self.active = False
         self.last_layer = None
         self.loads: list = []
