@@ -1,0 +1,67 @@
+"""Where a batch-1 decode step of the fast path spends its time: GPU time per step (torch
+profiler) against wall time, and the host side broken down by function (cProfile).
+
+    python benchmarks/profile_decode.py [--spec random:flash-slice:6] [--batch 1] [--context 4096]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dsv4.config import EngineConfig  # noqa: E402
+from dsv4.engine.engine import LLMEngine  # noqa: E402
+from dsv4.model.weights import load_model  # noqa: E402
+from dsv4.perf import bench_offline as bo  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--spec", default="random:flash-slice:6")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=40)
+    args = p.parse_args()
+    model = load_model(args.spec, "cuda", torch.bfloat16)
+    eng = LLMEngine(args.spec, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=args.batch,
+                                            max_num_batched_tokens=256, max_model_len=args.context + 200,
+                                            num_pages=args.batch * (args.context // 256 + 2) + 8), model=model)
+    bo._add_batch(eng, args.batch, args.context, 3 * args.steps + 10, True, "p")
+    for _ in range(5):                                           # capture and warm up
+        eng.step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        eng.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) / args.steps
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            eng.step()
+        torch.cuda.synchronize()
+    gpu = sum(e.self_device_time_total for e in prof.key_averages()) / args.steps / 1e3
+    print(f"batch {args.batch}, context {args.context}: {wall * 1e3:.2f} ms per step wall, "
+          f"{gpu:.2f} ms of GPU time per step")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(args.steps):
+        eng.step()
+    torch.cuda.synchronize()
+    pr.disable()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(40)
+    print(f"host profile over {args.steps} steps:\n{out.getvalue()}")
+
+
+if __name__ == "__main__":
+    main()
