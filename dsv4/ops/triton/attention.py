@@ -156,9 +156,16 @@ def _default_splits(q: torch.Tensor, programs: int, slot_blocks: int) -> int:
     return max(1, min(triton.cdiv(sms, programs), slot_blocks // 2))
 
 
+# Tiles (h_block, block_k, num_warps, num_stages) measured best on an H200 (benchmarks/kernels/
+# attention.py, run of 2026-11-29): many heads per program for long prefills, a deeper pipeline
+# for decode-size batches.
+PREFILL_TILES, DECODE_TILES, PREFILL_FROM = (64, 32, 8, 2), (16, 32, 8, 3), 1024
+
+
 def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
-                     scale: float, *, h_block: int = 16, block_k: int = 32, num_splits: int | None = None,
-                     num_warps: int = 8, num_stages: int = 2) -> torch.Tensor:
+                     scale: float, *, h_block: int | None = None, block_k: int | None = None,
+                     num_splits: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None) -> torch.Tensor:
     """q [T, H, D]; sources [(kv [N, D], idx [T, K])] (one or two; idx -1 = unused slot);
     sinks [H] (finite) -> out [T, H, D] in q's dtype. Keyword arguments are tuning knobs (tests
     and benchmarks); `num_splits=None` splits the slots when T is small (CUDA only).
@@ -169,6 +176,9 @@ def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
     out = torch.empty_like(q)
     if T == 0:
         return out
+    tiles = PREFILL_TILES if T >= PREFILL_FROM else DECODE_TILES
+    h_block, block_k, num_warps, num_stages = (given if given is not None else default for given, default in
+                                               zip((h_block, block_k, num_warps, num_stages), tiles))
     q = q if q.stride(2) == 1 else q.contiguous()
     sinks = sinks.contiguous()
     kv0, idx0 = sources[0]
