@@ -156,10 +156,11 @@ def _default_splits(q: torch.Tensor, programs: int, slot_blocks: int) -> int:
     return max(1, min(triton.cdiv(sms, programs), slot_blocks // 2))
 
 
-# Tiles (h_block, block_k, num_warps, num_stages) measured best on an H200 (benchmarks/kernels/
-# attention.py, run of 2026-11-29): many heads per program for long prefills, a deeper pipeline
-# for decode-size batches.
-PREFILL_TILES, DECODE_TILES, PREFILL_FROM = (64, 32, 8, 2), (16, 32, 8, 3), 1024
+# Tiles (h_block, block_k, num_warps, num_stages) from the H200 runs of benchmarks/kernels/
+# attention.py (2026-11-29): 64 heads per program halves long prefills (2.3 vs 4.4 ms at 4k);
+# for decode-size batches the candidates were within run-to-run noise, so the register-checked
+# default stays.
+PREFILL_TILES, DECODE_TILES, PREFILL_FROM = (64, 32, 8, 2), (16, 32, 8, 2), 1024
 
 
 def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
