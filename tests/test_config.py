@@ -199,3 +199,11 @@ def test_invalid_field_is_named_with_expected_values(case):
     assert info.value.field == field
     assert f"config field `{field}`" in str(info.value)
     assert expected in str(info.value)
+
+
+def test_presets_parse_with_and_without_a_layer_count():
+    flash = preset_config("flash-slice")
+    assert flash.num_hidden_layers == 6 and flash.compress_ratios == tuple(FLASH_RATIOS[:6])
+    assert preset_config("flash-slice", layers=43).compress_ratios == tuple(FLASH_RATIOS)
+    assert preset_config("tiny").layer_types[:3] == ("sliding_attention", "compressed_sparse_attention",
+                                                     "heavily_compressed_attention")

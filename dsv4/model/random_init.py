@@ -24,7 +24,7 @@ PRESETS = {
     "flash-slice": dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=6, num_attention_heads=64,
                         head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
                         moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
-                        num_experts_per_tok=6, routed_scaling_factor=1.5, compress_ratios=FLASH_RATIOS + [0],
+                        num_experts_per_tok=6, routed_scaling_factor=1.5, compress_ratios=FLASH_RATIOS[:6] + [0],
                         num_hash_layers=3, index_n_heads=64, index_head_dim=128, index_topk=512,
                         sliding_window=128, hc_mult=4, max_position_embeddings=1048576),
 }
