@@ -1,7 +1,8 @@
 """Triton decode-size routed experts (dsv4/ops/triton/moe.py) against the torch reference
 `routed_experts_loop` (dsv4/ops/moe.py), the definition: empty/one/few tokens, k in {1, 2, 6},
 experts repeated across tokens, the SwiGLU clamp engaged, fp32 and bf16, dimensions that are
-not multiples of the tiles, and the dispatch from `routed_experts`."""
+not multiples of the tiles, the down projection split over programs (fp32 partials + sum), and
+the dispatch from `routed_experts`."""
 import pytest
 import torch
 
@@ -53,6 +54,30 @@ def test_routed_experts(device, dtype, T, k):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_small_tiles(device, dtype):
     check(device, 3, 6, dtype, **SMALL_TILES)
+
+
+# SMALL_TILES down: BLOCK_I 32 over I 48 -> 2 I-blocks per expert (the second a masked tail), so
+# k * 2 units; splits that cut inside an expert, unevenly (5 over 12), one unit each (12), and
+# more splits than units (16: empty programs write zero partials)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,k,split", [(1, 6, 2), (1, 6, 5), (1, 6, 12), (1, 6, 16), (3, 2, 3), (3, 6, 7)])
+def test_down_split(device, dtype, T, k, split):
+    check(device, T, k, dtype, down_split=split, **SMALL_TILES)
+
+
+@pytest.mark.parametrize("split", [1, 3, 10])
+def test_down_split_default_tiles(device, split):
+    """Default tiles (one I-block per expert at I 48): splits over whole experts only."""
+    check(device, 2, 6, torch.float32, down_split=split)
+
+
+def test_default_down_split():
+    """Shapes only; >= 1, <= the number of units; fewer splits as T grows; 1 at the V4-Flash
+    sizes once T fills the machine."""
+    split = lambda T: triton_moe.default_down_split(T, 6, 4096, 2048)  # noqa: E731
+    assert [split(T) for T in (1, 2, 4, 8, 64)] == [8, 4, 2, 1, 1]
+    assert triton_moe.default_down_split(1, 1, 8, 48) == 1          # one unit: nothing to split
+    assert triton_moe.default_down_split(1, 6, 72, 48, 16, 32) == 12   # capped at k * 2 units
 
 
 def test_inputs_exercise_clamp_and_repeats(device):

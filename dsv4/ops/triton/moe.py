@@ -10,9 +10,14 @@ copies, no host synchronisation (grids depend only on T and k, so the op is CUDA
      h[p, i] = silu(min(gate, L)) * clamp(up, -L, L)                  stored in x's dtype
    Storing h in x's dtype matches the reference, which rounds h to x's dtype before the down
    projection (its gate/up/silu are bf16 ops in bf16; here they stay fp32 until h).
-2. `_down_kernel`, one program per (token t, tile of H), summing its k experts in registers
-   (no atomics):  out[t, n] = sum_j weights[t, j] * (w2[ids[t, j]] @ h[t*k + j])[n]  (fp32),
-   written in x's dtype.
+2. `_down_kernel`, one program per (token t, tile of H, split s), summing its share of the
+   k x cdiv(I, BLOCK_I) (expert j, I-block) units in registers (no atomics):
+     part[s, t, n] = sum_{j, I-blocks of s} weights[t, j] * (w2[ids[t, j]] @ h[t*k + j])[n]  (fp32)
+   The units are cut into SPLIT contiguous, near-equal runs (expert-major), so at T = 1 the
+   k*I reduction spreads over SPLIT times more programs (at SPLIT 1 a program holds all k
+   experts, 512 programs at V4 sizes: too few loads in flight to reach HBM bandwidth).
+   SPLIT 1 writes out[t, n] in x's dtype directly; SPLIT > 1 writes fp32 partials [SPLIT, T, H]
+   and `_sum_splits_kernel` adds them in a fixed order and casts (deterministic).
 
 Both are GEMVs done as fp32 elementwise products + tl.sum (bandwidth-bound; no tl.dot, which
 also keeps Triton's interpreter exact in bf16). Weight rows are read along their contiguous
@@ -27,6 +32,10 @@ import triton.language as tl
 # tile defaults (tuned by benchmarks/kernels/moe.py on an H200 at V4-Flash shapes)
 UP_BLOCK_I, UP_BLOCK_H, UP_WARPS = 16, 256, 4
 DOWN_BLOCK_H, DOWN_BLOCK_I, DOWN_WARPS = 8, 256, 8   # best measured on an H200 (benchmarks/kernels/moe.py)
+# default SPLIT: enough down programs for ~4 waves of 8-warp programs on 132 SMs (not yet
+# measured; benchmarks/kernels/moe.py scans SPLIT). At V4 sizes: T = 1 -> 8, 2 -> 4, 4 -> 2, 8 -> 1.
+DOWN_MIN_PROGRAMS = 4096
+SUM_BLOCK = 1024
 
 
 @triton.jit
@@ -63,38 +72,65 @@ def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, out_ptr, K, H, I,
                  stride_we, stride_wh,
                  BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
     # h [T*k, I]; ids [T*k] int64; weights [T*k] fp32; w2 [E, H, I] (last dim contiguous)
-    # -> out [T, H] (x's dtype)
+    # -> out [SPLIT, T, H]: x's dtype when SPLIT == 1 (the result), else fp32 partials
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)       # [BLOCK_H] output features
     n_ok = n < H
+    s = tl.program_id(2)
+    T = tl.num_programs(0)
+    SPLIT = tl.num_programs(2)
+    n_blocks = tl.cdiv(I, BLOCK_I)                                # I-blocks per expert
+    u_lo = s * (K * n_blocks) // SPLIT                            # this split's units [u_lo, u_hi),
+    u_hi = (s + 1) * (K * n_blocks) // SPLIT                      # unit u = (j, block) = divmod(u, n_blocks)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for j in range(K):
+    for j in range(u_lo // n_blocks, tl.cdiv(u_hi, n_blocks)):    # experts this split touches
         p = t * K + j
         e = tl.load(ids_ptr + p)                                  # int64 scalar
         wt = tl.load(wt_ptr + p)                                  # fp32 routing weight
         w_off = e * stride_we + n[:, None] * stride_wh            # [BLOCK_H, 1]
         h_row = h_ptr + p.to(tl.int64) * I
         y = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for i0 in range(0, I, BLOCK_I):
-            ii = i0 + tl.arange(0, BLOCK_I)                       # [BLOCK_I]
+        for b in range(tl.maximum(u_lo - j * n_blocks, 0), tl.minimum(u_hi - j * n_blocks, n_blocks)):
+            ii = b * BLOCK_I + tl.arange(0, BLOCK_I)              # [BLOCK_I]
             i_ok = ii < I
             hv = tl.load(h_row + ii, mask=i_ok, other=0.0).to(tl.float32)[None, :]   # [1, BLOCK_I]
             w2 = tl.load(w2_ptr + w_off + ii[None, :], mask=n_ok[:, None] & i_ok[None, :],
                          other=0.0).to(tl.float32)                # [BLOCK_H, BLOCK_I]
             y += tl.sum(w2 * hv, axis=1)
         acc += wt * y
-    tl.store(out_ptr + t.to(tl.int64) * H + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+    row = (s * T + t).to(tl.int64) * H
+    tl.store(out_ptr + row + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, N, SPLIT, BLOCK: tl.constexpr):
+    # part [SPLIT, N] fp32 -> out [N] (x's dtype), summed in split order
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLIT):
+        acc += tl.load(part_ptr + s * N + i, mask=ok, other=0.0)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def default_down_split(T: int, k: int, H: int, I: int, block_h: int = DOWN_BLOCK_H,
+                       block_i: int = DOWN_BLOCK_I) -> int:
+    """SPLIT for the down kernel: the fewest that gives >= DOWN_MIN_PROGRAMS programs, at most one
+    (expert, I-block) unit per split. Depends on shapes only (no host sync, CUDA-graph safe)."""
+    units = k * triton.cdiv(I, block_i)
+    return max(1, min(units, triton.cdiv(DOWN_MIN_PROGRAMS, T * triton.cdiv(H, block_h))))
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
                    w2: torch.Tensor, w3: torch.Tensor, limit: float, *,
                    up_tiles: tuple[int, int, int] | None = None,
-                   down_tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+                   down_tiles: tuple[int, int, int] | None = None,
+                   down_split: int | None = None) -> torch.Tensor:
     """Same semantics as dsv4.ops.moe.routed_experts_loop. x [T, H]; weights [T, k] fp32;
     ids [T, k]; w1/w3 [E, I, H]; w2 [E, H, I] -> [T, H] in x's dtype.
 
     up_tiles = (BLOCK_I, BLOCK_H, num_warps) and down_tiles = (BLOCK_H, BLOCK_I, num_warps)
-    override the defaults (tuning)."""
+    override the defaults (tuning); down_split (>= 1) overrides `default_down_split`."""
     T, H = x.shape
     k = ids.shape[1]
     E, I, _ = w1.shape
@@ -114,7 +150,11 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
         x, flat_ids, w1, w3, h, k, H, I, w1.stride(0), w1.stride(1), float(limit),
         BLOCK_I=bi, BLOCK_H=bh, num_warps=nw)
     bh, bi, nw = down_tiles or (DOWN_BLOCK_H, DOWN_BLOCK_I, DOWN_WARPS)
-    _down_kernel[(T, triton.cdiv(H, bh))](
-        h, flat_ids, flat_w, w2, out, k, H, I, w2.stride(0), w2.stride(1),
+    split = down_split or default_down_split(T, k, H, I, bh, bi)
+    part = out if split == 1 else torch.empty((split, T, H), dtype=torch.float32, device=x.device)
+    _down_kernel[(T, triton.cdiv(H, bh), split)](
+        h, flat_ids, flat_w, w2, part, k, H, I, w2.stride(0), w2.stride(1),
         BLOCK_H=bh, BLOCK_I=bi, num_warps=nw)
+    if split > 1:
+        _sum_splits_kernel[(triton.cdiv(T * H, SUM_BLOCK),)](part, out, T * H, split, BLOCK=SUM_BLOCK)
     return out
