@@ -165,7 +165,7 @@ def kernel_scripts() -> dict:
     here = os.path.dirname(os.path.abspath(__file__))
     for script in sorted(glob.glob(os.path.join(here, "kernels", "*.py"))):
         name = os.path.basename(script)
-        out[name] = _run([sys.executable, script], 100, os.environ)
+        out[name] = _run([sys.executable, script], 180, os.environ)
         log(f"kernel script {name}: rc {out[name]['rc']}\n{out[name]['out'][-2500:]}")
     env = {**os.environ, "DSV4_TRITON_DEVICE": "cuda"}
     tests = os.path.join(os.path.dirname(here), "tests", "ops_triton")
