@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from ..config import CSA_RATIO, HCA_RATIO, ModelConfig
+from ..ops.backend import use_triton
 from ..ops.compress import compress_pool
 from ..ops.indexer import indexer_topk
 from ..ops.rope import apply_rope, rope_cos_sin
@@ -33,11 +34,16 @@ class Compressor(nn.Module):
         """Close this step's groups into `pool`, then move the step's tail into the ring."""
         kv, gate = self.wkv(x), self.wgate(x)
         if plan.rows.shape[0]:
-            pooled = compress_pool(torch.cat([ring_kv, kv.to(ring_kv.dtype)]),
-                                   torch.cat([ring_gate, gate.to(ring_gate.dtype)]),
-                                   plan.rows, self.ape, self.overlap)
-            cos, sin = rope_cos_sin(plan.entry_pos, inv_freq)
-            pool[plan.entry_slot] = apply_rope(self.norm(pooled), cos, sin).to(pool.dtype)
+            if use_triton(kv):
+                from ..ops.triton.compress import close_groups
+                close_groups(ring_kv, ring_gate, kv, gate, plan.rows, plan.ring_rows, self.ape, self.overlap,
+                             self.norm.weight, self.norm.eps, plan.entry_pos, inv_freq, pool, plan.entry_slot)
+            else:
+                pooled = compress_pool(torch.cat([ring_kv, kv.to(ring_kv.dtype)]),
+                                       torch.cat([ring_gate, gate.to(ring_gate.dtype)]),
+                                       plan.rows, self.ape, self.overlap)
+                cos, sin = rope_cos_sin(plan.entry_pos, inv_freq)
+                pool[plan.entry_slot] = apply_rope(self.norm(pooled), cos, sin).to(pool.dtype)
         if plan.ring_dst.shape[0]:
             ring_kv[plan.ring_dst] = kv[plan.ring_src].to(ring_kv.dtype)
             ring_gate[plan.ring_dst] = gate[plan.ring_src].to(ring_gate.dtype)
