@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..rope import rope_cos_sin
+
 TILE = 4096         # elements of one [span, channels] tile of kv (and of gate), 32 a thread
 
 
@@ -62,7 +64,7 @@ def _pool_block(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, ape_ptr, rows, val
 
 @triton.jit
 def _close_groups_kernel(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, rows_ptr, ape_ptr,
-                         norm_w_ptr, pos_ptr, inv_freq_ptr, pool_ptr, slot_ptr,
+                         norm_w_ptr, cos_ptr, sin_ptr, pool_ptr, slot_ptr,
                          span, m, D, R, ring_rows, eps,
                          stride_rkv, stride_rg, stride_kv, stride_g, stride_rows, stride_ape,
                          stride_pool,
@@ -91,7 +93,6 @@ def _close_groups_kernel(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, rows_ptr,
     rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / D + eps)
 
     # Pass 2: normalise, rotate the last 2R channels at the group's position, store.
-    pos = tl.load(pos_ptr + g).to(tl.float32)
     slot = tl.load(slot_ptr + g).to(tl.int64)
     rope0 = D - 2 * R                                                         # first rotated channel
     for c0 in range(0, D, 2 * BLOCK_H):
@@ -109,8 +110,10 @@ def _close_groups_kernel(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, rows_ptr,
         b = (w_b * (b * rstd)).to(src_dtype).to(tl.float32)
         is_rope = c_ok & (even >= rope0)
         pair = tl.where(is_rope, (even - rope0) // 2, 0)
-        freq = pos * tl.load(inv_freq_ptr + pair, mask=is_rope, other=0.0).to(tl.float32)
-        cos, sin = tl.cos(freq), tl.sin(freq)
+        # cos/sin come from torch (as in the reference): Triton's tl.cos/tl.sin are fast
+        # approximations that lose accuracy at the large angles of long contexts.
+        cos = tl.load(cos_ptr + g * R + pair, mask=is_rope, other=1.0)
+        sin = tl.load(sin_ptr + g * R + pair, mask=is_rope, other=0.0)
         a_out = tl.where(is_rope, a * cos - b * sin, a).to(src_dtype)
         b_out = tl.where(is_rope, b * cos + a * sin, b).to(src_dtype)
         out_ptr = pool_ptr + slot * stride_pool + even
@@ -139,8 +142,9 @@ def close_groups(ring_kv: torch.Tensor, ring_gate: torch.Tensor, kv: torch.Tenso
         assert t.stride(-1) == 1, "channels must be contiguous"
     span_p = triton.next_power_of_2(span)
     block_h = max(16, min(triton.next_power_of_2(D) // 2, tile // span_p // 2))
+    cos, sin = rope_cos_sin(entry_pos, inv_freq)                              # [G, R] fp32 each
     _close_groups_kernel[(num_groups,)](
-        ring_kv, ring_gate, kv, gate, rows, ape, norm_weight, entry_pos, inv_freq, pool, entry_slot,
+        ring_kv, ring_gate, kv, gate, rows, ape, norm_weight, cos.contiguous(), sin.contiguous(), pool, entry_slot,
         span, m, D, inv_freq.shape[0], ring_rows, eps,
         ring_kv.stride(0), ring_gate.stride(0), kv.stride(0), gate.stride(0), rows.stride(0),
         ape.stride(0), pool.stride(0),
