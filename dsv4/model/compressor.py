@@ -6,6 +6,11 @@ from torch import nn
 
 from ..config import CSA_RATIO, HCA_RATIO, ModelConfig
 from ..ops.backend import use_triton
+
+# The Triton group-close kernel (ops/triton/compress.py) matches the reference in fp32 on an
+# H200, but in bf16 a few elements round differently beyond its benchmark's tolerance, and it is
+# no faster for HCA groups (run of 2026-11-29): off until both are fixed.
+TRITON_CLOSE_GROUPS = False
 from ..ops.compress import compress_pool
 from ..ops.indexer import indexer_topk
 from ..ops.rope import apply_rope, rope_cos_sin
@@ -34,7 +39,7 @@ class Compressor(nn.Module):
         """Close this step's groups into `pool`, then move the step's tail into the ring."""
         kv, gate = self.wkv(x), self.wgate(x)
         if plan.rows.shape[0]:
-            if use_triton(kv):
+            if TRITON_CLOSE_GROUPS and use_triton(kv):
                 from ..ops.triton.compress import close_groups
                 close_groups(ring_kv, ring_gate, kv, gate, plan.rows, plan.ring_rows, self.ape, self.overlap,
                              self.norm.weight, self.norm.eps, plan.entry_pos, inv_freq, pool, plan.entry_slot)

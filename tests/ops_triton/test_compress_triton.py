@@ -104,6 +104,7 @@ def test_model_logits_unchanged_through_triton(monkeypatch, device):
         want = full_logits(model, ids)
         monkeypatch.setattr(tri, "close_groups", lambda *a: calls.append(a[7]) or real(*a))
         monkeypatch.setattr(compressor, "use_triton", lambda t: True)
+        monkeypatch.setattr(compressor, "TRITON_CLOSE_GROUPS", True)
         got = full_logits(model, ids)
     assert True in calls and False in calls          # CSA (and indexer) and HCA groups closed
     scale = want.abs().max()
