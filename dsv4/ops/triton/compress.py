@@ -63,6 +63,20 @@ def _pool_block(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, ape_ptr, rows, val
 
 
 @triton.jit
+def _pool_pair(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, ape_ptr, rows, valid, from_ring,
+               offs_r, even, c_ok, m, D, ring_rows,
+               stride_rkv, stride_rg, stride_kv, stride_g, stride_ape, OVERLAP: tl.constexpr):
+    """Pooled even and odd channels of one block: [BLOCK_H] each (one RoPE pair per lane)."""
+    a = _pool_block(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, ape_ptr, rows, valid, from_ring,
+                    offs_r, even, c_ok, m, D, ring_rows,
+                    stride_rkv, stride_rg, stride_kv, stride_g, stride_ape, OVERLAP)
+    b = _pool_block(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, ape_ptr, rows, valid, from_ring,
+                    offs_r, even + 1, c_ok, m, D, ring_rows,
+                    stride_rkv, stride_rg, stride_kv, stride_g, stride_ape, OVERLAP)
+    return a, b
+
+
+@triton.jit
 def _close_groups_kernel(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, rows_ptr, ape_ptr,
                          norm_w_ptr, cos_ptr, sin_ptr, pool_ptr, slot_ptr,
                          span, m, D, R, ring_rows, eps,
@@ -83,12 +97,9 @@ def _close_groups_kernel(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, rows_ptr,
     for c0 in range(0, D, 2 * BLOCK_H):
         even = c0 + 2 * offs_h
         c_ok = even < D
-        a = _pool_block(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, ape_ptr, rows, valid, from_ring,
-                        offs_r, even, c_ok, m, D, ring_rows,
-                        stride_rkv, stride_rg, stride_kv, stride_g, stride_ape, OVERLAP)
-        b = _pool_block(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, ape_ptr, rows, valid, from_ring,
-                        offs_r, even + 1, c_ok, m, D, ring_rows,
-                        stride_rkv, stride_rg, stride_kv, stride_g, stride_ape, OVERLAP)
+        a, b = _pool_pair(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, ape_ptr, rows, valid, from_ring,
+                          offs_r, even, c_ok, m, D, ring_rows,
+                          stride_rkv, stride_rg, stride_kv, stride_g, stride_ape, OVERLAP)
         sumsq += a * a + b * b
     rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / D + eps)
 
@@ -98,12 +109,9 @@ def _close_groups_kernel(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, rows_ptr,
     for c0 in range(0, D, 2 * BLOCK_H):
         even = c0 + 2 * offs_h
         c_ok = even < D
-        a = _pool_block(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, ape_ptr, rows, valid, from_ring,
-                        offs_r, even, c_ok, m, D, ring_rows,
-                        stride_rkv, stride_rg, stride_kv, stride_g, stride_ape, OVERLAP)
-        b = _pool_block(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, ape_ptr, rows, valid, from_ring,
-                        offs_r, even + 1, c_ok, m, D, ring_rows,
-                        stride_rkv, stride_rg, stride_kv, stride_g, stride_ape, OVERLAP)
+        a, b = _pool_pair(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, ape_ptr, rows, valid, from_ring,
+                          offs_r, even, c_ok, m, D, ring_rows,
+                          stride_rkv, stride_rg, stride_kv, stride_g, stride_ape, OVERLAP)
         w_a = tl.load(norm_w_ptr + even, mask=c_ok, other=0.0).to(tl.float32)
         w_b = tl.load(norm_w_ptr + even + 1, mask=c_ok, other=0.0).to(tl.float32)
         a = (w_a * (a * rstd)).to(src_dtype).to(tl.float32)
