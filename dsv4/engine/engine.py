@@ -177,12 +177,15 @@ class LLMEngine:
         req.output_token_ids.append(token)
         if req.params.logprobs is not None:
             req.logprobs.append({token: logprob, **dict(zip(top_ids, top_lps))})
-        text, new_len = self._text(req)
+        # stop strings need the text every step; otherwise it is decoded once, at the end
+        text, new_len = self._text(req) if req.params.stop else (None, None)
         result = self._stops[req.request_id].check(req.output_token_ids, text, new_len)
         if result is not None:
             req.finish_reason, req.stop_reason = result.finish_reason, result.stop_reason
             if result.output_text is not None:
                 req.output_text = result.output_text
+            elif not req.params.stop:
+                self._text(req)
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
             self._stops.pop(req.request_id, None)
