@@ -5,9 +5,14 @@ import torch.nn.functional as F
 from .backend import use_triton
 
 # decode sizes: up to this many (token, expert) pairs T*k run the Triton GEMV kernels, which
-# stream each selected expert once; larger batches use the grouped GEMM (see
+# stream each selected expert once; larger batches use a grouped GEMM (see
 # benchmarks/kernels/moe.py for the crossover)
 TRITON_MAX_PAIRS = 64
+# the grouped GEMM on CUDA above that: "torch" = routed_experts_grouped (torch._grouped_mm,
+# bf16 only), "triton" = dsv4/ops/triton/moe_grouped.py (SwiGLU fused into the up-gate GEMM,
+# routing weight into the down GEMM). `python benchmarks/kernels/moe.py --part prefill`
+# measures both.
+GROUPED_GEMM = "torch"
 
 
 def route_topk(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
@@ -45,25 +50,30 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
     if use_triton(x) and ids.numel() <= TRITON_MAX_PAIRS:
         from .triton import moe as triton_moe
         return triton_moe.routed_experts(x, weights, ids, w1, w2, w3, limit)
+    if use_triton(x) and GROUPED_GEMM == "triton":
+        from .triton import moe_grouped
+        return moe_grouped.routed_experts_grouped(x, weights, ids, w1, w2, w3, limit)
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         return routed_experts_grouped(x, weights, ids, w1, w2, w3, limit)
     return routed_experts_loop(x, weights, ids, w1, w2, w3, limit)
 
 
 def routed_experts_grouped(x, weights, ids, w1, w2, w3, limit):
-    """One grouped GEMM per projection over tokens sorted by expert; no host synchronisation."""
-    k = ids.shape[1]
+    """One grouped GEMM per projection over the pairs sorted by expert; no host synchronisation.
+    The combine gathers each token's k rows back (inverse of the sort) and sums them weighted
+    in fp32: deterministic, no atomics."""
+    T, k = ids.shape
     flat_ids = ids.flatten()
-    order = torch.argsort(flat_ids, stable=True)
+    order = torch.argsort(flat_ids, stable=True)                  # sorted row -> pair t*k + j
     counts = torch.zeros(w1.shape[0], dtype=torch.long, device=x.device)
     counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))   # bincount would sync to size its output
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    token_of = order // k
-    xs = x[token_of]
+    xs = x[order // k]                                            # [T*k, H], sorted rows
     h = swiglu_clamped(torch._grouped_mm(xs, w1.transpose(1, 2), offs=offs),
                        torch._grouped_mm(xs, w3.transpose(1, 2), offs=offs), limit)
-    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs).float() * weights.flatten()[order, None]
-    return torch.zeros(x.shape, dtype=torch.float32, device=x.device).index_add_(0, token_of, y).to(x.dtype)
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)      # [T*k, H], sorted rows
+    y = y[torch.argsort(order)].view(T, k, -1)                    # [T, k, H], pair order
+    return (y * weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
 
 
 def routed_experts_loop(x, weights, ids, w1, w2, w3, limit):

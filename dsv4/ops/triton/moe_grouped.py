@@ -1,0 +1,199 @@
+"""Triton grouped GEMMs for the routed experts at prefill sizes (many (token, expert) pairs);
+the definition is `routed_experts_loop` in dsv4/ops/moe.py.
+
+The P = T*k pairs are sorted by expert (row r of the sorted order is pair order[r], token
+order[r] // k). Rows of one expert are contiguous; an M-tile never spans two experts. Three
+launches and a few small torch ops, no host synchronisation (grids depend only on P, E and
+the tiles, so the op is CUDA-graph safe):
+
+1. `schedule` (torch, on device): order [P], and per tile slot s < S = cdiv(P, BLOCK_M) +
+   min(E, P) the (expert, first row, end row) of one M-tile; slots past the last tile have
+   first row >= end row and their programs return at once.
+2. `_up_gate_kernel`, one program per (slot, tile of I):
+     gate = x[tok] @ w1[e]^T,  up = x[tok] @ w3[e]^T          (bf16 tl.dot, fp32 accumulation)
+     h[r, i] = silu(min(gate, L)) * clamp(up, -L, L)           stored in x's dtype, sorted rows
+   x rows are gathered through order inside the kernel (no x[token_of] copy).
+3. `_down_kernel`, one program per (slot, tile of H):
+     y[order[r], n] = weights[order[r]] * (h[r] @ w2[e]^T)[n]   (fp32, stored in x's dtype)
+   The output rows are scattered back to pair order (each row written once, no atomics), so
+4. the combine is out[t] = sum_j y[t*k + j] in fp32, cast once (deterministic).
+
+Rounding differs from the definition only by bf16 steps: the reference rounds gate, up, h and
+each expert's output; here h and each weighted expert output are rounded.
+Programs run in grouped order (GROUP_M slots, then the next tile of N) so that the weight tiles
+of an expert and the gathered x rows of the group stay in L2 while they are reused.
+Expert offsets use int64 (e * I * H exceeds int32 at V4 sizes).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); not yet measured on the H200
+# (benchmarks/kernels/moe.py --part prefill --tune scans a grid)
+UP_TILES = (64, 128, 64, 4, 4)
+DOWN_TILES = (64, 128, 64, 4, 4)
+GROUP_M = 8
+# Triton's interpreter multiplies the raw uint16 bits in a bf16 tl.dot: upcast there (tests only)
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _tile(sched_ptr, S, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (expert, first row, end row, columns [BLOCK_N]) in grouped order."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first = (pid // per_group) * GROUP_M
+    size = tl.minimum(S - first, GROUP_M)
+    slot = first + (pid % per_group) % size
+    cols = (pid % per_group) // size * BLOCK_N + tl.arange(0, BLOCK_N)
+    e = tl.load(sched_ptr + slot).to(tl.int64)
+    return e, tl.load(sched_ptr + S + slot), tl.load(sched_ptr + 2 * S + slot), cols
+
+
+@triton.jit
+def _load_k(ptrs, k0, K, kk, K_AXIS: tl.constexpr, EVEN_K: tl.constexpr):
+    """A tile at depth k0 whose axis K_AXIS runs along K; rows/cols out of range were clamped
+    in bounds by the caller (their results are never stored), so only the K tail is masked."""
+    if EVEN_K:
+        return tl.load(ptrs)
+    k_ok = k0 + kk < K
+    if K_AXIS == 1:
+        return tl.load(ptrs, mask=k_ok[None, :], other=0.0)
+    return tl.load(ptrs, mask=k_ok[:, None], other=0.0)
+
+
+@triton.jit
+def _dot(a, b, acc, FP32_DOT: tl.constexpr):
+    """acc + a @ b: bf16 tensor-core dot with fp32 accumulation, or an exact fp32 dot."""
+    if FP32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _up_gate_kernel(x_ptr, order_ptr, sched_ptr, w1_ptr, w3_ptr, h_ptr, S, KP, H, I,
+                    stride_we, stride_wi, limit,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr):
+    # x [T, H]; order [P] int32 (pair of each sorted row); w1/w3 [E, I, H] (last dim contiguous)
+    # -> h [P, I] in x's dtype, rows in sorted order
+    e, r0, r1, cols = _tile(sched_ptr, S, I, BLOCK_N, GROUP_M)
+    if r0 >= r1:
+        return
+    rows = r0 + tl.arange(0, BLOCK_M)                                  # [BLOCK_M] sorted rows
+    row_ok = rows < r1
+    col_ok = cols < I
+    tok = tl.load(order_ptr + tl.where(row_ok, rows, r0)) // KP         # token of each row
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok.to(tl.int64)[:, None] * H + kk[None, :]                 # [BM, BK]
+    w_off = e * stride_we + tl.where(col_ok, cols, 0)[None, :] * stride_wi + kk[:, None]   # [BK, BN]
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        a = _load_k(a_ptrs, k0, H, kk, 1, EVEN_K)
+        gate = _dot(a, _load_k(w1_ptr + w_off, k0, H, kk, 0, EVEN_K), gate, FP32_DOT)
+        up = _dot(a, _load_k(w3_ptr + w_off, k0, H, kk, 0, EVEN_K), up, FP32_DOT)
+        a_ptrs += BLOCK_K
+        w_off += BLOCK_K
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    h = gate / (1.0 + tl.exp(-gate)) * up                               # silu(gate) * up
+    out = h_ptr + rows.to(tl.int64)[:, None] * I + cols[None, :]
+    tl.store(out, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, order_ptr, wt_ptr, sched_ptr, w2_ptr, y_ptr, S, H, I,
+                 stride_we, stride_wh,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr):
+    # h [P, I] sorted rows; order [P] int32; weights [P] fp32 in pair order; w2 [E, H, I]
+    # (last dim contiguous) -> y [P, H] in x's dtype, rows in pair order
+    e, r0, r1, cols = _tile(sched_ptr, S, H, BLOCK_N, GROUP_M)
+    if r0 >= r1:
+        return
+    rows = r0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < r1
+    col_ok = cols < H
+    kk = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + tl.where(row_ok, rows, r0).to(tl.int64)[:, None] * I + kk[None, :]   # [BM, BK]
+    w_off = e * stride_we + tl.where(col_ok, cols, 0)[None, :] * stride_wh + kk[:, None]  # [BK, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        a = _load_k(a_ptrs, k0, I, kk, 1, EVEN_K)
+        acc = _dot(a, _load_k(w2_ptr + w_off, k0, I, kk, 0, EVEN_K), acc, FP32_DOT)
+        a_ptrs += BLOCK_K
+        w_off += BLOCK_K
+    pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
+    wt = tl.load(wt_ptr + pair, mask=row_ok, other=0.0)                 # fp32 routing weight
+    out = y_ptr + pair.to(tl.int64)[:, None] * H + cols[None, :]
+    tl.store(out, (acc * wt[:, None]).to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def schedule(flat_ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """flat_ids [P] (expert of each pair) -> (order [P] int32: the pair of each row, sorted by
+    expert (stable); sched [3, S] int32: expert, first row, end row of each M-tile slot).
+
+    S = cdiv(P, block_m) + min(E, P) bounds the tiles (each expert with rows adds at most one
+    partial tile). Slots past the last tile get the last expert and a first row >= its end row."""
+    P = flat_ids.numel()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.zeros(E, dtype=torch.long, device=flat_ids.device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))   # bincount would sync to size its output
+    ends = counts.cumsum(0)
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = tiles.cumsum(0)                                    # exclusive end slot of each expert
+    slot = torch.arange(triton.cdiv(P, block_m) + min(E, P), device=flat_ids.device)
+    e = torch.searchsorted(tile_end, slot, right=True).clamp_(max=E - 1)
+    first = ends[e] - counts[e] + (slot - tile_end[e] + tiles[e]) * block_m
+    return order.to(torch.int32), torch.stack([e, first, ends[e]]).to(torch.int32)
+
+
+def routed_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
+                           w2: torch.Tensor, w3: torch.Tensor, limit: float, *,
+                           up_tiles: tuple[int, ...] | None = None,
+                           down_tiles: tuple[int, ...] | None = None,
+                           group_m: int = GROUP_M) -> torch.Tensor:
+    """Same semantics as dsv4.ops.moe.routed_experts_loop. x [T, H]; weights [T, k] fp32;
+    ids [T, k]; w1/w3 [E, I, H]; w2 [E, H, I] -> [T, H] in x's dtype.
+
+    up_tiles / down_tiles = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) override the
+    defaults (tuning); BLOCK_* >= 16 on the GPU (tl.dot)."""
+    T, H = x.shape
+    k = ids.shape[1]
+    E, I, _ = w1.shape
+    assert w1.shape == w3.shape == (E, I, H) and w2.shape == (E, H, I), "expert weight shapes"
+    assert w1.stride() == w3.stride() and w1.stride(2) == 1 and w2.stride(2) == 1, \
+        "w1/w3 must share strides; the last dim of w1/w2/w3 must be contiguous"
+    if T == 0 or k == 0:
+        return torch.zeros_like(x)
+    x = x.contiguous()
+    P = T * k
+    flat_ids = ids.reshape(-1).to(torch.int64)
+    flat_w = weights.reshape(-1).to(torch.float32).contiguous()        # [P], pair order
+    fp32_dot = x.dtype == torch.float32 or INTERPRETING
+    up_tiles, down_tiles = up_tiles or UP_TILES, down_tiles or DOWN_TILES
+
+    bm, bn, bk, nw, ns = up_tiles
+    order, sched = schedule(flat_ids, E, bm)
+    S = sched.shape[1]
+    h = torch.empty((P, I), dtype=x.dtype, device=x.device)           # sorted rows
+    _up_gate_kernel[(S * triton.cdiv(I, bn),)](
+        x, order, sched, w1, w3, h, S, k, H, I, w1.stride(0), w1.stride(1), float(limit),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, EVEN_K=H % bk == 0, FP32_DOT=fp32_dot,
+        num_warps=nw, num_stages=ns)
+
+    bm_down, bn, bk, nw, ns = down_tiles
+    if bm_down != bm:
+        order, sched = schedule(flat_ids, E, bm_down)
+        S = sched.shape[1]
+    y = torch.empty((P, H), dtype=x.dtype, device=x.device)           # pair order
+    _down_kernel[(S * triton.cdiv(H, bn),)](
+        h, order, flat_w, sched, w2, y, S, H, I, w2.stride(0), w2.stride(1),
+        BLOCK_M=bm_down, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, EVEN_K=I % bk == 0, FP32_DOT=fp32_dot,
+        num_warps=nw, num_stages=ns)
+    return y.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
