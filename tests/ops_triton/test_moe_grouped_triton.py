@@ -13,7 +13,7 @@ from dsv4.ops.triton import moe_grouped
 E, H, I, LIMIT = 8, 72, 48, 2.0  # H, I: not multiples of the tiles below
 FP32_TOL = dict(rtol=1e-5, atol=1e-5)  # rounding of a differently ordered sum
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): several M-tiles per expert, K loops with a tail
-SMALL = dict(up_tiles=(16, 32, 32, 1, 1), down_tiles=(16, 32, 32, 1, 1), group_m=3)
+SMALL = dict(up_tiles=(16, 32, 32, 2, 2), down_tiles=(16, 32, 32, 2, 2), group_m=3)
 
 
 def make_inputs(device, T, k, dtype, h=H, i=I, seed=0, same_experts=False):
@@ -63,9 +63,13 @@ def test_triton_grouped(device, dtype, T, k):
     check(device, T, k, dtype, **SMALL)
 
 
+@pytest.mark.parametrize("large", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_grouped_default_tiles(device, dtype):
-    """One M-tile per expert, BLOCK_N > I and H (clamped columns), BLOCK_K > I (one masked step)."""
+def test_triton_grouped_default_tiles(device, monkeypatch, dtype, large):
+    """The default tiles, small-M and large-M: about one M-tile per expert, BLOCK_N > I and H
+    (clamped columns), BLOCK_K not dividing H or I (masked K tails)."""
+    monkeypatch.setattr(moe_grouped, "LARGE_M_ROWS", 8 if large else 10 ** 9)
+    assert moe_grouped.default_tiles(105, E, dtype)[0][0] == (128 if large else 64)
     check(device, 21, 5, dtype)
 
 
@@ -80,8 +84,8 @@ def test_triton_grouped_even_k(device, dtype):
 def test_triton_grouped_tiles(device, same_experts, group_m):
     """Different BLOCK_M up and down (two schedules), program grouping, and every token on the
     same k experts (the others empty, those few spread over many M-tiles)."""
-    check(device, 29, 3, torch.float32, same_experts=same_experts, up_tiles=(16, 16, 16, 1, 1),
-          down_tiles=(32, 32, 16, 1, 1), group_m=group_m)
+    check(device, 29, 3, torch.float32, same_experts=same_experts, up_tiles=(16, 16, 16, 2, 2),
+          down_tiles=(32, 32, 16, 2, 2), group_m=group_m)
 
 
 @pytest.mark.parametrize("block_m", [1, 4, 16])

@@ -32,11 +32,13 @@ import torch
 import triton
 import triton.language as tl
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); not yet measured on the H200
-# (benchmarks/kernels/moe.py --part prefill --tune scans a grid)
-UP_TILES = (64, 128, 64, 4, 4)
-DOWN_TILES = (64, 128, 64, 4, 4)
-GROUP_M = 8
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of (up-gate, down) by the mean rows per
+# expert P / E (~96 at 4k tokens, ~384 at 16k at V4-Flash shapes); not yet measured on the
+# H200 (benchmarks/kernels/moe.py --part prefill --tune scans a grid)
+SMALL_M_TILES = ((64, 128, 64, 4, 4), (64, 128, 64, 4, 4))
+LARGE_M_TILES = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4))
+LARGE_M_ROWS = 256          # P / E from which LARGE_M_TILES apply
+GROUP_M = 8                 # M-tile slots per program group (L2 reuse of weights and x rows)
 # Triton's interpreter multiplies the raw uint16 bits in a bf16 tl.dot: upcast there (tests only)
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -90,7 +92,9 @@ def _up_gate_kernel(x_ptr, order_ptr, sched_ptr, w1_ptr, w3_ptr, h_ptr, S, KP, H
     tok = tl.load(order_ptr + tl.where(row_ok, rows, r0)) // KP         # token of each row
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok.to(tl.int64)[:, None] * H + kk[None, :]                 # [BM, BK]
-    w_off = e * stride_we + tl.where(col_ok, cols, 0)[None, :] * stride_wi + kk[:, None]   # [BK, BN]
+    w1_ptr += e * stride_we                                             # expert e's [I, H]
+    w3_ptr += e * stride_we
+    w_off = tl.where(col_ok, cols, 0)[None, :] * stride_wi + kk[:, None]  # [BK, BN] int32 (< I*H)
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -121,7 +125,8 @@ def _down_kernel(h_ptr, order_ptr, wt_ptr, sched_ptr, w2_ptr, y_ptr, S, H, I,
     col_ok = cols < H
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + tl.where(row_ok, rows, r0).to(tl.int64)[:, None] * I + kk[None, :]   # [BM, BK]
-    w_off = e * stride_we + tl.where(col_ok, cols, 0)[None, :] * stride_wh + kk[:, None]  # [BK, BN]
+    w2_ptr += e * stride_we                                             # expert e's [H, I]
+    w_off = tl.where(col_ok, cols, 0)[None, :] * stride_wh + kk[:, None]  # [BK, BN] int32 (< H*I)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         a = _load_k(a_ptrs, k0, I, kk, 1, EVEN_K)
@@ -153,6 +158,15 @@ def schedule(flat_ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor
     return order.to(torch.int32), torch.stack([e, first, ends[e]]).to(torch.int32)
 
 
+def default_tiles(P: int, E: int, dtype: torch.dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(up-gate, down) tiles for P pairs over E experts; shapes only (no host sync). fp32 inputs
+    halve BLOCK_K and keep <= 3 stages (their tiles take twice the shared memory)."""
+    tiles = LARGE_M_TILES if P >= LARGE_M_ROWS * E else SMALL_M_TILES
+    if dtype == torch.float32:
+        tiles = tuple((bm, bn, bk // 2, nw, min(ns, 3)) for bm, bn, bk, nw, ns in tiles)
+    return tiles
+
+
 def routed_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
                            w2: torch.Tensor, w3: torch.Tensor, limit: float, *,
                            up_tiles: tuple[int, ...] | None = None,
@@ -162,7 +176,7 @@ def routed_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     ids [T, k]; w1/w3 [E, I, H]; w2 [E, H, I] -> [T, H] in x's dtype.
 
     up_tiles / down_tiles = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) override the
-    defaults (tuning); BLOCK_* >= 16 on the GPU (tl.dot)."""
+    `default_tiles` (tuning); BLOCK_* >= 16 on the GPU (tl.dot)."""
     T, H = x.shape
     k = ids.shape[1]
     E, I, _ = w1.shape
@@ -176,7 +190,8 @@ def routed_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     flat_ids = ids.reshape(-1).to(torch.int64)
     flat_w = weights.reshape(-1).to(torch.float32).contiguous()        # [P], pair order
     fp32_dot = x.dtype == torch.float32 or INTERPRETING
-    up_tiles, down_tiles = up_tiles or UP_TILES, down_tiles or DOWN_TILES
+    default_up, default_down = default_tiles(P, E, x.dtype)
+    up_tiles, down_tiles = up_tiles or default_up, down_tiles or default_down
 
     bm, bn, bk, nw, ns = up_tiles
     order, sched = schedule(flat_ids, E, bm)
