@@ -1,10 +1,13 @@
-"""Routed experts at decode sizes on the GPU: the Triton GEMV kernels (dsv4/ops/triton/moe.py)
-against the torch reference `routed_experts_loop` (the definition) and the grouped-GEMM path
-`routed_experts_grouped` (dsv4/ops/moe.py), at V4-Flash shapes (E = 256 experts, k = 6 per
-token, H = 4096, I = 2048, bf16, SwiGLU limit 10), random routing with distinct experts per token.
+"""Routed experts on the GPU at V4-Flash shapes (E = 256 experts, k = 6 per token, H = 4096,
+I = 2048, bf16, SwiGLU limit 10), random routing with distinct experts per token.
 
-    python benchmarks/kernels/moe.py            # needs CUDA (~25 GiB of GPU memory); ~2 minutes
+    python benchmarks/kernels/moe.py                   # needs CUDA (~30 GiB of GPU memory); ~3 minutes
+    python benchmarks/kernels/moe.py --part prefill [--tune]   # prefill only (~1 minute, + ~1 with --tune)
+    python benchmarks/kernels/moe.py --dry-run         # CPU, Triton interpreter, tiny shapes, prefill part
 
+Decode part: the Triton GEMV kernels (dsv4/ops/triton/moe.py) against the torch reference
+`routed_experts_loop` (the definition) and the grouped-GEMM path `routed_experts_grouped`
+(dsv4/ops/moe.py).
 Checks first (exit 1 on a mismatch): the reference rounds gate, up, h, each expert's output and
 the sum to bf16, the kernel only h and the sum, so the outputs must agree within a bf16 ulp of
 sum_j w_j |w2[e_j]| |h_j| + |out| (2^-7 of it).
@@ -17,9 +20,36 @@ At T = 1 the 6 experts are 302 MB (288 MiB, > the 50 MB L2), ~72 us at full band
 Then the crossover with the grouped GEMM (for moe.TRITON_MAX_PAIRS), a tile tuning grid for
 the up-gate kernel, and a (tiles, SPLIT) grid for the down kernel at T = 1, 2, 4, 8 with the
 best per T (whole op from a CUDA graph, the other kernel at its default).
+
+Prefill part: the torch grouped path `routed_experts_grouped` (torch._grouped_mm) against the
+Triton grouped GEMMs (dsv4/ops/triton/moe_grouped.py) at T = 512, 4096, 16384, eager as in
+prefill. Checks both against `routed_experts_loop` within the bound above (exit 1 beyond it)
+and that the Triton path captures in a CUDA graph (no host sync); prints ms, TFLOP/s (6 P H I
+FLOPs, P = T k pairs), GB/s of the expert weights touched (each must be read once), which is
+faster per T, and what moe.GROUPED_GEMM should be. --tune scans the Triton tiles per kernel
+(the other at its default) and GROUP_M, printing the best per T.
 """
+import argparse
+import os
 import pathlib
+import statistics
 import sys
+import time
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description="Routed experts: decode GEMV kernels and prefill grouped GEMMs "
+                                            "against the torch reference (see the module docstring).")
+    p.add_argument("--part", choices=("all", "decode", "prefill"), default="all")
+    p.add_argument("--tune", action="store_true", help="prefill: scan the Triton tiles and GROUP_M")
+    p.add_argument("--dry-run", action="store_true",
+                   help="the prefill part on the CPU in Triton's interpreter at tiny shapes (tests the script)")
+    return p.parse_args()
+
+
+ARGS = parse_args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.dry_run:
+    os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
@@ -28,6 +58,7 @@ import torch  # noqa: E402
 from dsv4.perf.timing import median_ms  # noqa: E402
 from dsv4.ops import moe as ref  # noqa: E402
 from dsv4.ops.triton import moe as tri  # noqa: E402
+from dsv4.ops.triton import moe_grouped as grp  # noqa: E402
 
 E, K, H, I, LIMIT = 256, 6, 4096, 2048, 10.0
 TOKENS = (1, 2, 4, 8, 16)
@@ -41,6 +72,12 @@ DOWN_GRID = [(bh, bi, nw) for bh, bi in ((8, 256), (16, 128), (16, 256), (16, 51
              for nw in (4, 8)]                                 # (BLOCK_H, BLOCK_I, num_warps)
 DOWN_SPLITS = (1, 2, 4, 8, 16, 24, 48)                         # down_split, capped at the units
 DOWN_TOKENS = (1, 2, 4, 8)
+PREFILL_TOKENS = (512, 4096, 16384)
+UP_TUNE = [(64, 128, 64, 4, 3), (64, 128, 64, 4, 4), (64, 128, 64, 8, 4), (64, 64, 64, 4, 4),
+           (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4)]   # (BM, BN, BK, warps, stages)
+DOWN_TUNE = [(64, 128, 64, 4, 4), (64, 128, 64, 4, 5), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4),
+             (128, 256, 64, 8, 3), (128, 128, 32, 8, 5)]
+GROUP_TUNE = (1, 4, 8, 16, 32)
 
 
 def make_weights(gen):
@@ -94,13 +131,8 @@ def op_bytes(T, ids):
     return distinct * 3 * I * H * 2 + 2 * T * H * 2 + 2 * T * K * I * 2
 
 
-def main():
-    if not torch.cuda.is_available():
-        sys.exit("needs CUDA")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    gen = torch.Generator(device=DEVICE).manual_seed(0)
-    print(f"routed experts, E={E} k={K} H={H} I={I} bf16, limit {LIMIT}; {torch.cuda.get_device_name()}")
-    w1, w2, w3 = make_weights(gen)
+def decode(w1, w2, w3, gen):
+    """The decode-size tables; -> mismatch messages."""
     cases = {T: make_routing(T, gen) for T in sorted(set(TOKENS + CROSSOVER_TOKENS))}
 
     print("correctness (Triton vs routed_experts_loop):")
@@ -159,9 +191,130 @@ def main():
     for T, (m, (tiles, split)) in best.items():
         print(f"  best at T={T}: tiles {tiles} split {split}: {m:.4f} ms")
 
+    return failures
+
+
+def timer(fn, reps=REPS):
+    """Median ms: CUDA events on the GPU, wall clock for the CPU dry run."""
+    if DEVICE == "cuda":
+        return median_ms(fn, reps)
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def bound_ratio(got, want, x, weights, ids, w1, w2, w3):
+    """max |got - want| / (2^-7 (sum_j w_j |w2[e_j]| |h_j| + |want|)), h in fp32, one expert at a time."""
+    terms = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        tok, j = (ids == e).nonzero(as_tuple=True)
+        xe = x[tok].float()
+        h = ref.swiglu_clamped(xe @ w1[e].float().T, xe @ w3[e].float().T, LIMIT)
+        terms.index_add_(0, tok, weights[tok, j, None] * (h.abs() @ w2[e].float().abs().T))
+    err = (got.float() - want.float()).abs()
+    return (err / (2 ** -7 * (terms + want.float().abs()) + 1e-30)).max().item()
+
+
+def prefill(w1, w2, w3, gen):
+    """torch grouped vs Triton grouped at PREFILL_TOKENS; -> mismatch messages."""
+    print(f"\nprefill: torch._grouped_mm path vs Triton grouped GEMMs (moe.GROUPED_GEMM = {ref.GROUPED_GEMM!r}), "
+          f"E={E} k={K} H={H} I={I} bf16")
+    paths = {"torch": ref.routed_experts_grouped, "triton": grp.routed_experts_grouped}
+    cases = {T: make_routing(T, gen) for T in PREFILL_TOKENS}
+    failures, faster = [], {}
+    head = (f"{'T':>6} {'pairs':>6} {'torch ms':>9} {'TFLOP/s':>7} {'GB/s':>5} {'triton ms':>9} {'TFLOP/s':>7} "
+            f"{'GB/s':>5} {'speed-up':>8} {'err/tol torch':>13} {'triton':>6}  faster")
+    print(head + "\n" + "-" * len(head))
+    for T, (x, weights, ids) in cases.items():
+        args = (x, weights, ids, w1, w2, w3, LIMIT)
+        want = ref.routed_experts_loop(*args)
+        ms, ratio = {}, {}
+        for name, fn in paths.items():
+            try:
+                ratio[name] = bound_ratio(fn(*args), want, *args[:6])
+                ms[name] = timer(lambda: fn(*args))
+            except Exception as exc:  # a kernel that fails to compile: report, keep going
+                print(f"  T={T} {name}: {type(exc).__name__}: {str(exc)[:400]}")
+                ratio[name], ms[name] = float("inf"), float("inf")
+            if ratio[name] > 1:
+                failures.append(f"prefill T={T} {name}: beyond tolerance ({ratio[name]:.2f}x)")
+        flops, nbytes = 6 * T * K * H * I, ids.unique().numel() * 3 * I * H * 2
+        faster[T] = min(ms, key=ms.get)
+        print(f"{T:6d} {T * K:6d} " + " ".join(f"{ms[n]:9.3f} {flops / ms[n] / 1e9:7.1f} {nbytes / ms[n] / 1e6:5.0f}"
+                                                for n in paths)
+              + f" {ms['torch'] / ms['triton']:7.2f}x {ratio['torch']:13.3f} {ratio['triton']:6.3f}  {faster[T]}")
+    if DEVICE == "cuda":
+        T = PREFILL_TOKENS[0]
+        fn = lambda: grp.routed_experts_grouped(*cases[T], w1, w2, w3, LIMIT)  # noqa: E731
+        print(f"  Triton path replayed from a CUDA graph at T={T} (no host sync): {graph_ms(fn):.3f} ms")
+        profile_kernels(cases[4096 if 4096 in cases else T], w1, w2, w3, paths)
+    votes = list(faster.values())
+    best = max(set(votes), key=votes.count)
+    print("  faster: " + ", ".join(f"T={T} {n}" for T, n in faster.items())
+          + f"; GROUPED_GEMM in dsv4/ops/moe.py should be {best!r} (now {ref.GROUPED_GEMM!r})")
+    if ARGS.tune:
+        tune_prefill(cases, w1, w2, w3)
+    return failures
+
+
+def profile_kernels(case, w1, w2, w3, paths):
+    """GPU time per kernel of each path (torch.profiler), largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    for name, fn in paths.items():
+        fn(*case, w1, w2, w3, LIMIT)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn(*case, w1, w2, w3, LIMIT)
+            torch.cuda.synchronize()
+        print(f"\n  {name} path kernels at T={case[0].shape[0]}:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10))
+
+
+def tune_prefill(cases, w1, w2, w3):
+    """Whole-op ms of the Triton path per tile config of one kernel (the other at its default)."""
+    for label, grid, kw in (("up-gate (BM, BN, BK, warps, stages)", UP_TUNE, lambda c: dict(up_tiles=c)),
+                            ("down (BM, BN, BK, warps, stages)", DOWN_TUNE, lambda c: dict(down_tiles=c)),
+                            ("GROUP_M", GROUP_TUNE, lambda c: dict(group_m=c))):
+        print(f"\ntuning {label}, whole-op ms (defaults (up, down): {grp.SMALL_M_TILES}, from {grp.LARGE_M_ROWS} "
+              f"rows per expert {grp.LARGE_M_TILES}; GROUP_M {grp.GROUP_M}):")
+        print(f"  {'config':>22} " + " ".join(f"{f'T={T}':>8}" for T in cases))
+        best = {T: (float("inf"), None) for T in cases}
+        for cfg in grid:
+            ms = []
+            for T, case in cases.items():
+                try:
+                    ms.append(timer(lambda: grp.routed_experts_grouped(*case, w1, w2, w3, LIMIT, **kw(cfg))))
+                except Exception as exc:
+                    print(f"  {str(cfg):>22} T={T}: {type(exc).__name__}: {str(exc)[:200]}")
+                    ms.append(float("inf"))
+            best = {T: min(best[T], (m, cfg)) for T, m in zip(cases, ms)}
+            print(f"  {str(cfg):>22} " + " ".join(f"{m:8.3f}" for m in ms))
+        for T, (m, cfg) in best.items():
+            print(f"  best at T={T}: {cfg}: {m:.3f} ms")
+
+
+def main():
+    global E, K, H, I, DEVICE, PREFILL_TOKENS
+    if ARGS.dry_run:
+        E, K, H, I, DEVICE, PREFILL_TOKENS = 8, 3, 64, 32, "cpu", (5, 37)
+    elif not torch.cuda.is_available():
+        sys.exit("needs CUDA (or --dry-run)")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu dry run"
+    print(f"routed experts, E={E} k={K} H={H} I={I} bf16, limit {LIMIT}; {gpu}")
+    w1, w2, w3 = make_weights(gen)
+    failures = []
+    if ARGS.part in ("all", "decode") and not ARGS.dry_run:
+        failures += decode(w1, w2, w3, gen)
+    if ARGS.part in ("all", "prefill"):
+        failures += prefill(w1, w2, w3, gen)
     for f in failures:
         print(f"MISMATCH {f}")
-    print("\nFAIL: Triton disagrees with the reference" if failures else "\nOK: Triton agrees with the reference")
+    print("\nFAIL: a kernel disagrees with the reference" if failures else "\nOK: the kernels agree with the reference")
     sys.exit(1 if failures else 0)
 
 

@@ -46,7 +46,11 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
                    w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
-    """x [T, H]; weights/ids [T, k]; w1/w3 [E, I, H] (gate/up), w2 [E, H, I] -> [T, H]."""
+    """x [T, H]; weights/ids [T, k]; w1/w3 [E, I, H] (gate/up), w2 [E, H, I] -> [T, H].
+
+    Triton (use_triton): the decode GEMVs up to TRITON_MAX_PAIRS pairs, else the Triton grouped
+    GEMMs when GROUPED_GEMM == "triton". Otherwise torch._grouped_mm on CUDA in bf16, else the
+    loop (the definition)."""
     if use_triton(x) and ids.numel() <= TRITON_MAX_PAIRS:
         from .triton import moe as triton_moe
         return triton_moe.routed_experts(x, weights, ids, w1, w2, w3, limit)
