@@ -8,11 +8,10 @@ from torch import nn
 
 from ..config import CSA_RATIO, HCA_RATIO, ModelConfig
 from ..ops.attention import sparse_attention
-from ..ops.norm import rms_norm_unweighted
-from ..ops.rope import apply_rope
+from ..ops.rope import apply_rope, norm_rope, rope_cos_sin
 from .compressor import Indexer, make_compressor
-from .forward_batch import ForwardBatch
-from .layers import Linear, RMSNorm, param
+from .forward_batch import CompressPlan, ForwardBatch
+from .layers import Linear, RMSNorm, fused_linear, param
 
 
 class Attention(nn.Module):
@@ -35,29 +34,38 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, fb: ForwardBatch, pools, rope: "RopeTables") -> torch.Tensor:
         """x [T, hidden] (normed block input) -> [T, hidden]."""
         cos, sin = rope.for_ratio(self.ratio)
-        q_res = self.q_norm(self.wq_a(x))
-        q = self.wq_b(q_res).unflatten(-1, (self.heads, self.head_dim))
-        q = apply_rope(rms_norm_unweighted(q, self.eps), cos, sin)
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
+        q_a, kv, *rest = fused_linear(x, self._input_linears())        # column slices of one GEMM
+        q_res = self.q_norm(q_a)
+        q = norm_rope(self.wq_b(q_res).unflatten(-1, (self.heads, self.head_dim)), None, self.eps, cos, sin)
         swa = pools.swa[self.layer]
-        swa[fb.swa_write] = kv.to(swa.dtype)
+        norm_rope(kv, self.kv_norm.weight, self.kv_norm.eps, cos, sin, out=swa, rows=fb.swa_write)
         sources = [(swa, fb.swa_idx)]
         if self.ratio == CSA_RATIO:
-            sources.append((pools.c4[self.layer], self._select(x, q_res, fb, pools, rope, cos, sin)))
+            sources.append((pools.c4[self.layer], self._select(rest, q_res, fb, pools, rope, cos, sin)))
         elif self.ratio == HCA_RATIO:
-            self.compressor(x, fb.hca, pools.ring_kv[self.layer], pools.ring_gate[self.layer],
-                            pools.c128[self.layer], rope.compress_freq)
+            self.compressor(*rest, fb.hca, pools.ring_kv[self.layer], pools.ring_gate[self.layer],
+                            pools.c128[self.layer], rope.entries(fb.hca))
             sources.append((pools.c128[self.layer], fb.c128_idx))
         out = sparse_attention(q, sources, self.attn_sink, self.scale)
         out = apply_rope(out, cos, sin, inverse=True)
         return self.wo_b(self._grouped_wo_a(out))
 
-    def _select(self, x, q_res, fb, pools, rope, cos, sin):
+    def _input_linears(self) -> list[Linear]:
+        """Every projection of the block input x, in the order forward unpacks them."""
+        linears = [self.wq_a, self.wkv]
+        if self.compressor is not None:
+            linears += [self.compressor.wkv, self.compressor.wgate]
+        if self.indexer is not None:
+            linears += [self.indexer.weights_proj, self.indexer.compressor.wkv, self.indexer.compressor.wgate]
+        return linears
+
+    def _select(self, rest, q_res, fb, pools, rope, cos, sin):
         l = self.layer
-        self.compressor(x, fb.csa, pools.ring_kv[l], pools.ring_gate[l], pools.c4[l], rope.compress_freq)
-        self.indexer.compressor(x, fb.csa, pools.iring_kv[l], pools.iring_gate[l], pools.idx[l],
-                                rope.compress_freq)
-        return self.indexer.select(x, q_res, fb.c4_cand, pools.idx[l], cos, sin)
+        c_kv, c_gate, i_weights, i_kv, i_gate = rest
+        entries = rope.entries(fb.csa)
+        self.compressor(c_kv, c_gate, fb.csa, pools.ring_kv[l], pools.ring_gate[l], pools.c4[l], entries)
+        self.indexer.compressor(i_kv, i_gate, fb.csa, pools.iring_kv[l], pools.iring_gate[l], pools.idx[l], entries)
+        return self.indexer.select(i_weights, q_res, fb.c4_cand, pools.idx[l], cos, sin)
 
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
         """out [T, H, D] -> [T, G * o_lora]: each group of heads has its own projection."""
@@ -67,13 +75,20 @@ class Attention(nn.Module):
 
 
 class RopeTables:
-    """cos/sin of the step's positions for both RoPE kinds, computed once per forward."""
+    """cos/sin of the step's positions for both RoPE kinds, computed once per forward, and of
+    each compress plan's entry positions (compress RoPE), computed at first use."""
 
     def __init__(self, positions: torch.Tensor, main_freq: torch.Tensor, compress_freq: torch.Tensor):
-        from ..ops.rope import rope_cos_sin
         self.main = rope_cos_sin(positions, main_freq)
         self.compress = rope_cos_sin(positions, compress_freq)
         self.compress_freq = compress_freq
+        self._entries: dict[int, tuple] = {}
 
     def for_ratio(self, ratio: int):
         return self.main if ratio == 0 else self.compress
+
+    def entries(self, plan: CompressPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [G, R] at the first position of each group the plan closes."""
+        if id(plan) not in self._entries:
+            self._entries[id(plan)] = (plan, *rope_cos_sin(plan.entry_pos, self.compress_freq))
+        return self._entries[id(plan)][1:]

@@ -5,15 +5,9 @@ import torch
 from torch import nn
 
 from ..config import CSA_RATIO, HCA_RATIO, ModelConfig
-from ..ops.backend import use_triton
-
-# The Triton group-close kernel (ops/triton/compress.py) matches the reference in fp32 on an
-# H200, but in bf16 a few elements round differently beyond its benchmark's tolerance, and it is
-# no faster for HCA groups (run of 2026-11-29): off until both are fixed.
-TRITON_CLOSE_GROUPS = False
-from ..ops.compress import compress_pool
+from ..ops.compress import close_groups, ring_write
 from ..ops.indexer import indexer_topk
-from ..ops.rope import apply_rope, rope_cos_sin
+from ..ops.rope import apply_rope
 from .forward_batch import CompressPlan
 from .layers import Linear, RMSNorm, param
 
@@ -34,24 +28,16 @@ class Compressor(nn.Module):
         self.ape = param(ratio, width, dtype=torch.float32)
         self.norm = RMSNorm(dim, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, plan: CompressPlan, ring_kv: torch.Tensor, ring_gate: torch.Tensor,
-                pool: torch.Tensor, inv_freq: torch.Tensor) -> None:
-        """Close this step's groups into `pool`, then move the step's tail into the ring."""
-        kv, gate = self.wkv(x), self.wgate(x)
+    def forward(self, kv: torch.Tensor, gate: torch.Tensor, plan: CompressPlan, ring_kv: torch.Tensor,
+                ring_gate: torch.Tensor, pool: torch.Tensor, entry_cos_sin: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """kv = wkv(x), gate = wgate(x) [T, width] (the attention's fused GEMM computes them).
+        Close this step's groups into `pool` (RoPE at entry_cos_sin [G, R]), then move the
+        step's tail into the ring."""
         if plan.rows.shape[0]:
-            if TRITON_CLOSE_GROUPS and use_triton(kv):
-                from ..ops.triton.compress import close_groups
-                close_groups(ring_kv, ring_gate, kv, gate, plan.rows, plan.ring_rows, self.ape, self.overlap,
-                             self.norm.weight, self.norm.eps, plan.entry_pos, inv_freq, pool, plan.entry_slot)
-            else:
-                pooled = compress_pool(torch.cat([ring_kv, kv.to(ring_kv.dtype)]),
-                                       torch.cat([ring_gate, gate.to(ring_gate.dtype)]),
-                                       plan.rows, self.ape, self.overlap)
-                cos, sin = rope_cos_sin(plan.entry_pos, inv_freq)
-                pool[plan.entry_slot] = apply_rope(self.norm(pooled), cos, sin).to(pool.dtype)
+            close_groups(ring_kv, ring_gate, kv, gate, plan.rows, plan.ring_rows, self.ape, self.overlap,
+                         self.norm.weight, self.norm.eps, *entry_cos_sin, pool, plan.entry_slot)
         if plan.ring_dst.shape[0]:
-            ring_kv[plan.ring_dst] = kv[plan.ring_src].to(ring_kv.dtype)
-            ring_gate[plan.ring_dst] = gate[plan.ring_src].to(ring_gate.dtype)
+            ring_write(ring_kv, ring_gate, kv, gate, plan.ring_dst, plan.ring_src)
 
 
 class Indexer(nn.Module):
@@ -65,11 +51,12 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, self.heads, dtype)
         self.compressor = Compressor(cfg, CSA_RATIO, self.dim, dtype)
 
-    def select(self, x: torch.Tensor, q_res: torch.Tensor, cand: torch.Tensor, keys: torch.Tensor,
+    def select(self, weights: torch.Tensor, q_res: torch.Tensor, cand: torch.Tensor, keys: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """-> [T, min(topk, E4)] slots of the chosen entries (-1 where fewer are causal)."""
+        """weights = weights_proj(x) [T, heads] -> [T, min(topk, E4)] slots of the chosen entries
+        (-1 where fewer are causal)."""
         q = apply_rope(self.wq_b(q_res).unflatten(-1, (self.heads, self.dim)), cos, sin)
-        weights = self.weights_proj(x).float() * self.heads ** -0.5
+        weights = weights.float() * self.heads ** -0.5
         return indexer_topk(q, weights, keys, cand, self.topk)
 
 

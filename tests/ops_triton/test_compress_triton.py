@@ -1,5 +1,5 @@
 """Closing compressor groups: the Triton kernel (dsv4/ops/triton/compress.py) against the
-reference composition of dsv4/model/compressor.py (compress_pool over cat(ring, fresh) ->
+reference composition of dsv4/ops/compress.py (compress_pool over cat(ring, fresh) ->
 rms_norm -> RoPE at the group's position -> pool[entry_slot])."""
 import pytest
 import torch
@@ -32,17 +32,16 @@ def make_inputs(overlap, m, D, R, G, dtype, device, seed=0):
     entry_pos = torch.randint(0, 5000, (G,), generator=g)
     pool = torch.randn(3 * G + 4, D, generator=g).to(dtype)
     entry_slot = torch.randperm(pool.shape[0], generator=g)[:G]
-    args = (ring_kv, ring_gate, kv, gate, rows, ring_rows, ape, overlap, norm_w, EPS, entry_pos, inv_freq,
-            pool, entry_slot)
+    cos, sin = rope_cos_sin(entry_pos, inv_freq)
+    args = (ring_kv, ring_gate, kv, gate, rows, ring_rows, ape, overlap, norm_w, EPS, cos, sin, pool, entry_slot)
     return tuple(a.to(device) if torch.is_tensor(a) else a for a in args)
 
 
-def reference(ring_kv, ring_gate, kv, gate, rows, ring_rows, ape, overlap, norm_w, eps, entry_pos, inv_freq,
+def reference(ring_kv, ring_gate, kv, gate, rows, ring_rows, ape, overlap, norm_w, eps, cos, sin,
               pool, entry_slot):
     """The pool after the reference composition (a copy; inputs untouched)."""
     pooled = compress_pool(torch.cat([ring_kv, kv.to(ring_kv.dtype)]),
                            torch.cat([ring_gate, gate.to(ring_gate.dtype)]), rows, ape, overlap)
-    cos, sin = rope_cos_sin(entry_pos, inv_freq)
     out = pool.clone()
     out[entry_slot] = apply_rope(rms_norm(pooled, norm_w, eps), cos, sin).to(pool.dtype)
     return out
@@ -64,9 +63,9 @@ def test_close_groups_matches_reference(geometry, G, dtype, device):
     assert torch.equal(got[untouched], before[untouched])
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    else:       # bf16: the reference rounds products and sums in bf16, the kernel in fp32
+    else:       # bf16: the same roundings; the fp32 sums' order (and exp) may flip a rare one
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
-        assert (got == want).float().mean() > 0.8
+        assert (got == want).float().mean() > 0.97
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["csa", "hca"])
@@ -90,10 +89,10 @@ def test_fresh_rows_cast_to_ring_dtype(device):
 
 def test_model_logits_unchanged_through_triton(monkeypatch, device):
     """A tiny model's prefill logits are the same with the compressors routed through the
-    kernel (every other op on its torch reference, so only the compressor differs)."""
+    kernels (every other op on its torch reference, so only the compressor differs)."""
     from dsv4.engine.oneshot import full_logits
-    from dsv4.model import compressor
     from dsv4.model.weights import load_model
+    from dsv4.ops import compress
     from dsv4.ops import backend
 
     model = load_model("random:tiny", device)
@@ -103,9 +102,28 @@ def test_model_logits_unchanged_through_triton(monkeypatch, device):
     with backend.forced("reference"):
         want = full_logits(model, ids)
         monkeypatch.setattr(tri, "close_groups", lambda *a: calls.append(a[7]) or real(*a))
-        monkeypatch.setattr(compressor, "use_triton", lambda t: True)
-        monkeypatch.setattr(compressor, "TRITON_CLOSE_GROUPS", True)
+        monkeypatch.setattr(compress, "use_triton", lambda t: True)
         got = full_logits(model, ids)
     assert True in calls and False in calls          # CSA (and indexer) and HCA groups closed
     scale = want.abs().max()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ring_write_matches_reference(dtype, device):
+    """Both rings get the fresh rows src at rows dst, from strided fp32 column slices."""
+    from dsv4.ops.compress import ring_write
+    from dsv4.ops.backend import forced
+    g = torch.Generator().manual_seed(0)
+    C = 40
+    proj = torch.randn(6, 2 * C + 3, generator=g)
+    kv, gate = proj[:, :C], proj[:, C:2 * C]
+    rings = [torch.randn(9, C, generator=g).to(dtype) for _ in range(2)]
+    dst, src = torch.tensor([7, 0, 3]), torch.tensor([5, 1, 2])
+    want = [r.clone() for r in rings]
+    with forced("reference"):
+        ring_write(*want, kv, gate, dst, src)
+    got = [r.to(device) for r in rings]
+    tri.ring_write(*got, kv.to(device), gate.to(device), dst.to(device), src.to(device), block_c=16)
+    for a, b in zip(got, want):
+        assert torch.equal(a.cpu(), b)
