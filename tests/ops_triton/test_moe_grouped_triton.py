@@ -3,7 +3,12 @@ the Triton grouped GEMMs (dsv4/ops/triton/moe_grouped.py) and the torch._grouped
 `routed_experts_grouped`. Odd token counts, k = 1..6, experts with no tokens, experts spread
 over several M-tiles, all tokens on the same experts, T = 0, fp32 and bf16, dimensions that are
 not multiples of the tiles (masked K tails and clamped rows/columns) and ones that are (EVEN_K),
-the tile schedule's invariants, and the dispatch from `routed_experts`."""
+the tile schedule's invariants, the dispatch from `routed_experts`, and (without a GPU) that
+the kernels compile for an H200."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -139,3 +144,41 @@ def test_dispatch(device, monkeypatch, impl):
     monkeypatch.setattr(moe_ops, "use_triton", lambda tensor: False)
     torch.testing.assert_close(moe_ops.routed_experts(x, weights, ids, w1, w2, w3, LIMIT), want, **FP32_TOL)
     assert calls == ([10] if impl == "triton" else [])
+
+
+COMPILE_SCRIPT = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from dsv4.ops.triton import moe_grouped as mg
+
+CONSTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K", "FP32_DOT")
+ALIGNED = {"H", "I", "stride_we", "stride_wi", "stride_wh"}   # multiples of 16 at V4 shapes
+TYPES = {"order_ptr": "*i32", "sched_ptr": "*i32", "wt_ptr": "*fp32", "limit": "fp32"}
+for (bm, bn, bk, warps, stages), dtype, even_k in (((64, 128, 64, 4, 4), "bf16", True),
+                                                    ((128, 128, 64, 8, 3), "bf16", True),
+                                                    ((64, 128, 32, 4, 3), "fp32", False)):
+    for fn in (mg._up_gate_kernel, mg._down_kernel):
+        names = [n for n in fn.arg_names if n not in CONSTS]
+        sig = {n: TYPES.get(n, "*" + dtype if n.endswith("_ptr") else "i32") for n in names}
+        consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EVEN_K=even_k, FP32_DOT=dtype == "fp32")
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n in ALIGNED}
+        src = ASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, consts, attrs)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+        ttgir = kernel.asm["ttgir"]
+        if dtype == "bf16":   # an exact fp32 dot runs on FMA units
+            assert "warp_group_dot" in ttgir and "async_copy_global_to_local" in ttgir, fn.__name__
+        assert kernel.metadata.shared <= 227 * 1024, (fn.__name__, kernel.metadata.shared)
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(os.environ.get("DSV4_TRITON_DEVICE", "cpu") != "cpu", reason="compiled for real on the GPU")
+def test_compiles_for_sm90():
+    """The interpreter accepts code the compiler rejects: compile both kernels ahead of time for
+    an H200 (sm_90, no GPU needed) at the default tiles in bf16, and in fp32 with K tails; in
+    bf16 they must use wgmma fed by pipelined (async-copy) loads; all within shared memory."""
+    pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]

@@ -61,19 +61,22 @@ def _load_k(ptrs, k0, K, kk, K_AXIS: tl.constexpr, EVEN_K: tl.constexpr):
     """A tile at depth k0 whose axis K_AXIS runs along K; rows/cols out of range were clamped
     in bounds by the caller (their results are never stored), so only the K tail is masked."""
     if EVEN_K:
-        return tl.load(ptrs)
-    k_ok = k0 + kk < K
-    if K_AXIS == 1:
-        return tl.load(ptrs, mask=k_ok[None, :], other=0.0)
-    return tl.load(ptrs, mask=k_ok[:, None], other=0.0)
+        tile = tl.load(ptrs)
+    elif K_AXIS == 1:
+        tile = tl.load(ptrs, mask=(k0 + kk < K)[None, :], other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=(k0 + kk < K)[:, None], other=0.0)
+    return tile
 
 
 @triton.jit
 def _dot(a, b, acc, FP32_DOT: tl.constexpr):
     """acc + a @ b: bf16 tensor-core dot with fp32 accumulation, or an exact fp32 dot."""
     if FP32_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
 
 
 @triton.jit
