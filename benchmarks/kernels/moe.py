@@ -2,7 +2,7 @@
 I = 2048, bf16, SwiGLU limit 10), random routing with distinct experts per token.
 
     python benchmarks/kernels/moe.py                   # needs CUDA (~30 GiB of GPU memory); ~3 minutes
-    python benchmarks/kernels/moe.py --part prefill [--tune]   # prefill only (~1 minute, + ~1 with --tune)
+    python benchmarks/kernels/moe.py --part prefill [--tune]   # prefill only (~1 minute, + ~2 with --tune)
     python benchmarks/kernels/moe.py --dry-run         # CPU, Triton interpreter, tiny shapes, prefill part
 
 Decode part: the Triton GEMV kernels (dsv4/ops/triton/moe.py) against the torch reference
@@ -22,8 +22,8 @@ the up-gate kernel, and a (tiles, SPLIT) grid for the down kernel at T = 1, 2, 4
 best per T (whole op from a CUDA graph, the other kernel at its default).
 
 Prefill part: the torch grouped path `routed_experts_grouped` (torch._grouped_mm) against the
-Triton grouped GEMMs (dsv4/ops/triton/moe_grouped.py) at T = 512, 4096, 16384, eager as in
-prefill. Checks both against `routed_experts_loop` within the bound above (exit 1 beyond it)
+Triton grouped GEMMs (dsv4/ops/triton/moe_grouped.py) at T = 64 (a batch-64 decode step, the
+smallest that takes the grouped path), 512, 4096, 16384, eager as in prefill. Checks both against `routed_experts_loop` within the bound above (exit 1 beyond it)
 and that the Triton path captures in a CUDA graph (no host sync); prints ms, TFLOP/s (6 P H I
 FLOPs, P = T k pairs), GB/s of the expert weights touched (each must be read once), which is
 faster per T, and what moe.GROUPED_GEMM should be. --tune scans the Triton tiles per kernel
@@ -72,11 +72,12 @@ DOWN_GRID = [(bh, bi, nw) for bh, bi in ((8, 256), (16, 128), (16, 256), (16, 51
              for nw in (4, 8)]                                 # (BLOCK_H, BLOCK_I, num_warps)
 DOWN_SPLITS = (1, 2, 4, 8, 16, 24, 48)                         # down_split, capped at the units
 DOWN_TOKENS = (1, 2, 4, 8)
-PREFILL_TOKENS = (512, 4096, 16384)
-UP_TUNE = [(64, 128, 64, 4, 3), (64, 128, 64, 4, 4), (64, 128, 64, 8, 4), (64, 64, 64, 4, 4),
-           (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4)]   # (BM, BN, BK, warps, stages)
-DOWN_TUNE = [(64, 128, 64, 4, 4), (64, 128, 64, 4, 5), (64, 256, 64, 8, 3), (128, 128, 64, 8, 4),
-             (128, 256, 64, 8, 3), (128, 128, 32, 8, 5)]
+PREFILL_TOKENS = (64, 512, 4096, 16384)   # 64: a batch-64 decode step (384 pairs, CUDA graph)
+UP_TUNE = [(16, 128, 64, 4, 5), (32, 128, 64, 4, 4), (64, 128, 64, 4, 3), (64, 128, 64, 4, 4),
+           (64, 128, 64, 8, 4), (64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3),
+           (128, 128, 64, 8, 4)]                                        # (BM, BN, BK, warps, stages)
+DOWN_TUNE = [(16, 128, 64, 4, 5), (32, 128, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 4, 5),
+             (64, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 32, 8, 5)]
 GROUP_TUNE = (1, 4, 8, 16, 32)
 
 
@@ -248,9 +249,12 @@ def prefill(w1, w2, w3, gen):
                                                 for n in paths)
               + f" {ms['torch'] / ms['triton']:7.2f}x {ratio['torch']:13.3f} {ratio['triton']:6.3f}  {faster[T]}")
     if DEVICE == "cuda":
-        T = PREFILL_TOKENS[0]
+        T = PREFILL_TOKENS[0]   # the decode batch: replayed from a CUDA graph in the engine
         fn = lambda: grp.routed_experts_grouped(*cases[T], w1, w2, w3, LIMIT)  # noqa: E731
-        print(f"  Triton path replayed from a CUDA graph at T={T} (no host sync): {graph_ms(fn):.3f} ms")
+        try:
+            print(f"  Triton path replayed from a CUDA graph at T={T} (no host sync): {graph_ms(fn):.3f} ms")
+        except Exception as exc:
+            failures.append(f"prefill T={T} triton: CUDA graph capture failed: {type(exc).__name__}: {exc}")
         profile_kernels(cases[4096 if 4096 in cases else T], w1, w2, w3, paths)
     votes = list(faster.values())
     best = max(set(votes), key=votes.count)
