@@ -68,7 +68,9 @@ def oracle() -> dict:
 
 # dsv4 paths compared: the torch reference ops run eagerly (the definition), and the
 # fast path (Triton kernels where they exist + CUDA graphs for decode)
-MODES = {"reference": dict(ops_backend="reference", enforce_eager=True), "fast": dict(ops_backend="auto")}
+# (and, for decode only, the fast path without async scheduling: host work not overlapped)
+MODES = {"reference": dict(ops_backend="reference", enforce_eager=True), "fast": dict(ops_backend="auto"),
+         "fast_sync": dict(ops_backend="auto", async_scheduling="off")}
 
 
 def engine_for(spec, model, mode, **kw):
@@ -83,7 +85,7 @@ def dsv4_runs(spec: str, gpu, budget: float, results: dict) -> None:
     cfg = model.cfg
     for mode in MODES:
         for n in PREFILLS:
-            if time.perf_counter() - T0 > budget:
+            if time.perf_counter() - T0 > budget or mode == "fast_sync":
                 break
             eng = engine_for(spec, model, mode, max_num_seqs=1, max_num_batched_tokens=n, num_pages=n // 256 + 4)
             r = [bo.time_one(eng, 1, n, 2, False, f"p{n}-{i}")["ttft"] for i in range(2)]
@@ -98,7 +100,7 @@ def dsv4_runs(spec: str, gpu, budget: float, results: dict) -> None:
             eng = engine_for(spec, model, mode, max_num_seqs=batch, max_num_batched_tokens=max(batch, 256),
                              num_pages=batch * (ctx // 256 + 2) + 8, max_model_len=ctx + 64)
             bo.time_one(eng, batch, ctx, 3, True, "warm")
-            step = sorted(bo.time_one(eng, batch, ctx, 9, True, "run")["step_times"])
+            step = sorted(bo.time_one(eng, batch, ctx, 17, True, "run")["step_times"])
             row = results.setdefault(f"decode b{batch} ctx{ctx}", {})
             row[f"{mode}_s"] = step[len(step) // 2]
             row["bound_s"] = roofline(decode_step_cost(cfg, batch, ctx), gpu.hbm_bandwidth, gpu.dense_flops).seconds
@@ -117,7 +119,7 @@ def greedy_identity(spec, model, prompts: list[list[int]], new_tokens: int = 24)
     from dsv4.engine.sampling_params import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=2)
     outs = {}
-    for mode in MODES:
+    for mode in ("reference", "fast"):
         eng = engine_for(spec, model, mode, max_num_seqs=len(prompts), max_num_batched_tokens=4096,
                          num_pages=64, max_model_len=4096)
         for i, p in enumerate(prompts):
@@ -186,7 +188,8 @@ def _run(cmd, timeout, env) -> dict:
 def profile(spec, model) -> None:
     from torch.profiler import ProfilerActivity, profile as prof
     lines = []
-    for name, batch, ctx, synthetic in (("decode b8 ctx1024", 8, 1024, True), ("prefill 4096", 1, 4096, False)):
+    for name, batch, ctx, synthetic in (("decode b1 ctx4096", 1, 4096, True), ("decode b8 ctx1024", 8, 1024, True),
+                                        ("prefill 4096", 1, 4096, False)):
         eng = engine_for(spec, model, "fast", max_num_seqs=batch, max_num_batched_tokens=max(4096, batch),
                          num_pages=batch * 20 + 8, max_model_len=ctx + 64)
         bo.time_one(eng, batch, ctx, 2, synthetic, "prof-warm")   # graphs captured before profiling
@@ -199,9 +202,34 @@ def profile(spec, model) -> None:
             eng.step()
         lines.append(f"== {name}\n" + p.key_averages().table(sort_by="cuda_time_total" if DEV == "cuda" else "cpu_time_total", row_limit=18))
         del eng
+    lines.append(host_syncs(spec, model))
     with open(os.path.join(ARGS.out, "profile.txt"), "w") as f:
         f.write("\n".join(lines))
     log("profile written")
+
+
+def host_syncs(spec, model, steps: int = 6) -> str:
+    """Synchronising calls torch reports (sync debug mode) in steady batch-1 decode steps
+    of the fast path: with async scheduling only the deliberate event waits should remain."""
+    import warnings
+    eng = engine_for(spec, model, "fast", max_num_seqs=1, max_num_batched_tokens=256, num_pages=24,
+                     max_model_len=4096 + 64)
+    bo.time_one(eng, 1, 4096, 3, True, "sync-warm")
+    bo._add_batch(eng, 1, 4096, steps + 4, True, "sync")
+    eng.step(), eng.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if DEV == "cuda":
+            torch.cuda.set_sync_debug_mode(1)
+        for _ in range(steps):
+            eng.step()
+        if DEV == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    while eng.has_unfinished():
+        eng.step()
+    msgs = sorted({str(w.message).splitlines()[0][:120] for w in caught})
+    log(f"host syncs in {steps} decode steps: {len(caught)} {msgs[:4]}")
+    return f"== host syncs in {steps} steady decode steps (b1, ctx 4096): {len(caught)}\n" + "\n".join(msgs)
 
 
 def hf_runs(spec: str, budget: float, results: dict) -> None:
@@ -239,17 +267,19 @@ def _guard(fn):
 
 
 def table(results: dict) -> str:
-    head = (f"{'case':<22}{'reference':>12}{'fast':>11}{'transformers':>14}{'fast/hf':>9}{'bound':>11}"
-            f"{'bound/fast':>12}")
+    head = (f"{'case':<22}{'reference':>12}{'fast sync':>11}{'fast':>11}{'transformers':>14}{'fast/hf':>9}"
+            f"{'bound':>11}{'bound/fast':>12}")
     rows = [head, "-" * len(head)]
     for key, r in results.items():
         if key == "greedy":
             continue
         ref, fast, h, b = r.get("reference_s"), r.get("fast_s"), r.get("hf_s"), r.get("bound_s")
+        sync = r.get("fast_sync_s")
         fmt = (lambda s: f"{s * 1e3:.2f} ms" if isinstance(s, float) else str(s or "-"))
         speed = f"{h / fast:.1f}x" if isinstance(h, float) and fast else "-"
         eff = f"{b / fast:.3f}" if b and fast else "-"
-        rows.append(f"{key:<22}{fmt(ref):>12}{fmt(fast):>11}{fmt(h):>14}{speed:>9}{fmt(b):>11}{eff:>12}")
+        rows.append(f"{key:<22}{fmt(ref):>12}{fmt(sync):>11}{fmt(fast):>11}{fmt(h):>14}{speed:>9}{fmt(b):>11}"
+                    f"{eff:>12}")
     return "\n".join(rows)
 
 

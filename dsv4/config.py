@@ -407,6 +407,7 @@ class EngineConfig:
     ops_backend: str = "auto"              # auto: Triton kernels on CUDA; reference: torch ops only
     enforce_eager: bool = False            # no CUDA graphs for decode steps
     cuda_graph_max_bs: int = 256           # largest decode batch replayed as a CUDA graph
+    async_scheduling: str = "auto"         # on: launch step k+1 before reading step k's tokens; auto: on CUDA
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_bs"):
@@ -420,5 +421,7 @@ class EngineConfig:
             raise ConfigError("num_pages", f"expected a positive integer, got {self.num_pages}")
         if self.spec_slots < 0:
             raise ConfigError("spec_slots", f"expected >= 0, got {self.spec_slots}")
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ConfigError("async_scheduling", f"expected 'auto', 'on' or 'off', got {self.async_scheduling!r}")
         if self.ops_backend not in ("auto", "reference"):
             raise ConfigError("ops_backend", f"expected 'auto' or 'reference', got {self.ops_backend!r}")

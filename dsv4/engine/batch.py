@@ -1,7 +1,7 @@
 """Build the per-step `ForwardBatch` from the sequences scheduled in a step.
 
 Vectorised over tokens (no Python loop over tokens); one short loop over sequences to pad
-their page tables. Built on the CPU, then moved to the device in one go.
+their page tables. Built on the CPU, then moved to the device in one transfer.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from ..cache.layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout
 from ..config import CSA_RATIO, HCA_RATIO
 from ..model.forward_batch import CompressPlan, ForwardBatch
+from .upload import HostToDevice, upload_tree
 
 
 @dataclass
@@ -27,8 +28,9 @@ class SeqChunk:
 
 
 def build_forward_batch(chunks: list[SeqChunk], layout: CacheLayout, ring_slots: int,
-                        device, stager: "PinnedStager | None" = None) -> ForwardBatch:
-    """`ring_slots`: request slots the pools' rings have (KVPools.ring_slots)."""
+                        device, h2d: HostToDevice | None = None) -> ForwardBatch:
+    """`ring_slots`: request slots the pools' rings have (KVPools.ring_slots). The index
+    tensors are built on the CPU and cross to `device` in one transfer (through `h2d`)."""
     lens = torch.tensor([len(c.token_ids) for c in chunks], dtype=torch.long)
     starts = torch.tensor([c.start for c in chunks], dtype=torch.long)
     slots = torch.tensor([c.slot for c in chunks], dtype=torch.long)
@@ -38,24 +40,21 @@ def build_forward_batch(chunks: list[SeqChunk], layout: CacheLayout, ring_slots:
     pages = _pad([c.page_table for c in chunks])
     swa_pages = _pad([c.swa_table for c in chunks])
     _check_history(chunks)
-    W = layout.cfg.sliding_window
     seq = _Seqs(req, pos, starts, starts + lens, offs, slots)
-    # the [T, E] causal-entry tables are the only large ones: build them on the device
-    dev_pages, dev_req, dev_pos = pages.to(device), req.to(device), pos.to(device)
+    host = (torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long), pos,
+            _swa_slots(swa_pages, req, pos), _swa_window(swa_pages, req, pos, layout.cfg.sliding_window),
+            _compress_plan(pages, seq, CSA_RATIO, True, layout.csa_ring, ring_slots),
+            _compress_plan(pages, seq, HCA_RATIO, False, layout.hca_ring, ring_slots),
+            _logits_rows(chunks, offs, lens), pages, req)
+    token_ids, pos_d, swa_write, swa_idx, csa, hca, rows, pages_d, req_d = upload_tree(
+        host, h2d if h2d is not None else HostToDevice(device))
+    # the [T, E] causal-entry tables are the only large ones: built where the step runs
     max_pos = int(pos.max()) if pos.numel() else 0
-    fb = ForwardBatch(
-        token_ids=torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long),
-        positions=pos,
-        swa_write=_swa_slots(swa_pages, req, pos),
-        swa_idx=_swa_window(swa_pages, req, pos, W),
-        c4_cand=_causal_entries(dev_pages, dev_req, dev_pos, CSA_RATIO, max_pos),
-        c128_idx=_causal_entries(dev_pages, dev_req, dev_pos, HCA_RATIO, max_pos),
-        csa=_compress_plan(pages, seq, CSA_RATIO, True, layout.csa_ring, ring_slots),
-        hca=_compress_plan(pages, seq, HCA_RATIO, False, layout.hca_ring, ring_slots),
-        logits_rows=_logits_rows(chunks, offs, lens),
-        seq_lens=tuple(lens.tolist()),
-    )
-    return _to(fb, device, stager)
+    return ForwardBatch(
+        token_ids=token_ids, positions=pos_d, swa_write=swa_write, swa_idx=swa_idx,
+        c4_cand=_causal_entries(pages_d, req_d, pos_d, CSA_RATIO, max_pos),
+        c128_idx=_causal_entries(pages_d, req_d, pos_d, HCA_RATIO, max_pos),
+        csa=csa, hca=hca, logits_rows=rows, seq_lens=tuple(lens.tolist()))
 
 
 @dataclass
@@ -145,45 +144,3 @@ def _logits_rows(chunks, offs, lens):
         elif c.logits == "last":
             rows.append(o + n - 1)
     return torch.tensor(rows, dtype=torch.long)
-
-
-class PinnedStager:
-    """One pinned host buffer, reused step after step: the step's CPU index tensors are
-    packed into it and cross to the GPU in a single asynchronous copy."""
-
-    def __init__(self, pin: bool = True):
-        self.pin = pin
-        self.host = torch.empty(0, dtype=torch.long)
-
-    def move(self, tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
-        sizes = [t.numel() for t in tensors]
-        total = sum(sizes)
-        if self.host.numel() < total:
-            self.host = torch.empty(max(total, 2 * self.host.numel()), dtype=torch.long, pin_memory=self.pin)
-        torch.cat([t.flatten() for t in tensors], out=self.host[:total])
-        flat = self.host[:total].to(device, non_blocking=True)
-        return [part.view(t.shape) for part, t in zip(flat.split(sizes), tensors)]
-
-
-def _to(fb: ForwardBatch, device, stager: PinnedStager | None = None) -> ForwardBatch:
-    if stager is not None and torch.device(device).type == "cuda":
-        return _to_staged(fb, device, stager)
-
-    def move(x):
-        return x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) else x
-    plans = {k: CompressPlan(**{f: move(getattr(getattr(fb, k), f)) for f in CompressPlan.__dataclass_fields__})
-             for k in ("csa", "hca")}
-    fields = {f: move(getattr(fb, f)) for f in ForwardBatch.__dataclass_fields__ if f not in plans}
-    return ForwardBatch(**fields, **plans)
-
-
-def _to_staged(fb: ForwardBatch, device, stager: PinnedStager) -> ForwardBatch:
-    names = [(None, f) for f in ForwardBatch.__dataclass_fields__
-             if isinstance(getattr(fb, f), torch.Tensor) and getattr(fb, f).device.type == "cpu"]
-    names += [(k, f) for k in ("csa", "hca") for f in CompressPlan.__dataclass_fields__
-              if isinstance(getattr(getattr(fb, k), f), torch.Tensor)]
-    moved = stager.move([getattr(fb if k is None else getattr(fb, k), f) for k, f in names], device)
-    top = {f: t for (k, f), t in zip(names, moved) if k is None}
-    plans = {k: CompressPlan(**{**getattr(fb, k).__dict__, **{f: t for (kk, f), t in zip(names, moved) if kk == k}})
-             for k in ("csa", "hca")}
-    return ForwardBatch(**{**{f: getattr(fb, f) for f in ForwardBatch.__dataclass_fields__}, **top, **plans})

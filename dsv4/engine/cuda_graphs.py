@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.layout import PAGE_TOKENS, SWA_PAGE_TOKENS
-from ..config import CSA_RATIO, HCA_RATIO
-from ..model.forward_batch import CompressPlan, ForwardBatch
+from ..model.forward_batch import ForwardBatch
+from .batch import SeqChunk
+from .decode_batch import Scratch, build_decode_batch, decode_widths
+from .upload import HostToDevice, replace_leaves, tensor_leaves
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MIN_WIDTH = 16
@@ -34,10 +35,12 @@ def width_bucket(n: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model, pools, max_bs: int, capture: bool):
+    def __init__(self, model, pools, max_bs: int, capture: bool, h2d: HostToDevice | None = None):
         self.model, self.pools, self.max_bs, self.capture = model, pools, max_bs, capture
         self.layout = pools.layout
+        self.h2d = h2d if h2d is not None else HostToDevice(next(model.parameters()).device)
         self.graphs: dict[tuple, tuple] = {}
+        self.scratch = Scratch(pools.scratch_page, pools.scratch_swa_page, pools.scratch_slot)
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
 
     def accepts(self, seq_chunks) -> bool:
@@ -45,28 +48,35 @@ class DecodeGraphs:
                 and all(len(s.token_ids) == 1 and s.logits == "last" for s in seq_chunks))
 
     @torch.inference_mode()
-    def run(self, fb: ForwardBatch) -> torch.Tensor:
-        """fb: the step's batch built on the CPU -> fp32 logits [R, vocab] of its R rows."""
-        real = fb.num_tokens
-        key = (batch_bucket(real, self.max_bs), width_bucket(fb.c4_cand.shape[1]),
-               width_bucket(fb.c128_idx.shape[1]))
-        padded = self._pad(fb, *key)
+    def run(self, seqs: list[SeqChunk], fill=None) -> torch.Tensor:
+        """seqs: the step's decode chunks -> fp32 logits [R, vocab] of its R rows.
+        `fill` (runner.PendingFill): token rows whose ids are still on the device."""
+        real = len(seqs)
+        e4, e128 = decode_widths(seqs)
+        key = (batch_bucket(real, self.max_bs), width_bucket(e4), width_bucket(e128))
+        padded = build_decode_batch(seqs, self.layout, self.pools.ring_slots, key, self.scratch)
+        leaves = [t for _, t in tensor_leaves(padded)]
         if not self.capture:
-            moved = _map(padded, lambda t: t.to(next(self.model.parameters()).device))
-            return self._forward(moved)[:real]
+            static = _rebind(padded, self.h2d.allocate(leaves)[1])
+            if fill is not None:
+                fill.apply(static.token_ids, self.h2d)
+            return self._forward(static)[:real]
         if key not in self.graphs:
-            self.graphs[key] = self._capture(padded)
-        graph, static, out = self.graphs[key]
-        _copy_into(static, padded)
+            self.graphs[key] = self._capture(padded, leaves)
+        graph, flat, static, out = self.graphs[key]
+        self.h2d.upload_into(flat, leaves)             # page tables, slots, rows of this step
+        if fill is not None:
+            fill.apply(static.token_ids, self.h2d)
         graph.replay()
         return out[:real]
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
         return self.model.logits(self.model(fb, self.pools)[fb.logits_rows])
 
-    def _capture(self, padded: ForwardBatch):
-        device = next(self.model.parameters()).device
-        static = _map(padded, lambda t: t.to(device))
+    def _capture(self, padded: ForwardBatch, leaves: list[torch.Tensor]):
+        """The graph reads its batch from views of one flat buffer, refilled before each replay."""
+        flat, views = self.h2d.allocate(leaves)
+        static = _rebind(padded, views)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):          # warm-up (allocations, autotuning); the step is idempotent
@@ -76,59 +86,9 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             out = self._forward(static)
-        return graph, static, out
-
-    # ---- padding ----------------------------------------------------------------------
-    def _pad(self, fb: ForwardBatch, B: int, E4: int, E128: int) -> ForwardBatch:
-        p, lay = self.pools, self.layout
-        n = fb.num_tokens
-        scratch_swa = p.scratch_swa_page * SWA_PAGE_TOKENS
-        return ForwardBatch(
-            token_ids=_pad_rows(fb.token_ids, B, 0), positions=_pad_rows(fb.positions, B, 0),
-            swa_write=_pad_rows(fb.swa_write, B, scratch_swa),
-            swa_idx=_pad_rows(fb.swa_idx, B, -1),
-            c4_cand=_pad_rows(_pad_cols(fb.c4_cand, E4), B, -1),
-            c128_idx=_pad_rows(_pad_cols(fb.c128_idx, E128), B, -1),
-            csa=self._pad_plan(fb.csa, B, PAGE_TOKENS // CSA_RATIO, lay.csa_ring),
-            hca=self._pad_plan(fb.hca, B, PAGE_TOKENS // HCA_RATIO, lay.hca_ring),
-            logits_rows=torch.arange(B), seq_lens=fb.seq_lens + (1,) * (B - n))
-
-    def _pad_plan(self, plan: CompressPlan, B: int, per_page: int, cap: int) -> CompressPlan:
-        p = self.pools
-        return CompressPlan(
-            rows=_pad_rows(plan.rows, B, -1),
-            entry_slot=_pad_rows(plan.entry_slot, B, p.scratch_page * per_page),
-            entry_pos=_pad_rows(plan.entry_pos, B, 0),
-            ring_dst=_pad_rows(plan.ring_dst, B, p.scratch_slot * cap),
-            ring_src=_pad_rows(plan.ring_src, B, 0),
-            ring_rows=plan.ring_rows)
+        return graph, flat, static, out
 
 
-def _pad_rows(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
-    out = torch.full((rows, *t.shape[1:]), value, dtype=t.dtype)
-    out[:t.shape[0]] = t
-    return out
-
-
-def _pad_cols(t: torch.Tensor, cols: int) -> torch.Tensor:
-    out = torch.full((t.shape[0], cols), -1, dtype=t.dtype)
-    out[:, :t.shape[1]] = t
-    return out
-
-
-def _map(fb: ForwardBatch, fn) -> ForwardBatch:
-    def plan(pl: CompressPlan) -> CompressPlan:
-        return CompressPlan(**{k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in pl.__dict__.items()})
-    return ForwardBatch(**{k: (plan(v) if isinstance(v, CompressPlan) else fn(v) if isinstance(v, torch.Tensor)
-                               else v) for k, v in fb.__dict__.items()})
-
-
-def _copy_into(static: ForwardBatch, padded: ForwardBatch) -> None:
-    def pairs(a, b):
-        for k, v in a.__dict__.items():
-            if isinstance(v, CompressPlan):
-                yield from pairs(v, getattr(b, k))
-            elif isinstance(v, torch.Tensor):
-                yield v, getattr(b, k)
-    for dst, src in pairs(static, padded):
-        dst.copy_(src, non_blocking=True)
+def _rebind(fb: ForwardBatch, tensors: list[torch.Tensor]) -> ForwardBatch:
+    """fb with its tensors, in tensor_leaves order, replaced by `tensors`."""
+    return replace_leaves(fb, dict(zip([p for p, _ in tensor_leaves(fb)], tensors)))

@@ -12,12 +12,15 @@ from ..cache.layout import CacheLayout, CachePlan, dtype_bytes
 from ..cache.manager import CacheManager
 from ..config import ConfigError, EngineConfig
 from .outputs import RequestOutput
+from .inflight import HostCopy, PromptLogprobRows, StepInFlight
 from .request import Request, Status
 from .runner import ModelRunner, StepLogits
-from .sampler import Sampler, SamplingBatch, SamplingRow, compute_prompt_logprobs, make_generator
+from .sampler import (Sampler, SamplingBatch, SamplingRow, compute_prompt_logprobs, count_pending,
+                      make_generator)
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from .stop import StopChecker
+from .upload import upload_tree
 
 log = logging.getLogger("dsv4.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -44,6 +47,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}
         self._arrivals = itertools.count()
+        self.async_scheduling = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and torch.device(config.device).type == "cuda")
+        self._inflight: StepInFlight | None = None       # the launched step not yet read back
+        self._carried: list[RequestOutput] = []           # outputs of a step read after a failure
         self.eos_token_id = self.tokenizer.eos_id if self.tokenizer is not None else self.cfg.eos_token_id
         log.info(self.memory_report())
 
@@ -125,52 +132,114 @@ class LLMEngine:
         self._stops.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests to run or outputs to hand back (a request of a step in flight is still
+        running or waiting in the scheduler, so the step itself needs no check)."""
+        return self.scheduler.has_work() or bool(self._carried)
 
     # ---- the step -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch a step; return the outputs of the step that finished. With
+        async scheduling that is the previous step, read while this one runs."""
+        outputs, self._carried = self._carried, []
+        if self._inflight is not None and self._must_wait():
+            return outputs + self._drain()
         chunks = self.scheduler.schedule()
         if not chunks:
-            return []
-        step = self.runner.execute(chunks)
-        sampled = self._sample(chunks, step)
-        outputs = []
-        for i, c in enumerate(chunks):
-            req = c.request
-            if req.wants_prompt_logprobs and req.num_computed < len(req.prompt_token_ids):   # rows: all
-                self._record_prompt_logprobs(req, c, step, i)
-            req.num_computed += c.num_tokens
-            self.cache.trim(req)
-            if i in sampled:
-                outputs.append(self._append(req, *sampled[i]))
+            return outputs + self._drain()
+        try:
+            launched = self._launch(chunks)
+        except BaseException:
+            self._carried = outputs + self._drain()     # returned by the next step
+            raise
+        previous, self._inflight = self._inflight, launched
+        if previous is not None:
+            outputs += self._complete(previous)
+        if not self.async_scheduling:
+            outputs += self._drain()
         return outputs
 
-    def _sample(self, chunks: list[ScheduledChunk], step: StepLogits) -> dict[int, tuple]:
-        idx = [i for i, c in enumerate(chunks) if c.completes]
-        if not idx:
-            return {}
-        rows = torch.tensor([step.first_row[i] + step.num_rows[i] - 1 for i in idx], device=step.logits.device)
-        batch = SamplingBatch.build(
-            [SamplingRow(chunks[i].request.params, chunks[i].request.prompt_token_ids,
-                         chunks[i].request.output_token_ids, chunks[i].request.generator) for i in idx],
-            self.cfg.vocab_size, step.logits.device, self.eos_token_id, self.generator)
-        out = self.sampler(step.logits[rows], batch)
-        tokens, lps = out.token_ids.tolist(), out.logprobs.tolist()
-        top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
-        return {i: (tokens[j], lps[j], top_ids[j], top_lps[j]) for j, i in enumerate(idx)}
+    def _must_wait(self) -> bool:
+        """The next schedule needs the tokens in flight: a request reaches max_tokens or
+        max_model_len with them (it must not be scheduled again). Penalties and min_tokens
+        need no wait: pending tokens are counted on the device (sampler.count_pending)."""
+        for i in self._inflight.sampled:
+            req = self._inflight.chunks[i].request
+            if req.is_finished:
+                continue
+            p, n_out = req.params, len(req.output_token_ids) + req.num_pending
+            if n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                return True
+        return False
 
-    def _record_prompt_logprobs(self, req: Request, c: ScheduledChunk, step: StepLogits, i: int) -> None:
+    def _drain(self) -> list[RequestOutput]:
+        previous, self._inflight = self._inflight, None
+        return self._complete(previous) if previous is not None else []
+
+    def _launch(self, chunks: list[ScheduledChunk]) -> StepInFlight:
+        prev = self._inflight.tokens if self._inflight is not None else None
+        step = self.runner.execute(chunks, prev)
+        sampled = [i for i, c in enumerate(chunks) if c.completes]
+        tokens, values = self._sample(chunks, sampled, step)
+        lps = [self._prompt_logprobs(c.request, c, step, i) for i, c in enumerate(chunks)
+               if c.request.wants_prompt_logprobs and c.request.num_computed < len(c.request.prompt_token_ids)]
+        for row, i in enumerate(sampled):
+            chunks[i].request.num_pending += 1
+            chunks[i].request.pending_row = row
+        for c in chunks:
+            c.request.num_computed += c.num_tokens
+            self.cache.trim(c.request)
+        return StepInFlight(chunks, sampled, tokens, values, [x for x in lps if x is not None])
+
+    def _complete(self, step: StepInFlight) -> list[RequestOutput]:
+        for rows in step.prompt_logprobs:
+            self._record_prompt_logprobs(rows)
+        if step.values is None:
+            return []
+        tokens, lps, top_ids, top_lps = step.values.get()
+        outputs = []
+        for row, i in enumerate(step.sampled):
+            req = step.chunks[i].request
+            if req.is_finished:             # finished after this step was launched: surplus row
+                continue
+            req.num_pending -= 1
+            outputs.append(self._append(req, tokens[row], lps[row], top_ids[row], top_lps[row]))
+        return outputs
+
+    def _sample(self, chunks: list[ScheduledChunk], idx: list[int], step: StepLogits):
+        """-> (sampled tokens [N] on the device, their HostCopy), or (None, None)."""
+        if not idx:
+            return None, None
+        reqs = [chunks[i].request for i in idx]
+        rows = [step.first_row[i] + step.num_rows[i] - 1 for i in idx]
+        batch = SamplingBatch.build(
+            [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.num_pending) for r in reqs],
+            self.cfg.vocab_size, "cpu", self.eos_token_id, self.generator)
+        pending = [(j, r.pending_row) for j, r in enumerate(reqs) if r.num_pending and r.params.has_penalties]
+        batch, rows_t, pending_t = upload_tree((batch, torch.tensor(rows), torch.tensor(pending).view(-1, 2)),
+                                               self.runner.h2d)
+        if pending:
+            count_pending(batch.penalties, pending_t[:, 0], self._inflight.tokens[pending_t[:, 1]])
+        logits = step.logits[:len(rows)] if rows == list(range(len(rows))) else step.logits[rows_t]
+        out = self.sampler(logits, batch)
+        return out.token_ids, HostCopy([out.token_ids, out.logprobs, out.top_ids, out.top_logprobs])
+
+    def _prompt_logprobs(self, req: Request, c: ScheduledChunk, step: StepLogits, i: int):
         start, n_prompt = req.num_computed, len(req.prompt_token_ids)
-        if start == 0:
-            req.prompt_logprobs = [None]   # (again, after a preemption by recompute)
         n = min(c.num_tokens, n_prompt - 1 - start)   # rows predicting a prompt token
+        nxt = req.prompt_token_ids[start + 1:start + 1 + max(n, 0)]
         if n <= 0:
-            return
+            return PromptLogprobRows(req, start, [], None)
         logits = step.logits[step.first_row[i]:step.first_row[i] + n]
-        nxt = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + n], device=logits.device)
-        pl = compute_prompt_logprobs(logits, nxt, req.params.prompt_logprobs or 0)
-        for t, lp, ids, lps in zip(nxt.tolist(), pl.token_logprobs.tolist(), pl.top_ids.tolist(),
-                                   pl.top_logprobs.tolist()):
+        pl = compute_prompt_logprobs(logits, torch.tensor(nxt, device=logits.device), req.params.prompt_logprobs or 0)
+        return PromptLogprobRows(req, start, nxt, HostCopy([pl.token_logprobs, pl.top_ids, pl.top_logprobs]))
+
+    def _record_prompt_logprobs(self, rows: PromptLogprobRows) -> None:
+        req = rows.request
+        if rows.start == 0:
+            req.prompt_logprobs = [None]   # (again, after a preemption by recompute)
+        if rows.values is None:
+            return
+        for t, lp, ids, lps in zip(rows.next_ids, *rows.values.get()):
             req.prompt_logprobs.append({t: lp, **dict(zip(ids, lps))})
 
     def _append(self, req: Request, token: int, logprob: float, top_ids, top_lps) -> RequestOutput:

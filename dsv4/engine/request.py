@@ -40,14 +40,24 @@ class Request:
     stop_reason: int | str | None = None
     output_text: str | None = None
     num_preemptions: int = 0
+    num_pending: int = 0                       # sampled by steps in flight, not yet in output_token_ids
+    pending_row: int = -1                      # the latest one's row in its step's sampled tokens
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def known_tokens(self, start: int, n: int) -> list[int]:
+        """all_token_ids[start:start + n] without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:start - p + n]
+        return self.prompt_token_ids[start:start + n] + self.output_token_ids[:max(start + n - p, 0)]
+
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt, output and pending tokens: the positions this request has to compute."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
 
     @property
     def num_remaining(self) -> int:

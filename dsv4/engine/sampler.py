@@ -39,6 +39,7 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far, not including this step's token
     generator: torch.Generator | None = None  # the request's own, when params.seed is set
+    num_pending: int = 0  # generated tokens not in output_token_ids yet (still on the device)
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -160,12 +161,19 @@ def _build_min_tokens_ban(rows: Sequence[SamplingRow], eos_token_id: int | None,
                           device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(row, token) pairs to mask: the finishing tokens of rows below min_tokens."""
     pairs = [(i, token) for i, row in enumerate(rows)
-             if len(row.output_token_ids) < row.params.min_tokens
+             if len(row.output_token_ids) + row.num_pending < row.params.min_tokens
              for token in row.params.finishing_token_ids(eos_token_id)]
     if not pairs:
         return None
     ban_rows, ban_tokens = zip(*pairs)
     return _tensor(list(ban_rows), torch.long, device), _tensor(list(ban_tokens), torch.long, device)
+
+
+def count_pending(penalties: Penalties, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """Add tokens known only on the device to the output counts: row rows[i] generated
+    token_ids[i] ([P] long each, on the counts' device)."""
+    penalties.output_counts.index_put_((rows, token_ids), torch.ones_like(rows, dtype=torch.float32),
+                                       accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
@@ -231,7 +239,7 @@ class Sampler:
         greedy rows take the argmax of."""
         logits = logits.to(torch.float32, copy=True)
         if batch.banned is not None:
-            logits.index_put_(batch.banned, torch.tensor(NEG_INF, device=logits.device))
+            logits[batch.banned] = NEG_INF          # a scalar fill: no host-to-device copy
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
         return logits

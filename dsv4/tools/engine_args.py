@@ -20,6 +20,7 @@ HELP = {
     "ops_backend": "auto (Triton kernels on CUDA) or reference (torch ops only)",
     "enforce_eager": "run decode steps eagerly (no CUDA graphs)",
     "cuda_graph_max_bs": "largest decode batch replayed as a CUDA graph",
+    "async_scheduling": "on, off or auto (on for CUDA): launch the next step before reading this one's tokens",
 }
 
 

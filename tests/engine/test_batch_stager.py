@@ -1,29 +1,41 @@
-"""The pinned stager packs a step's index tensors into one buffer and unpacks them unchanged."""
+"""Host -> device packing: a step's tensors of mixed dtypes cross in one buffer and arrive
+unchanged; a buffer is reused after its turn comes round; a dataclass tree keeps its shape."""
 import torch
 
 from dsv4.cache.layout import CacheLayout
-from dsv4.engine.batch import PinnedStager, SeqChunk, _to_staged, build_forward_batch
-from dsv4.model.forward_batch import CompressPlan, ForwardBatch
+from dsv4.engine.batch import SeqChunk, build_forward_batch
+from dsv4.engine.upload import HostToDevice, tensor_leaves, upload_tree
 from dsv4.model.random_init import preset_config
 
 
-def _fields(fb):
-    out = {f: getattr(fb, f) for f in ForwardBatch.__dataclass_fields__ if f not in ("csa", "hca")}
-    for k in ("csa", "hca"):
-        out.update({f"{k}.{f}": getattr(getattr(fb, k), f) for f in CompressPlan.__dataclass_fields__})
-    return out
+def _chunks():
+    return [SeqChunk(0, 0, list(range(300)), [0, 1], [0, 1, 2]),
+            SeqChunk(1, 130, list(range(7)), [2], [4, 3])]
 
 
-def test_staged_batch_equals_the_direct_one():
+def test_packed_batch_equals_the_direct_one():
     layout = CacheLayout(preset_config("tiny"))
-    chunks = [SeqChunk(0, 0, list(range(300)), [0, 1], [0, 1, 2]),
-              SeqChunk(1, 130, list(range(7)), [2], [4, 3])]
-    fb = build_forward_batch(chunks, layout, 2, "cpu")
-    stager = PinnedStager(pin=False)
-    for _ in range(2):  # the buffer is reused on the second step
-        staged = _fields(_to_staged(fb, "cpu", stager))
-        for name, value in _fields(fb).items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(staged[name], value), name
-            else:
-                assert staged[name] == value, name
+    direct = build_forward_batch(_chunks(), layout, 2, "cpu")
+    h2d = HostToDevice("cpu", num_buffers=2, pack=True)
+    for _ in range(3):  # buffers come round again from the third step
+        packed = build_forward_batch(_chunks(), layout, 2, "cpu", h2d)
+        a, b = tensor_leaves(direct), tensor_leaves(packed)
+        assert [p for p, _ in a] == [p for p, _ in b]
+        for (path, x), (_, y) in zip(a, b):
+            assert x.dtype == y.dtype and torch.equal(x, y), path
+        assert packed.seq_lens == direct.seq_lens and packed.csa.ring_rows == direct.csa.ring_rows
+
+
+def test_mixed_dtypes_and_empty_tensors_round_trip():
+    h2d = HostToDevice("cpu", num_buffers=1, pack=True)
+    tensors = [torch.tensor([True, False, True]), torch.arange(5, dtype=torch.long),
+               torch.empty(0, 3, dtype=torch.long), torch.tensor([0.5, -2.0]), torch.ones(2, 3, dtype=torch.bfloat16)]
+    tree = (tensors[0], (tensors[1], tensors[2]), tensors[3], tensors[4])
+    moved = upload_tree(tree, h2d)
+    assert isinstance(moved[1], tuple)
+    for (_, x), (_, y) in zip(tensor_leaves(tree), tensor_leaves(moved)):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+    flat, views = h2d.allocate(tensors)
+    tensors[1] += 10
+    h2d.upload_into(flat, tensors)
+    assert torch.equal(views[1], torch.arange(10, 15))

@@ -1,6 +1,7 @@
 """Decode steps padded to CUDA-graph shapes (batch bucket, bucketed entry widths, scratch
 targets for the padding rows) give the same results as the unpadded step. Here the padded
 step runs eagerly (capture=False); on a GPU the same padded step is captured and replayed."""
+import pytest
 import torch
 
 from dsv4.config import EngineConfig
@@ -10,8 +11,9 @@ from dsv4.engine.sampling_params import SamplingParams
 from dsv4.model.random_init import preset_config, random_state, save_checkpoint
 
 
-def _engine(path, padded: bool):
-    eng = LLMEngine(path, EngineConfig(max_num_batched_tokens=64, max_num_seqs=6, num_pages=24))
+def _engine(path, padded: bool, async_scheduling: str = "off"):
+    eng = LLMEngine(path, EngineConfig(max_num_batched_tokens=64, max_num_seqs=6, num_pages=24,
+                                       async_scheduling=async_scheduling))
     if padded:
         eng.runner.graphs = DecodeGraphs(eng.model, eng.runner.pools, max_bs=8, capture=False)
     return eng
@@ -29,7 +31,8 @@ def _run(eng, prompts, max_tokens):
     return [done[str(i)] for i in range(len(prompts))]
 
 
-def test_padded_decode_steps_equal_plain_ones(tmp_path, monkeypatch):
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_padded_decode_steps_equal_plain_ones(tmp_path, monkeypatch, async_scheduling):
     torch.set_num_threads(1)
     cfg = preset_config("tiny")
     save_checkpoint(cfg, random_state(cfg, seed=3), str(tmp_path))
@@ -37,12 +40,15 @@ def test_padded_decode_steps_equal_plain_ones(tmp_path, monkeypatch):
     # lengths put decode positions across C4 and C128 group ends and SWA page ends
     prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist() for n in (3, 120, 126, 250, 61)]
     plain = _run(_engine(str(tmp_path), False), prompts, 24)
-    padded_engine = _engine(str(tmp_path), True)
+    padded_engine = _engine(str(tmp_path), True, async_scheduling)
     calls = []
     run = padded_engine.runner.graphs.run
-    monkeypatch.setattr(padded_engine.runner.graphs, "run", lambda fb: calls.append(fb.num_tokens) or run(fb))
+    monkeypatch.setattr(padded_engine.runner.graphs, "run",
+                        lambda seqs, fill=None: calls.append((len(seqs), fill is not None)) or run(seqs, fill))
     padded = _run(padded_engine, prompts, 24)
-    assert calls and max(calls) == 5, "the padded path ran for decode steps of the whole batch"
+    assert calls and max(n for n, _ in calls) == 5, "the padded path ran for decode steps of the whole batch"
+    # async: decode steps take the previous step's tokens from the device
+    assert any(f for _, f in calls) == (async_scheduling == "on")
     for a, b in zip(plain, padded):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):

@@ -18,12 +18,12 @@ pytest_plugins = ["serve.server_fixtures"]
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture
-def core(demo_dir):
+@pytest.fixture(params=["off", "on"], ids=["sync", "async"])
+def core(demo_dir, request):
     from dsv4.engine.engine import LLMEngine
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield EngineCore(LLMEngine(demo_dir, EngineConfig(num_pages=8, max_model_len=512)))
+    yield EngineCore(LLMEngine(demo_dir, EngineConfig(num_pages=8, max_model_len=512, async_scheduling=request.param)))
     torch.set_num_threads(threads)
 
 
@@ -86,7 +86,8 @@ def _fail_for_bad(core, where: str) -> None:
     has a token ("execute"), or when the scheduler reserves its pages ("reserve")."""
     if where == "execute":
         obj, name = core.engine.runner, "execute"
-        is_bad = lambda chunks: any(c.request.request_id == "bad" and c.request.output_token_ids for c in chunks)  # noqa: E731
+        is_bad = lambda chunks, prev=None: any(c.request.request_id == "bad" and c.request.output_token_ids  # noqa: E731
+                                               for c in chunks)
     else:
         obj, name = core.engine.cache, "reserve"
         is_bad = lambda req, n: req.request_id == "bad"  # noqa: E731

@@ -1,0 +1,52 @@
+"""A launched step whose sampled tokens are still on their way to the host (DESIGN §5).
+
+With async scheduling the engine launches step k+1 before it reads step k's tokens: the
+host's bookkeeping of step k (appending tokens, stop checks, detokenising) overlaps the
+GPU's work on step k+1, which takes step k's tokens straight from the device
+(runner.PendingFill). Rows of requests that finished in between are discarded.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .scheduler import ScheduledChunk
+
+
+class HostCopy:
+    """Device tensors copied into pinned host memory behind an event; `get()` waits for it."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.event = None
+        if tensors and tensors[0].is_cuda:
+            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            for h, t in zip(self.host, tensors):
+                h.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = tensors
+
+    def get(self) -> list[list]:
+        if self.event is not None:
+            self.event.synchronize()
+        return [t.tolist() for t in self.host]
+
+
+@dataclass
+class PromptLogprobRows:
+    """Prompt logprobs of one chunk, computed on the device at launch."""
+    request: object
+    start: int                       # the chunk's first position
+    next_ids: list[int]              # the prompt tokens its rows predict
+    values: HostCopy                 # token logprobs [n], top ids [n, k], top logprobs [n, k]
+
+
+@dataclass
+class StepInFlight:
+    chunks: list[ScheduledChunk]
+    sampled: list[int]               # chunk indices that sampled a token, in row order
+    tokens: torch.Tensor | None      # [len(sampled)] long on the device (feeds the next step)
+    values: HostCopy | None          # tokens, logprobs [N], top ids [N, k], top logprobs [N, k]
+    prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)

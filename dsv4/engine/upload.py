@@ -1,0 +1,123 @@
+"""Host -> device transfers of a step's small tensors without stalling the host.
+
+A copy from pageable memory makes the host wait for the GPU stream to drain, which would
+serialise the next step's host work behind the running step. Everything a step sends goes
+through `HostToDevice`: the tensors (any dtypes) are packed, 16-byte aligned, into one pinned
+byte buffer and cross in one asynchronous copy. Buffers rotate, and a buffer is refilled only
+after the event recorded behind its last copy has passed, so packing step k+1 never
+overwrites bytes that step k's copy has yet to read.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+ALIGN = 16
+
+
+def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    offsets, total = [], 0
+    for t in tensors:
+        offsets.append(total)
+        total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return offsets, total
+
+
+class HostToDevice:
+    def __init__(self, device, num_buffers: int = 8, pack: bool | None = None):
+        """pack=True on a CPU device runs the packing path (unpinned, no events): for tests."""
+        self.device = torch.device(device)
+        self.on_cuda = self.device.type == "cuda"
+        self.packs = self.on_cuda if pack is None else pack
+        self.buffers: list[torch.Tensor | None] = [None] * num_buffers
+        self.events: list[torch.cuda.Event | None] = [None] * num_buffers
+        self.turn = 0
+
+    def upload(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """CPU tensors -> the same tensors on the device (views of one fresh device buffer)."""
+        if not self.packs:
+            return [t.to(self.device) for t in tensors]
+        host, offsets = self._pack(tensors)
+        flat = host.to(self.device, non_blocking=True)
+        self._record()
+        return views(flat, tensors, offsets)
+
+    def upload_into(self, flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+        """Copy `tensors` into `flat`, a device buffer laid out by `allocate` for these shapes."""
+        if not self.packs:
+            for dst, t in zip(views(flat, tensors, _layout(tensors)[0]), tensors):
+                dst.copy_(t)
+            return
+        host, _ = self._pack(tensors)
+        flat[:host.numel()].copy_(host, non_blocking=True)
+        self._record()
+
+    def allocate(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A device buffer for tensors of these shapes and dtypes, and its views (filled)."""
+        offsets, total = _layout(tensors)
+        flat = torch.empty(total, dtype=torch.uint8, device=self.device)
+        self.upload_into(flat, tensors)
+        return flat, views(flat, tensors, offsets)
+
+    def _pack(self, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+        offsets, total = _layout(tensors)
+        i = self.turn = (self.turn + 1) % len(self.buffers)
+        if self.events[i] is not None:
+            self.events[i].synchronize()        # its copy was issued steps ago: long done
+        have = self.buffers[i].numel() if self.buffers[i] is not None else 0
+        if have < total:
+            self.buffers[i] = torch.empty(max(total, 2 * have, 4096),
+                                          dtype=torch.uint8, pin_memory=self.on_cuda)
+        host = self.buffers[i][:total]
+        for t, off in zip(tensors, offsets):
+            n = t.numel() * t.element_size()
+            if n:
+                host[off:off + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+        return host, offsets
+
+    def _record(self) -> None:
+        if not self.on_cuda:
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self.events[self.turn] = event
+
+
+def views(flat: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
+    out = []
+    for t, off in zip(tensors, offsets):
+        n = t.numel() * t.element_size()
+        out.append(flat[off:off + n].view(t.dtype).view(t.shape))
+    return out
+
+
+def tensor_leaves(obj) -> list[tuple[tuple, torch.Tensor]]:
+    """(path, tensor) for every tensor in a tree of dataclasses and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return [((), obj)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [((f.name, *p), t) for f in dataclasses.fields(obj)
+                for p, t in tensor_leaves(getattr(obj, f.name))]
+    if isinstance(obj, tuple):
+        return [((i, *p), t) for i, x in enumerate(obj) for p, t in tensor_leaves(x)]
+    return []
+
+
+def replace_leaves(obj, new: dict[tuple, torch.Tensor], path: tuple = ()):
+    """The tree with the tensor at each path in `new` replaced (other leaves kept)."""
+    if isinstance(obj, torch.Tensor):
+        return new.get(path, obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: replace_leaves(getattr(obj, f.name), new, (*path, f.name))
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, tuple):
+        return tuple(replace_leaves(x, new, (*path, i)) for i, x in enumerate(obj))
+    return obj
+
+
+def upload_tree(obj, h2d: HostToDevice):
+    """A dataclass tree with every CPU tensor moved to the device in one transfer."""
+    leaves = [(p, t) for p, t in tensor_leaves(obj) if t.device.type == "cpu"]
+    moved = h2d.upload([t for _, t in leaves])
+    return replace_leaves(obj, {p: m for (p, _), m in zip(leaves, moved)})
