@@ -1,6 +1,7 @@
 """Count the kernels of one padded batch-1 decode step (what the CUDA graph replays), on the CPU.
 
-Every aten op dispatched inside DecodeGraphs._forward is recorded (TorchDispatchMode) with the
+Every aten op dispatched inside DecodeGraphs._forward (the second decode step; the first one
+warms up) is recorded (TorchDispatchMode) with the
 module that issued it; ops that launch no kernel on a GPU (views, empty) are not counted.
 
     python benchmarks/count_ops.py [--triton] [--spec SPEC] [--context N] [--by-op]
@@ -110,10 +111,11 @@ def main() -> None:
         for mod in list(sys.modules.values()):
             if getattr(mod, "__name__", "").startswith("dsv4.") and hasattr(mod, "use_triton"):
                 mod.use_triton = backend.use_triton
+    graphs = eng.runner.graphs
+    eng.step()                        # warm-up, as before a capture (first-use work: fused weights)
     counter = Counter(eng.model)
     if args.triton:
         counter.count_triton_launches()
-    graphs = eng.runner.graphs
     forward = graphs._forward
 
     def counted(fb):

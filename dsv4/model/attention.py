@@ -79,8 +79,10 @@ class RopeTables:
     each compress plan's entry positions (compress RoPE), computed at first use."""
 
     def __init__(self, positions: torch.Tensor, main_freq: torch.Tensor, compress_freq: torch.Tensor):
-        self.main = rope_cos_sin(positions, main_freq)
-        self.compress = rope_cos_sin(positions, compress_freq)
+        R = main_freq.shape[0]
+        cos, sin = rope_cos_sin(positions, torch.cat([main_freq, compress_freq]))     # [T, 2R]: both kinds at once
+        self.main = cos[:, :R], sin[:, :R]
+        self.compress = cos[:, R:], sin[:, R:]
         self.compress_freq = compress_freq
         self._entries: dict[int, tuple] = {}
 

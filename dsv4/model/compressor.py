@@ -56,8 +56,7 @@ class Indexer(nn.Module):
         """weights = weights_proj(x) [T, heads] -> [T, min(topk, E4)] slots of the chosen entries
         (-1 where fewer are causal)."""
         q = apply_rope(self.wq_b(q_res).unflatten(-1, (self.heads, self.dim)), cos, sin)
-        weights = weights.float() * self.heads ** -0.5
-        return indexer_topk(q, weights, keys, cand, self.topk)
+        return indexer_topk(q, weights, keys, cand, self.topk, self.heads ** -0.5)
 
 
 def make_compressor(cfg: ModelConfig, ratio: int, dtype: torch.dtype) -> Compressor | None:

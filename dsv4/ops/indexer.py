@@ -11,14 +11,16 @@ QUERY_BLOCK = 1024
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor,
-                 topk: int) -> torch.Tensor:
-    """q [T, Hi, Di], weights [T, Hi] (already x index_heads^-0.5), keys [N, Di], cand [T, E].
+                 topk: int, weight_scale: float = 1.0) -> torch.Tensor:
+    """q [T, Hi, Di], weights [T, Hi] (w[t, h] = weights[t, h] * weight_scale, e.g. the
+    projection's output and index_heads^-0.5), keys [N, Di], cand [T, E].
 
     Returns [T, min(topk, E)] flat rows of the chosen entries, -1 where fewer are valid.
     """
     if use_triton(q):
         from .triton.indexer import indexer_topk as triton_indexer_topk
-        return triton_indexer_topk(q, weights, keys, cand, topk)
+        return triton_indexer_topk(q, weights, keys, cand, topk, weight_scale)
+    weights = weights.float() * weight_scale
     k = min(topk, cand.shape[1])
     out = torch.full((cand.shape[0], k), -1, dtype=cand.dtype, device=cand.device)
     if k == 0:

@@ -34,15 +34,16 @@ class IndexerProbe:
     def __init__(self, inner):
         self.inner, self.calls = inner, []
 
-    def __call__(self, q, weights, keys, cand, topk):
+    def __call__(self, q, weights, keys, cand, topk, weight_scale=1.0):
         gathered = keys[cand.clamp(min=0)].float()
-        scores = (torch.relu(torch.einsum("thd,ted->the", q.float(), gathered)) * weights.float()[..., None]).sum(1)
+        w = weights.float() * weight_scale
+        scores = (torch.relu(torch.einsum("thd,ted->the", q.float(), gathered)) * w[..., None]).sum(1)
         scores = scores.masked_fill(cand < 0, float("-inf"))
         discards = (cand >= 0).sum(1) > topk
         top = scores[discards].topk(topk + 1, dim=-1).values
         gap = top[:, topk - 1] - top[:, topk]
         self.calls.append((float(discards.float().mean()), float(gap.min()) if gap.numel() else float("inf")))
-        return self.inner(q, weights, keys, cand, topk)
+        return self.inner(q, weights, keys, cand, topk, weight_scale)
 
 
 def layers_for(overrides):

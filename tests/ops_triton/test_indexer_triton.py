@@ -107,3 +107,20 @@ def test_dispatch(device, monkeypatch):
     with backend.forced("reference"):
         ref.indexer_topk(q, weights, keys, cand, 2)
     assert len(calls) == (1 if device == "cuda" else 0)
+
+
+def test_weight_scale_and_strided_bf16_weights(device):
+    """weights as a bf16 column slice of a wider projection output, scaled in the kernel: the
+    same scores and selection as the reference given weights.float() * weight_scale."""
+    T, E, Hi, Di = 4, 29, 6, 16
+    q, weights, keys, cand = make_inputs(T, E, Hi, Di, torch.bfloat16, device, seed=11)
+    wide = torch.randn(T, Hi + 9, device=device).to(torch.bfloat16)
+    wide[:, 3:3 + Hi] = weights.to(torch.bfloat16)
+    weights = wide[:, 3:3 + Hi]
+    scaled = weights.float() * 0.37
+    assert_scores_close(tri.indexer_scores(q, weights, keys, cand, weight_scale=0.37).cpu(),
+                        reference_scores(q.cpu(), scaled.cpu(), keys.cpu(), cand.cpu()))
+    got = tri.indexer_topk(q, weights, keys, cand, 7, 0.37)
+    want = ref.indexer_topk(q.cpu(), weights.cpu(), keys.cpu(), cand.cpu(), 7, 0.37)
+    assert torch.equal(want, ref.indexer_topk(q.cpu(), scaled.cpu(), keys.cpu(), cand.cpu(), 7))
+    assert_same_selection(got, q, scaled, keys, cand, 7)

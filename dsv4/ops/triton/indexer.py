@@ -57,8 +57,9 @@ def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, out_ptr,
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor,
-                   block_e: int = BLOCK_E) -> torch.Tensor:
-    """q [T, Hi, Di], weights [T, Hi], keys [N, Di], cand [T, E] (-1 = absent) -> [T, E] fp32."""
+                   block_e: int = BLOCK_E, weight_scale: float = 1.0) -> torch.Tensor:
+    """q [T, Hi, Di], weights [T, Hi] (x weight_scale), keys [N, Di], cand [T, E] (-1 = absent)
+    -> [T, E] fp32."""
     T, Hi, Di = q.shape
     E = cand.shape[1]
     scores = torch.empty((T, E), dtype=torch.float32, device=q.device)
@@ -75,7 +76,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, c
                 or os.environ.get("TRITON_INTERPRET") == "1")
     _scores_kernel[(T * n_eblk,)](
         q, weights, keys, cand, scores,
-        E, Hi, Di, n_eblk, Di ** -0.5,
+        E, Hi, Di, n_eblk, Di ** -0.5 * weight_scale,
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
         keys.stride(0), keys.stride(1), cand.stride(0), cand.stride(1), scores.stride(0),
         HI_P=hi_p, DI_P=di_p, BLOCK_E=block_e, FP32_DOT=fp32_dot, num_warps=NUM_WARPS)
@@ -83,14 +84,14 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, c
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor,
-                 topk: int) -> torch.Tensor:
+                 topk: int, weight_scale: float = 1.0) -> torch.Tensor:
     """Same contract as dsv4.ops.indexer.indexer_topk: [T, min(topk, E)] flat rows of the
     chosen entries, -1 where fewer are valid."""
     T, E = cand.shape
     k = min(topk, E)
     if T == 0 or k == 0:
         return torch.full((T, k), -1, dtype=cand.dtype, device=cand.device)
-    # Selection exactly as the reference's _select.
-    top = indexer_scores(q, weights, keys, cand).topk(k, dim=-1)
-    chosen = cand.gather(1, top.indices)
-    return torch.where(torch.isfinite(top.values), chosen, torch.full_like(chosen, -1))
+    # Selection as the reference's _select (scores are finite or -inf: `> -inf` is its isfinite,
+    # one kernel instead of three, and a scalar -1 needs no filled tensor).
+    top = indexer_scores(q, weights, keys, cand, weight_scale=weight_scale).topk(k, dim=-1)
+    return torch.where(top.values > float("-inf"), cand.gather(1, top.indices), -1)
