@@ -23,7 +23,8 @@ SPEC = ("random:flash-slice:6:hidden_size=256,num_attention_heads=4,q_lora_rank=
         "o_lora_rank=64,moe_intermediate_size=64,n_routed_experts=16,index_n_heads=4,vocab_size=1024")
 NO_KERNEL = {"view", "_unsafe_view", "unsqueeze", "squeeze", "expand", "slice", "select", "t", "transpose",
              "permute", "split", "split_with_sizes", "as_strided", "alias", "detach", "empty", "empty_like",
-             "empty_strided", "unflatten", "flatten", "unbind", "lift_fresh", "_reshape_alias", "reshape"}
+             "empty_strided", "unflatten", "flatten", "unbind", "lift_fresh", "_reshape_alias", "reshape",
+             "scalar_tensor"}   # a wrapped Python number: a CPU scalar argument on CUDA
 
 
 def _category(path: str) -> str:

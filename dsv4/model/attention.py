@@ -75,22 +75,21 @@ class Attention(nn.Module):
 
 
 class RopeTables:
-    """cos/sin of the step's positions for both RoPE kinds, computed once per forward, and of
-    each compress plan's entry positions (compress RoPE), computed at first use."""
+    """cos/sin [rows, R] of the step's token positions for both RoPE kinds and of each compress
+    plan's entry positions (compress kind), all computed in one pass per forward."""
 
-    def __init__(self, positions: torch.Tensor, main_freq: torch.Tensor, compress_freq: torch.Tensor):
-        R = main_freq.shape[0]
-        cos, sin = rope_cos_sin(positions, torch.cat([main_freq, compress_freq]))     # [T, 2R]: both kinds at once
-        self.main = cos[:, :R], sin[:, :R]
-        self.compress = cos[:, R:], sin[:, R:]
-        self.compress_freq = compress_freq
-        self._entries: dict[int, tuple] = {}
+    def __init__(self, fb: ForwardBatch, main_freq: torch.Tensor, compress_freq: torch.Tensor):
+        R, T, G4 = main_freq.shape[0], fb.num_tokens, fb.csa.entry_pos.shape[0]
+        positions = torch.cat([fb.positions, fb.csa.entry_pos, fb.hca.entry_pos])    # [T + G4 + G128]
+        cos, sin = rope_cos_sin(positions, torch.cat([main_freq, compress_freq]))      # [., 2R]: both kinds
+        self.main = cos[:T, :R], sin[:T, :R]
+        self.compress = cos[:T, R:], sin[:T, R:]
+        self._entries = {id(fb.csa): (cos[T:T + G4, R:], sin[T:T + G4, R:]),
+                         id(fb.hca): (cos[T + G4:, R:], sin[T + G4:, R:])}
 
     def for_ratio(self, ratio: int):
         return self.main if ratio == 0 else self.compress
 
     def entries(self, plan: CompressPlan) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [G, R] at the first position of each group the plan closes."""
-        if id(plan) not in self._entries:
-            self._entries[id(plan)] = (plan, *rope_cos_sin(plan.entry_pos, self.compress_freq))
-        return self._entries[id(plan)][1:]
+        return self._entries[id(plan)]

@@ -63,7 +63,7 @@ class DeepseekV4(nn.Module):
 
     def forward(self, fb: ForwardBatch, pools) -> torch.Tensor:
         """One step over the batch -> final residual streams [T, N, hidden]."""
-        rope = RopeTables(fb.positions, self.main_freq, self.compress_freq)
+        rope = RopeTables(fb, self.main_freq, self.compress_freq)
         h = self.embed(fb.token_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for block in self.layers:
             h = block(h, fb, pools, rope)

@@ -28,7 +28,7 @@ class MTPBlock(Block):
         """h_main [T, N, H] streams at positions t; fb.token_ids = tokens at t+1 -> streams [T, N, H]."""
         e = self.enorm(model.embed(fb.token_ids))
         h = self.e_proj(e).unsqueeze(1) + self.h_proj(self.hnorm(h_main))
-        return self(h, fb, pools, RopeTables(fb.positions, model.main_freq, model.compress_freq))
+        return self(h, fb, pools, RopeTables(fb, model.main_freq, model.compress_freq))
 
     def logits(self, model: DeepseekV4, h: torch.Tensor) -> torch.Tensor:
         c = self.cfg
