@@ -39,19 +39,20 @@ def build_forward_batch(chunks: list[SeqChunk], layout: CacheLayout, ring_slots:
     pos = starts[req] + torch.arange(int(lens.sum())) - offs[req]
     pages = _pad([c.page_table for c in chunks])
     swa_pages = _pad([c.swa_table for c in chunks])
-    _check_history(chunks)
+    W = layout.cfg.sliding_window
+    _check_pages(chunks, W)
     seq = _Seqs(req, pos, starts, starts + lens, offs, slots)
     host = (torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long), pos,
-            _swa_slots(swa_pages, req, pos), _swa_window(swa_pages, req, pos, layout.cfg.sliding_window),
             _compress_plan(pages, seq, CSA_RATIO, True, layout.csa_ring, ring_slots),
             _compress_plan(pages, seq, HCA_RATIO, False, layout.hca_ring, ring_slots),
-            _logits_rows(chunks, offs, lens), pages, req)
-    token_ids, pos_d, swa_write, swa_idx, csa, hca, rows, pages_d, req_d = upload_tree(
+            _logits_rows(chunks, offs, lens), pages, swa_pages, req)
+    token_ids, pos_d, csa, hca, rows, pages_d, swa_d, req_d = upload_tree(
         host, h2d if h2d is not None else HostToDevice(device))
-    # the [T, E] causal-entry tables are the only large ones: built where the step runs
+    # the [T, W] and [T, E] tables are the large ones: built where the step runs
     max_pos = int(pos.max()) if pos.numel() else 0
     return ForwardBatch(
-        token_ids=token_ids, positions=pos_d, swa_write=swa_write, swa_idx=swa_idx,
+        token_ids=token_ids, positions=pos_d, swa_write=_swa_slots(swa_d, req_d, pos_d),
+        swa_idx=_swa_window(swa_d, req_d, pos_d, W),
         c4_cand=_causal_entries(pages_d, req_d, pos_d, CSA_RATIO, max_pos),
         c128_idx=_causal_entries(pages_d, req_d, pos_d, HCA_RATIO, max_pos),
         csa=csa, hca=hca, logits_rows=rows, seq_lens=tuple(lens.tolist()))
@@ -85,25 +86,29 @@ def _lookup(table: torch.Tensor, req: torch.Tensor, logical: torch.Tensor, what:
 
 
 def _swa_slots(swa_pages, req, pos):
-    return _lookup(swa_pages, req, pos // SWA_PAGE_TOKENS, "SWA") * SWA_PAGE_TOKENS + pos % SWA_PAGE_TOKENS
+    return swa_pages[req, pos // SWA_PAGE_TOKENS] * SWA_PAGE_TOKENS + pos % SWA_PAGE_TOKENS
 
 
 def _swa_window(swa_pages, req, pos, W):
-    q = pos[:, None] - W + 1 + torch.arange(W)[None, :]                    # [T, W]
-    valid = q >= 0
-    r = req[:, None].expand_as(q)
-    slots = torch.full_like(q, -1)
-    slots[valid] = _swa_slots(swa_pages, r[valid], q[valid])
-    return slots
+    """[T, W] SWA slots of positions (p-W, p], -1 before position 0."""
+    q = pos[:, None] - W + 1 + torch.arange(W, device=pos.device)[None, :]
+    qc = q.clamp(min=0)
+    return torch.where(q >= 0, _swa_slots(swa_pages, req[:, None], qc), -1)
 
 
-def _check_history(chunks: list[SeqChunk]) -> None:
-    """Every history page up to each chunk's end must be held (checked per sequence, O(R))."""
+def _check_pages(chunks: list[SeqChunk], W: int) -> None:
+    """Every history page up to each chunk's end, and every SWA page its tokens write or
+    their windows read, must be held (checked per sequence, O(R) on the host)."""
     for c in chunks:
-        needed = -(-(c.start + len(c.token_ids)) // PAGE_TOKENS)
+        end = c.start + len(c.token_ids)
+        needed = -(-end // PAGE_TOKENS)
         if len(c.page_table) < needed or any(p < 0 for p in c.page_table[:needed]):
-            raise RuntimeError(f"history page missing: positions up to {c.start + len(c.token_ids)} need "
+            raise RuntimeError(f"history page missing: positions up to {end} need "
                                f"{needed} pages, table {c.page_table[:needed]}")
+        first, last = max(c.start - W + 1, 0) // SWA_PAGE_TOKENS, (end - 1) // SWA_PAGE_TOKENS
+        if len(c.swa_table) <= last or any(p < 0 for p in c.swa_table[first:last + 1]):
+            raise RuntimeError(f"SWA page missing for a position the step reads or writes: positions "
+                               f"[{c.start}, {end}) window {W}, SWA table {c.swa_table[first:last + 1]}")
 
 
 def _causal_entries(pages, req, pos, ratio, max_pos: int):
