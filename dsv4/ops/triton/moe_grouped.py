@@ -2,8 +2,8 @@
 the definition is `routed_experts_loop` in dsv4/ops/moe.py.
 
 The P = T*k pairs are sorted by expert (row r of the sorted order is pair order[r], token
-order[r] // k). Rows of one expert are contiguous; an M-tile never spans two experts. Three
-launches and a few small torch ops, no host synchronisation (grids depend only on P, E and
+order[r] // k). Rows of one expert are contiguous; an M-tile never spans two experts. Two
+kernels plus a few small torch ops, no host synchronisation (grids depend only on P, E and
 the tiles, so the op is CUDA-graph safe):
 
 1. `schedule` (torch, on device): order [P], and per tile slot s < S = cdiv(P, BLOCK_M) +
