@@ -79,7 +79,7 @@ def engine_for(spec, model, mode, **kw):
     return LLMEngine(spec, EngineConfig(device=DEV, dtype="bfloat16", **MODES[mode], **kw), model=model)
 
 
-def dsv4_runs(spec: str, gpu, budget: float, results: dict) -> None:
+def dsv4_runs(spec: str, gpu, budget: float, results: dict, greedy: bool = True) -> None:
     from dsv4.model.weights import load_model
     model = load_model(spec, DEV, torch.bfloat16)
     cfg = model.cfg
@@ -106,20 +106,22 @@ def dsv4_runs(spec: str, gpu, budget: float, results: dict) -> None:
             row["bound_s"] = roofline(decode_step_cost(cfg, batch, ctx), gpu.hbm_bandwidth, gpu.dense_flops).seconds
             log(f"dsv4 {mode} decode b{batch} ctx{ctx}: {row[f'{mode}_s'] * 1e3:.2f} ms/step")
             del eng
-    results["greedy"] = greedy_identity(spec, model, random_prompts(cfg.vocab_size))
+    if greedy:
+        results["greedy"] = greedy_identity(spec, model, random_prompts(cfg.vocab_size))
     profile(spec, model)
     del model
     gc.collect()
     torch.cuda.empty_cache()
 
 
-def greedy_identity(spec, model, prompts: list[list[int]], new_tokens: int = 24) -> dict:
+def greedy_identity(spec, model, prompts: list[list[int]], new_tokens: int = 24,
+                    modes: tuple[str, str] = ("reference", "fast")) -> dict:
     """Greedy tokens of the fast path vs the reference path on the same prompts. Where they
     part, the reference's top-2 logprob margin at that step says whether it was a near-tie."""
     from dsv4.engine.sampling_params import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=2)
     outs = {}
-    for mode in ("reference", "fast"):
+    for mode in modes:
         eng = engine_for(spec, model, mode, max_num_seqs=len(prompts), max_num_batched_tokens=4096,
                          num_pages=64, max_model_len=4096)
         for i, p in enumerate(prompts):
@@ -129,14 +131,14 @@ def greedy_identity(spec, model, prompts: list[list[int]], new_tokens: int = 24)
             done.update({o.request_id: o for o in eng.step() if o.finished})
         outs[mode] = [done[f"g{i}"] for i in range(len(prompts))]
     identical, parted = 0, []
-    for r, f in zip(outs["reference"], outs["fast"]):
+    for r, f in zip(outs[modes[0]], outs[modes[1]]):
         k = next((i for i, (a, b) in enumerate(zip(r.token_ids, f.token_ids)) if a != b), None)
         if k is None:
             identical += 1
             continue
         lp = sorted(r.logprobs[k].values(), reverse=True)
         parted.append({"step": k, "ref_top2_margin": round(lp[0] - lp[1], 5)})
-    result = {"sequences_identical": identical, "sequences": len(prompts), "new_tokens": new_tokens,
+    result = {"modes": list(modes), "sequences_identical": identical, "sequences": len(prompts), "new_tokens": new_tokens,
               "first_divergences": parted}
     log(f"greedy identity ({'random' if spec.startswith('random:') else 'demo'}): {result}")
     return result
@@ -147,7 +149,7 @@ def random_prompts(vocab: int, lengths=(100, 700, 1500, 3000)) -> list[list[int]
     return [torch.randint(100, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def demo_identity() -> dict:
+def demo_identity(modes: tuple[str, str] = ("reference", "fast")) -> dict:
     """The same check on the trained demo model (real margins, unlike random weights)."""
     import json
     from dsv4.assets import DEMO_DIR
@@ -157,7 +159,7 @@ def demo_identity() -> dict:
     with open(os.path.join(DEMO_DIR, "heldout.json")) as f:
         prompts = [tok.encode(p["prompt"]) for p in json.load(f)["prompts"]]
     model = load_model(DEMO_DIR, DEV, torch.bfloat16)
-    return greedy_identity(DEMO_DIR, model, prompts, new_tokens=48)
+    return greedy_identity(DEMO_DIR, model, prompts, new_tokens=48, modes=modes)
 
 
 def kernel_scripts() -> dict:
@@ -283,6 +285,24 @@ def table(results: dict) -> str:
     return "\n".join(rows)
 
 
+def quick() -> int:
+    """--quick: greedy identity on the demo model, decode of the fast path with and without
+    async scheduling, host syncs and the profile; no oracle, kernels, prefill or baseline."""
+    os.makedirs(ARGS.out, exist_ok=True)
+    info = {"probe": probe(), "greedy_demo": demo_identity(),
+            "greedy_demo_async_vs_sync": demo_identity(("fast_sync", "fast"))}
+    gpu = H200.measured(bandwidth=info["probe"]["copy_bandwidth"], flops=info["probe"]["bf16_matmul_flops"])
+    global MODES
+    MODES = {k: MODES[k] for k in ("fast_sync", "fast")}
+    results: dict = {}
+    dsv4_runs(SLICE or f"random:flash-slice:{ARGS.layers}", gpu, ARGS.budget_s, results, greedy=False)
+    text = table(results)
+    print(text)
+    with open(os.path.join(ARGS.out, "suite.json"), "w") as f:
+        json.dump({"info": info, "results": results}, f, indent=1)
+    return 0
+
+
 def main() -> int:
     os.makedirs(ARGS.out, exist_ok=True)
     info = {"gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)", "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
@@ -318,8 +338,9 @@ if __name__ == "__main__":
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--budget-s", type=float, default=500)
     p.add_argument("--dry-run-cpu", action="store_true", help="tiny shapes on the CPU, to test the suite itself")
+    p.add_argument("--quick", action="store_true", help="decode and greedy identity of the fast path only")
     ARGS = p.parse_args()
     if ARGS.dry_run_cpu:
         DEV, PREFILLS, DECODES = "cpu", (256, 512), ((1, 300), (4, 600))
         ORACLE_SPEC, SLICE = "random:tiny:2:n_routed_experts=4", "random:tiny"
-    sys.exit(main())
+    sys.exit(quick() if ARGS.quick else main())
