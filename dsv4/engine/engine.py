@@ -175,6 +175,7 @@ class LLMEngine:
         previous, self._inflight = self._inflight, None
         return self._complete(previous) if previous is not None else []
 
+    @torch.inference_mode()
     def _launch(self, chunks: list[ScheduledChunk]) -> StepInFlight:
         prev = self._inflight.tokens if self._inflight is not None else None
         step = self.runner.execute(chunks, prev)

@@ -25,11 +25,12 @@ def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
 
 
 class HostToDevice:
-    def __init__(self, device, num_buffers: int = 8, pack: bool | None = None):
-        """pack=True on a CPU device runs the packing path (unpinned, no events): for tests."""
+    def __init__(self, device, num_buffers: int = 8, pack: bool = True):
+        """On a CPU device the same packing runs (unpinned, no events), so CPU tests take the
+        GPU's path; pack=False moves each tensor on its own."""
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
-        self.packs = self.on_cuda if pack is None else pack
+        self.packs = pack
         self.buffers: list[torch.Tensor | None] = [None] * num_buffers
         self.events: list[torch.cuda.Event | None] = [None] * num_buffers
         self.turn = 0
@@ -39,7 +40,7 @@ class HostToDevice:
         if not self.packs:
             return [t.to(self.device) for t in tensors]
         host, offsets = self._pack(tensors)
-        flat = host.to(self.device, non_blocking=True)
+        flat = host.to(self.device, non_blocking=True, copy=True)   # (a CPU device: the buffer rotates)
         self._record()
         return views(flat, tensors, offsets)
 
