@@ -84,7 +84,8 @@ def _ring_write_kernel(kv_ptr, gate_ptr, ring_kv_ptr, ring_gate_ptr, dst_ptr, sr
     src = tl.load(src_ptr + i).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     ok = offs < C
-    kv_t, gate_t = ring_kv_ptr.dtype.element_ty, ring_gate_ptr.dtype.element_ty
+    kv_t = ring_kv_ptr.dtype.element_ty          # (one per line: Triton 3.6 cannot unpack dtypes)
+    gate_t = ring_gate_ptr.dtype.element_ty
     kv = tl.load(kv_ptr + src * stride_kv + offs, mask=ok, other=0.0).to(tl.float32)
     gate = tl.load(gate_ptr + src * stride_g + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(ring_kv_ptr + dst * stride_rkv + offs, round_to(kv, kv_t, RNE).to(kv_t), mask=ok)
