@@ -59,7 +59,8 @@ def main() -> None:
     torch.cuda.synchronize()
     pr.disable()
     out = io.StringIO()
-    pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(40)
+    pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(45)
+    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
     print(f"host profile over {args.steps} steps:\n{out.getvalue()}")
 
 
