@@ -24,6 +24,7 @@ from dsv4.perf.roofline import H200, decode_step_cost, prefill_cost, roofline  #
 
 PREFILLS = (1024, 4096, 16384)
 DECODES = ((1, 1024), (8, 1024), (64, 1024), (1, 4096), (64, 4096), (1, 16384), (8, 16384), (64, 16384))
+DECODE_TOKENS = 17          # per timed decode run: 16 steps after the first token
 T0 = time.perf_counter()
 DEV = "cuda"
 ORACLE_SPEC, SLICE = "random:flash-slice:2:n_routed_experts=32", None
@@ -99,8 +100,9 @@ def dsv4_runs(spec: str, gpu, budget: float, results: dict, greedy: bool = True)
                 break
             eng = engine_for(spec, model, mode, max_num_seqs=batch, max_num_batched_tokens=max(batch, 256),
                              num_pages=batch * (ctx // 256 + 2) + 8, max_model_len=ctx + 64)
-            bo.time_one(eng, batch, ctx, 3, True, "warm")
-            step = sorted(bo.time_one(eng, batch, ctx, 17, True, "run")["step_times"])
+            # the warm-up covers the same positions, so every graph shape the run needs is captured
+            bo.time_one(eng, batch, ctx, DECODE_TOKENS, True, "warm")
+            step = sorted(bo.time_one(eng, batch, ctx, DECODE_TOKENS, True, "run")["step_times"])
             row = results.setdefault(f"decode b{batch} ctx{ctx}", {})
             row[f"{mode}_s"] = step[len(step) // 2]
             row["bound_s"] = roofline(decode_step_cost(cfg, batch, ctx), gpu.hbm_bandwidth, gpu.dense_flops).seconds

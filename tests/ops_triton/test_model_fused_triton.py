@@ -14,8 +14,9 @@ from dsv4.ops.triton import norm_rope as tri_norm_rope
 
 
 def generate(model, prompt, steps):
-    eng = LLMEngine("random:tiny", EngineConfig(max_num_batched_tokens=256, max_num_seqs=2, num_pages=4),
-                    model=model)
+    device = str(next(model.parameters()).device)
+    eng = LLMEngine("random:tiny", EngineConfig(device=device, max_num_batched_tokens=256, max_num_seqs=2,
+                                                num_pages=4), model=model)
     eng.runner.graphs = DecodeGraphs(model, eng.runner.pools, max_bs=2, capture=False)
     eng.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=0))
     while eng.has_unfinished():
