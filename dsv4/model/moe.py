@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..ops.moe import dense_swiglu, route_hash, route_topk, routed_experts
+from ..ops.moe import moe_experts, route_hash, route_topk
 from .layers import Linear, param
 
 
@@ -53,5 +53,5 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, token_ids)
         e, s = self.experts, self.shared_experts
-        routed = routed_experts(x, weights, ids, e.w1, e.w2, e.w3, self.limit)
-        return routed + dense_swiglu(x, s.w1.weight, s.w2.weight, s.w3.weight, self.limit)
+        return moe_experts(x, weights, ids, e.w1, e.w2, e.w3, (s.w1.weight, s.w2.weight, s.w3.weight),
+                           self.limit)

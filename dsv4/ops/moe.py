@@ -15,14 +15,24 @@ TRITON_MAX_PAIRS = 64
 GROUPED_GEMM = "torch"
 
 
+# decode sizes: up to this many tokens route_topk / route_hash run the Triton router
+# (dsv4/ops/triton/moe_gate.py, one launch per layer); its token blocks re-read the gate weight
+# from L2, so large prefills keep the torch path (one fp32 GEMM). Not yet measured on an H200:
+# `python benchmarks/kernels/moe.py --part gate` times both per T.
+ROUTE_MAX_TOKENS = 64
+
+
 def route_topk(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: int,
                scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Score-based routing. x [T, H] -> (weights [T, k] fp32, expert ids [T, k]).
 
-    scores = sqrt(softplus(x W^T)); the bias only changes which experts are chosen; the
-    chosen scores are normalised to sum 1 and multiplied by `scaling`.
-    """
-    scores = F.softplus(F.linear(x.float(), gate_w.float())).sqrt()
+    scores = sqrt(softplus(x W^T)) in fp32; the bias only changes which experts are chosen;
+    the chosen scores are normalised to sum 1 and multiplied by `scaling`. The order of the
+    ids within a row is unspecified (consumers take (weight, id) pairs)."""
+    if use_triton(x) and x.shape[0] <= ROUTE_MAX_TOKENS:
+        from .triton import moe_gate
+        return moe_gate.route_topk(x, gate_w, bias, topk, scaling)
+    scores = _gate_scores(x, gate_w)
     ids = torch.topk(scores + bias.float(), topk, dim=-1, sorted=False).indices
     return _weights(scores, ids, scaling), ids
 
@@ -30,14 +40,44 @@ def route_topk(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, topk: 
 def route_hash(x: torch.Tensor, gate_w: torch.Tensor, token_ids: torch.Tensor, tid2eid: torch.Tensor,
                scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Hash routing: the experts come from a fixed token-id table, the weights from the gate."""
-    scores = F.softplus(F.linear(x.float(), gate_w.float())).sqrt()
+    if use_triton(x) and x.shape[0] <= ROUTE_MAX_TOKENS:
+        from .triton import moe_gate
+        return moe_gate.route_hash(x, gate_w, token_ids, tid2eid, scaling)
     ids = tid2eid[token_ids].long()
-    return _weights(scores, ids, scaling), ids
+    return _weights(_gate_scores(x, gate_w), ids, scaling), ids
+
+
+def _gate_scores(x, gate_w):
+    """sqrt(softplus(x W^T)) [T, E] in fp32 (an fp32 GEMM of x and W made fp32)."""
+    return F.softplus(F.linear(x.float(), _fp32_weight(gate_w))).sqrt()
 
 
 def _weights(scores, ids, scaling):
     w = scores.gather(1, ids)
     return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * scaling
+
+
+def _fp32_weight(w: torch.Tensor) -> torch.Tensor:
+    """w in fp32: w itself when it is fp32, else an fp32 copy cached on the tensor object, so
+    the copy is made once rather than every step (the result is the same as w.float()). Made
+    again when the weight was replaced or changed in place since (data_ptr, version, device,
+    shape): a loader that assigns .data or copies into it gets a fresh copy."""
+    if w.dtype == torch.float32:
+        return w
+    key = (w.data_ptr(), _version(w), w.device, w.shape)
+    cached = w.__dict__.get("_dsv4_fp32")
+    if cached is None or cached[0] != key:
+        with torch.inference_mode(False), torch.no_grad():
+            cached = (key, w.detach().float())
+        w.__dict__["_dsv4_fp32"] = cached         # a plain attribute of the tensor object
+    return cached[1]
+
+
+def _version(w: torch.Tensor) -> int | None:
+    try:
+        return w._version
+    except RuntimeError:          # an inference tensor: no version counter (keyed on data_ptr only)
+        return None
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -60,6 +100,21 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
     if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
         return routed_experts_grouped(x, weights, ids, w1, w2, w3, limit)
     return routed_experts_loop(x, weights, ids, w1, w2, w3, limit)
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
+                w2: torch.Tensor, w3: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                limit: float) -> torch.Tensor:
+    """routed_experts(x, weights, ids, w1, w2, w3) + dense_swiglu(x, *shared) -> [T, H], the
+    MoE output; shared = (sw1, sw2, sw3) [I, H], [H, I], [I, H].
+
+    Triton at decode sizes (as routed_experts): the shared expert runs as one more pair of the
+    routed GEMV kernels (weight 1), the sum in their fp32 accumulator, rounded once."""
+    if use_triton(x) and ids.numel() <= TRITON_MAX_PAIRS:
+        from .triton import moe as triton_moe
+        if triton_moe.fusable_shared(w1, shared):
+            return triton_moe.routed_experts(x, weights, ids, w1, w2, w3, limit, shared=shared)
+    return routed_experts(x, weights, ids, w1, w2, w3, limit) + dense_swiglu(x, *shared, limit)
 
 
 def routed_experts_grouped(x, weights, ids, w1, w2, w3, limit):

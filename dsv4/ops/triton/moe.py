@@ -19,6 +19,12 @@ copies, no host synchronisation (grids depend only on T and k, so the op is CUDA
    SPLIT 1 writes out[t, n] in x's dtype directly; SPLIT > 1 writes fp32 partials [SPLIT, T, H]
    and `_sum_splits_kernel` adds them in a fixed order and casts (deterministic).
 
+The shared expert (optional, `shared=`): one more pair per token, j == k, with the shared
+weights sw1/sw3 [I, H], sw2 [H, I] and routing weight 1 (pairs p = t*(k+1) + j, h [T*(k+1), I]);
+`_pair` / `_expert_matrix` pick the matrix (a pointer select, no weight copies). The routed +
+shared sum then happens in the down kernel's fp32 accumulator (and the split sum): the decode
+MoE is 2-3 launches instead of the shared expert's separate GEMMs, SwiGLU ops and add.
+
 Both are GEMVs done as fp32 elementwise products + tl.sum (bandwidth-bound; no tl.dot, which
 also keeps Triton's interpreter exact in bf16). Weight rows are read along their contiguous
 last dimension. Expert offsets use the int64 ids (e * I * H exceeds int32 at V4 sizes).
@@ -39,17 +45,42 @@ SUM_BLOCK = 1024
 
 
 @triton.jit
-def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, K, H, I,
-                    stride_we, stride_wi, limit,
-                    BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
-    # x [T, H]; ids [T*k] int64; w1/w3 [E, I, H] (last dim contiguous) -> h [T*k, I] (x's dtype)
+def _pair(ids_ptr, p, K, SHARED: tl.constexpr):
+    # pair p = t * (K + SHARED) + j of token t: j < K the routed expert e = ids[t*K + j],
+    # j == K (SHARED only) the shared expert -> (t, index t*K + j into ids/weights, routed?, e)
+    t = p // (K + SHARED)
+    j = p % (K + SHARED)
+    routed = j < K
+    e = tl.load(ids_ptr + t * K + j, mask=routed, other=0)       # int64 scalar (0 for shared)
+    return t, t * K + j, routed, e
+
+
+@triton.jit
+def _expert_matrix(w_ptr, sw_ptr, routed, e, stride_we, stride_row, stride_srow, SHARED: tl.constexpr):
+    # -> (base pointer, row stride) of expert e's matrix in w [E, R, C], or of the shared
+    # expert's sw [R, C] when not routed
+    base = w_ptr + e * stride_we
+    stride = stride_row
+    if SHARED:
+        base = tl.where(routed, base, sw_ptr)
+        stride = tl.where(routed, stride_row, stride_srow)
+    return base, stride
+
+
+@triton.jit
+def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, h_ptr, K, H, I,
+                    stride_we, stride_wi, stride_si, limit,
+                    SHARED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+    # x [T, H]; ids [T*k] int64; w1/w3 [E, I, H], shared sw1/sw3 [I, H] (last dims contiguous)
+    # -> h [T*(k+SHARED), I] (x's dtype), row p = pair p (see _pair)
     p = tl.program_id(0)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)       # [BLOCK_I]
     i_ok = i < I
-    e = tl.load(ids_ptr + p)                                      # int64 scalar
-    t = p // K
+    t, _, routed, e = _pair(ids_ptr, p, K, SHARED)
+    w1_base, stride_i = _expert_matrix(w1_ptr, sw1_ptr, routed, e, stride_we, stride_wi, stride_si, SHARED)
+    w3_base, _ = _expert_matrix(w3_ptr, sw3_ptr, routed, e, stride_we, stride_wi, stride_si, SHARED)
     x_row = x_ptr + t.to(tl.int64) * H
-    w_off = e * stride_we + i[:, None] * stride_wi                # [BLOCK_I, 1]
+    w_off = i[:, None] * stride_i                                 # [BLOCK_I, 1]
     gate = tl.zeros((BLOCK_I,), dtype=tl.float32)
     up = tl.zeros((BLOCK_I,), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
@@ -57,8 +88,8 @@ def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, K, H, I,
         h_ok = hh < H
         xv = tl.load(x_row + hh, mask=h_ok, other=0.0).to(tl.float32)[None, :]   # [1, BLOCK_H]
         m = i_ok[:, None] & h_ok[None, :]
-        w1 = tl.load(w1_ptr + w_off + hh[None, :], mask=m, other=0.0).to(tl.float32)  # [BLOCK_I, BLOCK_H]
-        w3 = tl.load(w3_ptr + w_off + hh[None, :], mask=m, other=0.0).to(tl.float32)
+        w1 = tl.load(w1_base + w_off + hh[None, :], mask=m, other=0.0).to(tl.float32)  # [BLOCK_I, BLOCK_H]
+        w3 = tl.load(w3_base + w_off + hh[None, :], mask=m, other=0.0).to(tl.float32)
         gate += tl.sum(w1 * xv, axis=1)
         up += tl.sum(w3 * xv, axis=1)
     gate = tl.minimum(gate, limit)
@@ -68,10 +99,11 @@ def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, h_ptr, K, H, I,
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, out_ptr, K, H, I,
-                 stride_we, stride_wh,
-                 BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
-    # h [T*k, I]; ids [T*k] int64; weights [T*k] fp32; w2 [E, H, I] (last dim contiguous)
+def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
+                 stride_we, stride_wh, stride_sh,
+                 SHARED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
+    # h [T*KS, I], KS = k + SHARED pairs per token; ids [T*k] int64; weights [T*k] fp32;
+    # w2 [E, H, I], shared sw2 [H, I] (last dims contiguous)
     # -> out [SPLIT, T, H]: x's dtype when SPLIT == 1 (the result), else fp32 partials
     t = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)       # [BLOCK_H] output features
@@ -79,22 +111,24 @@ def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, out_ptr, K, H, I,
     s = tl.program_id(2)
     T = tl.num_programs(0)
     SPLIT = tl.num_programs(2)
+    KS = K + SHARED
     n_blocks = tl.cdiv(I, BLOCK_I)                                # I-blocks per expert
-    u_lo = s * (K * n_blocks) // SPLIT                            # this split's units [u_lo, u_hi),
-    u_hi = (s + 1) * (K * n_blocks) // SPLIT                      # unit u = (j, block) = divmod(u, n_blocks)
+    u_lo = s * (KS * n_blocks) // SPLIT                           # this split's units [u_lo, u_hi),
+    u_hi = (s + 1) * (KS * n_blocks) // SPLIT                     # unit u = (j, block) = divmod(u, n_blocks)
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in range(u_lo // n_blocks, tl.cdiv(u_hi, n_blocks)):    # experts this split touches
-        p = t * K + j
-        e = tl.load(ids_ptr + p)                                  # int64 scalar
-        wt = tl.load(wt_ptr + p)                                  # fp32 routing weight
-        w_off = e * stride_we + n[:, None] * stride_wh            # [BLOCK_H, 1]
+        p = t * KS + j
+        _, q, routed, e = _pair(ids_ptr, p, K, SHARED)
+        wt = tl.load(wt_ptr + q, mask=routed, other=1.0)         # fp32 routing weight (shared: 1)
+        w2_base, stride_h = _expert_matrix(w2_ptr, sw2_ptr, routed, e, stride_we, stride_wh, stride_sh, SHARED)
+        w_off = n[:, None] * stride_h                             # [BLOCK_H, 1]
         h_row = h_ptr + p.to(tl.int64) * I
         y = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for b in range(tl.maximum(u_lo - j * n_blocks, 0), tl.minimum(u_hi - j * n_blocks, n_blocks)):
             ii = b * BLOCK_I + tl.arange(0, BLOCK_I)              # [BLOCK_I]
             i_ok = ii < I
             hv = tl.load(h_row + ii, mask=i_ok, other=0.0).to(tl.float32)[None, :]   # [1, BLOCK_I]
-            w2 = tl.load(w2_ptr + w_off + ii[None, :], mask=n_ok[:, None] & i_ok[None, :],
+            w2 = tl.load(w2_base + w_off + ii[None, :], mask=n_ok[:, None] & i_ok[None, :],
                          other=0.0).to(tl.float32)                # [BLOCK_H, BLOCK_I]
             y += tl.sum(w2 * hv, axis=1)
         acc += wt * y
@@ -121,14 +155,28 @@ def default_down_split(T: int, k: int, H: int, I: int, block_h: int = DOWN_BLOCK
     return max(1, min(units, triton.cdiv(DOWN_MIN_PROGRAMS, T * triton.cdiv(H, block_h))))
 
 
+def fusable_shared(w1: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
+    """Whether the shared expert (sw1/sw3 [I, H], sw2 [H, I]) can run as one more pair of the
+    routed kernels: the routed experts' dtype and I, last dims contiguous, sw1/sw3 same strides."""
+    sw1, sw2, sw3 = shared
+    _, I, H = w1.shape
+    return (sw1.shape == sw3.shape == (I, H) and sw2.shape == (H, I)
+            and sw1.dtype == sw2.dtype == sw3.dtype == w1.dtype and sw1.stride() == sw3.stride()
+            and sw1.stride(1) == 1 and sw2.stride(1) == 1)
+
+
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
                    w2: torch.Tensor, w3: torch.Tensor, limit: float, *,
+                   shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                    up_tiles: tuple[int, int, int] | None = None,
                    down_tiles: tuple[int, int, int] | None = None,
                    down_split: int | None = None) -> torch.Tensor:
     """Same semantics as dsv4.ops.moe.routed_experts_loop. x [T, H]; weights [T, k] fp32;
     ids [T, k]; w1/w3 [E, I, H]; w2 [E, H, I] -> [T, H] in x's dtype.
 
+    shared = (sw1, sw2, sw3) adds the shared expert (dsv4.ops.moe.dense_swiglu, see
+    `fusable_shared`) as a (k+1)-th pair of every token with weight 1: same two launches (+ the
+    split sum), its output summed with the routed ones in fp32 and rounded once.
     up_tiles = (BLOCK_I, BLOCK_H, num_warps) and down_tiles = (BLOCK_H, BLOCK_I, num_warps)
     override the defaults (tuning); down_split (>= 1) overrides `default_down_split`."""
     T, H = x.shape
@@ -137,24 +185,28 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
     assert w1.shape == w3.shape == (E, I, H) and w2.shape == (E, H, I), "expert weight shapes"
     assert w1.stride() == w3.stride() and w1.stride(2) == 1 and w2.stride(2) == 1, \
         "w1/w3 must share strides; the last dim of w1/w2/w3 must be contiguous"
+    assert shared is None or fusable_shared(w1, shared), "shared expert: see fusable_shared"
+    has_shared = shared is not None
+    sw1, sw2, sw3 = shared if has_shared else (w1, w2, w3)                  # unused without
+    ks = k + has_shared                                                     # pairs per token
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
-    if T == 0 or k == 0:
+    if T == 0 or ks == 0:
         return out.zero_()
     x = x.contiguous()
     flat_ids = ids.reshape(-1).to(torch.int64).contiguous()                   # [T*k]
     flat_w = weights.reshape(-1).to(torch.float32).contiguous()               # [T*k]
-    h = torch.empty((T * k, I), dtype=x.dtype, device=x.device)              # swiglu, x's dtype
+    h = torch.empty((T * ks, I), dtype=x.dtype, device=x.device)             # swiglu, x's dtype
 
     bi, bh, nw = up_tiles or (UP_BLOCK_I, UP_BLOCK_H, UP_WARPS)
-    _up_gate_kernel[(T * k, triton.cdiv(I, bi))](
-        x, flat_ids, w1, w3, h, k, H, I, w1.stride(0), w1.stride(1), float(limit),
-        BLOCK_I=bi, BLOCK_H=bh, num_warps=nw)
+    _up_gate_kernel[(T * ks, triton.cdiv(I, bi))](
+        x, flat_ids, w1, w3, sw1, sw3, h, k, H, I, w1.stride(0), w1.stride(1), sw1.stride(0), float(limit),
+        SHARED=has_shared, BLOCK_I=bi, BLOCK_H=bh, num_warps=nw)
     bh, bi, nw = down_tiles or (DOWN_BLOCK_H, DOWN_BLOCK_I, DOWN_WARPS)
-    split = down_split or default_down_split(T, k, H, I, bh, bi)
+    split = down_split or default_down_split(T, ks, H, I, bh, bi)
     part = out if split == 1 else torch.empty((split, T, H), dtype=torch.float32, device=x.device)
     _down_kernel[(T, triton.cdiv(H, bh), split)](
-        h, flat_ids, flat_w, w2, part, k, H, I, w2.stride(0), w2.stride(1),
-        BLOCK_H=bh, BLOCK_I=bi, num_warps=nw)
+        h, flat_ids, flat_w, w2, sw2, part, k, H, I, w2.stride(0), w2.stride(1), sw2.stride(0),
+        SHARED=has_shared, BLOCK_H=bh, BLOCK_I=bi, num_warps=nw)
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(T * H, SUM_BLOCK),)](part, out, T * H, split, BLOCK=SUM_BLOCK)
     return out
