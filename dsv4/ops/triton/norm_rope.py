@@ -28,15 +28,16 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rows_ptr,
                       H, D, R, eps, stride_xt, stride_xh, stride_ot, stride_oh, stride_cs,
                       NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,
                       SCATTER: tl.constexpr, BLOCK_H: tl.constexpr, HALF_P: tl.constexpr, RNE: tl.constexpr):
-    # program (t, hb): rows x[t, hb*BLOCK_H + k] for k < BLOCK_H, as [BLOCK_H, HALF_P] even / odd channels
+    # program (t, hb): rows x[t, hb*BLOCK_H + k] for k < BLOCK_H, loaded whole ([BLOCK_H, 2*HALF_P],
+    # coalesced) and split into even / odd channels a, b [BLOCK_H, HALF_P]
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)                   # [BLOCK_H] heads
     i = tl.arange(0, HALF_P)                                                  # [HALF_P] pairs
+    c = tl.arange(0, 2 * HALF_P)                                              # [2*HALF_P] channels
     dt = x_ptr.dtype.element_ty
-    ok = (h < H)[:, None] & (i < D // 2)[None, :]
-    x_rows = x_ptr + t * stride_xt + h.to(tl.int64)[:, None] * stride_xh + 2 * i[None, :]
-    a = tl.load(x_rows, mask=ok, other=0.0).to(tl.float32)                   # channels 2i
-    b = tl.load(x_rows + 1, mask=ok, other=0.0).to(tl.float32)               # channels 2i+1
+    ok = (h < H)[:, None] & (c < D)[None, :]
+    x = tl.load(x_ptr + t * stride_xt + h.to(tl.int64)[:, None] * stride_xh + c[None, :], mask=ok, other=0.0)
+    a, b = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_H, HALF_P, 2)))
 
     if NORM != 0:
         r = 1.0 / tl.sqrt(tl.sum(a * a + b * b, axis=1) / D + eps)[:, None]   # [BLOCK_H, 1]
@@ -65,10 +66,10 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rows_ptr,
 
     if SCATTER:
         t = tl.load(rows_ptr + t).to(tl.int64)
-    out_rows = out_ptr + t * stride_ot + h.to(tl.int64)[:, None] * stride_oh + 2 * i[None, :]
     odt = out_ptr.dtype.element_ty
-    tl.store(out_rows, round_to(round_to(a, dt, RNE), odt, RNE).to(odt), mask=ok)
-    tl.store(out_rows + 1, round_to(round_to(b, dt, RNE), odt, RNE).to(odt), mask=ok)
+    y = tl.reshape(tl.join(round_to(round_to(a, dt, RNE), odt, RNE), round_to(round_to(b, dt, RNE), odt, RNE)),
+                   (BLOCK_H, 2 * HALF_P))
+    tl.store(out_ptr + t * stride_ot + h.to(tl.int64)[:, None] * stride_oh + c[None, :], y.to(odt), mask=ok)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
