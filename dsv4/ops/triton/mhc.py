@@ -158,7 +158,8 @@ def _hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, new_ptr, D,
 
 
 _BT = 64  # token tile of the projection (16 when T <= 16)
-_BK = 64  # K tile of the projection
+_BK = 32  # K tile of the projection (H200, benchmarks/kernels/mhc.py: 0.15 vs 0.19 ms for 64 at T=4096)
+_BK_FEW = 64  # ... at T <= 16 (0.059 vs 0.085 ms at T=1)
 _BD = 512  # D tile of the collapse / post
 _MAX_SPLITS = 128
 
@@ -181,16 +182,16 @@ def _mix_partials(h, fn):
     K, nmix = N * D, fn.shape[0]
     mixp = max(16, _next_pow2(nmix))  # tl.dot needs >= 16 columns
     # BT rows x K_SPLIT per program; enough K splits to cover the SMs twice at small T
-    bt = 16 if T <= 16 else _BT
-    t_blocks, k_blocks = triton.cdiv(T, bt), triton.cdiv(K, _BK)
+    bt, bk = (16, _BK_FEW) if T <= 16 else (_BT, _BK)
+    t_blocks, k_blocks = triton.cdiv(T, bt), triton.cdiv(K, bk)
     splits = min(k_blocks, _MAX_SPLITS, max(1, triton.cdiv(2 * _num_sms(h.device), t_blocks)))
-    k_split = triton.cdiv(k_blocks, splits) * _BK
+    k_split = triton.cdiv(k_blocks, splits) * bk
     splits = triton.cdiv(K, k_split)
     part = torch.empty(splits, T, mixp, dtype=torch.float32, device=h.device)
     sq = torch.empty(splits, T, dtype=torch.float32, device=h.device)
     _mix_partials_kernel[(t_blocks, splits)](
         h, fn, part, sq, T, K, nmix, k_split,
-        BT=bt, BK=_BK, MIXP=mixp, SPLIT_X=h.element_size() > 2, num_warps=4)
+        BT=bt, BK=bk, MIXP=mixp, SPLIT_X=h.element_size() > 2, num_warps=4)
     return part, sq
 
 
