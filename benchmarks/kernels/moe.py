@@ -3,7 +3,8 @@ I = 2048, bf16, SwiGLU limit 10), random routing with distinct experts per token
 
     python benchmarks/kernels/moe.py                   # needs CUDA (~30 GiB of GPU memory); ~3 minutes
     python benchmarks/kernels/moe.py --part prefill [--tune]   # prefill only (~1 minute, + ~2 with --tune)
-    python benchmarks/kernels/moe.py --dry-run         # CPU, Triton interpreter, tiny shapes, prefill part
+    python benchmarks/kernels/moe.py --part gate       # the router only (seconds); --part shared: the shared expert
+    python benchmarks/kernels/moe.py --dry-run         # CPU, Triton interpreter, tiny shapes: gate, shared, prefill
 
 Decode part: the Triton GEMV kernels (dsv4/ops/triton/moe.py) against the torch reference
 `routed_experts_loop` (the definition) and the grouped-GEMM path `routed_experts_grouped`
@@ -20,6 +21,17 @@ At T = 1 the 6 experts are 302 MB (288 MiB, > the 50 MB L2), ~72 us at full band
 Then the crossover with the grouped GEMM (for moe.TRITON_MAX_PAIRS), a tile tuning grid for
 the up-gate kernel, and a (tiles, SPLIT) grid for the down kernel at T = 1, 2, 4, 8 with the
 best per T (whole op from a CUDA graph, the other kernel at its default).
+
+Gate part: the router (dsv4/ops/triton/moe_gate.py, one launch; and its two-launch fallback)
+against the torch reference route_topk / route_hash at T = 1 .. 64 (for moe.ROUTE_MAX_TOKENS):
+checks the same experts (rows where the reference's k-th and (k+1)-th biased scores are closer
+than 1e-4 are only counted) and the weights (rtol 1e-4), and the arrival counters back at 0;
+times each from a CUDA graph (eager, wall clock, in the dry run).
+
+Shared part: the MoE experts at decode sizes with the shared expert fused as one more pair of
+the GEMV kernels (moe_experts) against the routed kernels + the torch shared expert
+(dense_swiglu) + add, from CUDA graphs; checks they agree within 2^-5 of the output's scale
+(coarse: the tests bound the difference per element).
 
 Prefill part: the torch grouped path `routed_experts_grouped` (torch._grouped_mm) against the
 Triton grouped GEMMs (dsv4/ops/triton/moe_grouped.py) at T = 64 (a batch-64 decode step, the
@@ -40,10 +52,11 @@ import time
 def parse_args():
     p = argparse.ArgumentParser(description="Routed experts: decode GEMV kernels and prefill grouped GEMMs "
                                             "against the torch reference (see the module docstring).")
-    p.add_argument("--part", choices=("all", "decode", "prefill"), default="all")
+    p.add_argument("--part", choices=("all", "decode", "prefill", "gate", "shared"), default="all")
     p.add_argument("--tune", action="store_true", help="prefill: scan the Triton tiles and GROUP_M")
     p.add_argument("--dry-run", action="store_true",
-                   help="the prefill part on the CPU in Triton's interpreter at tiny shapes (tests the script)")
+                   help="the prefill, gate and shared parts on the CPU in Triton's interpreter at tiny "
+                        "shapes (tests the script)")
     return p.parse_args()
 
 
@@ -56,7 +69,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from dsv4.perf.timing import median_ms  # noqa: E402
+from dsv4.ops import backend  # noqa: E402
 from dsv4.ops import moe as ref  # noqa: E402
+from dsv4.ops.triton import moe_gate as gate_tri  # noqa: E402
 from dsv4.ops.triton import moe as tri  # noqa: E402
 from dsv4.ops.triton import moe_grouped as grp  # noqa: E402
 
@@ -72,6 +87,8 @@ DOWN_GRID = [(bh, bi, nw) for bh, bi in ((8, 256), (16, 128), (16, 256), (16, 51
              for nw in (4, 8)]                                 # (BLOCK_H, BLOCK_I, num_warps)
 DOWN_SPLITS = (1, 2, 4, 8, 16, 24, 48)                         # down_split, capped at the units
 DOWN_TOKENS = (1, 2, 4, 8)
+GATE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+SHARED_TOKENS = (1, 2, 4, 8)
 PREFILL_TOKENS = (64, 512, 4096, 16384)   # 64: a batch-64 decode step (384 pairs, CUDA graph)
 UP_TUNE = [(16, 128, 64, 4, 5), (32, 128, 64, 4, 4), (64, 128, 64, 4, 3), (64, 128, 64, 4, 4),
            (64, 128, 64, 8, 4), (64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3),
@@ -220,6 +237,79 @@ def bound_ratio(got, want, x, weights, ids, w1, w2, w3):
     return (err / (2 ** -7 * (terms + want.float().abs()) + 1e-30)).max().item()
 
 
+def step_ms(fn):
+    """ms of one call: replayed from a CUDA graph on the GPU, eager wall clock in the dry run."""
+    return graph_ms(fn) if DEVICE == "cuda" else timer(fn)
+
+
+def gate(gen):
+    """Router: reference vs the Triton kernel (one and two launches) per T; -> mismatch messages."""
+    print(f"\ngate: route_topk / route_hash, E={E} k={K} H={H}, bf16 x and gate weight, fp32 bias "
+          f"(moe.ROUTE_MAX_TOKENS = {ref.ROUTE_MAX_TOKENS})")
+    gate_w = (torch.randn(E, H, generator=gen, device=DEVICE) / H ** 0.5).to(torch.bfloat16)
+    bias = torch.randn(E, generator=gen, device=DEVICE) * 0.1
+    tid2eid = torch.rand(1000, E, generator=gen, device=DEVICE).argsort(dim=1)[:, :K]
+    failures = []
+    print(f"  {'T':>3s} {'mode':5s} {'reference ms':>12s} {'1 launch ms':>11s} {'2 launches ms':>13s}  check")
+    for T in GATE_TOKENS:
+        x = torch.randn(T, H, generator=gen, device=DEVICE).to(torch.bfloat16)
+        tok = torch.randint(0, 1000, (T,), generator=gen, device=DEVICE)
+        for mode in ("topk", "hash"):
+            args = (x, gate_w, bias, K, 2.5) if mode == "topk" else (x, gate_w, tok, tid2eid, 2.5)
+            op = getattr(ref, f"route_{mode}")
+            kernel = getattr(gate_tri, f"route_{mode}")
+
+            def reference(op=op, args=args):
+                with backend.forced("reference"):
+                    return op(*args)
+            msg = check_routing(mode, reference(), kernel(*args), x, gate_w, bias)
+            if msg:
+                failures.append(f"gate T={T} {mode}: {msg}")
+            times = [step_ms(reference), step_ms(lambda: kernel(*args)),
+                     step_ms(lambda: kernel(*args, one_launch=False))]
+            print(f"  {T:3d} {mode:5s} {times[0]:12.4f} {times[1]:11.4f} {times[2]:13.4f}  {msg or 'ok'}")
+    if (torch.cat(list(gate_tri._COUNTERS.values())) != 0).any():
+        failures.append("gate: arrival counters not left at 0")
+    return failures
+
+
+def check_routing(mode, want, got, x, gate_w, bias):
+    """-> None or what differs: the sets of experts (rows without a 1e-4 margin at the k-th
+    biased score excepted), the weights per expert (rtol 1e-4)."""
+    (want_w, want_ids), (got_w, got_ids) = want, got
+    same = (got_ids.sort(1).values == want_ids.sort(1).values).all(1)
+    if mode == "topk":
+        biased = (ref._gate_scores(x, gate_w) + bias).topk(K + 1, dim=1).values
+        same |= (biased[:, K - 1] - biased[:, K]) < 1e-4
+    if not same.all():
+        return f"{int((~same).sum())} rows chose other experts"
+    w_by_id = lambda w, ids: torch.zeros(w.shape[0], E, device=w.device).scatter(1, ids, w)  # noqa: E731
+    rel = ((w_by_id(got_w, got_ids) - w_by_id(want_w, want_ids)).abs().max() / want_w.abs().max()).item()
+    return f"weights differ by {rel:.2e} (relative)" if rel > 1e-4 else None
+
+
+def shared(w1, w2, w3, gen):
+    """moe_experts with the shared expert fused vs the routed kernels + dense_swiglu + add."""
+    print("\nshared expert: fused as pair k of the routed GEMVs vs routed kernels + torch shared expert + add")
+    sw1, sw3 = (torch.randn(I, H, generator=gen, device=DEVICE).mul_(s / H ** 0.5).to(torch.bfloat16)
+                for s in (6, 4))
+    sw2 = (torch.randn(H, I, generator=gen, device=DEVICE) / I ** 0.5).to(torch.bfloat16)
+    sw = (sw1, sw2, sw3)
+    failures = []
+    print(f"  {'T':>3s} {'separate ms':>11s} {'fused ms':>8s}  max |diff| / max |out|")
+    for T in SHARED_TOKENS:
+        x, weights, ids = make_routing(T, gen)
+        fused = lambda: tri.routed_experts(x, weights, ids, w1, w2, w3, LIMIT, shared=sw)  # noqa: E731
+        separate = lambda: tri.routed_experts(x, weights, ids, w1, w2, w3, LIMIT) + ref.dense_swiglu(x, *sw, LIMIT)  # noqa: E731
+        want = separate().float()
+        rel = ((fused().float() - want).abs().max() / want.abs().max()).item()
+        if rel > 2 ** -5:   # coarse (roundings of the separate path's bf16 GEMMs and add; the
+            # tests bound it per element): catches a missing or misplaced expert
+            failures.append(f"shared T={T}: fused differs by {rel:.2e} of max |out|")
+        print(f"  {T:3d} {step_ms(separate):11.4f} {step_ms(fused):8.4f}  {rel:.2e}")
+    return failures
+
+
 def prefill(w1, w2, w3, gen):
     """torch grouped vs Triton grouped at PREFILL_TOKENS; -> mismatch messages."""
     print(f"\nprefill: torch._grouped_mm path vs Triton grouped GEMMs (moe.GROUPED_GEMM = {ref.GROUPED_GEMM!r}), "
@@ -301,9 +391,10 @@ def tune_prefill(cases, w1, w2, w3):
 
 
 def main():
-    global E, K, H, I, DEVICE, PREFILL_TOKENS
+    global E, K, H, I, DEVICE, PREFILL_TOKENS, GATE_TOKENS, SHARED_TOKENS
     if ARGS.dry_run:
         E, K, H, I, DEVICE, PREFILL_TOKENS = 8, 3, 64, 32, "cpu", (5, 37)
+        GATE_TOKENS, SHARED_TOKENS = (1, 5), (1, 3)
     elif not torch.cuda.is_available():
         sys.exit("needs CUDA (or --dry-run)")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -314,6 +405,10 @@ def main():
     failures = []
     if ARGS.part in ("all", "decode") and not ARGS.dry_run:
         failures += decode(w1, w2, w3, gen)
+    if ARGS.part in ("all", "gate"):
+        failures += gate(gen)
+    if ARGS.part in ("all", "shared"):
+        failures += shared(w1, w2, w3, gen)
     if ARGS.part in ("all", "prefill"):
         failures += prefill(w1, w2, w3, gen)
     for f in failures:
