@@ -61,7 +61,9 @@ def _fp32_weight(w: torch.Tensor) -> torch.Tensor:
     """w in fp32: w itself when it is fp32, else an fp32 copy cached on the tensor object, so
     the copy is made once rather than every step (the result is the same as w.float()). Made
     again when the weight was replaced or changed in place since (data_ptr, version, device,
-    shape): a loader that assigns .data or copies into it gets a fresh copy."""
+    shape): a loader that assigns .data or copies into it gets a fresh copy. Costs E x H x 4
+    bytes per gate (4 MiB at V4-Flash), made only where the torch path runs (on the GPU:
+    batches above ROUTE_MAX_TOKENS)."""
     if w.dtype == torch.float32:
         return w
     key = (w.data_ptr(), _version(w), w.device, w.shape)

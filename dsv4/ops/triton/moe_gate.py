@@ -174,6 +174,9 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     at 0. Made on first use (before CUDA-graph capture: the warm-up step routes first)."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
+        # made in a capture, the buffer would live in the graph's pool and be zeroed by it
+        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
+            "route before capturing a CUDA graph (a warm-up step) to make the arrival counters"
         buf = _COUNTERS[device] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
     return buf
 
@@ -192,6 +195,7 @@ def _route(x, gate_w, k, scaling, bias=None, token_ids=None, tid2eid=None, one_l
     if T == 0:
         return weights, ids
     x = x if x.stride(-1) == 1 else x.contiguous()
+    token_ids = None if token_ids is None else token_ids.reshape(-1).contiguous()     # [T]
     gate_w = gate_w if gate_w.stride(-1) == 1 else gate_w.contiguous()
     scores = torch.empty((T, E), dtype=torch.float32, device=x.device)      # scratch
     is_hash = tid2eid is not None
