@@ -315,7 +315,7 @@ def main() -> int:
     log(f"oracle: {info['oracle']}")
     gc.collect()
     torch.cuda.empty_cache()
-    if DEV == "cuda":
+    if DEV == "cuda" and not ARGS.skip_kernels:
         info["kernels"] = kernel_scripts()
     global T0
     T0 = time.perf_counter()          # the model budget starts after the kernel checks
@@ -341,6 +341,8 @@ if __name__ == "__main__":
     p.add_argument("--budget-s", type=float, default=500)
     p.add_argument("--dry-run-cpu", action="store_true", help="tiny shapes on the CPU, to test the suite itself")
     p.add_argument("--quick", action="store_true", help="decode and greedy identity of the fast path only")
+    p.add_argument("--skip-kernels", action="store_true", help="no kernel scripts / compiled kernel tests "
+                   "(run them in a call of their own: benchmarks/kernels/*.py)")
     ARGS = p.parse_args()
     if ARGS.dry_run_cpu:
         DEV, PREFILLS, DECODES = "cpu", (256, 512), ((1, 300), (4, 600))

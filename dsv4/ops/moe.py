@@ -12,7 +12,7 @@ TRITON_MAX_PAIRS = 64
 # bf16 only), "triton" = dsv4/ops/triton/moe_grouped.py (SwiGLU fused into the up-gate GEMM,
 # routing weight into the down GEMM). `python benchmarks/kernels/moe.py --part prefill`
 # measures both.
-GROUPED_GEMM = "torch"
+GROUPED_GEMM = "triton"
 
 
 # decode sizes: up to this many tokens route_topk / route_hash run the Triton router

@@ -68,13 +68,16 @@ def test_triton_grouped(device, dtype, T, k):
     check(device, T, k, dtype, **SMALL)
 
 
-@pytest.mark.parametrize("large", [False, True])
+@pytest.mark.parametrize("tier", ["small", "mid", "large"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_grouped_default_tiles(device, monkeypatch, dtype, large):
-    """The default tiles, small-M and large-M: about one M-tile per expert, BLOCK_N > I and H
-    (clamped columns), BLOCK_K not dividing H or I (masked K tails)."""
-    monkeypatch.setattr(moe_grouped, "LARGE_M_ROWS", 8 if large else 10 ** 9)
-    assert moe_grouped.default_tiles(105, E, dtype)[0][0] == (128 if large else 64)
+def test_triton_grouped_default_tiles(device, monkeypatch, dtype, tier):
+    """The default tiles of each tier: about one M-tile per expert, BLOCK_N > I and H
+    (clamped columns), BLOCK_K not dividing H or I (masked K tails), different M-tiles for
+    up-gate and down (mid)."""
+    monkeypatch.setattr(moe_grouped, "MID_M_ROWS", 10 ** 9 if tier == "small" else 8)
+    monkeypatch.setattr(moe_grouped, "LARGE_M_ROWS", 8 if tier == "large" else 10 ** 9)
+    up, down = moe_grouped.default_tiles(105, E, dtype)
+    assert (up[0], down[0]) == {"small": (64, 64), "mid": (128, 64), "large": (128, 128)}[tier]
     check(device, 21, 5, dtype)
 
 

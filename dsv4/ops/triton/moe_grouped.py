@@ -33,12 +33,15 @@ import triton
 import triton.language as tl
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of (up-gate, down) by the mean rows per
-# expert P / E (~96 at 4k tokens, ~384 at 16k at V4-Flash shapes); not yet measured on the
-# H200 (benchmarks/kernels/moe.py --part prefill --tune scans a grid)
-SMALL_M_TILES = ((64, 128, 64, 4, 4), (64, 128, 64, 4, 4))
-LARGE_M_TILES = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4))
+# expert P / E (1.5 at a batch-64 decode step, 12 at 512 tokens, 96 at 4k, 384 at 16k at
+# V4-Flash shapes); the best of `benchmarks/kernels/moe.py --part prefill --tune` on the H200
+SMALL_M_TILES = ((64, 128, 64, 8, 4), (64, 128, 64, 4, 5))
+MID_M_TILES = ((128, 128, 64, 8, 4), (64, 256, 64, 8, 3))
+LARGE_M_TILES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3))
+MID_M_ROWS = 32             # P / E from which MID_M_TILES apply
 LARGE_M_ROWS = 256          # P / E from which LARGE_M_TILES apply
 GROUP_M = 8                 # M-tile slots per program group (L2 reuse of weights and x rows)
+GROUP_M_MANY_ROWS = 16      # ... from MID_M_ROWS rows per expert (measured: 5.27 vs 5.40 ms at 4k)
 # Triton's interpreter multiplies the raw uint16 bits in a bf16 tl.dot: upcast there (tests only)
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -164,7 +167,8 @@ def schedule(flat_ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor
 def default_tiles(P: int, E: int, dtype: torch.dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(up-gate, down) tiles for P pairs over E experts; shapes only (no host sync). fp32 inputs
     halve BLOCK_K and keep <= 3 stages (their tiles take twice the shared memory)."""
-    tiles = LARGE_M_TILES if P >= LARGE_M_ROWS * E else SMALL_M_TILES
+    tiles = (LARGE_M_TILES if P >= LARGE_M_ROWS * E else MID_M_TILES if P >= MID_M_ROWS * E
+             else SMALL_M_TILES)
     if dtype == torch.float32:
         tiles = tuple((bm, bn, bk // 2, nw, min(ns, 3)) for bm, bn, bk, nw, ns in tiles)
     return tiles
@@ -174,7 +178,7 @@ def routed_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
                            w2: torch.Tensor, w3: torch.Tensor, limit: float, *,
                            up_tiles: tuple[int, ...] | None = None,
                            down_tiles: tuple[int, ...] | None = None,
-                           group_m: int = GROUP_M) -> torch.Tensor:
+                           group_m: int | None = None) -> torch.Tensor:
     """Same semantics as dsv4.ops.moe.routed_experts_loop. x [T, H]; weights [T, k] fp32;
     ids [T, k]; w1/w3 [E, I, H]; w2 [E, H, I] -> [T, H] in x's dtype.
 
@@ -195,6 +199,7 @@ def routed_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     fp32_dot = x.dtype == torch.float32 or INTERPRETING
     default_up, default_down = default_tiles(P, E, x.dtype)
     up_tiles, down_tiles = up_tiles or default_up, down_tiles or default_down
+    group_m = group_m or (GROUP_M_MANY_ROWS if P >= MID_M_ROWS * E else GROUP_M)
 
     bm, bn, bk, nw, ns = up_tiles
     order, sched = schedule(flat_ids, E, bm)
