@@ -63,7 +63,7 @@ def check(device, T, k, dtype, shared=False, **tiles):
         terms = expert_terms(xf, w1f[ids], w2f[ids], w3f[ids], weights)       # [T, H]
         if shared:   # the shared expert: one more "expert" of weight 1, its sum rounded once more
             s1, s2, s3 = (t.float().expand(T, 1, *t.shape) for t in sw)
-            terms = terms + expert_terms(xf, s1, s2, s3, torch.ones(T, 1)) + want.float().abs()
+            terms = terms + expert_terms(xf, s1, s2, s3, torch.ones(T, 1, device=x.device)) + want.float().abs()
         assert ((got.float() - want.float()).abs() <= 2 ** -7 * (terms + want.float().abs())).all()
 
 
