@@ -76,6 +76,7 @@ class SamplingBatch:
     seeded_rows: list[tuple[int, torch.Generator]]  # random rows with their own generator
     shared_generator: torch.Generator | None  # for unseeded rows; None: torch's global RNG
     max_num_logprobs: int  # most `logprobs` any row asked for; 0 if none
+    wants_logprobs: bool = True  # some row asked for logprobs (else the chosen one is not computed)
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str,
@@ -98,6 +99,7 @@ class SamplingBatch:
                          if rows[i].generator is not None],
             shared_generator=shared_generator,
             max_num_logprobs=max((p.logprobs or 0 for p in params), default=0),
+            wants_logprobs=any(p.logprobs is not None for p in params),
         )
 
 
@@ -214,7 +216,7 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] long
-    logprobs: torch.Tensor  # [B] f32: raw logprob of the chosen token
+    logprobs: torch.Tensor  # [B] f32: raw logprob of the chosen token (all 0 when no row asked)
     top_ids: torch.Tensor  # [B, k] long, k = batch.max_num_logprobs; best first
     top_logprobs: torch.Tensor  # [B, k] f32: raw logprobs of top_ids
 
@@ -224,20 +226,24 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits: [B, V], any float dtype; computed in fp32 without modifying the input."""
-        raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
-        logits = self.processed_logits(logits, batch)
-        token_ids = logits.argmax(dim=-1)
+        processed = self.processed_logits(logits, batch)
+        token_ids = processed.argmax(dim=-1)
         if batch.random_rows:
-            token_ids = torch.where(batch.is_greedy, token_ids, self._sample(logits, batch))
+            token_ids = torch.where(batch.is_greedy, token_ids, self._sample(processed, batch))
+        if not batch.wants_logprobs:        # nobody reads them: skip the [B, V] log_softmax
+            empty = logits.new_empty(logits.shape[0], 0, dtype=torch.float32)
+            return SamplerOutput(token_ids, empty.new_zeros(logits.shape[0]), empty.long(), empty)
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
         chosen, top_ids, top_logprobs = gather_logprobs(raw_logprobs, token_ids,
                                                         batch.max_num_logprobs)
         return SamplerOutput(token_ids, chosen, top_ids, top_logprobs)
 
     @staticmethod
     def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """fp32 copy of [B, V] logits with the min_tokens mask and penalties applied: what
-        greedy rows take the argmax of."""
-        logits = logits.to(torch.float32, copy=True)
+        """fp32 [B, V] logits with the min_tokens mask and penalties applied (a new tensor
+        whenever anything is applied; the input is never written): what greedy rows take the
+        argmax of."""
+        logits = logits.to(torch.float32, copy=batch.banned is not None)   # never written otherwise
         if batch.banned is not None:
             logits[batch.banned] = NEG_INF          # a scalar fill: no host-to-device copy
         if batch.penalties is not None:
