@@ -38,6 +38,8 @@ DEVICE = "cuda"
 # (h_block, block_k, num_warps, num_stages, num_splits); None = the wrapper's choice
 TILES = [(16, 32, 8, 2, None), (16, 32, 4, 2, None), (16, 64, 8, 2, None), (32, 32, 8, 2, None),
          (32, 64, 8, 2, None), (16, 32, 8, 3, None), (64, 32, 8, 2, None), (16, 32, 8, 2, 1)]
+PREFILL_SCAN = [(64, 32, 8, 2, None), (64, 64, 8, 2, None), (64, 32, 4, 2, None), (64, 32, 8, 3, None),
+                (64, 16, 8, 2, None), (64, 16, 4, 2, None), (32, 32, 4, 2, None), (64, 64, 8, 3, None)]
 TUNE_CASES = [("decode", 1), ("decode", 64), ("prefill", 4096)]
 
 
@@ -101,7 +103,7 @@ def main() -> int:
     for kind, T in TUNE_CASES:
         q, sources, sinks = make_case(kind, T, gen)
         want = reference(q, sources, sinks, scale).float()
-        for hb, bk, nw, ns, splits in TILES:
+        for hb, bk, nw, ns, splits in (PREFILL_SCAN if kind == "prefill" else TILES):
             knobs = dict(h_block=hb, block_k=bk, num_warps=nw, num_stages=ns, num_splits=splits)
             try:
                 out = tri.sparse_attention(q, sources, sinks, scale, **knobs)

@@ -139,8 +139,27 @@ def main():
         tri._BT, tri._BK = saved
         print(f"{T:6d} " + " ".join(cells))
 
+    epilogue_scan(gen)
     print("\nFAIL: Triton disagrees with the reference" if failed else "\nOK: Triton agrees with the reference")
     sys.exit(1 if failed else 0)
+
+
+EPI_CONFIGS = ((4, 512), (1, 512), (2, 512), (8, 512), (1, 128), (2, 256), (4, 1024))   # (warps, BD); first = default
+
+
+def epilogue_scan(gen):
+    """hc_pre (projection + epilogue) at prefill sizes by the epilogue's (num_warps, BD)."""
+    print("\nhc_pre ms by epilogue (num_warps, BD) (tuning aid)")
+    print(f"{'T':>6} " + " ".join(f"{f'{w}w/{bd}':>10}" for w, bd in EPI_CONFIGS))
+    saved = tri._EPI_WARPS, tri._BD
+    for T in (4096, 16384):
+        h, fn, base, scale, _ = make_case(T, gen)
+        cells = []
+        for w, bd in EPI_CONFIGS:
+            tri._EPI_WARPS, tri._BD = w, bd
+            cells.append(f"{median_ms(lambda: tri.hc_pre(h, fn, base, scale, NORM_EPS, HC_EPS, ITERS)):10.4f}")
+        tri._EPI_WARPS, tri._BD = saved
+        print(f"{T:6d} " + " ".join(cells))
 
 
 if __name__ == "__main__":
