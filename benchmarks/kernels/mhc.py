@@ -151,14 +151,15 @@ def epilogue_scan(gen):
     """hc_pre (projection + epilogue) at prefill sizes by the epilogue's (num_warps, BD)."""
     print("\nhc_pre ms by epilogue (num_warps, BD) (tuning aid)")
     print(f"{'T':>6} " + " ".join(f"{f'{w}w/{bd}':>10}" for w, bd in EPI_CONFIGS))
-    saved = tri._EPI_WARPS, tri._BD
+    saved = tri._EPI_WARPS, tri._EPI_MANY, tri._BD
+    tri._EPI_MANY = 1 << 40            # the scanned warps at every T
     for T in (4096, 16384):
         h, fn, base, scale, _ = make_case(T, gen)
         cells = []
         for w, bd in EPI_CONFIGS:
             tri._EPI_WARPS, tri._BD = w, bd
             cells.append(f"{median_ms(lambda: tri.hc_pre(h, fn, base, scale, NORM_EPS, HC_EPS, ITERS)):10.4f}")
-        tri._EPI_WARPS, tri._BD = saved
+        tri._EPI_WARPS, tri._EPI_MANY, tri._BD = saved
         print(f"{T:6d} " + " ".join(cells))
 
 

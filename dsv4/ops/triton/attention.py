@@ -157,10 +157,10 @@ def _default_splits(q: torch.Tensor, programs: int, slot_blocks: int) -> int:
 
 
 # Tiles (h_block, block_k, num_warps, num_stages) from the H200 runs of benchmarks/kernels/
-# attention.py (2026-11-29): 64 heads per program halves long prefills (2.3 vs 4.4 ms at 4k);
-# for decode-size batches the candidates were within run-to-run noise, so the register-checked
-# default stays.
-PREFILL_TILES, DECODE_TILES, PREFILL_FROM = (64, 32, 8, 2), (16, 32, 8, 2), 1024
+# attention.py: 64 heads per program halves long prefills (2.3 vs 4.4 ms at 4k), 64 keys per
+# step takes it to 1.79 ms; for decode-size batches the candidates were within run-to-run
+# noise, so the register-checked default stays.
+PREFILL_TILES, DECODE_TILES, PREFILL_FROM = (64, 64, 8, 2), (16, 32, 8, 2), 1024
 
 
 def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,

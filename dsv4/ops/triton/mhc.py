@@ -161,7 +161,9 @@ _BT = 64  # token tile of the projection (16 when T <= 16)
 _BK = 32  # K tile of the projection (H200, benchmarks/kernels/mhc.py: 0.15 vs 0.19 ms for 64 at T=4096)
 _BK_FEW = 64  # ... at T <= 16 (0.059 vs 0.085 ms at T=1)
 _BD = 512  # D tile of the collapse / post
-_EPI_WARPS = 4  # warps of the epilogue (Sinkhorn + collapse) programs
+_EPI_WARPS = 4  # warps of the epilogue (Sinkhorn + collapse) programs below _EPI_MANY tokens
+_EPI_WARPS_MANY, _EPI_MANY = 1, 1024  # from there one warp (no cross-warp reductions): hc_pre at
+                                      # 16k tokens 0.61 vs 1.12 ms on the H200 (benchmarks/kernels/mhc.py)
 _MAX_SPLITS = 128
 
 
@@ -212,7 +214,8 @@ def _project_and_collapse(h, fn, base, scale, norm_eps, hc_eps, sinkhorn_iters, 
     _mix_epilogue_kernel[(T, d_progs)](
         h, part, sq, base, scale, x, post if full else x, comb if full else x,
         T, D, splits, d_split, float(norm_eps), float(hc_eps), int(sinkhorn_iters),
-        N=N, NP=_next_pow2(N), MIXP=mixp, S_PAD=_next_pow2(splits), BD=_BD, FULL=full, num_warps=_EPI_WARPS)
+        N=N, NP=_next_pow2(N), MIXP=mixp, S_PAD=_next_pow2(splits), BD=_BD, FULL=full,
+        num_warps=_EPI_WARPS_MANY if T >= _EPI_MANY else _EPI_WARPS)
 
 
 def _params(fn, base, scale):
