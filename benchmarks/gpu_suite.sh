@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU suite in one command (fits one device call, < 10 minutes):
-#   bash benchmarks/gpu_suite.sh OUT_DIR
+#   bash benchmarks/gpu_suite.sh OUT_DIR [--skip-kernels | --quick]
 # Needs transformers>=5.23 for the oracle and the baseline: wheels in .whl/ are installed
 # into /tmp/site first when present (the GPU machine has no registry).
 set -euo pipefail
@@ -11,4 +11,4 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s "${BUDGET_S:-480}"
+python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s "${BUDGET_S:-480}" "${@:2}"   # e.g. --skip-kernels
