@@ -157,6 +157,19 @@ def default_down_split(T: int, k: int, H: int, I: int, block_h: int = DOWN_BLOCK
     return max(1, min(units, triton.cdiv(DOWN_MIN_PROGRAMS, T * triton.cdiv(H, block_h))))
 
 
+def expert_shapes(x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  w3: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """(T, H, k, E, I) of x [T, H], ids [T, k], w1/w3 [E, I, H], w2 [E, H, I], checked for the
+    layout the kernels read: w1/w3 with equal strides, every last dim contiguous."""
+    T, H = x.shape
+    k = ids.shape[1]
+    E, I, _ = w1.shape
+    assert w1.shape == w3.shape == (E, I, H) and w2.shape == (E, H, I), "expert weight shapes"
+    assert w1.stride() == w3.stride() and w1.stride(2) == 1 and w2.stride(2) == 1, \
+        "w1/w3 must share strides; the last dim of w1/w2/w3 must be contiguous"
+    return T, H, k, E, I
+
+
 def fusable_shared(w1: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
     """Whether the shared expert (sw1/sw3 [I, H], sw2 [H, I]) can run as one more pair of the
     routed kernels: the routed experts' dtype and I, last dims contiguous, sw1/sw3 same strides."""
@@ -181,12 +194,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
     split sum), its output summed with the routed ones in fp32 and rounded once.
     up_tiles = (BLOCK_I, BLOCK_H, num_warps) and down_tiles = (BLOCK_H, BLOCK_I, num_warps)
     override the defaults (tuning); down_split (>= 1) overrides `default_down_split`."""
-    T, H = x.shape
-    k = ids.shape[1]
-    E, I, _ = w1.shape
-    assert w1.shape == w3.shape == (E, I, H) and w2.shape == (E, H, I), "expert weight shapes"
-    assert w1.stride() == w3.stride() and w1.stride(2) == 1 and w2.stride(2) == 1, \
-        "w1/w3 must share strides; the last dim of w1/w2/w3 must be contiguous"
+    T, H, k, E, I = expert_shapes(x, ids, w1, w2, w3)
     assert shared is None or fusable_shared(w1, shared), "shared expert: see fusable_shared"
     has_shared = shared is not None
     sw1, sw2, sw3 = shared if has_shared else (w1, w2, w3)                  # unused without

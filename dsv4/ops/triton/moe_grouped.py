@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe import expert_shapes
+
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of (up-gate, down) by the mean rows per
 # expert P / E (1.5 at a batch-64 decode step, 12 at 512 tokens, 96 at 4k, 384 at 16k at
 # V4-Flash shapes); the best of `benchmarks/kernels/moe.py --part prefill --tune` on the H200
@@ -184,12 +186,7 @@ def routed_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
 
     up_tiles / down_tiles = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) override the
     `default_tiles` (tuning); BLOCK_* >= 16 on the GPU (tl.dot)."""
-    T, H = x.shape
-    k = ids.shape[1]
-    E, I, _ = w1.shape
-    assert w1.shape == w3.shape == (E, I, H) and w2.shape == (E, H, I), "expert weight shapes"
-    assert w1.stride() == w3.stride() and w1.stride(2) == 1 and w2.stride(2) == 1, \
-        "w1/w3 must share strides; the last dim of w1/w2/w3 must be contiguous"
+    T, H, k, E, I = expert_shapes(x, ids, w1, w2, w3)
     if T == 0 or k == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
