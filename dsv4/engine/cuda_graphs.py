@@ -12,6 +12,8 @@ machines without CUDA.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 
 from ..model.forward_batch import ForwardBatch
@@ -21,6 +23,7 @@ from .upload import HostToDevice, replace_leaves, tensor_leaves
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MIN_WIDTH = 16
+MAX_GRAPHS = 48          # captured shapes kept; the least recently replayed one goes first
 
 
 def batch_bucket(n: int, max_bs: int) -> int | None:
@@ -28,10 +31,9 @@ def batch_bucket(n: int, max_bs: int) -> int | None:
 
 
 def width_bucket(n: int) -> int:
-    """Powers of two up to 512, then multiples of 512: few shapes, little padding."""
-    if n <= 512:
-        return max(MIN_WIDTH, 1 << max(n - 1, 0).bit_length())
-    return -(-n // 512) * 512
+    """Powers of two (at least MIN_WIDTH): the shapes a context of C tokens can need grow as
+    log C, so the graphs kept for long contexts stay few (their index buffers scale with it)."""
+    return max(MIN_WIDTH, 1 << max(n - 1, 0).bit_length())
 
 
 class DecodeGraphs:
@@ -39,7 +41,7 @@ class DecodeGraphs:
         self.model, self.pools, self.max_bs, self.capture = model, pools, max_bs, capture
         self.layout = pools.layout
         self.h2d = h2d if h2d is not None else HostToDevice(next(model.parameters()).device)
-        self.graphs: dict[tuple, tuple] = {}
+        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()   # key -> graph, in replay order
         self.scratch = Scratch(pools.scratch_page, pools.scratch_swa_page, pools.scratch_slot)
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
 
@@ -50,7 +52,9 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, seqs: list[SeqChunk], fill=None) -> torch.Tensor:
         """seqs: the step's decode chunks -> fp32 logits [R, vocab] of its R rows.
-        `fill` (runner.PendingFill): token rows whose ids are still on the device."""
+        `fill` (runner.PendingFill): token rows whose ids are still on the device. The graph
+        ends at the head's input [B, hidden]; the head GEMV runs after it (so a graph holds no
+        [B, vocab] buffer)."""
         real = len(seqs)
         e4, e128 = decode_widths(seqs)
         key = (batch_bucket(real, self.max_bs), width_bucket(e4), width_bucket(e128))
@@ -60,18 +64,25 @@ class DecodeGraphs:
             static = _rebind(padded, self.h2d.allocate(leaves)[1])
             if fill is not None:
                 fill.apply(static.token_ids, self.h2d)
-            return self._forward(static)[:real]
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(padded, leaves)
-        graph, flat, static, out = self.graphs[key]
+            return self.model.head_logits(self._forward(static)[:real])
+        graph, flat, static, out = self._graph(key, padded, leaves)
         self.h2d.upload_into(flat, leaves)             # page tables, slots, rows of this step
         if fill is not None:
             fill.apply(static.token_ids, self.h2d)
         graph.replay()
-        return out[:real]
+        return self.model.head_logits(out[:real])
+
+    def _graph(self, key: tuple, padded: ForwardBatch, leaves: list[torch.Tensor]) -> tuple:
+        if key in self.graphs:
+            self.graphs.move_to_end(key)
+        else:
+            if len(self.graphs) >= MAX_GRAPHS:
+                self.graphs.popitem(last=False)
+            self.graphs[key] = self._capture(padded, leaves)
+        return self.graphs[key]
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
-        return self.model.logits(self.model(fb, self.pools)[fb.logits_rows])
+        return self.model.head_input(self.model(fb, self.pools)[fb.logits_rows])
 
     def _capture(self, padded: ForwardBatch, leaves: list[torch.Tensor]):
         """The graph reads its batch from views of one flat buffer, refilled before each replay."""

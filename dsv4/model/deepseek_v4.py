@@ -71,6 +71,14 @@ class DeepseekV4(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams [L, N, hidden] -> fp32 logits [L, vocab]."""
+        return self.head_logits(self.head_input(h))
+
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """Streams [L, N, hidden] -> the normed input of the vocabulary head [L, hidden]."""
         c = self.cfg
-        x = self.norm(hc_head(h, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.rms_norm_eps, c.hc_eps))
+        return self.norm(hc_head(h, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.rms_norm_eps,
+                                 c.hc_eps))
+
+    def head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[L, hidden] -> fp32 logits [L, vocab]."""
         return torch.nn.functional.linear(x, self.head.weight).float()

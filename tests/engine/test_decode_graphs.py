@@ -60,4 +60,18 @@ def test_padded_decode_steps_equal_plain_ones(tmp_path, monkeypatch, async_sched
 def test_buckets():
     assert [batch_bucket(n, 256) for n in (1, 3, 9, 256)] == [1, 4, 16, 256]
     assert batch_bucket(257, 256) is None and batch_bucket(5, 4) is None
-    assert [width_bucket(n) for n in (0, 1, 16, 17, 100, 512, 513, 4098)] == [16, 16, 16, 32, 128, 512, 1024, 4608]
+    assert [width_bucket(n) for n in (0, 1, 16, 17, 100, 512, 513, 4098)] == [16, 16, 16, 32, 128, 512, 1024, 8192]
+
+
+def test_graphs_kept_are_bounded_least_recently_replayed_first(monkeypatch):
+    """At most MAX_GRAPHS captured shapes are kept; a replayed shape is kept over older ones."""
+    import dsv4.engine.cuda_graphs as cg
+    monkeypatch.setattr(cg, "MAX_GRAPHS", 3)
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.graphs = cg.OrderedDict()
+    captured = []
+    graphs._capture = lambda padded, leaves: captured.append(padded) or (padded,)
+    for key in ("a", "b", "c", "a", "d", "e"):
+        assert graphs._graph(key, key, [])[0] == key
+    assert captured == ["a", "b", "c", "d", "e"]           # "a" was replayed, not captured again
+    assert list(graphs.graphs) == ["a", "d", "e"]          # "b", then "c" went first
