@@ -60,7 +60,7 @@ def test_padded_decode_steps_equal_plain_ones(tmp_path, monkeypatch, async_sched
 def test_buckets():
     assert [batch_bucket(n, 256) for n in (1, 3, 9, 256)] == [1, 4, 16, 256]
     assert batch_bucket(257, 256) is None and batch_bucket(5, 4) is None
-    assert [width_bucket(n) for n in (0, 1, 16, 17, 100, 512, 513, 4098)] == [16, 16, 16, 32, 128, 512, 1024, 8192]
+    assert [width_bucket(n) for n in (0, 1, 16, 17, 100, 512, 513, 4098)] == [16, 16, 16, 32, 128, 512, 1024, 4608]
 
 
 def test_graphs_kept_are_bounded_least_recently_replayed_first(monkeypatch):
