@@ -189,7 +189,7 @@ class LLMEngine:
         for c in chunks:
             c.request.num_computed += c.num_tokens
             self.cache.trim(c.request)
-        return StepInFlight(chunks, sampled, tokens, values, [x for x in lps if x is not None])
+        return StepInFlight(chunks, sampled, tokens, values, lps)
 
     def _complete(self, step: StepInFlight) -> list[RequestOutput]:
         for rows in step.prompt_logprobs:
