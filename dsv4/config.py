@@ -408,6 +408,7 @@ class EngineConfig:
     enforce_eager: bool = False            # no CUDA graphs for decode steps
     cuda_graph_max_bs: int = 256           # largest decode batch replayed as a CUDA graph
     async_scheduling: str = "auto"         # on: launch step k+1 before reading step k's tokens; auto: on CUDA
+    keep_fp8: bool = False                 # FP8 expert weights stay FP8 (dequantised in the MoE kernels)
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_bs"):

@@ -9,6 +9,12 @@ from ..config import ModelConfig
 from ..ops.moe import moe_experts, route_hash, route_topk
 from .layers import Linear, param
 
+QBLOCK = 128   # FP8 experts (fp8=True): one fp32 scale per QBLOCK x QBLOCK block
+
+
+def _scale_param(rows: int, cols: int, *lead: int) -> torch.nn.Parameter:
+    return param(*lead, -(-rows // QBLOCK), -(-cols // QBLOCK), dtype=torch.float32)
+
 
 class Gate(nn.Module):
     def __init__(self, cfg: ModelConfig, is_hash: bool, dtype: torch.dtype):
@@ -27,31 +33,52 @@ class Gate(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts stacked: w1/w3 [E, I, H] (gate/up), w2 [E, H, I] (down)."""
+    """Routed experts stacked: w1/w3 [E, I, H] (gate/up), w2 [E, H, I] (down). fp8: kept as
+    float8_e4m3fn with fp32 block scales w1_scale/w3_scale [E, cdiv(I, 128), cdiv(H, 128)] and
+    w2_scale [E, cdiv(H, 128), cdiv(I, 128)] (dequantised in the kernels)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8: bool = False):
         super().__init__()
         E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.w1, self.w2, self.w3 = param(E, I, H, dtype=dtype), param(E, H, I, dtype=dtype), param(E, I, H, dtype=dtype)
+        wdtype = torch.float8_e4m3fn if fp8 else dtype
+        self.w1, self.w2, self.w3 = param(E, I, H, dtype=wdtype), param(E, H, I, dtype=wdtype), param(E, I, H, dtype=wdtype)
+        if fp8:
+            self.w1_scale, self.w2_scale, self.w3_scale = _scale_param(I, H, E), _scale_param(H, I, E), _scale_param(I, H, E)
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        return (self.w1_scale, self.w2_scale, self.w3_scale) if hasattr(self, "w1_scale") else None
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    """w1/w3 [I, H], w2 [H, I]; fp8: float8_e4m3fn, each Linear with its fp32 `scale`
+    [cdiv(out, 128), cdiv(in, 128)] (the checkpoint's name)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8: bool = False):
         super().__init__()
         I, H = cfg.moe_intermediate_size, cfg.hidden_size
-        self.w1, self.w2, self.w3 = Linear(H, I, dtype), Linear(I, H, dtype), Linear(H, I, dtype)
+        wdtype = torch.float8_e4m3fn if fp8 else dtype
+        self.w1, self.w2, self.w3 = Linear(H, I, wdtype), Linear(I, H, wdtype), Linear(H, I, wdtype)
+        if fp8:
+            for lin in (self.w1, self.w2, self.w3):
+                lin.scale = _scale_param(*lin.weight.shape)
+
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        return tuple(lin.scale for lin in (self.w1, self.w2, self.w3)) if hasattr(self.w1, "scale") else None
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype):
+    """fp8_experts = (routed, shared): keep those expert weights FP8 (`EngineConfig.keep_fp8`)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype,
+                 fp8_experts: tuple[bool, bool] = (False, False)):
         super().__init__()
         self.limit = cfg.swiglu_limit
         self.gate = Gate(cfg, cfg.is_hash_layer(layer), dtype)
-        self.experts = Experts(cfg, dtype)
-        self.shared_experts = SharedExpert(cfg, dtype)
+        self.experts = Experts(cfg, dtype, fp8_experts[0])
+        self.shared_experts = SharedExpert(cfg, dtype, fp8_experts[1])
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, token_ids)
         e, s = self.experts, self.shared_experts
         return moe_experts(x, weights, ids, e.w1, e.w2, e.w3, (s.w1.weight, s.w2.weight, s.w3.weight),
-                           self.limit)
+                           self.limit, scales=e.scales(), shared_scales=s.scales())

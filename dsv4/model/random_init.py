@@ -92,18 +92,21 @@ def _random_tensor(name, shape, dtype, cfg, gen, device="cpu"):
 
 def save_checkpoint(cfg: ModelConfig, state: dict[str, torch.Tensor], out_dir: str, names: str = "deepseek",
                     quant: str | None = None, dtype: torch.dtype = torch.float32,
-                    max_shard_bytes: int = 2 << 30) -> None:
-    """Write config.json + safetensors shards (+ index when sharded)."""
+                    max_shard_bytes: int = 2 << 30, expert_dtype: str = "fp4") -> None:
+    """Write config.json + safetensors shards (+ index when sharded). With quant="fp8" the
+    routed experts are MXFP4 (the released V4) or, expert_dtype="fp8", FP8 (as Flash-Base)."""
     if names not in ("deepseek", "transformers"):
         raise ValueError(f"--names: expected 'deepseek' or 'transformers', got {names!r}")
     if quant not in (None, "fp8"):
         raise ValueError(f"--quant: expected 'fp8', got {quant!r}")
     if quant and names == "transformers":
         raise ValueError("--quant fp8 writes DeepSeek's released format; use --names deepseek")
+    if expert_dtype not in ("fp4", "fp8"):
+        raise ValueError(f"expert_dtype: expected 'fp4' or 'fp8', got {expert_dtype!r}")
     os.makedirs(out_dir, exist_ok=True)
     if quant:
-        cfg = cfg.replace(quant_method="fp8", expert_dtype="fp4")
-    tensors = _released(state, dtype, quant) if names == "deepseek" else _transformers(state, dtype)
+        cfg = cfg.replace(quant_method="fp8", expert_dtype=expert_dtype)
+    tensors = _released(state, dtype, quant, expert_dtype) if names == "deepseek" else _transformers(state, dtype)
     cfg_dict = cfg.to_released_dict() if names == "deepseek" else cfg.to_transformers_dict()
     if names == "transformers":
         cfg_dict["num_nextn_predict_layers"] = cfg.num_nextn_predict_layers
@@ -123,14 +126,15 @@ def _keep_dtype(name: str, t: torch.Tensor, dtype) -> torch.Tensor:
     return t.float() if FP32_NAMES.search(name) else t.to(dtype)
 
 
-def _released(state, dtype, quant):
+def _released(state, dtype, quant, expert_dtype="fp4"):
     out = {}
     for name, t in state.items():
         m = re.match(r"^(.*\.ffn\.experts)\.(w[123])$", name)
         items = [(f"{m.group(1)}.{e}.{m.group(2)}.weight", t[e]) for e in range(t.shape[0])] if m else [(name, t)]
         for key, value in items:
             if quant and DS_EXPERT.match(key):
-                out[key], out[key[:-len("weight")] + "scale"] = quant_fp4(value)
+                q = quant_fp8 if expert_dtype == "fp8" else quant_fp4
+                out[key], out[key[:-len("weight")] + "scale"] = q(value)
             elif quant and FP8_NAMES.search(key):
                 out[key], out[key[:-len("weight")] + "scale"] = quant_fp8(value)
             else:

@@ -4,21 +4,27 @@ FP8 block-scaled, MXFP4 experts) into a `DeepseekV4`, one shard at a time.
 `iter_checkpoint(dir)` yields (canonical DeepSeek name, expert index | None, dequantised
 tensor); `load_weights(model, dir)` copies them into the model's parameters and checks that
 every parameter was filled exactly once, with the right shape.
+
+`load_model(dir, keep_fp8=True)` keeps FP8 (e4m3, 128x128 block scales) routed and shared expert
+weights quantised (float8_e4m3fn + fp32 scales, dequantised in the MoE kernels); everything else
+is dequantised at load as without it.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import safe_open
 
 from .names import DS_EXPERT, HF_DOWN, HF_GATE_UP, hf_to_ds, is_transformers_name, transformers_name
-from .quant import dequant_fp4, dequant_fp8
+from .quant import dequant_fp4, dequant_fp8, e8m0_to_float
 
 QUANT_SCALE = re.compile(r"^(.*)\.(scale|weight_scale_inv)$")
+SHARED_EXPERT = re.compile(r"^(.*\.)?ffn\.shared_experts\.w[123]\.weight$")
+STACKED = re.compile(r"experts\.w[123](_scale)?$")          # routed experts: [E, ...]
 
 
 class CheckpointError(ValueError):
@@ -49,9 +55,18 @@ def checkpoint_keys(path: str) -> list[str]:
     return keys
 
 
-def iter_checkpoint(path: str, block: tuple[int, int] = (128, 128)) -> Iterator[tuple[str, int | None, torch.Tensor]]:
+def fp8_scale_name(name: str) -> str:
+    """The model's name for the FP8 scales of canonical weight `name`: `X.scale` for `X.weight`
+    (shared expert), `experts.w1_scale` for the stacked `experts.w1`."""
+    return name[:-len(".weight")] + ".scale" if name.endswith(".weight") else name + "_scale"
+
+
+def iter_checkpoint(path: str, block: tuple[int, int] = (128, 128),
+                    keep_fp8: Callable[[str], bool] | None = None) -> Iterator[tuple[str, int | None, torch.Tensor]]:
     """Yield (canonical name, expert index or None, tensor) with quantised weights dequantised
-    to fp32. A weight and its scale may sit in different shards; the first waits for the other."""
+    to fp32, except FP8 weights whose canonical name `keep_fp8` accepts: those come as is
+    (float8_e4m3fn), followed by their scales in fp32 under `fp8_scale_name`. A weight and its
+    scale may sit in different shards; the first waits for the other."""
     waiting_weights: dict[str, torch.Tensor] = {}
     waiting_scales: dict[str, torch.Tensor] = {}
     for file in shard_files(path):
@@ -62,12 +77,12 @@ def iter_checkpoint(path: str, block: tuple[int, int] = (128, 128)) -> Iterator[
                 if scale_of and (scale_of.group(2) == "weight_scale_inv" or not is_transformers_name(key)):
                     base = scale_of.group(1) + ".weight"
                     if base in waiting_weights:
-                        yield from _canonical(base, _dequant(waiting_weights.pop(base), tensor, block, base))
+                        yield from _quantised(base, waiting_weights.pop(base), tensor, block, keep_fp8)
                     else:
                         waiting_scales[base] = tensor
                 elif tensor.dtype in (torch.float8_e4m3fn, torch.int8):
                     if key in waiting_scales:
-                        yield from _canonical(key, _dequant(tensor, waiting_scales.pop(key), block, key))
+                        yield from _quantised(key, tensor, waiting_scales.pop(key), block, keep_fp8)
                     else:
                         waiting_weights[key] = tensor
                 else:
@@ -78,6 +93,25 @@ def iter_checkpoint(path: str, block: tuple[int, int] = (128, 128)) -> Iterator[
         raise CheckpointError(f"scale for {next(iter(waiting_scales))!r} has no quantised weight")
 
 
+def _quantised(key: str, weight: torch.Tensor, scale: torch.Tensor, block, keep_fp8):
+    """A quantised weight and its scale -> canonical tensors: dequantised, or kept FP8 + scales."""
+    if keep_fp8 is not None and weight.dtype == torch.float8_e4m3fn:
+        items = list(_canonical(key, weight))
+        if len(items) == 1 and keep_fp8(items[0][0]):
+            _check_fp8_scale(weight, scale, block, key)
+            name, expert, _ = items[0]
+            yield name, expert, weight
+            yield fp8_scale_name(name), expert, e8m0_to_float(scale)
+            return
+    yield from _canonical(key, _dequant(weight, scale, block, key))
+
+
+def _check_fp8_scale(weight: torch.Tensor, scale: torch.Tensor, block, name: str) -> None:
+    want = (-(-weight.shape[0] // block[0]), -(-weight.shape[1] // block[1]))
+    if tuple(scale.shape) != want:
+        raise CheckpointError(f"{name}: FP8 scale shape {tuple(scale.shape)}, expected {list(want)}")
+
+
 def _dequant(weight: torch.Tensor, scale: torch.Tensor, block, name: str) -> torch.Tensor:
     if weight.dtype == torch.int8:
         if weight.shape[1] * 2 != scale.shape[1] * 32 or weight.shape[0] != scale.shape[0]:
@@ -85,9 +119,7 @@ def _dequant(weight: torch.Tensor, scale: torch.Tensor, block, name: str) -> tor
                                   f"weight {tuple(weight.shape)} (expected [{weight.shape[0]}, "
                                   f"{weight.shape[1] * 2 // 32}])")
         return dequant_fp4(weight, scale)
-    want = (-(-weight.shape[0] // block[0]), -(-weight.shape[1] // block[1]))
-    if tuple(scale.shape) != want:
-        raise CheckpointError(f"{name}: FP8 scale shape {tuple(scale.shape)}, expected {list(want)}")
+    _check_fp8_scale(weight, scale, block, name)
     return dequant_fp8(weight, scale, block)
 
 
@@ -116,8 +148,11 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
     filled: dict[str, int] = {}
     hf_names = all(is_transformers_name(k) for k in checkpoint_keys(path))
     block = getattr(getattr(model, "cfg", None), "quant_block", (128, 128))
+    # weights the model holds in FP8 (with a scale parameter) are loaded as such
+    keep = (lambda n: fp8_scale_name(n) in targets) if any(
+        t.dtype == torch.float8_e4m3fn for t in targets.values()) else None
     with torch.no_grad():
-        for name, expert, tensor in iter_checkpoint(path, block):
+        for name, expert, tensor in iter_checkpoint(path, block, keep):
             if name not in targets:
                 raise CheckpointError(f"unexpected tensor {name!r} in {path!r} (not part of this model config)")
             target = targets[name] if expert is None else _expert_slice(targets[name], expert, name)
@@ -145,15 +180,35 @@ def _check_complete(targets: dict[str, torch.Tensor], filled: dict[str, int]) ->
         got = filled.get(name, 0)
         if got == 0:
             raise CheckpointError(f"missing tensor {name!r} in checkpoint", name)
-        stacked = name.endswith(("experts.w1", "experts.w2", "experts.w3"))
+        stacked = STACKED.search(name) is not None
         if got not in ((1, t.shape[0]) if stacked else (1,)):
             raise CheckpointError(f"tensor {name!r} appears {got} times" +
                                   (f" (expected 1 stacked or {t.shape[0]} per-expert)" if stacked else ""))
 
 
-def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32):
+def fp8_experts(path: str, block: tuple[int, int]) -> tuple[bool, bool]:
+    """(routed, shared) for `load_model(keep_fp8=True)`: routed = every routed expert weight of
+    the checkpoint (DeepSeek names) is float8_e4m3fn and the scale blocks are 128x128; shared =
+    the same for the shared experts, and routed (the shared expert runs fused in the routed
+    experts' kernels, which take one weight format). MXFP4 routed experts (the released V4
+    checkpoints) are not kept (dequantised at load; out of scope), so neither is the shared one."""
+    if tuple(block) != (128, 128):
+        return False, False
+    dtypes: tuple[set, set] = (set(), set())
+    for file in shard_files(path):
+        with safe_open(file, "pt") as f:
+            for key in f.keys():
+                group = 0 if DS_EXPERT.match(key) else 1 if SHARED_EXPERT.match(key) else None
+                if group is not None:
+                    dtypes[group].add(f.get_slice(key).get_dtype())
+    routed = dtypes[0] == {"F8_E4M3"}
+    return routed, routed and dtypes[1] == {"F8_E4M3"}
+
+
+def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32, keep_fp8: bool = False):
     """Build a `DeepseekV4` for the checkpoint at `path` (with its MTP blocks when the
-    checkpoint has them) and load its weights."""
+    checkpoint has them) and load its weights. keep_fp8: FP8 expert weights stay FP8 (see
+    `fp8_experts`; a random spec ignores it)."""
     from ..config import ModelConfig
     from .deepseek_v4 import DeepseekV4
     from .mtp import attach_mtp
@@ -163,8 +218,9 @@ def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32):
         return build_random_model(path, device, dtype)
     cfg = ModelConfig.from_dir(path)
     has_mtp = any(k.startswith("mtp.") for k in checkpoint_keys(path))
+    fp8 = fp8_experts(path, cfg.quant_block) if keep_fp8 else (False, False)
     with torch.device(device):
-        model = DeepseekV4(cfg, dtype)
+        model = DeepseekV4(cfg, dtype, fp8)
         if has_mtp and cfg.num_nextn_predict_layers:
             attach_mtp(model)
     load_weights(model, path)

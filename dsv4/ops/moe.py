@@ -1,7 +1,14 @@
-"""Mixture of experts (torch reference): routing and the routed experts with clamped SwiGLU."""
+"""Mixture of experts (torch reference): routing and the routed experts with clamped SwiGLU.
+
+Expert weights may be FP8 (W8A16, `EngineConfig.keep_fp8`): float8_e4m3fn with fp32 scales
+per 128x128 block, passed as `scales` = (s1, s2, s3) ([E, ceil(I/128), ceil(H/128)] for w1/w3,
+[E, ceil(H/128), ceil(I/128)] for w2; the shared expert's without E). The reference dequantises
+the experts it uses on the fly (fp32 product, then x's dtype: what the load-time dequantisation
+stores); the Triton kernels dequantise tiles in-kernel."""
 import torch
 import torch.nn.functional as F
 
+from ..model.quant import dequant_fp8
 from .backend import use_triton
 
 # decode sizes: up to this many (token, expert) pairs T*k run the Triton GEMV kernels, which
@@ -87,36 +94,40 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
-                   w2: torch.Tensor, w3: torch.Tensor, limit: float) -> torch.Tensor:
-    """x [T, H]; weights/ids [T, k]; w1/w3 [E, I, H] (gate/up), w2 [E, H, I] -> [T, H].
+                   w2: torch.Tensor, w3: torch.Tensor, limit: float, scales=None) -> torch.Tensor:
+    """x [T, H]; weights/ids [T, k]; w1/w3 [E, I, H] (gate/up), w2 [E, H, I] -> [T, H];
+    scales = (s1, s2, s3) when the weights are FP8 (module docstring).
 
     Triton (use_triton): the decode GEMVs up to TRITON_MAX_PAIRS pairs, else the Triton grouped
-    GEMMs when GROUPED_GEMM == "triton". Otherwise torch._grouped_mm on CUDA in bf16, else the
-    loop (the definition)."""
+    GEMMs when GROUPED_GEMM == "triton" (always for FP8 weights). Otherwise torch._grouped_mm on
+    CUDA in bf16 (never FP8 weights), else the loop (the definition)."""
     if use_triton(x) and ids.numel() <= TRITON_MAX_PAIRS:
         from .triton import moe as triton_moe
-        return triton_moe.routed_experts(x, weights, ids, w1, w2, w3, limit)
-    if use_triton(x) and GROUPED_GEMM == "triton":
+        return triton_moe.routed_experts(x, weights, ids, w1, w2, w3, limit, scales=scales)
+    if use_triton(x) and (GROUPED_GEMM == "triton" or scales is not None):
         from .triton import moe_grouped
-        return moe_grouped.routed_experts_grouped(x, weights, ids, w1, w2, w3, limit)
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        return moe_grouped.routed_experts_grouped(x, weights, ids, w1, w2, w3, limit, scales=scales)
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and scales is None:
         return routed_experts_grouped(x, weights, ids, w1, w2, w3, limit)
-    return routed_experts_loop(x, weights, ids, w1, w2, w3, limit)
+    return routed_experts_loop(x, weights, ids, w1, w2, w3, limit, scales)
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
                 w2: torch.Tensor, w3: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                limit: float) -> torch.Tensor:
+                limit: float, scales=None, shared_scales=None) -> torch.Tensor:
     """routed_experts(x, weights, ids, w1, w2, w3) + dense_swiglu(x, *shared) -> [T, H], the
-    MoE output; shared = (sw1, sw2, sw3) [I, H], [H, I], [I, H].
+    MoE output; shared = (sw1, sw2, sw3) [I, H], [H, I], [I, H]; scales / shared_scales the
+    FP8 block scales of the routed / shared weights (module docstring), None when not FP8.
 
     Triton at decode sizes (as routed_experts): the shared expert runs as one more pair of the
     routed GEMV kernels (weight 1), the sum in their fp32 accumulator, rounded once."""
     if use_triton(x) and ids.numel() <= TRITON_MAX_PAIRS:
         from .triton import moe as triton_moe
-        if triton_moe.fusable_shared(w1, shared):
-            return triton_moe.routed_experts(x, weights, ids, w1, w2, w3, limit, shared=shared)
-    return routed_experts(x, weights, ids, w1, w2, w3, limit) + dense_swiglu(x, *shared, limit)
+        if triton_moe.fusable_shared(w1, shared, scales, shared_scales):
+            return triton_moe.routed_experts(x, weights, ids, w1, w2, w3, limit, shared=shared, scales=scales,
+                                             shared_scales=shared_scales)
+    return (routed_experts(x, weights, ids, w1, w2, w3, limit, scales)
+            + dense_swiglu(x, *shared, limit, scales=shared_scales))
 
 
 def routed_experts_grouped(x, weights, ids, w1, w2, w3, limit):
@@ -137,8 +148,9 @@ def routed_experts_grouped(x, weights, ids, w1, w2, w3, limit):
     return (y * weights.float().unsqueeze(-1)).sum(1).to(x.dtype)
 
 
-def routed_experts_loop(x, weights, ids, w1, w2, w3, limit):
-    """Tokens grouped by expert (one sort); each expert that received tokens runs once."""
+def routed_experts_loop(x, weights, ids, w1, w2, w3, limit, scales=None):
+    """Tokens grouped by expert (one sort); each expert that received tokens runs once (FP8
+    weights: dequantised when used, see `expert_weights`)."""
     out = torch.zeros_like(x, dtype=torch.float32)
     flat_ids = ids.flatten()
     order = torch.argsort(flat_ids, stable=True)
@@ -150,14 +162,26 @@ def routed_experts_loop(x, weights, ids, w1, w2, w3, limit):
         if count == 0:
             continue
         tok = token_of[start:start + count]
-        h = swiglu_clamped(x[tok] @ w1[expert].T, x[tok] @ w3[expert].T, limit)
-        y = (h @ w2[expert].T).float() * weight_of[start:start + count, None]
+        e1, e2, e3 = expert_weights((w1, w2, w3), scales, expert, x.dtype)
+        h = swiglu_clamped(x[tok] @ e1.T, x[tok] @ e3.T, limit)
+        y = (h @ e2.T).float() * weight_of[start:start + count, None]
         out.index_add_(0, tok, y)
         start += count
     return out.to(x.dtype)
 
 
 def dense_swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                 limit: float) -> torch.Tensor:
-    """The shared expert: clamped SwiGLU MLP. w1/w3 [I, H], w2 [H, I]."""
+                 limit: float, scales=None) -> torch.Tensor:
+    """The shared expert: clamped SwiGLU MLP. w1/w3 [I, H], w2 [H, I] (FP8 with scales:
+    dequantised here)."""
+    w1, w2, w3 = expert_weights((w1, w2, w3), scales, None, x.dtype)
     return swiglu_clamped(x @ w1.T, x @ w3.T, limit) @ w2.T
+
+
+def expert_weights(ws, scales, expert: int | None, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Matrices of `expert` (None: ws are single matrices) from ws = (w1, w2, w3); FP8 ones
+    (scales given) dequantised in fp32 and rounded to `dtype`, as the loader would store them."""
+    pick = (lambda t: t) if expert is None else (lambda t: t[expert])
+    if scales is None:
+        return tuple(pick(w) for w in ws)
+    return tuple(dequant_fp8(pick(w), pick(s)).to(dtype) for w, s in zip(ws, scales))

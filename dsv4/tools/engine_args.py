@@ -21,6 +21,8 @@ HELP = {
     "enforce_eager": "run decode steps eagerly (no CUDA graphs)",
     "cuda_graph_max_bs": "largest decode batch replayed as a CUDA graph",
     "async_scheduling": "on, off or auto (on for CUDA): launch the next step before reading this one's tokens",
+    "keep_fp8": "keep FP8 (128x128 block-scaled) routed and shared expert weights FP8 on the device, dequantised "
+                "inside the MoE kernels (W8A16); other weights and MXFP4 experts are dequantised at load",
 }
 
 

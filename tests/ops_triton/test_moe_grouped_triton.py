@@ -135,7 +135,8 @@ def test_dispatch(device, monkeypatch, impl):
     use_triton says so and GROUPED_GEMM is "triton"; the decode kernel at or below it."""
     calls = []
     kernel = moe_grouped.routed_experts_grouped
-    monkeypatch.setattr(moe_grouped, "routed_experts_grouped", lambda *a: calls.append(a[2].numel()) or kernel(*a))
+    monkeypatch.setattr(moe_grouped, "routed_experts_grouped",
+                        lambda *a, **kw: calls.append(a[2].numel()) or kernel(*a, **kw))
     monkeypatch.setattr(moe_ops, "TRITON_MAX_PAIRS", 6)
     monkeypatch.setattr(moe_ops, "GROUPED_GEMM", impl)
     monkeypatch.setattr(moe_ops, "use_triton", lambda tensor: True)
@@ -155,16 +156,23 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from dsv4.ops.triton import moe_grouped as mg
 
-CONSTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K", "FP32_DOT")
+CONSTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K", "FP32_DOT", "FP8")
 ALIGNED = {"H", "I", "stride_we", "stride_wi", "stride_wh"}   # multiples of 16 at V4 shapes
 TYPES = {"order_ptr": "*i32", "sched_ptr": "*i32", "wt_ptr": "*fp32", "limit": "fp32"}
-for (bm, bn, bk, warps, stages), dtype, even_k in (((64, 128, 64, 4, 4), "bf16", True),
-                                                    ((128, 128, 64, 8, 3), "bf16", True),
-                                                    ((64, 128, 32, 4, 3), "fp32", False)):
+for (bm, bn, bk, warps, stages), dtype, even_k, fp8 in (((64, 128, 64, 4, 4), "bf16", True, False),
+                                                         ((128, 128, 64, 8, 3), "bf16", True, False),
+                                                         ((64, 128, 32, 4, 3), "fp32", False, False),
+                                                         ((64, 256, 64, 8, 3), "bf16", True, True)):
     for fn in (mg._up_gate_kernel, mg._down_kernel):
         names = [n for n in fn.arg_names if n not in CONSTS]
         sig = {n: TYPES.get(n, "*" + dtype if n.endswith("_ptr") else "i32") for n in names}
-        consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EVEN_K=even_k, FP32_DOT=dtype == "fp32")
+        for n in names:   # FP8 (W8A16): float8_e4m3fn weights, fp32 block scales
+            if n in ("w1_ptr", "w2_ptr", "w3_ptr") and fp8:
+                sig[n] = "*fp8e4nv"
+            elif n in ("s1_ptr", "s2_ptr", "s3_ptr"):
+                sig[n] = "*fp32"
+        consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EVEN_K=even_k, FP32_DOT=dtype == "fp32",
+                      FP8=fp8)
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n in ALIGNED}
         src = ASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, consts, attrs)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))

@@ -160,7 +160,8 @@ def test_dispatch(device, monkeypatch):
     """routed_experts takes the kernel exactly when use_triton says so and T*k is small."""
     calls = []
     kernel = triton_moe.routed_experts
-    monkeypatch.setattr(triton_moe, "routed_experts", lambda *a: calls.append(a[2].numel()) or kernel(*a))
+    monkeypatch.setattr(triton_moe, "routed_experts",
+                        lambda *a, **kw: calls.append(a[2].numel()) or kernel(*a, **kw))
     monkeypatch.setattr(moe_ops, "TRITON_MAX_PAIRS", 6)
     x, weights, ids, w1, w2, w3 = make_inputs(device, 3, 2, torch.float32)
     args = (weights, ids, w1, w2, w3, LIMIT)

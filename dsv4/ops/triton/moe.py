@@ -25,6 +25,11 @@ weights sw1/sw3 [I, H], sw2 [H, I] and routing weight 1 (pairs p = t*(k+1) + j, 
 shared sum then happens in the down kernel's fp32 accumulator (and the split sum): the decode
 MoE is 2-3 launches instead of the shared expert's separate GEMMs, SwiGLU ops and add.
 
+FP8 weights (W8A16, `scales=` / `shared_scales=`, constexpr FP8): the weight tiles are loaded
+as float8_e4m3fn, multiplied in fp32 by their 128x128 block scale (`_block_scale`: any tile
+size, aligned or not), rounded to x's dtype (as the load-time dequantisation stores them), then
+the same math.
+
 Both are GEMVs done as fp32 elementwise products + tl.sum (bandwidth-bound; no tl.dot, which
 also keeps Triton's interpreter exact in bf16). Weight rows are read along their contiguous
 last dimension. Expert offsets use the int64 ids (e * I * H exceeds int32 at V4 sizes).
@@ -69,18 +74,60 @@ def _expert_matrix(w_ptr, sw_ptr, routed, e, stride_we, stride_row, stride_srow,
     return base, stride
 
 
+QBLOCK = tl.constexpr(128)      # FP8 scale block (rows and columns)
+
+
+@triton.jit
+def _block_scale(s_ptr, stride_sr, r, c, r0, c0, R_UNIFORM: tl.constexpr, C_UNIFORM: tl.constexpr):
+    """FP8 scales of a weight tile: s_ptr is the matrix's fp32 scales [cdiv(R, 128), cdiv(C, 128)]
+    (row stride stride_sr); r / c are the tile's weight row / column indices, in bounds (clamped
+    by the caller) and shaped to broadcast to the tile (e.g. [BR, 1] and [1, BC]); r0 / c0 the
+    first of them. R_UNIFORM: every r lies in r0's 128-block (the tile's rows start at a multiple
+    of a size dividing 128), C_UNIFORM the same for c; then one scale serves that axis. Returns
+    the scales broadcastable to the tile."""
+    if R_UNIFORM:
+        base = s_ptr + (r0 // QBLOCK) * stride_sr
+        if C_UNIFORM:
+            sc = tl.load(base + c0 // QBLOCK)                             # one block: a scalar
+        else:
+            sc = tl.load(base + c // QBLOCK)
+    else:
+        if C_UNIFORM:
+            sc = tl.load(s_ptr + (r // QBLOCK) * stride_sr + c0 // QBLOCK)
+        else:
+            sc = tl.load(s_ptr + (r // QBLOCK) * stride_sr + c // QBLOCK)   # a gather per element
+    return sc
+
+
+@triton.jit
+def _dequant_tile(w, s_ptr, stride_sr, r, c, r0, c0, out_dtype: tl.constexpr,
+                  R_UNIFORM: tl.constexpr, C_UNIFORM: tl.constexpr):
+    """float8_e4m3fn tile w -> w * scale in fp32, rounded to out_dtype."""
+    sc = _block_scale(s_ptr, stride_sr, r, c, r0, c0, R_UNIFORM, C_UNIFORM)
+    return (w.to(tl.float32) * sc).to(out_dtype)
+
+
 @triton.jit
 def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, h_ptr, K, H, I,
                     stride_we, stride_wi, stride_si, limit,
-                    SHARED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+                    s1_ptr, s3_ptr, ss1_ptr, ss3_ptr, stride_se, stride_sr,
+                    SHARED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+                    FP8: tl.constexpr = False):
     # x [T, H]; ids [T*k] int64; w1/w3 [E, I, H], shared sw1/sw3 [I, H] (last dims contiguous)
-    # -> h [T*(k+SHARED), I] (x's dtype), row p = pair p (see _pair)
+    # -> h [T*(k+SHARED), I] (x's dtype), row p = pair p (see _pair). FP8: w1/w3/sw1/sw3 are
+    # float8_e4m3fn with fp32 scales s1/s3 [E, cdiv(I, 128), cdiv(H, 128)] (strides stride_se,
+    # stride_sr, last dim contiguous), ss1/ss3 the shared expert's [cdiv(I, 128), cdiv(H, 128)]
     p = tl.program_id(0)
-    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)       # [BLOCK_I]
+    i0 = tl.program_id(1) * BLOCK_I
+    i = i0 + tl.arange(0, BLOCK_I)                                # [BLOCK_I]
     i_ok = i < I
     t, _, routed, e = _pair(ids_ptr, p, K, SHARED)
     w1_base, stride_i = _expert_matrix(w1_ptr, sw1_ptr, routed, e, stride_we, stride_wi, stride_si, SHARED)
     w3_base, _ = _expert_matrix(w3_ptr, sw3_ptr, routed, e, stride_we, stride_wi, stride_si, SHARED)
+    if FP8:
+        s1_base, _ = _expert_matrix(s1_ptr, ss1_ptr, routed, e, stride_se, stride_sr, stride_sr, SHARED)
+        s3_base, _ = _expert_matrix(s3_ptr, ss3_ptr, routed, e, stride_se, stride_sr, stride_sr, SHARED)
+        si = tl.minimum(i, I - 1)[:, None]                        # scale rows in bounds
     x_row = x_ptr + t.to(tl.int64) * H
     w_off = i[:, None] * stride_i                                 # [BLOCK_I, 1]
     gate = tl.zeros((BLOCK_I,), dtype=tl.float32)
@@ -90,8 +137,16 @@ def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, h_ptr, K, 
         h_ok = hh < H
         xv = tl.load(x_row + hh, mask=h_ok, other=0.0).to(tl.float32)[None, :]   # [1, BLOCK_H]
         m = i_ok[:, None] & h_ok[None, :]
-        w1 = tl.load(w1_base + w_off + hh[None, :], mask=m, other=0.0).to(tl.float32)  # [BLOCK_I, BLOCK_H]
-        w3 = tl.load(w3_base + w_off + hh[None, :], mask=m, other=0.0).to(tl.float32)
+        w1 = tl.load(w1_base + w_off + hh[None, :], mask=m, other=0.0)   # [BLOCK_I, BLOCK_H]
+        w3 = tl.load(w3_base + w_off + hh[None, :], mask=m, other=0.0)
+        if FP8:
+            sh = tl.minimum(hh, H - 1)[None, :]
+            w1 = _dequant_tile(w1, s1_base, stride_sr, si, sh, i0, h0, h_ptr.dtype.element_ty,
+                               QBLOCK % BLOCK_I == 0, QBLOCK % BLOCK_H == 0)
+            w3 = _dequant_tile(w3, s3_base, stride_sr, si, sh, i0, h0, h_ptr.dtype.element_ty,
+                               QBLOCK % BLOCK_I == 0, QBLOCK % BLOCK_H == 0)
+        w1 = w1.to(tl.float32)
+        w3 = w3.to(tl.float32)
         gate += tl.sum(w1 * xv, axis=1)
         up += tl.sum(w3 * xv, axis=1)
     gate = tl.minimum(gate, limit)
@@ -102,13 +157,16 @@ def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, h_ptr, K, 
 
 @triton.jit
 def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
-                 stride_we, stride_wh, stride_sh,
-                 SHARED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr):
+                 stride_we, stride_wh, stride_sh, s2_ptr, ss2_ptr, stride_se, stride_sr,
+                 SHARED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
+                 FP8: tl.constexpr = False):
     # h [T*KS, I], KS = k + SHARED pairs per token; ids [T*k] int64; weights [T*k] fp32;
     # w2 [E, H, I], shared sw2 [H, I] (last dims contiguous)
-    # -> out [SPLIT, T, H]: x's dtype when SPLIT == 1 (the result), else fp32 partials
+    # -> out [SPLIT, T, H]: x's dtype when SPLIT == 1 (the result), else fp32 partials.
+    # FP8: w2/sw2 float8_e4m3fn, scales s2 [E, cdiv(H, 128), cdiv(I, 128)], ss2 without E
     t = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)       # [BLOCK_H] output features
+    n0 = tl.program_id(1) * BLOCK_H
+    n = n0 + tl.arange(0, BLOCK_H)                                # [BLOCK_H] output features
     n_ok = n < H
     s = tl.program_id(2)
     T = tl.num_programs(0)
@@ -123,6 +181,8 @@ def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
         _, q, routed, e = _pair(ids_ptr, p, K, SHARED)
         wt = tl.load(wt_ptr + q, mask=routed, other=1.0)         # fp32 routing weight (shared: 1)
         w2_base, stride_h = _expert_matrix(w2_ptr, sw2_ptr, routed, e, stride_we, stride_wh, stride_sh, SHARED)
+        if FP8:
+            s2_base, _ = _expert_matrix(s2_ptr, ss2_ptr, routed, e, stride_se, stride_sr, stride_sr, SHARED)
         w_off = n[:, None] * stride_h                             # [BLOCK_H, 1]
         h_row = h_ptr + p.to(tl.int64) * I
         y = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -131,8 +191,12 @@ def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
             i_ok = ii < I
             hv = tl.load(h_row + ii, mask=i_ok, other=0.0).to(tl.float32)[None, :]   # [1, BLOCK_I]
             w2 = tl.load(w2_base + w_off + ii[None, :], mask=n_ok[:, None] & i_ok[None, :],
-                         other=0.0).to(tl.float32)                # [BLOCK_H, BLOCK_I]
-            y += tl.sum(w2 * hv, axis=1)
+                         other=0.0)                               # [BLOCK_H, BLOCK_I]
+            if FP8:
+                w2 = _dequant_tile(w2, s2_base, stride_sr, tl.minimum(n, H - 1)[:, None],
+                                   tl.minimum(ii, I - 1)[None, :], n0, b * BLOCK_I, h_ptr.dtype.element_ty,
+                                   QBLOCK % BLOCK_H == 0, QBLOCK % BLOCK_I == 0)
+            y += tl.sum(w2.to(tl.float32) * hv, axis=1)
         acc += wt * y
     row = (s * T + t).to(tl.int64) * H
     tl.store(out_ptr + row + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -158,31 +222,58 @@ def default_down_split(T: int, k: int, H: int, I: int, block_h: int = DOWN_BLOCK
 
 
 def expert_shapes(x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                  w3: torch.Tensor) -> tuple[int, int, int, int, int]:
+                  w3: torch.Tensor, scales=None) -> tuple[int, int, int, int, int]:
     """(T, H, k, E, I) of x [T, H], ids [T, k], w1/w3 [E, I, H], w2 [E, H, I], checked for the
-    layout the kernels read: w1/w3 with equal strides, every last dim contiguous."""
+    layout the kernels read: w1/w3 with equal strides, every last dim contiguous; with FP8
+    scales, see `check_scales`."""
     T, H = x.shape
     k = ids.shape[1]
     E, I, _ = w1.shape
     assert w1.shape == w3.shape == (E, I, H) and w2.shape == (E, H, I), "expert weight shapes"
     assert w1.stride() == w3.stride() and w1.stride(2) == 1 and w2.stride(2) == 1, \
         "w1/w3 must share strides; the last dim of w1/w2/w3 must be contiguous"
+    check_scales((w1, w2, w3), scales)
     return T, H, k, E, I
 
 
-def fusable_shared(w1: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
+def scale_shape(w: torch.Tensor) -> tuple[int, ...]:
+    """Shape of the FP8 block scales of w [..., R, C]: [..., cdiv(R, 128), cdiv(C, 128)]."""
+    return (*w.shape[:-2], triton.cdiv(w.shape[-2], 128), triton.cdiv(w.shape[-1], 128))
+
+
+def check_scales(ws, scales) -> None:
+    """ws = (w1, w2, w3) float8_e4m3fn with fp32 contiguous scales of `scale_shape`, s1/s3 of
+    equal strides; or not FP8 and scales None."""
+    if scales is None:
+        assert all(w.dtype != torch.float8_e4m3fn for w in ws), "FP8 expert weights need their scales"
+        return
+    assert all(w.dtype == torch.float8_e4m3fn for w in ws), "scales given for weights that are not FP8"
+    for w, s in zip(ws, scales):
+        assert s.dtype == torch.float32 and s.is_contiguous() and tuple(s.shape) == scale_shape(w), \
+            f"FP8 scales: fp32 contiguous {scale_shape(w)}, got {s.dtype} {tuple(s.shape)}"
+
+
+def fusable_shared(w1: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                   scales=None, shared_scales=None) -> bool:
     """Whether the shared expert (sw1/sw3 [I, H], sw2 [H, I]) can run as one more pair of the
-    routed kernels: the routed experts' dtype and I, last dims contiguous, sw1/sw3 same strides."""
+    routed kernels: the routed experts' dtype and I, last dims contiguous, sw1/sw3 same strides;
+    FP8 both or neither (scales / shared_scales), the scales of one layout (see check_scales)."""
     sw1, sw2, sw3 = shared
     _, I, H = w1.shape
-    return (sw1.shape == sw3.shape == (I, H) and sw2.shape == (H, I)
-            and sw1.dtype == sw2.dtype == sw3.dtype == w1.dtype and sw1.stride() == sw3.stride()
-            and sw1.stride(1) == 1 and sw2.stride(1) == 1)
+    ok = (sw1.shape == sw3.shape == (I, H) and sw2.shape == (H, I)
+          and sw1.dtype == sw2.dtype == sw3.dtype == w1.dtype and sw1.stride() == sw3.stride()
+          and sw1.stride(1) == 1 and sw2.stride(1) == 1 and (scales is None) == (shared_scales is None))
+    if ok and scales is not None:
+        ok = all(s.dtype == torch.float32 and s.is_contiguous() and tuple(s.shape) == scale_shape(w)
+                 for s, w in zip(shared_scales, shared))
+    return ok
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
                    w2: torch.Tensor, w3: torch.Tensor, limit: float, *,
                    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                   scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                   shared_scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                    up_tiles: tuple[int, int, int] | None = None,
                    down_tiles: tuple[int, int, int] | None = None,
                    down_split: int | None = None) -> torch.Tensor:
@@ -192,12 +283,17 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
     shared = (sw1, sw2, sw3) adds the shared expert (dsv4.ops.moe.dense_swiglu, see
     `fusable_shared`) as a (k+1)-th pair of every token with weight 1: same two launches (+ the
     split sum), its output summed with the routed ones in fp32 and rounded once.
+    scales / shared_scales: fp32 block scales of FP8 (float8_e4m3fn) weights (`check_scales`),
+    dequantised tile by tile in the kernels.
     up_tiles = (BLOCK_I, BLOCK_H, num_warps) and down_tiles = (BLOCK_H, BLOCK_I, num_warps)
     override the defaults (tuning); down_split (>= 1) overrides `default_down_split`."""
-    T, H, k, E, I = expert_shapes(x, ids, w1, w2, w3)
-    assert shared is None or fusable_shared(w1, shared), "shared expert: see fusable_shared"
+    T, H, k, E, I = expert_shapes(x, ids, w1, w2, w3, scales)
+    assert shared is None or fusable_shared(w1, shared, scales, shared_scales), "shared expert: see fusable_shared"
     has_shared = shared is not None
     sw1, sw2, sw3 = shared if has_shared else (w1, w2, w3)                  # unused without
+    fp8 = scales is not None
+    s1, s2, s3 = scales if fp8 else (x, x, x)                              # unused without
+    ss1, ss2, ss3 = shared_scales if fp8 and has_shared else (s1, s2, s3)
     ks = k + has_shared                                                     # pairs per token
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if T == 0 or ks == 0:
@@ -210,13 +306,15 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
     bi, bh, nw = up_tiles or (UP_BLOCK_I, UP_BLOCK_H, UP_WARPS)
     _up_gate_kernel[(T * ks, triton.cdiv(I, bi))](
         x, flat_ids, w1, w3, sw1, sw3, h, k, H, I, w1.stride(0), w1.stride(1), sw1.stride(0), float(limit),
-        SHARED=has_shared, BLOCK_I=bi, BLOCK_H=bh, num_warps=nw)
+        s1, s3, ss1, ss3, s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0,
+        SHARED=has_shared, BLOCK_I=bi, BLOCK_H=bh, FP8=fp8, num_warps=nw)
     bh, bi, nw = down_tiles or (DOWN_BLOCK_H, DOWN_BLOCK_I, DOWN_WARPS)
     split = down_split or default_down_split(T, ks, H, I, bh, bi)
     part = out if split == 1 else torch.empty((split, T, H), dtype=torch.float32, device=x.device)
     _down_kernel[(T, triton.cdiv(H, bh), split)](
         h, flat_ids, flat_w, w2, sw2, part, k, H, I, w2.stride(0), w2.stride(1), sw2.stride(0),
-        SHARED=has_shared, BLOCK_H=bh, BLOCK_I=bi, num_warps=nw)
+        s2, ss2, s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
+        SHARED=has_shared, BLOCK_H=bh, BLOCK_I=bi, FP8=fp8, num_warps=nw)
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(T * H, SUM_BLOCK),)](part, out, T * H, split, BLOCK=SUM_BLOCK)
     return out

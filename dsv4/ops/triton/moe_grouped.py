@@ -20,6 +20,9 @@ the tiles, so the op is CUDA-graph safe):
 
 Rounding differs from the definition only by bf16 steps: the reference rounds gate, up, h and
 each expert's output; here h and each weighted expert output are rounded.
+FP8 weights (`scales=`, constexpr FP8): each [BLOCK_K, BLOCK_N] weight tile is loaded as
+float8_e4m3fn, multiplied in fp32 by its 128x128 block scales (moe._block_scale: one scale, a
+vector along N, or a gather, by the tiles' alignment), rounded to x's dtype, then tl.dot.
 Programs run in grouped order (GROUP_M slots, then the next tile of N) so that the weight tiles
 of an expert and the gathered x rows of the group stay in L2 while they are reused.
 Expert offsets use int64 (e * I * H exceeds int32 at V4 sizes).
@@ -32,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe import expert_shapes
+from .moe import QBLOCK, _dequant_tile, expert_shapes
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of (up-gate, down) by the mean rows per
 # expert P / E (1.5 at a batch-64 decode step, 12 at 512 tokens, 96 at 4k, 384 at 16k at
@@ -85,12 +88,27 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _load_w(w_ptrs, k0, K, kk, s_ptr, stride_sr, n_rows, n0, FP8: tl.constexpr, EVEN_K: tl.constexpr,
+            out_dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weight tile [BLOCK_K, BLOCK_N] at depth k0 (K along axis 0); FP8: dequantised with the
+    expert's scales s_ptr ([cdiv(N, 128), cdiv(K, 128)], n_rows [1, BLOCK_N] the weight rows,
+    clamped in bounds, n0 the first) and rounded to out_dtype."""
+    w = _load_k(w_ptrs, k0, K, kk, 0, EVEN_K)
+    if FP8:
+        w = _dequant_tile(w, s_ptr, stride_sr, n_rows, tl.minimum(k0 + kk, K - 1)[:, None], n0, k0, out_dtype,
+                          QBLOCK % BLOCK_N == 0, QBLOCK % BLOCK_K == 0)
+    return w
+
+
+@triton.jit
 def _up_gate_kernel(x_ptr, order_ptr, sched_ptr, w1_ptr, w3_ptr, h_ptr, S, KP, H, I,
-                    stride_we, stride_wi, limit,
+                    stride_we, stride_wi, limit, s1_ptr, s3_ptr, stride_se, stride_sr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr):
+                    GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
+                    FP8: tl.constexpr = False):
     # x [T, H]; order [P] int32 (pair of each sorted row); w1/w3 [E, I, H] (last dim contiguous)
-    # -> h [P, I] in x's dtype, rows in sorted order
+    # -> h [P, I] in x's dtype, rows in sorted order. FP8: w1/w3 float8_e4m3fn, fp32 scales
+    # s1/s3 [E, cdiv(I, 128), cdiv(H, 128)] (strides stride_se, stride_sr, last dim contiguous)
     e, r0, r1, cols = _tile(sched_ptr, S, I, BLOCK_N, GROUP_M)
     if r0 >= r1:
         return
@@ -103,12 +121,20 @@ def _up_gate_kernel(x_ptr, order_ptr, sched_ptr, w1_ptr, w3_ptr, h_ptr, S, KP, H
     w1_ptr += e * stride_we                                             # expert e's [I, H]
     w3_ptr += e * stride_we
     w_off = tl.where(col_ok, cols, 0)[None, :] * stride_wi + kk[:, None]  # [BK, BN] int32 (< I*H)
+    s1_ptr += e * stride_se                                             # expert e's scales (FP8)
+    s3_ptr += e * stride_se
+    n_rows = tl.where(col_ok, cols, 0)[None, :]                         # [1, BN] weight rows
+    n0 = tl.min(cols, axis=0)                                           # first column of the tile (< I)
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         a = _load_k(a_ptrs, k0, H, kk, 1, EVEN_K)
-        gate = _dot(a, _load_k(w1_ptr + w_off, k0, H, kk, 0, EVEN_K), gate, FP32_DOT)
-        up = _dot(a, _load_k(w3_ptr + w_off, k0, H, kk, 0, EVEN_K), up, FP32_DOT)
+        w1 = _load_w(w1_ptr + w_off, k0, H, kk, s1_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
+                     x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+        gate = _dot(a, w1, gate, FP32_DOT)
+        w3 = _load_w(w3_ptr + w_off, k0, H, kk, s3_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
+                     x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+        up = _dot(a, w3, up, FP32_DOT)
         a_ptrs += BLOCK_K
         w_off += BLOCK_K
     gate = tl.minimum(gate, limit)
@@ -120,11 +146,13 @@ def _up_gate_kernel(x_ptr, order_ptr, sched_ptr, w1_ptr, w3_ptr, h_ptr, S, KP, H
 
 @triton.jit
 def _down_kernel(h_ptr, order_ptr, wt_ptr, sched_ptr, w2_ptr, y_ptr, S, H, I,
-                 stride_we, stride_wh,
+                 stride_we, stride_wh, s2_ptr, stride_se, stride_sr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr):
+                 GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
+                 FP8: tl.constexpr = False):
     # h [P, I] sorted rows; order [P] int32; weights [P] fp32 in pair order; w2 [E, H, I]
-    # (last dim contiguous) -> y [P, H] in x's dtype, rows in pair order
+    # (last dim contiguous) -> y [P, H] in x's dtype, rows in pair order. FP8: w2 float8_e4m3fn,
+    # fp32 scales s2 [E, cdiv(H, 128), cdiv(I, 128)]
     e, r0, r1, cols = _tile(sched_ptr, S, H, BLOCK_N, GROUP_M)
     if r0 >= r1:
         return
@@ -135,10 +163,15 @@ def _down_kernel(h_ptr, order_ptr, wt_ptr, sched_ptr, w2_ptr, y_ptr, S, H, I,
     a_ptrs = h_ptr + tl.where(row_ok, rows, r0).to(tl.int64)[:, None] * I + kk[None, :]   # [BM, BK]
     w2_ptr += e * stride_we                                             # expert e's [H, I]
     w_off = tl.where(col_ok, cols, 0)[None, :] * stride_wh + kk[:, None]  # [BK, BN] int32 (< H*I)
+    s2_ptr += e * stride_se                                             # expert e's scales (FP8)
+    n_rows = tl.where(col_ok, cols, 0)[None, :]                         # [1, BN] weight rows
+    n0 = tl.min(cols, axis=0)                                           # first column of the tile (< H)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         a = _load_k(a_ptrs, k0, I, kk, 1, EVEN_K)
-        acc = _dot(a, _load_k(w2_ptr + w_off, k0, I, kk, 0, EVEN_K), acc, FP32_DOT)
+        w2 = _load_w(w2_ptr + w_off, k0, I, kk, s2_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
+                     h_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+        acc = _dot(a, w2, acc, FP32_DOT)
         a_ptrs += BLOCK_K
         w_off += BLOCK_K
     pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
@@ -180,13 +213,17 @@ def routed_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
                            w2: torch.Tensor, w3: torch.Tensor, limit: float, *,
                            up_tiles: tuple[int, ...] | None = None,
                            down_tiles: tuple[int, ...] | None = None,
-                           group_m: int | None = None) -> torch.Tensor:
+                           group_m: int | None = None,
+                           scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Same semantics as dsv4.ops.moe.routed_experts_loop. x [T, H]; weights [T, k] fp32;
     ids [T, k]; w1/w3 [E, I, H]; w2 [E, H, I] -> [T, H] in x's dtype.
 
     up_tiles / down_tiles = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) override the
-    `default_tiles` (tuning); BLOCK_* >= 16 on the GPU (tl.dot)."""
-    T, H, k, E, I = expert_shapes(x, ids, w1, w2, w3)
+    `default_tiles` (tuning); BLOCK_* >= 16 on the GPU (tl.dot). scales: fp32 block scales of
+    FP8 (float8_e4m3fn) weights (moe.check_scales), dequantised tile by tile in the kernels."""
+    T, H, k, E, I = expert_shapes(x, ids, w1, w2, w3, scales)
+    fp8 = scales is not None
+    s1, s2, s3 = scales if fp8 else (x, x, x)          # unused without
     if T == 0 or k == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
@@ -204,8 +241,9 @@ def routed_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     h = torch.empty((P, I), dtype=x.dtype, device=x.device)           # sorted rows
     _up_gate_kernel[(S * triton.cdiv(I, bn),)](
         x, order, sched, w1, w3, h, S, k, H, I, w1.stride(0), w1.stride(1), float(limit),
+        s1, s3, s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, EVEN_K=H % bk == 0, FP32_DOT=fp32_dot,
-        num_warps=nw, num_stages=ns)
+        FP8=fp8, num_warps=nw, num_stages=ns)
 
     bm_down, bn, bk, nw, ns = down_tiles
     if bm_down != bm:
@@ -214,6 +252,7 @@ def routed_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     y = torch.empty((P, H), dtype=x.dtype, device=x.device)           # pair order
     _down_kernel[(S * triton.cdiv(H, bn),)](
         h, order, flat_w, sched, w2, y, S, H, I, w2.stride(0), w2.stride(1),
+        s2, s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
         BLOCK_M=bm_down, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, EVEN_K=I % bk == 0, FP32_DOT=fp32_dot,
-        num_warps=nw, num_stages=ns)
+        FP8=fp8, num_warps=nw, num_stages=ns)
     return y.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)

@@ -1,0 +1,70 @@
+"""`keep_fp8` (EngineConfig / load_model): a checkpoint with FP8 routed and shared experts (as
+V4-Flash-Base) keeps them float8_e4m3fn + fp32 block scales on the device, dequantised in the
+MoE ops; everything else as without it. Same logits (fp32, CPU: the reference dequantises the
+experts it uses on the fly) and greedy tokens as the same checkpoint dequantised at load."""
+import pytest
+import torch
+
+from dsv4.config import EngineConfig
+from dsv4.engine.llm import LLM
+from dsv4.engine.oneshot import full_logits
+from dsv4.engine.sampling_params import SamplingParams
+from dsv4.model.quant import dequant_fp8
+from dsv4.model.random_init import preset_config, random_state, save_checkpoint
+from dsv4.model.weights import fp8_experts, load_model
+
+I = 160   # moe_intermediate_size: two scale blocks, the second partial
+
+
+@pytest.fixture(scope="module")
+def fp8_expert_checkpoint(tmp_path_factory):
+    cfg = preset_config("tiny", 2, moe_intermediate_size=I)
+    path = str(tmp_path_factory.mktemp("fp8-experts"))
+    save_checkpoint(cfg, random_state(cfg, seed=3), path, quant="fp8", expert_dtype="fp8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def models(fp8_expert_checkpoint):
+    return load_model(fp8_expert_checkpoint), load_model(fp8_expert_checkpoint, keep_fp8=True)
+
+
+def test_weights_kept_fp8(fp8_expert_checkpoint, models):
+    plain, kept = models
+    assert fp8_experts(fp8_expert_checkpoint, (128, 128)) == (True, True)
+    assert fp8_experts(fp8_expert_checkpoint, (64, 64)) == (False, False)
+    H, E = plain.cfg.hidden_size, plain.cfg.n_routed_experts
+    blocks = list(kept.layers) + list(kept.mtp)
+    assert len(kept.mtp) == 1
+    for block, ref in zip(blocks, list(plain.layers) + list(plain.mtp)):
+        e, s, re_, rs = block.ffn.experts, block.ffn.shared_experts, ref.ffn.experts, ref.ffn.shared_experts
+        assert e.w1.dtype == e.w2.dtype == e.w3.dtype == s.w1.weight.dtype == torch.float8_e4m3fn
+        assert e.w1_scale.shape == e.w3_scale.shape == (E, 2, 1) and e.w2_scale.shape == (E, 1, 2)
+        assert s.w1.scale.shape == (2, 1) and s.w2.scale.shape == (1, 2) and e.w1_scale.dtype == torch.float32
+        for j in range(E):     # the plain model holds exactly the dequantised values
+            assert torch.equal(dequant_fp8(e.w2[j], e.w2_scale[j]), re_.w2[j])
+        assert torch.equal(dequant_fp8(s.w3.weight, s.w3.scale), rs.w3.weight)
+        assert block.attn.wq_a.weight.dtype == torch.float32                   # dequantised at load
+        assert torch.equal(block.attn.wq_a.weight, ref.attn.wq_a.weight)
+    assert plain.layers[0].ffn.experts.scales() is None and plain.layers[0].ffn.experts.w1.shape == (E, I, H)
+
+
+def test_same_logits(models):
+    plain, kept = models
+    ids = torch.randint(0, plain.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    want, got = full_logits(plain, ids), full_logits(kept, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_same_greedy_tokens(fp8_expert_checkpoint):
+    """Through the engine (EngineConfig.keep_fp8 -> load_model), prefill and decode steps."""
+    prompts = [torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for keep in (False, True):
+        llm = LLM(fp8_expert_checkpoint, keep_fp8=keep, max_num_seqs=2, num_pages=4)
+        assert llm.engine.config == EngineConfig(keep_fp8=keep, max_num_seqs=2, num_pages=4)
+        assert (llm.engine.model.layers[1].ffn.experts.w1.dtype == torch.float8_e4m3fn) == keep
+        outs[keep] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                        use_tqdm=False)]
+    assert outs[True] == outs[False] and all(len(t) == 12 for t in outs[True])

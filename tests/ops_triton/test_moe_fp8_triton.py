@@ -1,0 +1,198 @@
+"""FP8 (W8A16) routed and shared experts in the Triton kernels (dsv4/ops/triton/moe.py decode
+GEMVs, dsv4/ops/triton/moe_grouped.py grouped GEMMs): float8_e4m3fn weights with fp32 scales
+per 128x128 block, dequantised tile by tile in the kernels. Against the reference
+(`routed_experts_loop` / `dense_swiglu` with scales, which dequantise on the fly) and against
+the same kernels on the dequantised weights (equal: the dequantised tile is exactly what the
+load-time dequantisation stores). Dimensions above 128 and not multiples of 128 or of the
+tiles; tiles within one scale block (one scale) and across several (a gather)."""
+import pytest
+import torch
+
+from dsv4.model.quant import dequant_fp8, e8m0_to_float, quant_fp8
+from dsv4.ops import moe as moe_ops
+from dsv4.ops.triton import moe as triton_moe
+from dsv4.ops.triton import moe_grouped
+
+E, H, I, LIMIT = 8, 200, 136, 2.0      # H, I: two scale blocks each, the second partial
+# decode tiles (BLOCK_I, BLOCK_H, warps) / (BLOCK_H, BLOCK_I, warps): the defaults (one scale
+# per up tile, a vector per down tile), tiles spanning several blocks (gathers), small ones
+DECODE_TILES = {"default": {}, "wide": dict(up_tiles=(256, 256, 4), down_tiles=(256, 256, 4)),
+                "small": dict(up_tiles=(16, 32, 2), down_tiles=(32, 16, 2))}
+# grouped tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): N within a block and K within a
+# block; N across blocks; N and K across blocks (full gather)
+GROUPED_TILES = {"default": {}, "wide_n": dict(up_tiles=(16, 256, 32, 4, 2), down_tiles=(16, 256, 32, 4, 2)),
+                 "wide_nk": dict(up_tiles=(16, 256, 256, 4, 2), down_tiles=(32, 256, 256, 4, 2))}
+
+
+def quantise(w: torch.Tensor, pow2: bool = True, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, C] -> (float8_e4m3fn [..., R, C], fp32 scales [..., cdiv(R, 128), cdiv(C, 128)]).
+    Each 128x128 block is first scaled by a random factor (so the scales differ per block);
+    pow2=False multiplies the scales by a non-power-of-two factor (fp32 scales, as Flash-Base)."""
+    g = torch.Generator().manual_seed(seed)
+    flat = w.reshape(-1, *w.shape[-2:])
+    qs, ss = [], []
+    for m in flat:
+        rb, cb = -(-m.shape[0] // 128), -(-m.shape[1] // 128)
+        factor = torch.exp2(torch.randint(-3, 4, (rb, cb), generator=g).float())
+        q, s = quant_fp8(m * factor.repeat_interleave(128, 0).repeat_interleave(128, 1)[:m.shape[0], :m.shape[1]])
+        s = e8m0_to_float(s)
+        if not pow2:
+            s = s * (1 + torch.rand(s.shape, generator=g))
+        qs.append(q)
+        ss.append(s)
+    return (torch.stack(qs).view(*w.shape[:-2], *w.shape[-2:]),
+            torch.stack(ss).view(*w.shape[:-2], *ss[0].shape).contiguous())
+
+
+def make_inputs(device, T, k, dtype, pow2=True, seed=0):
+    """x [T, H], weights [T, k], ids [T, k]; FP8 w1/w3 [E, I, H], w2 [E, H, I] and their scales."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g) * 2.5
+    w1 = torch.randn(E, I, H, generator=g) * (3 * LIMIT / H ** 0.5)
+    w3 = torch.randn(E, I, H, generator=g) * (1.5 * LIMIT / H ** 0.5)
+    w2 = torch.randn(E, H, I, generator=g) / I ** 0.5
+    (q1, s1), (q2, s2), (q3, s3) = (quantise(w, pow2, seed + j) for j, w in enumerate((w1, w2, w3)))
+    dev = lambda t: t.to(device)  # noqa: E731
+    return (x.to(device, dtype), dev(weights), dev(ids), dev(q1), dev(q2), dev(q3),
+            (dev(s1), dev(s2), dev(s3)))
+
+
+def make_shared(device, pow2=True, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    sw = (torch.randn(I, H, generator=g) * (3 * LIMIT / H ** 0.5), torch.randn(H, I, generator=g) / I ** 0.5,
+          torch.randn(I, H, generator=g) * (1.5 * LIMIT / H ** 0.5))
+    q = [quantise(w, pow2, seed + j) for j, w in enumerate(sw)]
+    return tuple(w.to(device) for w, _ in q), tuple(s.to(device) for _, s in q)
+
+
+def dequantised(ws, scales, dtype):
+    """What the load-time dequantisation stores: fp32 product rounded to the model dtype."""
+    return tuple(torch.stack([dequant_fp8(w[e], s[e]) for e in range(w.shape[0])]).to(dtype) if w.dim() == 3
+                 else dequant_fp8(w, s).to(dtype) for w, s in zip(ws, scales))
+
+
+def assert_same_as_dequantised(got, want, pow2, dtype):
+    """The kernels on FP8 weights == on the dequantised weights. Not bit-equal in the
+    interpreter for bf16 with non-power-of-two scales only: its fp32 -> bf16 cast truncates
+    (the GPU's rounds to nearest even, like torch), so its dequantised tile can be 1 ulp off."""
+    if pow2 or dtype == torch.float32:
+        assert torch.equal(got, want)
+    else:
+        assert_matches(got, want, dtype)
+
+
+def assert_matches(got, want, dtype):
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:   # rounding of differently ordered sums (outputs up to ~30)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    else:   # bf16: the reference rounds gate, up, h and each expert's output (the kernels fewer)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.float().abs().max().item())
+
+
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+# k = 1..6 at T = 1 in both dtypes, at T = 3 in alternating dtypes (the interpreter is slow)
+@pytest.mark.parametrize("T,k,dtype", [(1, k, d) for k in range(1, 7) for d in (FP32, BF16)]
+                         + [(3, k, BF16 if k % 2 == 0 else FP32) for k in range(1, 7)])
+def test_decode_fp8(device, dtype, T, k):
+    x, weights, ids, w1, w2, w3, scales = make_inputs(device, T, k, dtype, seed=k)
+    got = triton_moe.routed_experts(x, weights, ids, w1, w2, w3, LIMIT, scales=scales)
+    d1, d2, d3 = dequantised((w1, w2, w3), scales, dtype)
+    assert torch.equal(got, triton_moe.routed_experts(x, weights, ids, d1, d2, d3, LIMIT))
+    assert_matches(got, moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales), dtype)
+
+
+@pytest.mark.parametrize("tiles,dtype,pow2", [("default", BF16, True), ("default", BF16, False),
+                                              ("default", FP32, False), ("wide", BF16, False), ("wide", FP32, True),
+                                              ("small", BF16, False)])
+def test_decode_fp8_shared_tiles(device, tiles, dtype, pow2):
+    """The shared expert fused as one more pair, FP8 too; tiles within and across scale blocks;
+    non-power-of-two fp32 scales (rounded to x's dtype after the product, as at load)."""
+    x, weights, ids, w1, w2, w3, scales = make_inputs(device, 3, 6, dtype, pow2)
+    sw, ss = make_shared(device, pow2)
+    got = triton_moe.routed_experts(x, weights, ids, w1, w2, w3, LIMIT, shared=sw, scales=scales,
+                                    shared_scales=ss, **DECODE_TILES[tiles])
+    d1, d2, d3 = dequantised((w1, w2, w3), scales, dtype)
+    dsw = dequantised(sw, ss, dtype)
+    assert_same_as_dequantised(got, triton_moe.routed_experts(x, weights, ids, d1, d2, d3, LIMIT, shared=dsw,
+                                                              **DECODE_TILES[tiles]), pow2, dtype)
+    want = (moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales)
+            + moe_ops.dense_swiglu(x, *sw, LIMIT, scales=ss))
+    assert_matches(got, want, dtype)
+
+
+@pytest.mark.parametrize("split", [2, 5])
+def test_decode_fp8_down_split(device, split):
+    x, weights, ids, w1, w2, w3, scales = make_inputs(device, 1, 6, torch.float32)
+    got = triton_moe.routed_experts(x, weights, ids, w1, w2, w3, LIMIT, scales=scales, down_split=split,
+                                    down_tiles=(32, 64, 2))
+    assert_matches(got, moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,k", [(1, 1), (3, 4), (37, 6)])
+@pytest.mark.parametrize("tiles", sorted(GROUPED_TILES))
+def test_grouped_fp8(device, dtype, T, k, tiles):
+    pow2 = tiles != "wide_n"
+    x, weights, ids, w1, w2, w3, scales = make_inputs(device, T, k, dtype, pow2, seed=T)
+    got = moe_grouped.routed_experts_grouped(x, weights, ids, w1, w2, w3, LIMIT, scales=scales,
+                                             **GROUPED_TILES[tiles])
+    d1, d2, d3 = dequantised((w1, w2, w3), scales, dtype)
+    assert_same_as_dequantised(got, moe_grouped.routed_experts_grouped(x, weights, ids, d1, d2, d3, LIMIT,
+                                                                       **GROUPED_TILES[tiles]), pow2, dtype)
+    assert_matches(got, moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales), dtype)
+
+
+def test_reference_dequantises_on_the_fly(device):
+    """routed_experts_loop / dense_swiglu with scales == the same on the dequantised weights."""
+    x, weights, ids, w1, w2, w3, scales = make_inputs(device, 5, 3, torch.float32)
+    d = dequantised((w1, w2, w3), scales, torch.float32)
+    assert torch.equal(moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales),
+                       moe_ops.routed_experts_loop(x, weights, ids, *d, LIMIT))
+    sw, ss = make_shared(device)
+    assert torch.equal(moe_ops.dense_swiglu(x, *sw, LIMIT, scales=ss),
+                       moe_ops.dense_swiglu(x, *dequantised(sw, ss, torch.float32), LIMIT))
+
+
+def test_dispatch_fp8(device, monkeypatch):
+    """FP8 weights: decode kernels (shared fused) at small T*k; above it the Triton grouped GEMMs
+    even when GROUPED_GEMM is "torch" (torch._grouped_mm never gets FP8); the loop without Triton."""
+    calls = []
+    decode, grouped = triton_moe.routed_experts, moe_grouped.routed_experts_grouped
+    monkeypatch.setattr(triton_moe, "routed_experts", lambda *a, **kw: calls.append(("decode", "shared" in kw))
+                        or decode(*a, **kw))
+    monkeypatch.setattr(moe_grouped, "routed_experts_grouped", lambda *a, **kw: calls.append(("grouped",))
+                        or grouped(*a, **kw))
+    monkeypatch.setattr(moe_ops, "TRITON_MAX_PAIRS", 6)
+    monkeypatch.setattr(moe_ops, "GROUPED_GEMM", "torch")
+    x, weights, ids, w1, w2, w3, scales = make_inputs(device, 5, 2, torch.float32)
+    sw, ss = make_shared(device)
+    want = (moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales)
+            + moe_ops.dense_swiglu(x, *sw, LIMIT, scales=ss))
+    monkeypatch.setattr(moe_ops, "use_triton", lambda tensor: False)
+    got = moe_ops.moe_experts(x, weights, ids, w1, w2, w3, sw, LIMIT, scales=scales, shared_scales=ss)
+    assert torch.equal(got, want)
+    assert calls == []
+    monkeypatch.setattr(moe_ops, "use_triton", lambda tensor: True)
+    got = moe_ops.moe_experts(x, weights, ids, w1, w2, w3, sw, LIMIT, scales=scales, shared_scales=ss)
+    assert_matches(got, want, torch.float32)                                  # 10 pairs: grouped
+    assert calls == [("grouped",)]
+    got = moe_ops.moe_experts(x[:3], weights[:3], ids[:3], w1, w2, w3, sw, LIMIT, scales=scales, shared_scales=ss)
+    assert_matches(got, want[:3], torch.float32)                              # 6 pairs: fused decode
+    assert calls == [("grouped",), ("decode", True)]
+
+
+def test_fusable_shared_fp8(device):
+    """The shared expert fuses with FP8 routed experts only when it is FP8 too, and back."""
+    _, _, _, w1, w2, _, scales = make_inputs(device, 1, 1, torch.float32)
+    sw, ss = make_shared(device)
+    assert triton_moe.fusable_shared(w1, sw, scales, ss)
+    assert not triton_moe.fusable_shared(w1, sw, scales, None)
+    assert not triton_moe.fusable_shared(w1, dequantised(sw, ss, torch.float32), scales, None)
+    assert not triton_moe.fusable_shared(w1, sw, scales, tuple(s.T for s in ss))     # scale layout
+    with pytest.raises(AssertionError, match="need their scales"):
+        triton_moe.routed_experts(torch.zeros(1, H, device=device), torch.ones(1, 1, device=device),
+                                  torch.zeros(1, 1, dtype=torch.long, device=device), w1, w2, w1, LIMIT)
