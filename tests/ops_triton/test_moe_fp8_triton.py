@@ -7,6 +7,7 @@ load-time dequantisation stores). Dimensions above 128 and not multiples of 128 
 tiles; tiles within one scale block (one scale) and across several (a gather)."""
 import pytest
 import torch
+from expert_inputs import random_experts
 
 from dsv4.model.quant import dequant_fp8, e8m0_to_float, quant_fp8
 from dsv4.ops import moe as moe_ops
@@ -46,13 +47,7 @@ def quantise(w: torch.Tensor, pow2: bool = True, seed: int = 0) -> tuple[torch.T
 
 def make_inputs(device, T, k, dtype, pow2=True, seed=0):
     """x [T, H], weights [T, k], ids [T, k]; FP8 w1/w3 [E, I, H], w2 [E, H, I] and their scales."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    weights = torch.rand(T, k, generator=g) * 2.5
-    w1 = torch.randn(E, I, H, generator=g) * (3 * LIMIT / H ** 0.5)
-    w3 = torch.randn(E, I, H, generator=g) * (1.5 * LIMIT / H ** 0.5)
-    w2 = torch.randn(E, H, I, generator=g) / I ** 0.5
+    x, weights, ids, w1, w2, w3 = random_experts(T, k, E, H, I, LIMIT, seed)
     (q1, s1), (q2, s2), (q3, s3) = (quantise(w, pow2, seed + j) for j, w in enumerate((w1, w2, w3)))
     dev = lambda t: t.to(device)  # noqa: E731
     return (x.to(device, dtype), dev(weights), dev(ids), dev(q1), dev(q2), dev(q3),

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from expert_inputs import random_experts
 
 from dsv4.ops import moe as moe_ops
 from dsv4.ops.triton import moe_grouped
@@ -22,20 +23,8 @@ SMALL = dict(up_tiles=(16, 32, 32, 2, 2), down_tiles=(16, 32, 32, 2, 2), group_m
 
 
 def make_inputs(device, T, k, dtype, h=H, i=I, seed=0, same_experts=False):
-    """x [T, h], routing weights [T, k] fp32, ids [T, k] (distinct within a token; the same k
-    experts for every token when same_experts), w1/w3 [E, i, h] scaled so |gate| and |up| often
-    exceed LIMIT, w2 [E, h, i]."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, h, generator=g)
-    if same_experts:
-        ids = torch.randperm(E, generator=g)[:k].repeat(T, 1)
-    else:
-        ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else \
-            torch.zeros(0, k, dtype=torch.long)
-    weights = torch.rand(T, k, generator=g) * 2.5
-    w1 = torch.randn(E, i, h, generator=g) * (3 * LIMIT / h ** 0.5)  # gate std ~ 3 LIMIT
-    w3 = torch.randn(E, i, h, generator=g) * (1.5 * LIMIT / h ** 0.5)
-    w2 = torch.randn(E, h, i, generator=g) / i ** 0.5
+    """expert_inputs.random_experts on `device` in `dtype` (routing weights fp32, ids long)."""
+    x, weights, ids, w1, w2, w3 = random_experts(T, k, E, h, i, LIMIT, seed, same_experts)
     cast = lambda t: t.to(device, dtype)  # noqa: E731
     return cast(x), weights.to(device), ids.to(device), cast(w1), cast(w2), cast(w3)
 

@@ -6,6 +6,7 @@ shared expert fused as one more pair (against + dense_swiglu), and the dispatch 
 `routed_experts` and `moe_experts`."""
 import pytest
 import torch
+from expert_inputs import random_experts
 
 from dsv4.ops import moe as moe_ops
 from dsv4.ops.triton import moe as triton_moe
@@ -16,16 +17,8 @@ SMALL_TILES = dict(up_tiles=(16, 32, 2), down_tiles=(16, 32, 2))  # several loop
 
 
 def make_inputs(device, T, k, dtype, seed=0):
-    """x [T, H], routing weights [T, k] fp32, ids [T, k] (distinct within a token, shared
-    across tokens), w1/w3 [E, I, H] scaled so |gate| and |up| often exceed LIMIT, w2 [E, H, I]."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else \
-        torch.zeros(0, k, dtype=torch.long)
-    weights = torch.rand(T, k, generator=g) * 2.5
-    w1 = torch.randn(E, I, H, generator=g) * (3 * LIMIT / H ** 0.5)  # gate std ~ 3 LIMIT
-    w3 = torch.randn(E, I, H, generator=g) * (1.5 * LIMIT / H ** 0.5)
-    w2 = torch.randn(E, H, I, generator=g) / I ** 0.5
+    """expert_inputs.random_experts on `device` in `dtype` (routing weights fp32, ids long)."""
+    x, weights, ids, w1, w2, w3 = random_experts(T, k, E, H, I, LIMIT, seed)
     cast = lambda t: t.to(device, dtype)  # noqa: E731
     return cast(x), weights.to(device), ids.to(device), cast(w1), cast(w2), cast(w3)
 
