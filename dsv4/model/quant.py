@@ -42,7 +42,7 @@ def _pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
 def quant_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
     out, inp = weight.shape
     r0, r1 = -(-out // block[0]), -(-inp // block[1])
-    padded = torch.zeros(r0 * block[0], r1 * block[1])
+    padded = torch.zeros(r0 * block[0], r1 * block[1], device=weight.device)
     padded[:out, :inp] = weight.float()
     amax = padded.view(r0, block[0], r1, block[1]).abs().amax(dim=(1, 3))
     scale = _pow2_scale(amax, FP8_MAX)

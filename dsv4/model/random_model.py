@@ -1,13 +1,19 @@
 """Model specs `random:PRESET[:LAYERS][:key=value,...]`: a random-weight model built directly
 in device memory (no files), for GPU benchmarks of shapes too large for the disk.
-E.g. `random:flash-slice:6`, `random:flash-slice:2:n_routed_experts=32`."""
+E.g. `random:flash-slice:6`, `random:flash-slice:2:n_routed_experts=32`.
+
+keep_fp8: the routed and shared experts are FP8 kept quantised (as `load_model(keep_fp8=True)`
+gives for a Flash-Base-style checkpoint): each is drawn as without it, then quantised to
+float8_e4m3fn with fp32 128x128 block scales, one expert at a time (no [E, I, H] fp32 temporary)."""
 from __future__ import annotations
 
 import torch
 
 from ..config import ModelConfig
 from .deepseek_v4 import DeepseekV4
+from .quant import quant_fp8
 from .random_init import _random_tensor, preset_config
+from .weights import fp8_scale_name
 
 PREFIX = "random:"
 
@@ -30,12 +36,34 @@ def parse_spec(spec: str) -> ModelConfig:
 
 
 @torch.no_grad()
-def build_random_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> DeepseekV4:
-    """Same weights for the same spec and seed (generated parameter by parameter on `device`)."""
+def build_random_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
+                       keep_fp8: bool = False) -> DeepseekV4:
+    """Same weights for the same spec and seed (generated parameter by parameter on `device`;
+    with keep_fp8 the same draws, quantised)."""
     cfg = parse_spec(spec)
     with torch.device(device):
-        model = DeepseekV4(cfg, dtype)
+        model = DeepseekV4(cfg, dtype, (keep_fp8, keep_fp8))
     gen = torch.Generator(device=device).manual_seed(seed)
-    for name, p in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if "tid2eid" in n]:
-        p.copy_(_random_tensor(name, tuple(p.shape), p.dtype, cfg, gen, device))
+    tensors = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if "tid2eid" in n}
+    for name, p in tensors.items():
+        if p.dtype == torch.float8_e4m3fn:
+            value = _random_tensor(name, tuple(p.shape), dtype, cfg, gen, device)
+            _quantise_into(p, tensors[fp8_scale_name(name)], value)
+        elif not _is_fp8_scale(name, tensors):
+            p.copy_(_random_tensor(name, tuple(p.shape), p.dtype, cfg, gen, device))
     return model.eval()
+
+
+def _is_fp8_scale(name: str, tensors: dict) -> bool:
+    weight = name[:-len(".scale")] + ".weight" if name.endswith(".scale") else name.removesuffix("_scale")
+    return weight != name and weight in tensors and tensors[weight].dtype == torch.float8_e4m3fn
+
+
+def _quantise_into(weight: torch.Tensor, scale: torch.Tensor, value: torch.Tensor) -> None:
+    """weight [..., R, C] float8_e4m3fn, scale [..., cdiv(R, 128), cdiv(C, 128)] fp32 <- value
+    [..., R, C] quantised matrix by matrix."""
+    for w, s, v in zip(weight.view(-1, *weight.shape[-2:]), scale.view(-1, *scale.shape[-2:]),
+                       value.view(-1, *value.shape[-2:])):
+        q, e8m0 = quant_fp8(v)
+        w.copy_(q)
+        s.copy_(e8m0.float())

@@ -208,14 +208,14 @@ def fp8_experts(path: str, block: tuple[int, int]) -> tuple[bool, bool]:
 def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32, keep_fp8: bool = False):
     """Build a `DeepseekV4` for the checkpoint at `path` (with its MTP blocks when the
     checkpoint has them) and load its weights. keep_fp8: FP8 expert weights stay FP8 (see
-    `fp8_experts`; a random spec ignores it)."""
+    `fp8_experts`; a random spec is built with FP8 experts, see `build_random_model`)."""
     from ..config import ModelConfig
     from .deepseek_v4 import DeepseekV4
     from .mtp import attach_mtp
     from .random_model import build_random_model, is_random_spec
 
     if is_random_spec(path):
-        return build_random_model(path, device, dtype)
+        return build_random_model(path, device, dtype, keep_fp8=keep_fp8)
     cfg = ModelConfig.from_dir(path)
     has_mtp = any(k.startswith("mtp.") for k in checkpoint_keys(path))
     fp8 = fp8_experts(path, cfg.quant_block) if keep_fp8 else (False, False)

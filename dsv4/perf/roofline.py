@@ -36,23 +36,28 @@ class Precision:
     """Bytes per stored element, by role. The released checkpoints keep the projections in
     FP8 (+ block scales), routed experts in MXFP4, and embed/head/compressors/indexer
     weights_proj/gate in BF16 (`aux`)."""
-    weight_bytes: float = 2.0      # wq_a, wq_b, wkv, wo_a, wo_b, indexer wq_b, shared expert
+    weight_bytes: float = 2.0      # wq_a, wq_b, wkv, wo_a, wo_b, indexer wq_b
     expert_bytes: float = 2.0      # routed experts
     aux_weight_bytes: float = 2.0  # embed, head, compressor wkv/wgate, weights_proj, gate
     kv_bytes: float = 2.0          # one element of a K=V vector or a compressed entry
     index_kv_bytes: float = 2.0    # one element of an indexer key
+    shared_expert_bytes: float = 2.0
 
     @classmethod
     def uniform(cls, weight_bytes: float, kv_bytes: float) -> "Precision":
         """Every weight `weight_bytes`, every cached element `kv_bytes`."""
-        return cls(weight_bytes, weight_bytes, weight_bytes, kv_bytes, kv_bytes)
+        return cls(weight_bytes, weight_bytes, weight_bytes, kv_bytes, kv_bytes, weight_bytes)
 
 
 BF16 = Precision.uniform(2.0, 2.0)
 # FP8 + one E8M0 scale per 128x128 block; MXFP4 + one E8M0 scale per 32; KV packed as
 # 584 B per 512-dim vector; indexer keys 128 B FP8 + 4 B scale per 128-dim key.
 RELEASED_FP8_FP4 = Precision(weight_bytes=1 + 1 / (128 * 128), expert_bytes=0.5 + 1 / 32,
-                             aux_weight_bytes=2.0, kv_bytes=584 / 512, index_kv_bytes=132 / 128)
+                             aux_weight_bytes=2.0, kv_bytes=584 / 512, index_kv_bytes=132 / 128,
+                             shared_expert_bytes=1 + 1 / (128 * 128))
+# dsv4 in bf16 with `--keep-fp8` on an FP8-expert checkpoint: routed and shared experts FP8 +
+# one fp32 scale per 128x128 block, everything else bf16
+BF16_FP8_EXPERTS = Precision(expert_bytes=1 + 4 / (128 * 128), shared_expert_bytes=1 + 4 / (128 * 128))
 
 
 @dataclass(frozen=True)
@@ -158,7 +163,7 @@ def _weight_bytes(params: ModelParams, tokens: int, p: Precision) -> float:
 
 
 def _dense_layer_bytes(layer: LayerParams, p: Precision) -> float:
-    return ((layer.attention + layer.indexer_query + layer.shared_expert) * p.weight_bytes
+    return ((layer.attention + layer.indexer_query) * p.weight_bytes + layer.shared_expert * p.shared_expert_bytes
             + (layer.compressor + layer.indexer_aux + layer.gate) * p.aux_weight_bytes
             + layer.hyper_connections * FP32_BYTES)
 

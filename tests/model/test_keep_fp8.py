@@ -68,3 +68,26 @@ def test_same_greedy_tokens(fp8_expert_checkpoint):
         outs[keep] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                         use_tqdm=False)]
     assert outs[True] == outs[False] and all(len(t) == 12 for t in outs[True])
+
+
+def test_random_spec_keep_fp8():
+    """`random:` specs with keep_fp8 (GPU benchmarks): the same draws as without it, experts
+    quantised to FP8; the same logits as the plain random model holding the dequantised values."""
+    spec = f"random:tiny:2:moe_intermediate_size={I}"
+    plain, kept = load_model(spec), load_model(spec, keep_fp8=True)
+    for block, ref in zip(kept.layers, plain.layers):
+        e, s, re_, rs = block.ffn.experts, block.ffn.shared_experts, ref.ffn.experts, ref.ffn.shared_experts
+        assert e.w1.dtype == s.w2.weight.dtype == torch.float8_e4m3fn
+        for w, sc, want in ((e.w1, e.w1_scale, re_.w1), (e.w2, e.w2_scale, re_.w2)):
+            got = torch.stack([dequant_fp8(w[j], sc[j]) for j in range(w.shape[0])])
+            assert (got - want).abs().max() <= 2 ** -3 * want.abs().max()            # e4m3: 3 mantissa bits
+        assert torch.equal(block.ffn.gate.weight, ref.ffn.gate.weight)          # other draws unchanged
+        assert torch.equal(block.attn.wq_a.weight, ref.attn.wq_a.weight)
+        for lin, rlin in zip((s.w1, s.w2, s.w3), (rs.w1, rs.w2, rs.w3)):
+            rlin.weight.copy_(dequant_fp8(lin.weight, lin.scale))
+        for name in ("w1", "w2", "w3"):
+            w, sc = getattr(e, name), getattr(e, f"{name}_scale")
+            getattr(re_, name).copy_(torch.stack([dequant_fp8(w[j], sc[j]) for j in range(w.shape[0])]))
+    ids = list(range(3, 40))
+    want, got = full_logits(plain, ids), full_logits(kept, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
