@@ -92,9 +92,10 @@ SHARED_TOKENS = (1, 2, 4, 8)
 PREFILL_TOKENS = (64, 512, 4096, 16384)   # 64: a batch-64 decode step (384 pairs, CUDA graph)
 UP_TUNE = [(16, 128, 64, 4, 5), (32, 128, 64, 4, 4), (64, 128, 64, 4, 3), (64, 128, 64, 4, 4),
            (64, 128, 64, 8, 4), (64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3),
-           (128, 128, 64, 8, 4)]                                        # (BM, BN, BK, warps, stages)
+           (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)]   # (BM, BN, BK, warps, stages)
 DOWN_TUNE = [(16, 128, 64, 4, 5), (32, 128, 64, 4, 4), (64, 128, 64, 4, 4), (64, 128, 64, 4, 5),
-             (64, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 32, 8, 5)]
+             (64, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128, 128, 32, 8, 5),
+             (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)]
 GROUP_TUNE = (1, 4, 8, 16, 32)
 
 
@@ -367,8 +368,9 @@ def profile_kernels(case, w1, w2, w3, paths):
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10))
 
 
-def tune_prefill(cases, w1, w2, w3):
-    """Whole-op ms of the Triton path per tile config of one kernel (the other at its default)."""
+def tune_prefill(cases, w1, w2, w3, scales=None):
+    """Whole-op ms of the Triton path per tile config of one kernel (the other at its default);
+    scales: FP8 weights' (benchmarks/kernels/moe_fp8.py)."""
     for label, grid, kw in (("up-gate (BM, BN, BK, warps, stages)", UP_TUNE, lambda c: dict(up_tiles=c)),
                             ("down (BM, BN, BK, warps, stages)", DOWN_TUNE, lambda c: dict(down_tiles=c)),
                             ("GROUP_M", GROUP_TUNE, lambda c: dict(group_m=c))):
@@ -380,7 +382,8 @@ def tune_prefill(cases, w1, w2, w3):
             ms = []
             for T, case in cases.items():
                 try:
-                    ms.append(timer(lambda: grp.routed_experts_grouped(*case, w1, w2, w3, LIMIT, **kw(cfg))))
+                    ms.append(timer(lambda: grp.routed_experts_grouped(*case, w1, w2, w3, LIMIT, scales=scales,
+                                                                       **kw(cfg))))
                 except Exception as exc:
                     print(f"  {str(cfg):>22} T={T}: {type(exc).__name__}: {str(exc)[:200]}")
                     ms.append(float("inf"))

@@ -70,6 +70,17 @@ def dequantised(ws, scales, dtype):
                  else dequant_fp8(w, s).to(dtype) for w, s in zip(ws, scales))
 
 
+def fp8_down_defaults(T, ks, tiles=None):
+    """The down tiles / split the FP8 kernels default to, for the same kernels on dequantised
+    (bf16 / fp32) weights, whose defaults differ: the same tiles sum in the same order."""
+    if tiles and "down_tiles" in tiles:
+        return tiles
+    tri = triton_moe
+    bh, bi = tri.FP8_DOWN_BLOCK_H, tri.FP8_DOWN_BLOCK_I
+    return {**(tiles or {}), "down_tiles": (bh, bi, tri.FP8_DOWN_WARPS),
+            "down_split": tri.default_down_split(T, ks, H, I, bh, bi, tri.FP8_DOWN_MIN_PROGRAMS)}
+
+
 def assert_same_as_dequantised(got, want, pow2, dtype, device):
     """The kernels on FP8 weights == on the dequantised weights, bit for bit in the interpreter
     when the scales are powers of two (E8M0, as released): the in-kernel dequantisation (or the
@@ -100,7 +111,8 @@ def test_decode_fp8(device, dtype, T, k):
     x, weights, ids, w1, w2, w3, scales = make_inputs(device, T, k, dtype, seed=k)
     got = triton_moe.routed_experts(x, weights, ids, w1, w2, w3, LIMIT, scales=scales)
     d1, d2, d3 = dequantised((w1, w2, w3), scales, dtype)
-    assert_same_as_dequantised(got, triton_moe.routed_experts(x, weights, ids, d1, d2, d3, LIMIT), True, dtype, device)
+    assert_same_as_dequantised(got, triton_moe.routed_experts(x, weights, ids, d1, d2, d3, LIMIT,
+                                                              **fp8_down_defaults(T, k)), True, dtype, device)
     assert_matches(got, moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales), dtype)
 
 
@@ -117,7 +129,8 @@ def test_decode_fp8_shared_tiles(device, tiles, dtype, pow2):
     d1, d2, d3 = dequantised((w1, w2, w3), scales, dtype)
     dsw = dequantised(sw, ss, dtype)
     assert_same_as_dequantised(got, triton_moe.routed_experts(x, weights, ids, d1, d2, d3, LIMIT, shared=dsw,
-                                                              **DECODE_TILES[tiles]), pow2, dtype, device)
+                                                              **fp8_down_defaults(3, 7, DECODE_TILES[tiles])),
+                               pow2, dtype, device)
     want = (moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales)
             + moe_ops.dense_swiglu(x, *sw, LIMIT, scales=ss))
     assert_matches(got, want, dtype)

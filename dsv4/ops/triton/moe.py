@@ -54,6 +54,12 @@ DOWN_BLOCK_H, DOWN_BLOCK_I, DOWN_WARPS = 16, 512, 4
 # default SPLIT: the fewest giving >= DOWN_MIN_PROGRAMS down programs. At V4 sizes: T = 1 -> 2,
 # T >= 2 -> 1 (the measured best)
 DOWN_MIN_PROGRAMS = 512
+# FP8 weights (a tile is half the bytes; the scales are folded into h): the best of
+# `benchmarks/kernels/moe_fp8.py --tune` on the H200, whole op from a CUDA graph: down
+# (32, 128, 4) at T=1 split 8 0.063 ms vs 0.073 with the bf16 defaults, at T=8 split 1 0.369 ms
+# vs 0.460 (up-gate: the bf16 default was also best for FP8). 1024 programs: T=1 -> 8, T=8 -> 1
+FP8_DOWN_BLOCK_H, FP8_DOWN_BLOCK_I, FP8_DOWN_WARPS = 32, 128, 4
+FP8_DOWN_MIN_PROGRAMS = 1024
 SUM_BLOCK = 1024
 
 
@@ -226,11 +232,11 @@ def _sum_splits_kernel(part_ptr, out_ptr, N, SPLIT, BLOCK: tl.constexpr):
 
 
 def default_down_split(T: int, k: int, H: int, I: int, block_h: int = DOWN_BLOCK_H,
-                       block_i: int = DOWN_BLOCK_I) -> int:
-    """SPLIT for the down kernel: the fewest that gives >= DOWN_MIN_PROGRAMS programs, at most one
+                       block_i: int = DOWN_BLOCK_I, min_programs: int = DOWN_MIN_PROGRAMS) -> int:
+    """SPLIT for the down kernel: the fewest that gives >= min_programs programs, at most one
     (expert, I-block) unit per split. Depends on shapes only (no host sync, CUDA-graph safe)."""
     units = k * triton.cdiv(I, block_i)
-    return max(1, min(units, triton.cdiv(DOWN_MIN_PROGRAMS, T * triton.cdiv(H, block_h))))
+    return max(1, min(units, triton.cdiv(min_programs, T * triton.cdiv(H, block_h))))
 
 
 def expert_shapes(x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -320,8 +326,9 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
         x, flat_ids, w1, w3, sw1, sw3, h, k, H, I, w1.stride(0), w1.stride(1), sw1.stride(0), float(limit),
         s1, s3, ss1, ss3, s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0,
         SHARED=has_shared, BLOCK_I=bi, BLOCK_H=bh, FP8=fp8, num_warps=nw)
-    bh, bi, nw = down_tiles or (DOWN_BLOCK_H, DOWN_BLOCK_I, DOWN_WARPS)
-    split = down_split or default_down_split(T, ks, H, I, bh, bi)
+    bh, bi, nw = down_tiles or ((FP8_DOWN_BLOCK_H, FP8_DOWN_BLOCK_I, FP8_DOWN_WARPS) if fp8
+                                else (DOWN_BLOCK_H, DOWN_BLOCK_I, DOWN_WARPS))
+    split = down_split or default_down_split(T, ks, H, I, bh, bi, FP8_DOWN_MIN_PROGRAMS if fp8 else DOWN_MIN_PROGRAMS)
     part = out if split == 1 else torch.empty((split, T, H), dtype=torch.float32, device=x.device)
     _down_kernel[(T, triton.cdiv(H, bh), split)](
         h, flat_ids, flat_w, w2, sw2, part, k, H, I, w2.stride(0), w2.stride(1), sw2.stride(0),
