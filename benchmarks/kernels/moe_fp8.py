@@ -2,7 +2,7 @@
 (E = 256, k = 6, H = 4096, I = 2048, bf16 activations, SwiGLU limit 10).
 
     python benchmarks/kernels/moe_fp8.py            # needs CUDA (~35 GiB of GPU memory); ~1 minute
-    python benchmarks/kernels/moe_fp8.py --tune     # + decode and grouped tile scans on FP8 weights (~3 more)
+    python benchmarks/kernels/moe_fp8.py --tune [decode|grouped]   # + tile scans on FP8 weights (~3 more)
 
 The experts of benchmarks/kernels/moe.py are quantised to float8_e4m3fn with power-of-two
 (E8M0) 128x128 block scales; `dq` are the dequantised bf16 weights (what the load without
@@ -120,7 +120,8 @@ def grouped_times(q, s, dq, gen) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description="FP8 routed experts (W8A16) vs bf16 on the GPU (see the docstring)")
-    p.add_argument("--tune", action="store_true", help="scan the decode and grouped tiles on FP8 weights")
+    p.add_argument("--tune", nargs="?", const="all", choices=("all", "decode", "grouped"),
+                   help="scan the decode and/or grouped tiles on FP8 weights")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
@@ -134,8 +135,9 @@ def main() -> int:
     failures = checks(q, s, dq, sq, ss, sdq, gen)
     decode_times(q, s, dq, gen)
     grouped_times(q, s, dq, gen)
-    if args.tune:
+    if args.tune in ("all", "decode"):
         tune_decode(q, s, gen)
+    if args.tune in ("all", "grouped"):
         bench.tune_prefill({T: bench.make_routing(T, gen) for T in (64, 4096, 16384)}, *q, scales=s)
     print("\nFAILURES:\n  " + "\n  ".join(failures) if failures else "\nall checks passed")
     return 1 if failures else 0
