@@ -154,8 +154,7 @@ ON_GPU = os.environ.get("DSV4_TRITON_DEVICE", "cpu") != "cpu"
 @pytest.mark.parametrize("tiles", [pytest.param(t, marks=pytest.mark.skipif(
     t == "wide_nk" and ON_GPU, reason="tiles exceed the GPU's shared memory")) for t in sorted(GROUPED_TILES)])
 def test_grouped_fp8(device, dtype, T, k, tiles):
-    # non-power-of-two scales: on the scale folded into x (default tiles, T = 3) and per element
-    pow2 = tiles == "wide_nk" or (tiles == "default" and T != 3)
+    pow2 = tiles != "wide_n"
     x, weights, ids, w1, w2, w3, scales = make_inputs(device, T, k, dtype, pow2, seed=T)
     got = moe_grouped.routed_experts_grouped(x, weights, ids, w1, w2, w3, LIMIT, scales=scales,
                                              **GROUPED_TILES[tiles])

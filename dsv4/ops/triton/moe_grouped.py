@@ -21,12 +21,8 @@ the tiles, so the op is CUDA-graph safe):
 Rounding differs from the definition only by bf16 steps: the reference rounds gate, up, h and
 each expert's output; here h and each weighted expert output are rounded.
 FP8 weights (`scales=`, constexpr FP8): each [BLOCK_K, BLOCK_N] weight tile is loaded as
-float8_e4m3fn. A tile within one 128x128 scale block (BLOCK_N, BLOCK_K dividing 128) is only
-converted to x's dtype, its scale folded into the x tile instead (`_dot_w`: BLOCK_M x BLOCK_K
-multiplies rather than a dequantisation of BLOCK_K x BLOCK_N); other tiles are multiplied in
-fp32 by their block scales (moe._block_scale: a vector along N, or a gather, by the tiles'
-alignment) and rounded to x's dtype. Then tl.dot. Both are exact for power-of-two (E8M0)
-scales, so the products are the dequantised weights' products.
+float8_e4m3fn, multiplied in fp32 by its 128x128 block scales (moe._block_scale: one scale, a
+vector along N, or a gather, by the tiles' alignment), rounded to x's dtype, then tl.dot.
 Programs run in grouped order (GROUP_M slots, then the next tile of N) so that the weight tiles
 of an expert and the gathered x rows of the group stay in L2 while they are reused.
 Expert offsets use int64 (e * I * H exceeds int32 at V4 sizes).
@@ -92,25 +88,16 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _dot_w(a, w_ptrs, acc, k0, K, kk, s_ptr, stride_sr, n_rows, n0, FP8: tl.constexpr, EVEN_K: tl.constexpr,
-           FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc + a @ W, W the weight tile [BLOCK_K, BLOCK_N] at depth k0 (K along axis 0). FP8: the
-    expert's scales s_ptr [cdiv(N, 128), cdiv(K, 128)] (n_rows [1, BLOCK_N] the weight rows,
-    clamped in bounds, n0 the first). When the tile lies in one 128x128 scale block (BLOCK_N and
-    BLOCK_K dividing 128) its one scale is folded into a ([BLOCK_M, BLOCK_K] multiplies, rounded
-    to a's dtype) and W only converted (exact for e4m3); otherwise W is dequantised element by
-    element in fp32 and rounded to a's dtype. For a power-of-two scale both are exact, so both
-    give the dequantised weights' products."""
+def _load_w(w_ptrs, k0, K, kk, s_ptr, stride_sr, n_rows, n0, FP8: tl.constexpr, EVEN_K: tl.constexpr,
+            out_dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weight tile [BLOCK_K, BLOCK_N] at depth k0 (K along axis 0); FP8: dequantised with the
+    expert's scales s_ptr ([cdiv(N, 128), cdiv(K, 128)], n_rows [1, BLOCK_N] the weight rows,
+    clamped in bounds, n0 the first) and rounded to out_dtype."""
     w = _load_k(w_ptrs, k0, K, kk, 0, EVEN_K)
     if FP8:
-        if (QBLOCK % BLOCK_N == 0) and (QBLOCK % BLOCK_K == 0):
-            sc = tl.load(s_ptr + (n0 // QBLOCK) * stride_sr + k0 // QBLOCK)
-            a = (a.to(tl.float32) * sc).to(a.dtype)
-            w = w.to(a.dtype)
-        else:
-            w = _dequant_tile(w, s_ptr, stride_sr, n_rows, tl.minimum(k0 + kk, K - 1)[:, None], n0, k0, a.dtype,
-                              QBLOCK % BLOCK_N == 0, QBLOCK % BLOCK_K == 0)
-    return _dot(a, w, acc, FP32_DOT)
+        w = _dequant_tile(w, s_ptr, stride_sr, n_rows, tl.minimum(k0 + kk, K - 1)[:, None], n0, k0, out_dtype,
+                          QBLOCK % BLOCK_N == 0, QBLOCK % BLOCK_K == 0)
+    return w
 
 
 @triton.jit
@@ -142,10 +129,12 @@ def _up_gate_kernel(x_ptr, order_ptr, sched_ptr, w1_ptr, w3_ptr, h_ptr, S, KP, H
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         a = _load_k(a_ptrs, k0, H, kk, 1, EVEN_K)
-        gate = _dot_w(a, w1_ptr + w_off, gate, k0, H, kk, s1_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
-                      FP32_DOT, BLOCK_N, BLOCK_K)
-        up = _dot_w(a, w3_ptr + w_off, up, k0, H, kk, s3_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
-                    FP32_DOT, BLOCK_N, BLOCK_K)
+        w1 = _load_w(w1_ptr + w_off, k0, H, kk, s1_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
+                     x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+        gate = _dot(a, w1, gate, FP32_DOT)
+        w3 = _load_w(w3_ptr + w_off, k0, H, kk, s3_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
+                     x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+        up = _dot(a, w3, up, FP32_DOT)
         a_ptrs += BLOCK_K
         w_off += BLOCK_K
     gate = tl.minimum(gate, limit)
@@ -180,8 +169,9 @@ def _down_kernel(h_ptr, order_ptr, wt_ptr, sched_ptr, w2_ptr, y_ptr, S, H, I,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         a = _load_k(a_ptrs, k0, I, kk, 1, EVEN_K)
-        acc = _dot_w(a, w2_ptr + w_off, acc, k0, I, kk, s2_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
-                     FP32_DOT, BLOCK_N, BLOCK_K)
+        w2 = _load_w(w2_ptr + w_off, k0, I, kk, s2_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
+                     h_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+        acc = _dot(a, w2, acc, FP32_DOT)
         a_ptrs += BLOCK_K
         w_off += BLOCK_K
     pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
