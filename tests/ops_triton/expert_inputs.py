@@ -1,5 +1,5 @@
-"""Random routed-expert inputs shared by the MoE kernel tests (imported by file name: this
-folder is on sys.path while its tests run)."""
+"""Random routed-expert inputs and the kernels-vs-reference tolerance shared by the MoE kernel
+tests (imported by file name: this folder is on sys.path while its tests run)."""
 import torch
 
 
@@ -20,3 +20,12 @@ def random_experts(T: int, k: int, E: int, h: int, i: int, limit: float, seed: i
     w3 = torch.randn(E, i, h, generator=g) * (1.5 * limit / h ** 0.5)
     w2 = torch.randn(E, h, i, generator=g) / i ** 0.5
     return x, weights, ids, w1, w2, w3
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """Kernel output vs the reference (`routed_experts_loop`, `dense_swiglu`) in dtype."""
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:   # rounding of differently ordered sums (outputs up to ~30)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    else:   # bf16: the reference rounds gate, up, h and each expert's output (the kernels fewer)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.float().abs().max().item())

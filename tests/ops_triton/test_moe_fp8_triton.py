@@ -7,7 +7,7 @@ load-time dequantisation stores). Dimensions above 128 and not multiples of 128 
 tiles; tiles within one scale block (one scale) and across several (a gather)."""
 import pytest
 import torch
-from expert_inputs import random_experts
+from expert_inputs import assert_matches, random_experts
 
 from dsv4.model.quant import dequant_fp8, e8m0_to_float, quant_fp8
 from dsv4.ops import moe as moe_ops
@@ -76,14 +76,6 @@ def assert_same_as_dequantised(got, want, pow2, dtype):
         assert torch.equal(got, want)
     else:
         assert_matches(got, want, dtype)
-
-
-def assert_matches(got, want, dtype):
-    assert got.dtype == want.dtype == dtype and got.shape == want.shape
-    if dtype == torch.float32:   # rounding of differently ordered sums (outputs up to ~30)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    else:   # bf16: the reference rounds gate, up, h and each expert's output (the kernels fewer)
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.float().abs().max().item())
 
 
 BF16, FP32 = torch.bfloat16, torch.float32
