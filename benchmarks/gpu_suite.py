@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from dsv4.perf import bench_offline as bo  # noqa: E402
-from dsv4.perf.roofline import H200, decode_step_cost, prefill_cost, roofline  # noqa: E402
+from dsv4.perf.roofline import BF16, BF16_FP8_EXPERTS, H200, decode_step_cost, prefill_cost, roofline  # noqa: E402
 
 PREFILLS = (1024, 4096, 16384)
 DECODES = ((1, 1024), (8, 1024), (64, 1024), (1, 4096), (64, 4096), (1, 16384), (8, 16384), (64, 16384))
@@ -81,20 +81,23 @@ def engine_for(spec, model, mode, **kw):
     return LLMEngine(spec, EngineConfig(device=DEV, dtype="bfloat16", **MODES[mode], **kw), model=model)
 
 
-def dsv4_runs(spec: str, gpu, budget: float, results: dict, greedy: bool = True) -> None:
+def dsv4_runs(spec: str, gpu, budget: float, results: dict, greedy: bool = True, modes=tuple(MODES),
+              keep_fp8: bool = False, prefix: str = "") -> None:
+    """Prefill and decode times per mode into results["<prefix>prefill N" / "<prefix>decode bB ctxC"];
+    keep_fp8: the slice's experts FP8 kept quantised (the bound counts them at 1 B + scales)."""
     from dsv4.model.weights import load_model
-    model = load_model(spec, DEV, torch.bfloat16)
-    cfg = model.cfg
-    for mode in MODES:
+    model = load_model(spec, DEV, torch.bfloat16, keep_fp8=keep_fp8)
+    cfg, precision = model.cfg, BF16_FP8_EXPERTS if keep_fp8 else BF16
+    for mode in modes:
         for n in PREFILLS:
             if time.perf_counter() - T0 > budget or mode == "fast_sync":
                 break
             eng = engine_for(spec, model, mode, max_num_seqs=1, max_num_batched_tokens=n, num_pages=n // 256 + 4)
             r = [bo.time_one(eng, 1, n, 2, False, f"p{n}-{i}")["ttft"] for i in range(PREFILL_REPEATS)]
-            row = results.setdefault(f"prefill {n}", {})
+            row = results.setdefault(f"{prefix}prefill {n}", {})
             row[f"{mode}_s"] = min(r)
-            row["bound_s"] = roofline(prefill_cost(cfg, n), gpu.hbm_bandwidth, gpu.dense_flops).seconds
-            log(f"dsv4 {mode} prefill {n}: {min(r):.3f}s")
+            row["bound_s"] = roofline(prefill_cost(cfg, n, precision=precision), gpu.hbm_bandwidth, gpu.dense_flops).seconds
+            log(f"dsv4 {prefix}{mode} prefill {n}: {min(r):.3f}s")
             del eng
         for batch, ctx in DECODES:
             if time.perf_counter() - T0 > budget:
@@ -104,14 +107,16 @@ def dsv4_runs(spec: str, gpu, budget: float, results: dict, greedy: bool = True)
             # the warm-up covers the same positions, so every graph shape the run needs is captured
             bo.time_one(eng, batch, ctx, DECODE_TOKENS, True, "warm")
             step = sorted(bo.time_one(eng, batch, ctx, DECODE_TOKENS, True, "run")["step_times"])
-            row = results.setdefault(f"decode b{batch} ctx{ctx}", {})
+            row = results.setdefault(f"{prefix}decode b{batch} ctx{ctx}", {})
             row[f"{mode}_s"] = step[len(step) // 2]
-            row["bound_s"] = roofline(decode_step_cost(cfg, batch, ctx), gpu.hbm_bandwidth, gpu.dense_flops).seconds
-            log(f"dsv4 {mode} decode b{batch} ctx{ctx}: {row[f'{mode}_s'] * 1e3:.2f} ms/step")
+            row["bound_s"] = roofline(decode_step_cost(cfg, batch, ctx, precision), gpu.hbm_bandwidth,
+                                      gpu.dense_flops).seconds
+            log(f"dsv4 {prefix}{mode} decode b{batch} ctx{ctx}: {row[f'{mode}_s'] * 1e3:.2f} ms/step")
             del eng
     if greedy:
-        results["greedy"] = greedy_identity(spec, model, random_prompts(cfg.vocab_size))
-    profile(spec, model)
+        results[f"{prefix}greedy"] = greedy_identity(spec, model, random_prompts(cfg.vocab_size))
+    if not keep_fp8:
+        profile(spec, model)
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -277,7 +282,7 @@ def table(results: dict) -> str:
             f"{'bound':>11}{'bound/fast':>12}")
     rows = [head, "-" * len(head)]
     for key, r in results.items():
-        if key == "greedy":
+        if key.endswith("greedy"):
             continue
         ref, fast, h, b = r.get("reference_s"), r.get("fast_s"), r.get("hf_s"), r.get("bound_s")
         sync = r.get("fast_sync_s")
@@ -303,6 +308,32 @@ def quick() -> int:
     text = table(results)
     print(text)
     with open(os.path.join(ARGS.out, "suite.json"), "w") as f:
+        json.dump({"info": info, "results": results}, f, indent=1)
+    return 0
+
+
+def fp8_compare() -> int:
+    """--fp8: the fast path on the slice with bf16 experts, then with its experts FP8 kept
+    quantised (--keep-fp8: the same draws, quantised), in one run; greedy identity of the
+    reference path vs the fast path on the FP8 model; the batch-64 / batch-1 ratio of each."""
+    global PREFILLS, DECODES
+    PREFILLS, DECODES = (16384,), ((1, 1024), (1, 4096), (64, 4096), (1, 16384))
+    os.makedirs(ARGS.out, exist_ok=True)
+    info = probe()
+    gpu = H200.measured(bandwidth=info["copy_bandwidth"], flops=info["bf16_matmul_flops"])
+    results: dict = {}
+    spec = SLICE or f"random:flash-slice:{ARGS.layers}"
+    for keep in (False, True):
+        dsv4_runs(spec, gpu, ARGS.budget_s, results, greedy=keep, modes=("fast",), keep_fp8=keep,
+                  prefix="fp8 " if keep else "bf16 ")
+    for prefix in ("bf16 ", "fp8 "):
+        b1, b64 = (results.get(f"{prefix}decode b{b} ctx4096", {}).get("fast_s") for b in (1, 64))
+        if b1 and b64:
+            info[f"{prefix}b64/b1 tokens/s at 4k"] = round(64 * b1 / b64, 2)
+    text = table(results) + "\n" + json.dumps({k: v for k, v in info.items() if "b64" in k})
+    print(text)
+    log(f"fp8 greedy identity: {results.get('fp8 greedy')}")
+    with open(os.path.join(ARGS.out, "fp8.json"), "w") as f:
         json.dump({"info": info, "results": results}, f, indent=1)
     return 0
 
@@ -343,10 +374,12 @@ if __name__ == "__main__":
     p.add_argument("--budget-s", type=float, default=500)
     p.add_argument("--dry-run-cpu", action="store_true", help="tiny shapes on the CPU, to test the suite itself")
     p.add_argument("--quick", action="store_true", help="decode and greedy identity of the fast path only")
+    p.add_argument("--fp8", action="store_true", help="bf16 vs FP8 experts kept quantised (--keep-fp8), "
+                   "fast path only, + greedy identity on FP8")
     p.add_argument("--skip-kernels", action="store_true", help="no kernel scripts / compiled kernel tests "
                    "(run them in a call of their own: benchmarks/kernels/*.py)")
     ARGS = p.parse_args()
     if ARGS.dry_run_cpu:
         DEV, PREFILLS, DECODES = "cpu", (256, 512), ((1, 300), (4, 600))
         ORACLE_SPEC, SLICE = "random:tiny:2:n_routed_experts=4", "random:tiny"
-    sys.exit(quick() if ARGS.quick else main())
+    sys.exit(quick() if ARGS.quick else fp8_compare() if ARGS.fp8 else main())

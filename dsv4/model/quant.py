@@ -50,6 +50,21 @@ def quant_fp8(weight: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tupl
     return (weight.float() / s).to(torch.float8_e4m3fn), scale.to(torch.float8_e8m0fnu)
 
 
+def quant_fp8_stacked(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., R, C] -> (float8_e4m3fn [..., R, C], fp32 scales [..., cdiv(R, 128), cdiv(C, 128)]),
+    matrix by matrix (no fp32 temporary of the whole stack): the in-memory form of kept FP8
+    experts (`load_model(keep_fp8=True)`)."""
+    q = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
+    scales = torch.empty(*weight.shape[:-2], -(-weight.shape[-2] // 128), -(-weight.shape[-1] // 128),
+                         device=weight.device)
+    for qm, sm, wm in zip(q.view(-1, *q.shape[-2:]), scales.view(-1, *scales.shape[-2:]),
+                          weight.reshape(-1, *weight.shape[-2:])):
+        qm_, sm_ = quant_fp8(wm)
+        qm.copy_(qm_)
+        sm.copy_(sm_.float())
+    return q, scales
+
+
 def quant_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out, inp = weight.shape
     blocks = weight.float().view(out, inp // FP4_BLOCK, FP4_BLOCK)

@@ -11,7 +11,7 @@ import torch
 
 from ..config import ModelConfig
 from .deepseek_v4 import DeepseekV4
-from .quant import quant_fp8
+from .quant import quant_fp8_stacked
 from .random_init import _random_tensor, preset_config
 from .weights import fp8_scale_name
 
@@ -48,7 +48,9 @@ def build_random_model(spec: str, device="cpu", dtype: torch.dtype = torch.float
     for name, p in tensors.items():
         if p.dtype == torch.float8_e4m3fn:
             value = _random_tensor(name, tuple(p.shape), dtype, cfg, gen, device)
-            _quantise_into(p, tensors[fp8_scale_name(name)], value)
+            q, scales = quant_fp8_stacked(value)
+            p.copy_(q)
+            tensors[fp8_scale_name(name)].copy_(scales)
         elif not _is_fp8_scale(name, tensors):
             p.copy_(_random_tensor(name, tuple(p.shape), p.dtype, cfg, gen, device))
     return model.eval()
@@ -57,13 +59,3 @@ def build_random_model(spec: str, device="cpu", dtype: torch.dtype = torch.float
 def _is_fp8_scale(name: str, tensors: dict) -> bool:
     weight = name[:-len(".scale")] + ".weight" if name.endswith(".scale") else name.removesuffix("_scale")
     return weight != name and weight in tensors and tensors[weight].dtype == torch.float8_e4m3fn
-
-
-def _quantise_into(weight: torch.Tensor, scale: torch.Tensor, value: torch.Tensor) -> None:
-    """weight [..., R, C] float8_e4m3fn, scale [..., cdiv(R, 128), cdiv(C, 128)] fp32 <- value
-    [..., R, C] quantised matrix by matrix."""
-    for w, s, v in zip(weight.view(-1, *weight.shape[-2:]), scale.view(-1, *scale.shape[-2:]),
-                       value.view(-1, *value.shape[-2:])):
-        q, e8m0 = quant_fp8(v)
-        w.copy_(q)
-        s.copy_(e8m0.float())
