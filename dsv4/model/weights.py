@@ -251,14 +251,15 @@ def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32, keep
     """Build a `DeepseekV4` for the checkpoint at `path` (with its MTP blocks when the
     checkpoint has them) and load its weights. keep_fp8: FP8 expert weights stay FP8 (see
     `fp8_experts`; a random spec is built with FP8 experts, see `build_random_model`);
-    keep_mxfp4: MXFP4 routed experts stay MXFP4 (see `mxfp4_experts`)."""
+    keep_mxfp4: MXFP4 routed experts stay MXFP4 (see `mxfp4_experts`; a random spec is built
+    with MXFP4 routed experts)."""
     from ..config import ModelConfig
     from .deepseek_v4 import DeepseekV4
     from .mtp import attach_mtp
     from .random_model import build_random_model, is_random_spec
 
     if is_random_spec(path):
-        return build_random_model(path, device, dtype, keep_fp8=keep_fp8)
+        return build_random_model(path, device, dtype, keep_fp8=keep_fp8, keep_mxfp4=keep_mxfp4)
     cfg = ModelConfig.from_dir(path)
     has_mtp = any(k.startswith("mtp.") for k in checkpoint_keys(path))
     fp8 = fp8_experts(path, cfg.quant_block) if keep_fp8 else (False, False)

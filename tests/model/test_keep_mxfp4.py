@@ -87,3 +87,24 @@ def test_bad_scale_is_named(mxfp4_checkpoint, tmp_path, edit, message):
     save_file(tensors, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=re.escape(message)):
         load_model(str(tmp_path), keep_mxfp4=True)
+
+
+def test_random_spec_keep_mxfp4():
+    """`random:` specs with keep_mxfp4 (GPU benchmarks): the same draws as without it, routed
+    experts quantised to MXFP4, the shared expert unquantised (also with keep_fp8, as loading the
+    released format gives); the same logits as the plain random model holding the dequantised values."""
+    spec = f"random:tiny:2:moe_intermediate_size={I}"
+    plain, kept = load_model(spec), load_model(spec, keep_fp8=True, keep_mxfp4=True)
+    for block, ref in zip(kept.layers, plain.layers):
+        e, re_ = block.ffn.experts, ref.ffn.experts
+        assert e.w1.dtype == e.w1_scale.dtype == torch.uint8 and e.w2.shape == re_.w2.shape[:-1] + (I // 2,)
+        for name in ("w1", "w2", "w3"):
+            got, want = dequant_fp4(getattr(e, name), getattr(e, f"{name}_scale")), getattr(re_, name)
+            assert (got - want).abs().max() <= want.abs().max() / 3          # e2m1: steps up to 1/3 of a block's max
+            getattr(re_, name).copy_(got)
+        assert block.ffn.shared_experts.scales() is None                     # other draws unchanged
+        assert torch.equal(block.ffn.shared_experts.w1.weight, ref.ffn.shared_experts.w1.weight)
+        assert torch.equal(block.ffn.gate.weight, ref.ffn.gate.weight)
+    ids = list(range(3, 40))
+    want, got = full_logits(plain, ids), full_logits(kept, ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

@@ -51,6 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ...model.quant import unpacked_shape, weight_format
+
 # tile defaults: the best of benchmarks/kernels/moe.py's tuning scan on the H200 at V4-Flash
 # shapes (whole op at T=1: up-gate (16, 128, 8) 0.108 ms vs 0.127 for (16, 256, 4); down
 # (16, 512, 4) with SPLIT 2 0.112 ms vs 0.129 for (8, 256, 8) with SPLIT 8; both also best at T=8)
@@ -326,17 +328,6 @@ def default_down_split(T: int, k: int, H: int, I: int, block_h: int = DOWN_BLOCK
     (expert, I-block) unit per split. Depends on shapes only (no host sync, CUDA-graph safe)."""
     units = k * triton.cdiv(I, block_i)
     return max(1, min(units, triton.cdiv(DOWN_MIN_PROGRAMS, T * triton.cdiv(H, block_h))))
-
-
-def weight_format(w: torch.Tensor) -> str | None:
-    """The expert weight format told by the dtype: float8_e4m3fn "fp8" (fp32 128x128 block
-    scales), uint8 "mxfp4" (packed e2m1 pairs, E8M0 bytes per 32 inputs), else None."""
-    return {torch.float8_e4m3fn: "fp8", torch.uint8: "mxfp4"}.get(w.dtype)
-
-
-def unpacked_shape(w: torch.Tensor) -> tuple[int, ...]:
-    """The matrix shape [..., R, C] of weight w (MXFP4: w is [..., R, C/2])."""
-    return (*w.shape[:-1], w.shape[-1] * 2) if weight_format(w) == "mxfp4" else tuple(w.shape)
 
 
 def expert_shapes(x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
