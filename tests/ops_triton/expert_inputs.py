@@ -29,3 +29,14 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) ->
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     else:   # bf16: the reference rounds gate, up, h and each expert's output (the kernels fewer)
         torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.float().abs().max().item())
+
+
+def assert_same_as_dequantised(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, device: str) -> None:
+    """The kernels on quantised weights vs the same kernels on the dequantised weights: bit for
+    bit in the interpreter (the in-kernel dequantisation gives exactly the load-time values);
+    compiled on the GPU within `assert_matches`' tolerance (the compiler may lay a quantised tile
+    out unlike a bf16 one, so tl.sum / tl.dot add in another order)."""
+    if device == "cpu":
+        assert torch.equal(got, want)
+    else:
+        assert_matches(got, want, dtype)

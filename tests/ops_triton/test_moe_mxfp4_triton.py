@@ -1,8 +1,9 @@
 """MXFP4 (W4A16) routed experts in the Triton kernels (dsv4/ops/triton/moe.py decode GEMVs,
 dsv4/ops/triton/moe_grouped.py grouped GEMMs): e2m1 pairs packed along the input dim (uint8,
 low nibble first) with an E8M0 exponent byte per 32 inputs, dequantised tile by tile in the
-kernels. Against the same kernels on the dequantised weights (equal: e2m1 * 2^k is exact in
-bf16, so the dequantised tile is exactly what the load-time dequantisation stores) and against
+kernels. Against the same kernels on the dequantised weights (equal in the interpreter: e2m1 *
+2^k is exact in bf16, so the dequantised tile is exactly what the load-time dequantisation
+stores; compiled, within tolerance: see assert_same_as_dequantised) and against
 the reference (`routed_experts_loop` with scales, which dequantises with dsv4.model.quant's
 `dequant_fp4`, the definition of the format). Uniformly random bytes: every nibble code, both
 signs (and -0). H, I multiples of 32 but not of the tiles (partial tiles, partial scale runs)."""
@@ -10,7 +11,7 @@ import math
 
 import pytest
 import torch
-from expert_inputs import assert_matches, random_experts
+from expert_inputs import assert_matches, assert_same_as_dequantised, random_experts
 
 from dsv4.model.quant import dequant_fp4
 from dsv4.ops import moe as moe_ops
@@ -56,7 +57,7 @@ def test_decode_mxfp4(device, T, k, dtype):
     x, weights, ids, w1, w2, w3, scales, _ = make_inputs(device, T, k, dtype, seed=k)
     got = triton_moe.routed_experts(x, weights, ids, w1, w2, w3, LIMIT, scales=scales)
     d1, d2, d3 = dequantised((w1, w2, w3), scales, dtype)
-    assert torch.equal(got, triton_moe.routed_experts(x, weights, ids, d1, d2, d3, LIMIT))
+    assert_same_as_dequantised(got, triton_moe.routed_experts(x, weights, ids, d1, d2, d3, LIMIT), dtype, device)
     assert_matches(got, moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales), dtype)
 
 
@@ -67,8 +68,8 @@ def test_decode_mxfp4_shared_split(device):
     got = triton_moe.routed_experts(x, weights, ids, w1, w2, w3, LIMIT, shared=sw, scales=scales, down_split=3,
                                     **SMALL_DECODE)
     d = dequantised((w1, w2, w3), scales, BF16)
-    assert torch.equal(got, triton_moe.routed_experts(x, weights, ids, *d, LIMIT, shared=sw, down_split=3,
-                                                      **SMALL_DECODE))
+    assert_same_as_dequantised(got, triton_moe.routed_experts(x, weights, ids, *d, LIMIT, shared=sw, down_split=3,
+                                                              **SMALL_DECODE), BF16, device)
     want = moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales) + moe_ops.dense_swiglu(x, *sw, LIMIT)
     assert_matches(got, want, BF16)
 
@@ -93,7 +94,8 @@ def test_grouped_mxfp4(device, T, k, dtype, tiles):
         tiles = dict(up_tiles=up, down_tiles=down)                 # the same for the dequantised run
     got = moe_grouped.routed_experts_grouped(x, weights, ids, w1, w2, w3, LIMIT, scales=scales, **tiles)
     d = dequantised((w1, w2, w3), scales, dtype)
-    assert torch.equal(got, moe_grouped.routed_experts_grouped(x, weights, ids, *d, LIMIT, **tiles))
+    assert_same_as_dequantised(got, moe_grouped.routed_experts_grouped(x, weights, ids, *d, LIMIT, **tiles), dtype,
+                               device)
     assert_matches(got, moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales), dtype)
 
 
