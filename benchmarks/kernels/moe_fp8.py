@@ -7,9 +7,10 @@
 The experts of benchmarks/kernels/moe.py are quantised to float8_e4m3fn with power-of-two
 (E8M0) 128x128 block scales; `dq` are the dequantised bf16 weights (what the load without
 keep_fp8 stores). Checks first (exit 1 on a mismatch):
-  * decode GEMVs and grouped GEMMs on FP8 == the same kernels on dq, bit for bit (the scales
-    are powers of two, so the in-kernel dequantisation is exact, as at load time);
-  * both within moe.py's tolerance of the reference `routed_experts_loop` on FP8 (which
+  * whether decode GEMVs and grouped GEMMs on FP8 equal the same kernels on dq bit for bit
+    (printed only: the values are the same, as the scales are powers of two, but the compiler
+    may lay out an FP8 tile unlike a bf16 one and so sum in another order);
+  * FP8 within moe.py's tolerance of the reference `routed_experts_loop` on FP8 (which
     dequantises the experts it uses); with the shared expert fused as pair k, within moe.py's
     coarse shared-part bound of the reference + `dense_swiglu`.
 Then times, bf16 (dq) vs FP8, from CUDA graphs: the decode op at T = 1..8 (GB/s of the bytes
@@ -65,8 +66,8 @@ def checks(q, s, dq, sq, ss, sdq, gen) -> list[str]:
                 ratio = bench.bound_ratio(got, want, x, weights, ids, *dq)
             print(f"  T={T:<5d} {op.__module__.split('.')[-1]:11s} shared {shared!s:5s} bit-equal {same!s:5s} "
                   f"err/tol {ratio:.3f}")
-            if not same or ratio > 1:
-                failures.append(f"T={T} shared={shared}: bit-equal {same}, err/tol {ratio:.2f}")
+            if ratio > 1:
+                failures.append(f"T={T} shared={shared}: err/tol {ratio:.2f}")
     return failures
 
 
@@ -91,14 +92,19 @@ def tune_decode(q, s, gen) -> None:
     """Whole-op ms on FP8 weights per up-gate tiles, then per down tiles x split (T = 1, 8)."""
     cases = {T: bench.make_routing(T, gen) for T in (1, 8)}
     run = lambda T, **kw: bench.graph_ms(lambda: tri.routed_experts(*cases[T], *q, LIMIT, scales=s, **kw))  # noqa: E731
-    print(f"\nFP8 tuning up-gate (BLOCK_I, BLOCK_H, warps), default {(tri.UP_BLOCK_I, tri.UP_BLOCK_H, tri.UP_WARPS)}:")
-    for tiles in bench.UP_GRID:
-        print(f"  {str(tiles):>14} " + " ".join(f"T={T} {run(T, up_tiles=tiles):8.4f}" for T in cases))
-    print(f"FP8 tuning down (BLOCK_H, BLOCK_I, warps) x split, default {(tri.DOWN_BLOCK_H, tri.DOWN_BLOCK_I, tri.DOWN_WARPS)}:")
-    for tiles in bench.DOWN_GRID:
-        for split in (1, 2, 4, 8):
-            print(f"  {str(tiles):>14} split {split} " + " ".join(
-                f"T={T} {run(T, down_tiles=tiles, down_split=split):8.4f}" for T in cases))
+    scans = (("up-gate (BLOCK_I, BLOCK_H, warps)", [dict(up_tiles=t) for t in bench.UP_GRID]),
+             ("down (BLOCK_H, BLOCK_I, warps) x split",
+              [dict(down_tiles=t, down_split=sp) for t in bench.DOWN_GRID for sp in (1, 2, 4, 8)]))
+    for label, configs in scans:
+        print(f"\nFP8 tuning {label}, defaults up {(tri.UP_BLOCK_I, tri.UP_BLOCK_H, tri.UP_WARPS)} "
+              f"down {(tri.DOWN_BLOCK_H, tri.DOWN_BLOCK_I, tri.DOWN_WARPS)}:")
+        best = {T: (float("inf"), None) for T in cases}
+        for kw in configs:
+            ms = {T: run(T, **kw) for T in cases}
+            best = {T: min(best[T], (ms[T], str(kw))) for T in cases}
+            print(f"  {str(kw):>44} " + " ".join(f"T={T} {m:8.4f}" for T, m in ms.items()))
+        for T, (m, kw) in best.items():
+            print(f"  best at T={T}: {kw} {m:.4f} ms")
 
 
 def grouped_times(q, s, dq, gen, label="fp8") -> None:

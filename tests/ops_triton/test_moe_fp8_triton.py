@@ -5,9 +5,11 @@ per 128x128 block, dequantised tile by tile in the kernels. Against the referenc
 the same kernels on the dequantised weights (equal: the dequantised tile is exactly what the
 load-time dequantisation stores). Dimensions above 128 and not multiples of 128 or of the
 tiles; tiles within one scale block (one scale) and across several (a gather)."""
+import os
+
 import pytest
 import torch
-from expert_inputs import assert_matches, random_experts
+from expert_inputs import assert_matches, assert_same_as_dequantised, random_experts
 
 from dsv4.model.quant import dequant_fp8, e8m0_to_float, quant_fp8
 from dsv4.ops import moe as moe_ops
@@ -68,16 +70,6 @@ def dequantised(ws, scales, dtype):
                  else dequant_fp8(w, s).to(dtype) for w, s in zip(ws, scales))
 
 
-def assert_same_as_dequantised(got, want, pow2, dtype):
-    """The kernels on FP8 weights == on the dequantised weights. Not bit-equal in the
-    interpreter for bf16 with non-power-of-two scales only: its fp32 -> bf16 cast truncates
-    (the GPU's rounds to nearest even, like torch), so its dequantised tile can be 1 ulp off."""
-    if pow2 or dtype == torch.float32:
-        assert torch.equal(got, want)
-    else:
-        assert_matches(got, want, dtype)
-
-
 BF16, FP32 = torch.bfloat16, torch.float32
 
 
@@ -88,7 +80,7 @@ def test_decode_fp8(device, dtype, T, k):
     x, weights, ids, w1, w2, w3, scales = make_inputs(device, T, k, dtype, seed=k)
     got = triton_moe.routed_experts(x, weights, ids, w1, w2, w3, LIMIT, scales=scales)
     d1, d2, d3 = dequantised((w1, w2, w3), scales, dtype)
-    assert torch.equal(got, triton_moe.routed_experts(x, weights, ids, d1, d2, d3, LIMIT))
+    assert_same_as_dequantised(got, triton_moe.routed_experts(x, weights, ids, d1, d2, d3, LIMIT), True, dtype, device)
     assert_matches(got, moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales), dtype)
 
 
@@ -105,7 +97,7 @@ def test_decode_fp8_shared_tiles(device, tiles, dtype, pow2):
     d1, d2, d3 = dequantised((w1, w2, w3), scales, dtype)
     dsw = dequantised(sw, ss, dtype)
     assert_same_as_dequantised(got, triton_moe.routed_experts(x, weights, ids, d1, d2, d3, LIMIT, shared=dsw,
-                                                              **DECODE_TILES[tiles]), pow2, dtype)
+                                                              **DECODE_TILES[tiles]), pow2, dtype, device)
     want = (moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales)
             + moe_ops.dense_swiglu(x, *sw, LIMIT, scales=ss))
     assert_matches(got, want, dtype)
@@ -119,9 +111,15 @@ def test_decode_fp8_down_split(device, split):
     assert_matches(got, moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales), torch.float32)
 
 
+ON_GPU = os.environ.get("DSV4_TRITON_DEVICE", "cpu") != "cpu"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,k", [(1, 1), (3, 4), (37, 6)])
-@pytest.mark.parametrize("tiles", sorted(GROUPED_TILES))
+# wide_nk (256 x 256 weight tiles, the full per-element scale gather) only in the interpreter:
+# compiled, its up-gate tile pair alone needs 256 KB of shared memory (the H200 has 228 KB)
+@pytest.mark.parametrize("tiles", [pytest.param(t, marks=pytest.mark.skipif(
+    t == "wide_nk" and ON_GPU, reason="tiles exceed the GPU's shared memory")) for t in sorted(GROUPED_TILES)])
 def test_grouped_fp8(device, dtype, T, k, tiles):
     pow2 = tiles != "wide_n"
     x, weights, ids, w1, w2, w3, scales = make_inputs(device, T, k, dtype, pow2, seed=T)
@@ -129,7 +127,7 @@ def test_grouped_fp8(device, dtype, T, k, tiles):
                                              **GROUPED_TILES[tiles])
     d1, d2, d3 = dequantised((w1, w2, w3), scales, dtype)
     assert_same_as_dequantised(got, moe_grouped.routed_experts_grouped(x, weights, ids, d1, d2, d3, LIMIT,
-                                                                       **GROUPED_TILES[tiles]), pow2, dtype)
+                                                                       **GROUPED_TILES[tiles]), pow2, dtype, device)
     assert_matches(got, moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales), dtype)
 
 

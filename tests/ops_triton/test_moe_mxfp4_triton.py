@@ -57,7 +57,7 @@ def test_decode_mxfp4(device, T, k, dtype):
     x, weights, ids, w1, w2, w3, scales, _ = make_inputs(device, T, k, dtype, seed=k)
     got = triton_moe.routed_experts(x, weights, ids, w1, w2, w3, LIMIT, scales=scales)
     d1, d2, d3 = dequantised((w1, w2, w3), scales, dtype)
-    assert_same_as_dequantised(got, triton_moe.routed_experts(x, weights, ids, d1, d2, d3, LIMIT), dtype, device)
+    assert_same_as_dequantised(got, triton_moe.routed_experts(x, weights, ids, d1, d2, d3, LIMIT), True, dtype, device)
     assert_matches(got, moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales), dtype)
 
 
@@ -69,7 +69,7 @@ def test_decode_mxfp4_shared_split(device):
                                     **SMALL_DECODE)
     d = dequantised((w1, w2, w3), scales, BF16)
     assert_same_as_dequantised(got, triton_moe.routed_experts(x, weights, ids, *d, LIMIT, shared=sw, down_split=3,
-                                                              **SMALL_DECODE), BF16, device)
+                                                              **SMALL_DECODE), True, BF16, device)
     want = moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales) + moe_ops.dense_swiglu(x, *sw, LIMIT)
     assert_matches(got, want, BF16)
 
@@ -94,8 +94,8 @@ def test_grouped_mxfp4(device, T, k, dtype, tiles):
         tiles = dict(up_tiles=up, down_tiles=down)                 # the same for the dequantised run
     got = moe_grouped.routed_experts_grouped(x, weights, ids, w1, w2, w3, LIMIT, scales=scales, **tiles)
     d = dequantised((w1, w2, w3), scales, dtype)
-    assert_same_as_dequantised(got, moe_grouped.routed_experts_grouped(x, weights, ids, *d, LIMIT, **tiles), dtype,
-                               device)
+    assert_same_as_dequantised(got, moe_grouped.routed_experts_grouped(x, weights, ids, *d, LIMIT, **tiles), True,
+                               dtype, device)
     assert_matches(got, moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales), dtype)
 
 

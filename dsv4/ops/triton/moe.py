@@ -26,9 +26,15 @@ shared sum then happens in the down kernel's fp32 accumulator (and the split sum
 MoE is 2-3 launches instead of the shared expert's separate GEMMs, SwiGLU ops and add.
 
 FP8 weights (W8A16, `scales=` / `shared_scales=`, constexpr FP8): the weight tiles are loaded
-as float8_e4m3fn, multiplied in fp32 by their 128x128 block scale (`_block_scale`: any tile
-size, aligned or not), rounded to x's dtype (as the load-time dequantisation stores them), then
-the same math.
+as float8_e4m3fn. When a tile's rows lie in one 128-row scale block (BLOCK rows dividing 128,
+the defaults), its scales depend on the column only and are folded into the activation vector
+(x or h: [BLOCK] multiplies instead of [rows, BLOCK]; a weight element then costs one convert and
+one FMA, which keeps the GEMV at HBM speed rather than ALU-bound). Otherwise each tile is
+multiplied in fp32 by its scales (`_block_scale`: any tile size, aligned or not) and rounded to
+x's dtype (as the load-time dequantisation stores it). Both give exactly the load-time
+dequantised product for power-of-two (E8M0) scales, those of every released checkpoint:
+w * (x * s) == bf16(w * s) * x in fp32, as multiplying by 2^k is exact; other fp32 scales skip
+the bf16 rounding of w * s in the folded form (a rounding closer to the exact product).
 
 MXFP4 weights (W4A16, uint8 weights and `scales=`, constexpr MXFP4): e2m1 values packed two per
 byte along the last (input) dim, low nibble first, one E8M0 exponent byte per 32 inputs
@@ -238,16 +244,19 @@ def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, h_ptr, K, 
             m = i_ok[:, None] & h_ok[None, :]
             w1 = tl.load(w1_base + w_off + hh[None, :], mask=m, other=0.0)   # [BLOCK_I, BLOCK_H]
             w3 = tl.load(w3_base + w_off + hh[None, :], mask=m, other=0.0)
+        x1, x3 = xv, xv
         if FP8:
             sh = tl.minimum(hh, H - 1)[None, :]
-            w1 = _dequant_tile(w1, s1_base, stride_sr, si, sh, i0, h0, h_ptr.dtype.element_ty,
-                               QBLOCK % BLOCK_I == 0, QBLOCK % BLOCK_H == 0)
-            w3 = _dequant_tile(w3, s3_base, stride_sr, si, sh, i0, h0, h_ptr.dtype.element_ty,
-                               QBLOCK % BLOCK_I == 0, QBLOCK % BLOCK_H == 0)
-        w1 = w1.to(tl.float32)
-        w3 = w3.to(tl.float32)
-        gate += tl.sum(w1 * xv, axis=1)
-        up += tl.sum(w3 * xv, axis=1)
+            if QBLOCK % BLOCK_I == 0:       # the tile's rows share their scales: fold them into x
+                x1 = xv * _block_scale(s1_base, stride_sr, si, sh, i0, h0, True, QBLOCK % BLOCK_H == 0)
+                x3 = xv * _block_scale(s3_base, stride_sr, si, sh, i0, h0, True, QBLOCK % BLOCK_H == 0)
+            else:
+                w1 = _dequant_tile(w1, s1_base, stride_sr, si, sh, i0, h0, h_ptr.dtype.element_ty,
+                                   False, QBLOCK % BLOCK_H == 0)
+                w3 = _dequant_tile(w3, s3_base, stride_sr, si, sh, i0, h0, h_ptr.dtype.element_ty,
+                                   False, QBLOCK % BLOCK_H == 0)
+        gate += tl.sum(w1.to(tl.float32) * x1, axis=1)
+        up += tl.sum(w3.to(tl.float32) * x3, axis=1)
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     h = gate / (1.0 + tl.exp(-gate)) * up                         # silu(gate) * up
@@ -302,9 +311,12 @@ def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
                 w2 = tl.load(w2_base + w_off + ii[None, :], mask=n_ok[:, None] & i_ok[None, :],
                              other=0.0)                           # [BLOCK_H, BLOCK_I]
             if FP8:
-                w2 = _dequant_tile(w2, s2_base, stride_sr, tl.minimum(n, H - 1)[:, None],
-                                   tl.minimum(ii, I - 1)[None, :], n0, b * BLOCK_I, h_ptr.dtype.element_ty,
-                                   QBLOCK % BLOCK_H == 0, QBLOCK % BLOCK_I == 0)
+                sn, si = tl.minimum(n, H - 1)[:, None], tl.minimum(ii, I - 1)[None, :]
+                if QBLOCK % BLOCK_H == 0:   # the tile's rows share their scales: fold them into h
+                    hv = hv * _block_scale(s2_base, stride_sr, sn, si, n0, b * BLOCK_I, True, QBLOCK % BLOCK_I == 0)
+                else:
+                    w2 = _dequant_tile(w2, s2_base, stride_sr, sn, si, n0, b * BLOCK_I, h_ptr.dtype.element_ty,
+                                       False, QBLOCK % BLOCK_I == 0)
             y += tl.sum(w2.to(tl.float32) * hv, axis=1)
         acc += wt * y
     row = (s * T + t).to(tl.int64) * H

@@ -21,8 +21,11 @@ the tiles, so the op is CUDA-graph safe):
 Rounding differs from the definition only by bf16 steps: the reference rounds gate, up, h and
 each expert's output; here h and each weighted expert output are rounded.
 FP8 weights (`scales=`, constexpr FP8): each [BLOCK_K, BLOCK_N] weight tile is loaded as
-float8_e4m3fn, multiplied in fp32 by its 128x128 block scales (moe._block_scale: one scale, a
-vector along N, or a gather, by the tiles' alignment), rounded to x's dtype, then tl.dot.
+float8_e4m3fn. With BLOCK_K dividing 128 (the defaults) it is converted to x's dtype as is and
+its fp32 partial product scaled per column (`_dot_w`); otherwise multiplied in fp32 by its
+128x128 block scales (moe._block_scale: one scale, a vector along N, or a gather, by the
+tiles' alignment) and rounded to x's dtype before tl.dot. With power-of-two (E8M0) scales both
+equal the dequantised weights' products term by term; the fp32 sums may round in another order.
 MXFP4 weights (uint8 weights and `scales=`, constexpr MXFP4): a tile's packed bytes
 [BLOCK_K/2, BLOCK_N] (two e2m1 values per byte along K) and E8M0 bytes [BLOCK_K/32, BLOCK_N]
 are loaded and dequantised by moe._mxfp4_tile (nibbles interleaved back along K, axis 0),
@@ -39,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe import MXFP4_BLOCK, QBLOCK, _dequant_tile, _mxfp4_tile, expert_shapes, weight_format
+from .moe import MXFP4_BLOCK, QBLOCK, _block_scale, _dequant_tile, _mxfp4_tile, expert_shapes, weight_format
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of (up-gate, down) by the mean rows per
 # expert P / E (1.5 at a batch-64 decode step, 12 at 512 tokens, 96 at 4k, 384 at 16k at
@@ -92,23 +95,44 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _load_w(w_ptrs, k0, K, kk, s_ptr, stride_sr, n_rows, n0, FP8: tl.constexpr, EVEN_K: tl.constexpr,
-            out_dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr = False):
-    """Weight tile [BLOCK_K, BLOCK_N] at depth k0 (K along axis 0); FP8: dequantised with the
-    expert's scales s_ptr ([cdiv(N, 128), cdiv(K, 128)], n_rows [1, BLOCK_N] the weight rows,
-    clamped in bounds, n0 the first) and rounded to out_dtype. MXFP4: w_ptrs point at the packed
-    bytes [BLOCK_K/2, BLOCK_N] (kk = arange(BLOCK_K/2)), s_ptr at the E8M0 bytes [N, K/32]."""
+def _mxfp4_k_tile(w_ptrs, k0, K, kk, s_ptr, stride_sr, n_rows, EVEN_K: tl.constexpr, out_dtype: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """MXFP4 weight tile [BLOCK_K, BLOCK_N] at depth k0 (K along axis 0, packed along it) in
+    out_dtype: w_ptrs point at its packed bytes [BLOCK_K/2, BLOCK_N] (kk = arange(BLOCK_K/2)),
+    s_ptr at the expert's E8M0 bytes [N, K/32] (n_rows [1, BLOCK_N] the weight rows, clamped in
+    bounds); dequantised by moe._mxfp4_tile."""
+    q = _load_k(w_ptrs, k0 // 2, K // 2, kk, 0, EVEN_K)
+    ks = tl.arange(0, BLOCK_K // 32)                                    # scale rows along K
+    sb = _load_k(s_ptr + n_rows * stride_sr + (k0 // 32 + ks)[:, None], k0 // 32, K // 32, ks, 0, EVEN_K)
+    return _mxfp4_tile(q, sb, out_dtype, 0, BLOCK_K, BLOCK_N)
+
+
+@triton.jit
+def _dot_w(a, w_ptrs, acc, k0, K, kk, s_ptr, stride_sr, n_rows, n0, FP8: tl.constexpr, EVEN_K: tl.constexpr,
+           FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr = False):
+    """acc + a @ W for the weight tile W [BLOCK_K, BLOCK_N] at depth k0 (K along axis 0). FP8
+    (expert's scales s_ptr [cdiv(N, 128), cdiv(K, 128)], n_rows [1, BLOCK_N] the weight rows
+    clamped in bounds, n0 the first): when the tile lies in one 128-block of K (BLOCK_K divides
+    128), W's scales vary along N only, so the tile is converted to a's dtype (exact for e4m3),
+    multiplied on the tensor cores, and the fp32 partial product scaled per column before it is
+    added (one convert per weight element, not a dequantisation); otherwise each element is
+    dequantised and rounded to a's dtype first. MXFP4: the tile dequantised to a's dtype first
+    (`_mxfp4_k_tile`; w_ptrs at its packed bytes, kk = arange(BLOCK_K/2))."""
     if MXFP4:
-        q = _load_k(w_ptrs, k0 // 2, K // 2, kk, 0, EVEN_K)
-        ks = tl.arange(0, BLOCK_K // 32)                                # scale rows along K
-        sb = _load_k(s_ptr + n_rows * stride_sr + (k0 // 32 + ks)[:, None], k0 // 32, K // 32, ks, 0, EVEN_K)
-        w = _mxfp4_tile(q, sb, out_dtype, 0, BLOCK_K, BLOCK_N)
+        w = _mxfp4_k_tile(w_ptrs, k0, K, kk, s_ptr, stride_sr, n_rows, EVEN_K, a.dtype, BLOCK_N, BLOCK_K)
     else:
         w = _load_k(w_ptrs, k0, K, kk, 0, EVEN_K)
     if FP8:
-        w = _dequant_tile(w, s_ptr, stride_sr, n_rows, tl.minimum(k0 + kk, K - 1)[:, None], n0, k0, out_dtype,
-                          QBLOCK % BLOCK_N == 0, QBLOCK % BLOCK_K == 0)
-    return w
+        kc = tl.minimum(k0 + kk, K - 1)[:, None]
+        if QBLOCK % BLOCK_K == 0:
+            sc = _block_scale(s_ptr, stride_sr, n_rows, kc, n0, k0, QBLOCK % BLOCK_N == 0, True)
+            acc += _dot(a, w.to(a.dtype), tl.zeros_like(acc), FP32_DOT) * sc
+        else:
+            w = _dequant_tile(w, s_ptr, stride_sr, n_rows, kc, n0, k0, a.dtype, QBLOCK % BLOCK_N == 0, False)
+            acc = _dot(a, w, acc, FP32_DOT)
+    else:
+        acc = _dot(a, w, acc, FP32_DOT)
+    return acc
 
 
 @triton.jit
@@ -151,12 +175,10 @@ def _up_gate_kernel(x_ptr, order_ptr, sched_ptr, w1_ptr, w3_ptr, h_ptr, S, KP, H
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         a = _load_k(a_ptrs, k0, H, kk, 1, EVEN_K)
-        w1 = _load_w(w1_ptr + w_off, k0, H, kw, s1_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
-                     x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K, MXFP4)
-        gate = _dot(a, w1, gate, FP32_DOT)
-        w3 = _load_w(w3_ptr + w_off, k0, H, kw, s3_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
-                     x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K, MXFP4)
-        up = _dot(a, w3, up, FP32_DOT)
+        gate = _dot_w(a, w1_ptr + w_off, gate, k0, H, kw, s1_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
+                      FP32_DOT, BLOCK_N, BLOCK_K, MXFP4)
+        up = _dot_w(a, w3_ptr + w_off, up, k0, H, kw, s3_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
+                    FP32_DOT, BLOCK_N, BLOCK_K, MXFP4)
         a_ptrs += BLOCK_K
         w_off += kw.shape[0]
     gate = tl.minimum(gate, limit)
@@ -193,9 +215,8 @@ def _down_kernel(h_ptr, order_ptr, wt_ptr, sched_ptr, w2_ptr, y_ptr, S, H, I,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         a = _load_k(a_ptrs, k0, I, kk, 1, EVEN_K)
-        w2 = _load_w(w2_ptr + w_off, k0, I, kw, s2_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
-                     h_ptr.dtype.element_ty, BLOCK_N, BLOCK_K, MXFP4)
-        acc = _dot(a, w2, acc, FP32_DOT)
+        acc = _dot_w(a, w2_ptr + w_off, acc, k0, I, kw, s2_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
+                     FP32_DOT, BLOCK_N, BLOCK_K, MXFP4)
         a_ptrs += BLOCK_K
         w_off += kw.shape[0]
     pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
