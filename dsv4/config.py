@@ -409,6 +409,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256           # largest decode batch replayed as a CUDA graph
     async_scheduling: str = "auto"         # on: launch step k+1 before reading step k's tokens; auto: on CUDA
     keep_fp8: bool = False                 # FP8 expert weights stay FP8 (dequantised in the MoE kernels)
+    keep_mxfp4: bool = False               # MXFP4 routed expert weights stay MXFP4 (likewise)
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_bs"):

@@ -71,8 +71,9 @@ def checks(q, s, dq, sq, ss, sdq, gen) -> list[str]:
     return failures
 
 
-def decode_times(q, s, dq, gen) -> None:
-    head = f"{'T':>3} {'bf16 ms':>8} {'GB/s':>6} {'%HBM':>5} {'fp8 ms':>8} {'GB/s':>6} {'%HBM':>5} {'speed-up':>8}"
+def decode_times(q, s, dq, gen, label="fp8", weight_bytes=FP8_BYTES) -> None:
+    """bf16 (dq) vs the quantised weights q (`label`, weight_bytes per weight with its scales)."""
+    head = f"{'T':>3} {'bf16 ms':>8} {'GB/s':>6} {'%HBM':>5} {label + ' ms':>8} {'GB/s':>6} {'%HBM':>5} {'speed-up':>8}"
     print("\ndecode GEMVs from CUDA graphs (default tiles):\n" + head + "\n" + "-" * len(head))
     for T in DECODE_TOKENS:
         x, weights, ids = bench.make_routing(T, gen)
@@ -81,7 +82,7 @@ def decode_times(q, s, dq, gen) -> None:
         experts = ids.unique().numel() * 3 * I * H
         act = bench.op_bytes(T, ids) - experts * 2
         cols = []
-        for ms, wb in ((ms16, 2), (ms8, FP8_BYTES)):
+        for ms, wb in ((ms16, 2), (ms8, weight_bytes)):
             gbs = (experts * wb + act) / ms / 1e6
             cols.append(f"{ms:8.4f} {gbs:6.0f} {100 * gbs * 1e9 / bench.HBM_BPS:5.1f}")
         print(f"{T:3d} {' '.join(cols)} {ms16 / ms8:7.2f}x")
@@ -106,8 +107,8 @@ def tune_decode(q, s, gen) -> None:
             print(f"  best at T={T}: {kw} {m:.4f} ms")
 
 
-def grouped_times(q, s, dq, gen) -> None:
-    head = f"{'T':>6} {'bf16 ms':>8} {'TFLOP/s':>7} {'fp8 ms':>8} {'TFLOP/s':>7} {'speed-up':>8}"
+def grouped_times(q, s, dq, gen, label="fp8") -> None:
+    head = f"{'T':>6} {'bf16 ms':>8} {'TFLOP/s':>7} {label + ' ms':>8} {'TFLOP/s':>7} {'speed-up':>8}"
     print("\ngrouped GEMMs (eager; T=64 also from a CUDA graph):\n" + head + "\n" + "-" * len(head))
     for T in GROUPED_TOKENS:
         x, weights, ids = bench.make_routing(T, gen)

@@ -20,14 +20,14 @@ from .rope import compress_inv_freq, main_inv_freq
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ratio: int, dtype: torch.dtype,
-                 fp8_experts: tuple[bool, bool] = (False, False)):
+                 fp8_experts: tuple[bool, bool] = (False, False), mxfp4_experts: bool = False):
         super().__init__()
         self.cfg = cfg
         n, hc_dim = cfg.hc_mult, cfg.hc_mult * cfg.hidden_size
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer, ratio, dtype)
-        self.ffn = MoE(cfg, layer, dtype, fp8_experts)
+        self.ffn = MoE(cfg, layer, dtype, fp8_experts, mxfp4_experts)
         for site in ("attn", "ffn"):
             setattr(self, f"hc_{site}_fn", param((2 + n) * n, hc_dim, dtype=torch.float32))
             setattr(self, f"hc_{site}_base", param((2 + n) * n, dtype=torch.float32))
@@ -46,16 +46,18 @@ class Block(nn.Module):
 
 
 class DeepseekV4(nn.Module):
-    """fp8_experts = (routed, shared): those expert weights kept FP8 with block scales
-    (dsv4/model/moe.py; the loader decides, `load_model(keep_fp8=True)`)."""
+    """fp8_experts = (routed, shared): those expert weights kept FP8 with block scales;
+    mxfp4_experts: the routed experts kept MXFP4 (packed e2m1 + E8M0 bytes) instead
+    (dsv4/model/moe.py; the loader decides, `load_model(keep_fp8=True, keep_mxfp4=True)`)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32,
-                 fp8_experts: tuple[bool, bool] = (False, False)):
+                 fp8_experts: tuple[bool, bool] = (False, False), mxfp4_experts: bool = False):
         super().__init__()
-        self.cfg, self.dtype, self.fp8_experts = cfg, dtype, fp8_experts
+        self.cfg, self.dtype, self.fp8_experts, self.mxfp4_experts = cfg, dtype, fp8_experts, mxfp4_experts
         n = cfg.hc_mult
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, _freeze=True)
-        self.layers = nn.ModuleList(Block(cfg, i, r, dtype, fp8_experts) for i, r in enumerate(cfg.compress_ratios))
+        self.layers = nn.ModuleList(Block(cfg, i, r, dtype, fp8_experts, mxfp4_experts)
+                                    for i, r in enumerate(cfg.compress_ratios))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = nn.Module()
         self.head.weight = param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)

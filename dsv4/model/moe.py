@@ -8,12 +8,20 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.moe import moe_experts, route_hash, route_topk
 from .layers import Linear, param
+from .quant import FP4_BLOCK
 
 QBLOCK = 128   # FP8 experts (fp8=True): one fp32 scale per QBLOCK x QBLOCK block
 
 
 def _scale_param(rows: int, cols: int, *lead: int) -> torch.nn.Parameter:
     return param(*lead, -(-rows // QBLOCK), -(-cols // QBLOCK), dtype=torch.float32)
+
+
+def _mxfp4_params(rows: int, cols: int, *lead: int) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
+    """An MXFP4 matrix [..., rows, cols]: packed uint8 [..., rows, cols/2] (two e2m1 values per
+    byte along the input dim, low nibble first) and E8M0 bytes [..., rows, cols/32]."""
+    return (param(*lead, rows, cols // 2, dtype=torch.uint8),
+            param(*lead, rows, cols // FP4_BLOCK, dtype=torch.uint8))
 
 
 class Gate(nn.Module):
@@ -35,11 +43,18 @@ class Gate(nn.Module):
 class Experts(nn.Module):
     """Routed experts stacked: w1/w3 [E, I, H] (gate/up), w2 [E, H, I] (down). fp8: kept as
     float8_e4m3fn with fp32 block scales w1_scale/w3_scale [E, cdiv(I, 128), cdiv(H, 128)] and
-    w2_scale [E, cdiv(H, 128), cdiv(I, 128)] (dequantised in the kernels)."""
+    w2_scale [E, cdiv(H, 128), cdiv(I, 128)]; mxfp4: kept packed, uint8 w1/w3 [E, I, H/2] and w2
+    [E, H, I/2] with E8M0 bytes w1_scale/w3_scale [E, I, H/32], w2_scale [E, H, I/32]
+    (dequantised in the kernels)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8: bool = False):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8: bool = False, mxfp4: bool = False):
         super().__init__()
+        assert not (fp8 and mxfp4), "routed experts: FP8 or MXFP4, not both"
         E, I, H = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        if mxfp4:
+            (self.w1, self.w1_scale), (self.w2, self.w2_scale), (self.w3, self.w3_scale) = (
+                _mxfp4_params(I, H, E), _mxfp4_params(H, I, E), _mxfp4_params(I, H, E))
+            return
         wdtype = torch.float8_e4m3fn if fp8 else dtype
         self.w1, self.w2, self.w3 = param(E, I, H, dtype=wdtype), param(E, H, I, dtype=wdtype), param(E, I, H, dtype=wdtype)
         if fp8:
@@ -67,14 +82,16 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
-    """fp8_experts = (routed, shared): keep those expert weights FP8 (`EngineConfig.keep_fp8`)."""
+    """fp8_experts = (routed, shared): keep those expert weights FP8 (`EngineConfig.keep_fp8`);
+    mxfp4_experts: keep the routed ones MXFP4 (`EngineConfig.keep_mxfp4`; the shared expert then
+    runs unquantised or FP8, as fp8_experts[1] says)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, dtype: torch.dtype,
-                 fp8_experts: tuple[bool, bool] = (False, False)):
+                 fp8_experts: tuple[bool, bool] = (False, False), mxfp4_experts: bool = False):
         super().__init__()
         self.limit = cfg.swiglu_limit
         self.gate = Gate(cfg, cfg.is_hash_layer(layer), dtype)
-        self.experts = Experts(cfg, dtype, fp8_experts[0])
+        self.experts = Experts(cfg, dtype, fp8_experts[0], mxfp4_experts)
         self.shared_experts = SharedExpert(cfg, dtype, fp8_experts[1])
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,9 @@ from .layers import Linear, RMSNorm, param
 
 class MTPBlock(Block):
     def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype,
-                 fp8_experts: tuple[bool, bool] = (False, False)):
-        super().__init__(cfg, cfg.num_hidden_layers + index, cfg.mtp_compress_ratio, dtype, fp8_experts)
+                 fp8_experts: tuple[bool, bool] = (False, False), mxfp4_experts: bool = False):
+        super().__init__(cfg, cfg.num_hidden_layers + index, cfg.mtp_compress_ratio, dtype, fp8_experts,
+                         mxfp4_experts)
         n, H = cfg.hc_mult, cfg.hidden_size
         self.e_proj, self.h_proj = Linear(H, H, dtype), Linear(H, H, dtype)
         self.enorm, self.hnorm, self.norm = (RMSNorm(H, cfg.rms_norm_eps) for _ in range(3))
@@ -41,4 +42,4 @@ def attach_mtp(model: DeepseekV4) -> None:
     """Create the checkpoint's MTP blocks (num_nextn_predict_layers of them) on the model."""
     cfg = model.cfg
     for k in range(cfg.num_nextn_predict_layers):
-        model.mtp.append(MTPBlock(cfg, k, model.dtype, model.fp8_experts))
+        model.mtp.append(MTPBlock(cfg, k, model.dtype, model.fp8_experts, model.mxfp4_experts))

@@ -57,11 +57,27 @@ def quant_fp8_stacked(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     q = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
     scales = torch.empty(*weight.shape[:-2], -(-weight.shape[-2] // 128), -(-weight.shape[-1] // 128),
                          device=weight.device)
+    return _quant_stacked(weight, quant_fp8, q, scales)
+
+
+def quant_mxfp4_stacked(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [..., R, C] -> (packed uint8 [..., R, C/2], E8M0 bytes uint8 [..., R, C/32]), matrix
+    by matrix: the in-memory form of kept MXFP4 experts (`load_model(keep_mxfp4=True)`)."""
+    lead, cols = weight.shape[:-1], weight.shape[-1]
+    q = torch.empty(*lead, cols // 2, dtype=torch.uint8, device=weight.device)
+    scales = torch.empty(*lead, cols // FP4_BLOCK, dtype=torch.uint8, device=weight.device)
+    return _quant_stacked(weight, quant_fp4, q, scales)
+
+
+def _quant_stacked(weight: torch.Tensor, quant, q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fill q and scales (stacks of [..., *] matrices) from weight [..., R, C] with `quant` (one
+    matrix -> its codes and scales), one matrix at a time (no fp32 temporary of the stack):
+    uint8 outputs take the raw bytes (packed nibbles, E8M0 exponents), others the values."""
     for qm, sm, wm in zip(q.view(-1, *q.shape[-2:]), scales.view(-1, *scales.shape[-2:]),
                           weight.reshape(-1, *weight.shape[-2:])):
-        qm_, sm_ = quant_fp8(wm)
-        qm.copy_(qm_)
-        sm.copy_(sm_.float())
+        qm_, sm_ = quant(wm)
+        qm.copy_(qm_.view(torch.uint8) if qm.dtype == torch.uint8 else qm_)
+        sm.copy_(sm_.view(torch.uint8) if sm.dtype == torch.uint8 else sm_.float())
     return q, scales
 
 
@@ -70,7 +86,19 @@ def quant_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = weight.float().view(out, inp // FP4_BLOCK, FP4_BLOCK)
     scale = _pow2_scale(blocks.abs().amax(-1), 6.0)
     x = (blocks / scale[..., None]).flatten(1)
-    code = (x.abs()[..., None] - E2M1_VALUES).abs().argmin(-1)             # nearest magnitude
+    code = (x.abs()[..., None] - E2M1_VALUES.to(x.device)).abs().argmin(-1)   # nearest magnitude
     nib = (code | torch.where(x < 0, 8, 0)).to(torch.uint8)
     packed = (nib[:, 0::2] | (nib[:, 1::2] << 4)).view(torch.int8)
     return packed, scale.to(torch.float8_e8m0fnu)
+
+
+def weight_format(w: torch.Tensor) -> str | None:
+    """The format of a kept (quantised) weight, told by its dtype: float8_e4m3fn "fp8" (fp32
+    128x128 block scales), uint8 "mxfp4" (packed e2m1 pairs, E8M0 bytes per 32 inputs), else
+    None (unquantised)."""
+    return {torch.float8_e4m3fn: "fp8", torch.uint8: "mxfp4"}.get(w.dtype)
+
+
+def unpacked_shape(w: torch.Tensor) -> tuple[int, ...]:
+    """The matrix shape [..., R, C] of weight w (MXFP4: w is [..., R, C/2])."""
+    return (*w.shape[:-1], w.shape[-1] * 2) if weight_format(w) == "mxfp4" else tuple(w.shape)

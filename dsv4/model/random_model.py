@@ -4,14 +4,16 @@ E.g. `random:flash-slice:6`, `random:flash-slice:2:n_routed_experts=32`.
 
 keep_fp8: the routed and shared experts are FP8 kept quantised (as `load_model(keep_fp8=True)`
 gives for a Flash-Base-style checkpoint): each is drawn as without it, then quantised to
-float8_e4m3fn with fp32 128x128 block scales, one expert at a time (no [E, I, H] fp32 temporary)."""
+float8_e4m3fn with fp32 128x128 block scales, one expert at a time (no [E, I, H] fp32 temporary).
+keep_mxfp4: the routed experts likewise quantised to MXFP4 (packed uint8 + E8M0 bytes), the
+shared expert unquantised (as `load_model(keep_mxfp4=True)` gives for the released V4)."""
 from __future__ import annotations
 
 import torch
 
 from ..config import ModelConfig
 from .deepseek_v4 import DeepseekV4
-from .quant import quant_fp8_stacked
+from .quant import quant_fp8_stacked, quant_mxfp4_stacked, unpacked_shape
 from .random_init import _random_tensor, preset_config
 from .weights import fp8_scale_name
 
@@ -35,27 +37,37 @@ def parse_spec(spec: str) -> ModelConfig:
         raise ValueError(f"--model {spec!r}: {e}") from None
 
 
+# kept weight dtype -> quantiser of a stack of matrices (-> codes, scales as the model holds them)
+QUANTISERS = {torch.float8_e4m3fn: quant_fp8_stacked, torch.uint8: quant_mxfp4_stacked}
+
+
 @torch.no_grad()
 def build_random_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
-                       keep_fp8: bool = False) -> DeepseekV4:
+                       keep_fp8: bool = False, keep_mxfp4: bool = False) -> DeepseekV4:
     """Same weights for the same spec and seed (generated parameter by parameter on `device`;
-    with keep_fp8 the same draws, quantised)."""
+    with keep_fp8 / keep_mxfp4 the same draws, quantised). keep_mxfp4: the routed experts MXFP4
+    and the shared expert unquantised, as `load_model(keep_mxfp4=True)` (with or without
+    keep_fp8) gives for the released V4 checkpoints."""
     cfg = parse_spec(spec)
+    fp8 = keep_fp8 and not keep_mxfp4
     with torch.device(device):
-        model = DeepseekV4(cfg, dtype, (keep_fp8, keep_fp8))
+        model = DeepseekV4(cfg, dtype, (fp8, fp8), keep_mxfp4)
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = dict(model.named_parameters()) | {n: b for n, b in model.named_buffers() if "tid2eid" in n}
     for name, p in tensors.items():
-        if p.dtype == torch.float8_e4m3fn:
-            value = _random_tensor(name, tuple(p.shape), dtype, cfg, gen, device)
-            q, scales = quant_fp8_stacked(value)
+        if _is_scale(name, tensors):               # filled with its weight (MXFP4's are uint8 too)
+            continue
+        if p.dtype in QUANTISERS:
+            value = _random_tensor(name, unpacked_shape(p), dtype, cfg, gen, device)
+            q, scales = QUANTISERS[p.dtype](value)
             p.copy_(q)
             tensors[fp8_scale_name(name)].copy_(scales)
-        elif not _is_fp8_scale(name, tensors):
+        else:
             p.copy_(_random_tensor(name, tuple(p.shape), p.dtype, cfg, gen, device))
     return model.eval()
 
 
-def _is_fp8_scale(name: str, tensors: dict) -> bool:
+def _is_scale(name: str, tensors: dict) -> bool:
+    """Whether `name` holds the scales of a kept (FP8 or MXFP4) weight."""
     weight = name[:-len(".scale")] + ".weight" if name.endswith(".scale") else name.removesuffix("_scale")
-    return weight != name and weight in tensors and tensors[weight].dtype == torch.float8_e4m3fn
+    return weight != name and weight in tensors and tensors[weight].dtype in QUANTISERS

@@ -6,8 +6,10 @@ tensor); `load_weights(model, dir)` copies them into the model's parameters and 
 every parameter was filled exactly once, with the right shape.
 
 `load_model(dir, keep_fp8=True)` keeps FP8 (e4m3, 128x128 block scales) routed and shared expert
-weights quantised (float8_e4m3fn + fp32 scales, dequantised in the MoE kernels); everything else
-is dequantised at load as without it.
+weights quantised (float8_e4m3fn + fp32 scales, dequantised in the MoE kernels);
+`load_model(dir, keep_mxfp4=True)` keeps MXFP4 routed experts (the released V4) packed (uint8
+e2m1 pairs + uint8 E8M0 exponent bytes, dequantised in the MoE kernels); everything else is
+dequantised at load as without them.
 """
 from __future__ import annotations
 
@@ -56,17 +58,19 @@ def checkpoint_keys(path: str) -> list[str]:
 
 
 def fp8_scale_name(name: str) -> str:
-    """The model's name for the FP8 scales of canonical weight `name`: `X.scale` for `X.weight`
-    (shared expert), `experts.w1_scale` for the stacked `experts.w1`."""
+    """The model's name for the scales of kept quantised (FP8 or MXFP4) canonical weight `name`:
+    `X.scale` for `X.weight` (shared expert), `experts.w1_scale` for the stacked `experts.w1`."""
     return name[:-len(".weight")] + ".scale" if name.endswith(".weight") else name + "_scale"
 
 
 def iter_checkpoint(path: str, block: tuple[int, int] = (128, 128),
-                    keep_fp8: Callable[[str], bool] | None = None) -> Iterator[tuple[str, int | None, torch.Tensor]]:
+                    keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, int | None, torch.Tensor]]:
     """Yield (canonical name, expert index or None, tensor) with quantised weights dequantised
-    to fp32, except FP8 weights whose canonical name `keep_fp8` accepts: those come as is
-    (float8_e4m3fn), followed by their scales in fp32 under `fp8_scale_name`. A weight and its
-    scale may sit in different shards; the first waits for the other."""
+    to fp32, except those whose canonical name `keep` accepts: FP8 ones come as is
+    (float8_e4m3fn) followed by their scales in fp32, MXFP4 ones packed (uint8 [out, in/2])
+    followed by their E8M0 exponent bytes (uint8 [out, in/32]), the scales under
+    `fp8_scale_name`. A weight and its scale may sit in different shards; the first waits for
+    the other."""
     waiting_weights: dict[str, torch.Tensor] = {}
     waiting_scales: dict[str, torch.Tensor] = {}
     for file in shard_files(path):
@@ -77,12 +81,12 @@ def iter_checkpoint(path: str, block: tuple[int, int] = (128, 128),
                 if scale_of and (scale_of.group(2) == "weight_scale_inv" or not is_transformers_name(key)):
                     base = scale_of.group(1) + ".weight"
                     if base in waiting_weights:
-                        yield from _quantised(base, waiting_weights.pop(base), tensor, block, keep_fp8)
+                        yield from _quantised(base, waiting_weights.pop(base), tensor, block, keep)
                     else:
                         waiting_scales[base] = tensor
                 elif tensor.dtype in (torch.float8_e4m3fn, torch.int8):
                     if key in waiting_scales:
-                        yield from _quantised(key, tensor, waiting_scales.pop(key), block, keep_fp8)
+                        yield from _quantised(key, tensor, waiting_scales.pop(key), block, keep)
                     else:
                         waiting_weights[key] = tensor
                 else:
@@ -93,17 +97,36 @@ def iter_checkpoint(path: str, block: tuple[int, int] = (128, 128),
         raise CheckpointError(f"scale for {next(iter(waiting_scales))!r} has no quantised weight")
 
 
-def _quantised(key: str, weight: torch.Tensor, scale: torch.Tensor, block, keep_fp8):
-    """A quantised weight and its scale -> canonical tensors: dequantised, or kept FP8 + scales."""
-    if keep_fp8 is not None and weight.dtype == torch.float8_e4m3fn:
+def _quantised(key: str, weight: torch.Tensor, scale: torch.Tensor, block, keep):
+    """A quantised weight and its scale -> canonical tensors: dequantised, or kept + scales."""
+    if keep is not None:
         items = list(_canonical(key, weight))
-        if len(items) == 1 and keep_fp8(items[0][0]):
-            _check_fp8_scale(weight, scale, block, key)
+        if len(items) == 1 and keep(items[0][0]):
             name, expert, _ = items[0]
-            yield name, expert, weight
-            yield fp8_scale_name(name), expert, e8m0_to_float(scale)
+            yield name, expert, _kept_weight(weight, scale, block, key)
+            yield fp8_scale_name(name), expert, _kept_scale(weight, scale, key)
             return
     yield from _canonical(key, _dequant(weight, scale, block, key))
+
+
+def _kept_weight(weight: torch.Tensor, scale: torch.Tensor, block, name: str) -> torch.Tensor:
+    """A kept weight as the model holds it (checked against its scale): FP8 as is, MXFP4 the
+    packed bytes as uint8."""
+    if weight.dtype == torch.int8:
+        _check_fp4_scale(weight, scale, name)
+        return weight.view(torch.uint8)
+    _check_fp8_scale(weight, scale, block, name)
+    return weight
+
+
+def _kept_scale(weight: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
+    """A kept weight's scale as the model holds it: FP8 fp32; MXFP4 the raw E8M0 bytes."""
+    if weight.dtype != torch.int8:
+        return e8m0_to_float(scale)
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise CheckpointError(f"{name}: MXFP4 scale dtype {scale.dtype}, expected E8M0 (float8_e8m0fnu or uint8) "
+                              f"to keep the weight MXFP4")
+    return scale.view(torch.uint8)
 
 
 def _check_fp8_scale(weight: torch.Tensor, scale: torch.Tensor, block, name: str) -> None:
@@ -112,12 +135,17 @@ def _check_fp8_scale(weight: torch.Tensor, scale: torch.Tensor, block, name: str
         raise CheckpointError(f"{name}: FP8 scale shape {tuple(scale.shape)}, expected {list(want)}")
 
 
+def _check_fp4_scale(weight: torch.Tensor, scale: torch.Tensor, name: str) -> None:
+    """packed weight [out, in/2], scale [out, in/32]."""
+    if weight.shape[1] * 2 != scale.shape[1] * 32 or weight.shape[0] != scale.shape[0]:
+        raise CheckpointError(f"{name}: MXFP4 scale shape {tuple(scale.shape)} does not fit packed "
+                              f"weight {tuple(weight.shape)} (expected [{weight.shape[0]}, "
+                              f"{weight.shape[1] * 2 // 32}])")
+
+
 def _dequant(weight: torch.Tensor, scale: torch.Tensor, block, name: str) -> torch.Tensor:
     if weight.dtype == torch.int8:
-        if weight.shape[1] * 2 != scale.shape[1] * 32 or weight.shape[0] != scale.shape[0]:
-            raise CheckpointError(f"{name}: MXFP4 scale shape {tuple(scale.shape)} does not fit packed "
-                                  f"weight {tuple(weight.shape)} (expected [{weight.shape[0]}, "
-                                  f"{weight.shape[1] * 2 // 32}])")
+        _check_fp4_scale(weight, scale, name)
         return dequant_fp4(weight, scale)
     _check_fp8_scale(weight, scale, block, name)
     return dequant_fp8(weight, scale, block)
@@ -148,9 +176,9 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
     filled: dict[str, int] = {}
     hf_names = all(is_transformers_name(k) for k in checkpoint_keys(path))
     block = getattr(getattr(model, "cfg", None), "quant_block", (128, 128))
-    # weights the model holds in FP8 (with a scale parameter) are loaded as such
+    # weights the model holds quantised (FP8 or MXFP4, with a scale parameter) are loaded as such
     keep = (lambda n: fp8_scale_name(n) in targets) if any(
-        t.dtype == torch.float8_e4m3fn for t in targets.values()) else None
+        t.dtype in (torch.float8_e4m3fn, torch.uint8) for t in targets.values()) else None
     with torch.no_grad():
         for name, expert, tensor in iter_checkpoint(path, block, keep):
             if name not in targets:
@@ -186,14 +214,9 @@ def _check_complete(targets: dict[str, torch.Tensor], filled: dict[str, int]) ->
                                   (f" (expected 1 stacked or {t.shape[0]} per-expert)" if stacked else ""))
 
 
-def fp8_experts(path: str, block: tuple[int, int]) -> tuple[bool, bool]:
-    """(routed, shared) for `load_model(keep_fp8=True)`: routed = every routed expert weight of
-    the checkpoint (DeepSeek names) is float8_e4m3fn and the scale blocks are 128x128; shared =
-    the same for the shared experts, and routed (the shared expert runs fused in the routed
-    experts' kernels, which take one weight format). MXFP4 routed experts (the released V4
-    checkpoints) are not kept (dequantised at load; out of scope), so neither is the shared one."""
-    if tuple(block) != (128, 128):
-        return False, False
+def _expert_dtypes(path: str) -> tuple[set[str], set[str]]:
+    """The safetensors dtypes of the routed expert weights (DeepSeek names) and of the shared
+    experts' weights in the checkpoint."""
     dtypes: tuple[set, set] = (set(), set())
     for file in shard_files(path):
         with safe_open(file, "pt") as f:
@@ -201,26 +224,48 @@ def fp8_experts(path: str, block: tuple[int, int]) -> tuple[bool, bool]:
                 group = 0 if DS_EXPERT.match(key) else 1 if SHARED_EXPERT.match(key) else None
                 if group is not None:
                     dtypes[group].add(f.get_slice(key).get_dtype())
-    routed = dtypes[0] == {"F8_E4M3"}
-    return routed, routed and dtypes[1] == {"F8_E4M3"}
+    return dtypes
 
 
-def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32, keep_fp8: bool = False):
+def fp8_experts(path: str, block: tuple[int, int]) -> tuple[bool, bool]:
+    """(routed, shared) for `load_model(keep_fp8=True)`: routed = every routed expert weight of
+    the checkpoint (DeepSeek names) is float8_e4m3fn and the scale blocks are 128x128; shared =
+    the same for the shared experts, and routed (the shared expert runs fused in the routed
+    experts' kernels, which take one weight format). With MXFP4 routed experts (the released V4
+    checkpoints; see `mxfp4_experts`) the FP8 shared expert is dequantised at load (the kernels
+    then fuse it unquantised)."""
+    if tuple(block) != (128, 128):
+        return False, False
+    routed, shared = _expert_dtypes(path)
+    return routed == {"F8_E4M3"}, routed == shared == {"F8_E4M3"}
+
+
+def mxfp4_experts(path: str) -> bool:
+    """For `load_model(keep_mxfp4=True)`: every routed expert weight of the checkpoint (DeepSeek
+    names) is MXFP4 (packed int8)."""
+    return _expert_dtypes(path)[0] == {"I8"}
+
+
+def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32, keep_fp8: bool = False,
+               keep_mxfp4: bool = False):
     """Build a `DeepseekV4` for the checkpoint at `path` (with its MTP blocks when the
     checkpoint has them) and load its weights. keep_fp8: FP8 expert weights stay FP8 (see
-    `fp8_experts`; a random spec is built with FP8 experts, see `build_random_model`)."""
+    `fp8_experts`; a random spec is built with FP8 experts, see `build_random_model`);
+    keep_mxfp4: MXFP4 routed experts stay MXFP4 (see `mxfp4_experts`; a random spec is built
+    with MXFP4 routed experts)."""
     from ..config import ModelConfig
     from .deepseek_v4 import DeepseekV4
     from .mtp import attach_mtp
     from .random_model import build_random_model, is_random_spec
 
     if is_random_spec(path):
-        return build_random_model(path, device, dtype, keep_fp8=keep_fp8)
+        return build_random_model(path, device, dtype, keep_fp8=keep_fp8, keep_mxfp4=keep_mxfp4)
     cfg = ModelConfig.from_dir(path)
     has_mtp = any(k.startswith("mtp.") for k in checkpoint_keys(path))
     fp8 = fp8_experts(path, cfg.quant_block) if keep_fp8 else (False, False)
+    mxfp4 = keep_mxfp4 and mxfp4_experts(path)
     with torch.device(device):
-        model = DeepseekV4(cfg, dtype, fp8)
+        model = DeepseekV4(cfg, dtype, fp8, mxfp4)
         if has_mtp and cfg.num_nextn_predict_layers:
             attach_mtp(model)
     load_weights(model, path)

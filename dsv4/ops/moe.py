@@ -1,14 +1,18 @@
 """Mixture of experts (torch reference): routing and the routed experts with clamped SwiGLU.
 
-Expert weights may be FP8 (W8A16, `EngineConfig.keep_fp8`): float8_e4m3fn with fp32 scales
-per 128x128 block, passed as `scales` = (s1, s2, s3) ([E, ceil(I/128), ceil(H/128)] for w1/w3,
-[E, ceil(H/128), ceil(I/128)] for w2; the shared expert's without E). The reference dequantises
-the experts it uses on the fly (fp32 product, then x's dtype: what the load-time dequantisation
-stores); the Triton kernels dequantise tiles in-kernel."""
+Expert weights may be quantised, the format told by their dtype, the scales passed as
+`scales` = (s1, s2, s3) (the shared expert's without E):
+- FP8 (W8A16, `EngineConfig.keep_fp8`): float8_e4m3fn with fp32 scales per 128x128 block
+  ([E, ceil(I/128), ceil(H/128)] for w1/w3, [E, ceil(H/128), ceil(I/128)] for w2);
+- MXFP4 (W4A16, `EngineConfig.keep_mxfp4`, routed experts only): uint8 holding two e2m1 values
+  along the last (input) dim, low nibble first (w1/w3 [E, I, H/2], w2 [E, H, I/2]), with uint8
+  E8M0 exponents (2^(b - 127)) per 32 inputs ([E, I, H/32], [E, H, I/32]).
+The reference dequantises the experts it uses on the fly (fp32 product, then x's dtype: what the
+load-time dequantisation stores); the Triton kernels dequantise tiles in-kernel."""
 import torch
 import torch.nn.functional as F
 
-from ..model.quant import dequant_fp8
+from ..model.quant import dequant_fp4, dequant_fp8
 from .backend import use_triton
 
 # decode sizes: up to this many (token, expert) pairs T*k run the Triton GEMV kernels, which
@@ -96,11 +100,11 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
                    w2: torch.Tensor, w3: torch.Tensor, limit: float, scales=None) -> torch.Tensor:
     """x [T, H]; weights/ids [T, k]; w1/w3 [E, I, H] (gate/up), w2 [E, H, I] -> [T, H];
-    scales = (s1, s2, s3) when the weights are FP8 (module docstring).
+    scales = (s1, s2, s3) when the weights are FP8 or MXFP4 (module docstring).
 
     Triton (use_triton): the decode GEMVs up to TRITON_MAX_PAIRS pairs, else the Triton grouped
-    GEMMs when GROUPED_GEMM == "triton" (always for FP8 weights). Otherwise torch._grouped_mm on
-    CUDA in bf16 (never FP8 weights), else the loop (the definition)."""
+    GEMMs when GROUPED_GEMM == "triton" (always for quantised weights). Otherwise
+    torch._grouped_mm on CUDA in bf16 (never quantised weights), else the loop (the definition)."""
     if use_triton(x) and ids.numel() <= TRITON_MAX_PAIRS:
         from .triton import moe as triton_moe
         return triton_moe.routed_experts(x, weights, ids, w1, w2, w3, limit, scales=scales)
@@ -117,7 +121,7 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: t
                 limit: float, scales=None, shared_scales=None) -> torch.Tensor:
     """routed_experts(x, weights, ids, w1, w2, w3) + dense_swiglu(x, *shared) -> [T, H], the
     MoE output; shared = (sw1, sw2, sw3) [I, H], [H, I], [I, H]; scales / shared_scales the
-    FP8 block scales of the routed / shared weights (module docstring), None when not FP8.
+    scales of the routed / shared weights (module docstring), None when not quantised.
 
     Triton at decode sizes (as routed_experts): the shared expert runs as one more pair of the
     routed GEMV kernels (weight 1), the sum in their fp32 accumulator, rounded once."""
@@ -149,8 +153,8 @@ def routed_experts_grouped(x, weights, ids, w1, w2, w3, limit):
 
 
 def routed_experts_loop(x, weights, ids, w1, w2, w3, limit, scales=None):
-    """Tokens grouped by expert (one sort); each expert that received tokens runs once (FP8
-    weights: dequantised when used, see `expert_weights`)."""
+    """Tokens grouped by expert (one sort); each expert that received tokens runs once (FP8 /
+    MXFP4 weights: dequantised when used, see `expert_weights`)."""
     out = torch.zeros_like(x, dtype=torch.float32)
     flat_ids = ids.flatten()
     order = torch.argsort(flat_ids, stable=True)
@@ -179,9 +183,15 @@ def dense_swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.
 
 
 def expert_weights(ws, scales, expert: int | None, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    """Matrices of `expert` (None: ws are single matrices) from ws = (w1, w2, w3); FP8 ones
+    """Matrices of `expert` (None: ws are single matrices) from ws = (w1, w2, w3); quantised ones
     (scales given) dequantised in fp32 and rounded to `dtype`, as the loader would store them."""
     pick = (lambda t: t) if expert is None else (lambda t: t[expert])
     if scales is None:
         return tuple(pick(w) for w in ws)
-    return tuple(dequant_fp8(pick(w), pick(s)).to(dtype) for w, s in zip(ws, scales))
+    return tuple(dequant_weight(pick(w), pick(s)).to(dtype) for w, s in zip(ws, scales))
+
+
+def dequant_weight(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """One quantised matrix -> fp32, the format told by the dtype: uint8 MXFP4 (packed [R, C/2],
+    E8M0 bytes [R, C/32]) or float8_e4m3fn FP8 (fp32 128x128 block scales)."""
+    return dequant_fp4(w, scale) if w.dtype == torch.uint8 else dequant_fp8(w, scale)

@@ -23,6 +23,9 @@ HELP = {
     "async_scheduling": "on, off or auto (on for CUDA): launch the next step before reading this one's tokens",
     "keep_fp8": "keep FP8 (128x128 block-scaled) routed and shared expert weights FP8 on the device, dequantised "
                 "inside the MoE kernels (W8A16); other weights and MXFP4 experts are dequantised at load",
+    "keep_mxfp4": "keep MXFP4 routed expert weights (e2m1 pairs + an E8M0 scale per 32 inputs, the released V4 "
+                  "format) packed on the device, dequantised inside the MoE kernels (W4A16); the shared expert and "
+                  "other weights are dequantised at load",
 }
 
 

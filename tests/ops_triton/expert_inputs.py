@@ -1,5 +1,5 @@
-"""Random routed-expert inputs shared by the MoE kernel tests (imported by file name: this
-folder is on sys.path while its tests run)."""
+"""Random routed-expert inputs and the kernels-vs-reference tolerance shared by the MoE kernel
+tests (imported by file name: this folder is on sys.path while its tests run)."""
 import torch
 
 
@@ -20,3 +20,26 @@ def random_experts(T: int, k: int, E: int, h: int, i: int, limit: float, seed: i
     w3 = torch.randn(E, i, h, generator=g) * (1.5 * limit / h ** 0.5)
     w2 = torch.randn(E, h, i, generator=g) / i ** 0.5
     return x, weights, ids, w1, w2, w3
+
+
+def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """Kernel output vs the reference (`routed_experts_loop`, `dense_swiglu`) in dtype."""
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:   # rounding of differently ordered sums (outputs up to ~30)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    else:   # bf16: the reference rounds gate, up, h and each expert's output (the kernels fewer)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.float().abs().max().item())
+
+
+def assert_same_as_dequantised(got: torch.Tensor, want: torch.Tensor, exact: bool, dtype: torch.dtype,
+                               device: str) -> None:
+    """The kernels on quantised weights vs the same kernels on the dequantised weights: bit for
+    bit in the interpreter when `exact` (FP8 with power-of-two (E8M0) scales, as released, and
+    MXFP4: the in-kernel dequantisation, or FP8 scales folded into x / h, is then exact, as at
+    load). Otherwise within `assert_matches`' tolerance: compiled on the GPU the compiler lays a
+    quantised tile out unlike a bf16 one, so tl.sum / tl.dot add in another order; FP8 scales
+    that are not powers of two round w * s differently (folded: not at all)."""
+    if exact and device == "cpu":
+        assert torch.equal(got, want)
+    else:
+        assert_matches(got, want, dtype)

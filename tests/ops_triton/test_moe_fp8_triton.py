@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from expert_inputs import random_experts
+from expert_inputs import assert_matches, assert_same_as_dequantised, random_experts
 
 from dsv4.model.quant import dequant_fp8, e8m0_to_float, quant_fp8
 from dsv4.ops import moe as moe_ops
@@ -79,26 +79,6 @@ def fp8_down_defaults(T, ks, tiles=None):
     bh, bi = tri.FP8_DOWN_BLOCK_H, tri.FP8_DOWN_BLOCK_I
     return {**(tiles or {}), "down_tiles": (bh, bi, tri.FP8_DOWN_WARPS),
             "down_split": tri.default_down_split(T, ks, H, I, bh, bi, tri.FP8_DOWN_MIN_PROGRAMS)}
-
-
-def assert_same_as_dequantised(got, want, pow2, dtype, device):
-    """The kernels on FP8 weights == on the dequantised weights, bit for bit in the interpreter
-    when the scales are powers of two (E8M0, as released): the in-kernel dequantisation (or the
-    scales folded into x / h) is then exact, as at load. Otherwise within the tolerance: on the
-    GPU the compiler lays out an FP8 tile unlike a bf16 one, so tl.sum adds in another order;
-    non-power-of-two scales round w * s differently (folded: not at all)."""
-    if pow2 and device == "cpu":
-        assert torch.equal(got, want)
-    else:
-        assert_matches(got, want, dtype)
-
-
-def assert_matches(got, want, dtype):
-    assert got.dtype == want.dtype == dtype and got.shape == want.shape
-    if dtype == torch.float32:   # rounding of differently ordered sums (outputs up to ~30)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-    else:   # bf16: the reference rounds gate, up, h and each expert's output (the kernels fewer)
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6 * want.float().abs().max().item())
 
 
 BF16, FP32 = torch.bfloat16, torch.float32

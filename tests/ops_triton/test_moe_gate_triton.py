@@ -209,17 +209,23 @@ for is_hash in (False, True):
                 assert "atom.global.gpu.acq_rel.add" in k.asm["ptx"] and "ld.global.cg" in k.asm["ptx"]
             del consts["ONE_LAUNCH"], consts["BLOCK_E"], consts["BLOCK_H"]
             compile(moe_gate._select_kernel, GATE, consts, moe_gate.NUM_WARPS)
-for dtype, fp8 in (("bf16", False), ("fp32", False), ("bf16", True)):   # fp8: FP8 weights (W8A16)
+# weights: FP8 (W8A16), MXFP4 (W4A16: packed uint8 routed weights, uint8 E8M0 scales, the shared
+# expert in x's dtype)
+for dtype, fmt in (("bf16", None), ("fp32", None), ("bf16", "fp8"), ("bf16", "mxfp4"), ("fp32", "mxfp4")):
     types = {n: "*" + dtype for n in ("x_ptr", "w1_ptr", "w3_ptr", "sw1_ptr", "sw3_ptr", "h_ptr", "w2_ptr", "sw2_ptr")}
     types.update(ids_ptr="*i64", wt_ptr="*fp32", out_ptr="*fp32", limit="fp32")
     types.update({n: "*fp32" for n in ("s1_ptr", "s3_ptr", "ss1_ptr", "ss3_ptr", "s2_ptr", "ss2_ptr")})
-    if fp8:
+    if fmt == "fp8":
         types.update({n: "*fp8e4nv" for n in ("w1_ptr", "w3_ptr", "sw1_ptr", "sw3_ptr", "w2_ptr", "sw2_ptr")})
+    if fmt == "mxfp4":
+        types.update({n: "*u8" for n in ("w1_ptr", "w3_ptr", "w2_ptr", "s1_ptr", "s3_ptr", "ss1_ptr", "ss3_ptr",
+                                         "s2_ptr", "ss2_ptr")})
+    quant = dict(FP8=fmt == "fp8", MXFP4=fmt == "mxfp4")
     for shared in (False, True):
         compile(moe._up_gate_kernel, types, dict(SHARED=shared, BLOCK_I=moe.UP_BLOCK_I, BLOCK_H=moe.UP_BLOCK_H,
-                                                 FP8=fp8), moe.UP_WARPS)
+                                                 **quant), moe.UP_WARPS)
         compile(moe._down_kernel, types, dict(SHARED=shared, BLOCK_H=moe.DOWN_BLOCK_H, BLOCK_I=moe.DOWN_BLOCK_I,
-                                              FP8=fp8), moe.DOWN_WARPS)
+                                              **quant), moe.DOWN_WARPS)
 print("compiled")
 """
 
@@ -228,8 +234,8 @@ print("compiled")
 def test_compiles_for_sm90():
     """The interpreter accepts code the compiler rejects: compile the router (score and hash,
     one and two launches, one and BLOCK_T_MAX tokens per program) and the routed experts'
-    kernels with and without the shared expert, bf16 / fp32 / FP8 weights, for an H200 (sm_90,
-    no GPU needed)."""
+    kernels with and without the shared expert, bf16 / fp32 / FP8 / MXFP4 weights, for an H200
+    (sm_90, no GPU needed)."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)

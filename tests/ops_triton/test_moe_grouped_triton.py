@@ -145,23 +145,29 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from dsv4.ops.triton import moe_grouped as mg
 
-CONSTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K", "FP32_DOT", "FP8")
+CONSTS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "EVEN_K", "FP32_DOT", "FP8", "MXFP4")
 ALIGNED = {"H", "I", "stride_we", "stride_wi", "stride_wh"}   # multiples of 16 at V4 shapes
 TYPES = {"order_ptr": "*i32", "sched_ptr": "*i32", "wt_ptr": "*fp32", "limit": "fp32"}
-for (bm, bn, bk, warps, stages), dtype, even_k, fp8 in (((64, 128, 64, 4, 4), "bf16", True, False),
-                                                         ((128, 128, 64, 8, 3), "bf16", True, False),
-                                                         ((64, 128, 32, 4, 3), "fp32", False, False),
-                                                         ((64, 256, 64, 8, 3), "bf16", True, True)):
+# FP8 (W8A16): float8_e4m3fn weights, fp32 block scales; MXFP4 (W4A16): packed uint8 weights,
+# uint8 E8M0 scales
+WEIGHT_TYPES = {None: (None, "*fp32"), "fp8": ("*fp8e4nv", "*fp32"), "mxfp4": ("*u8", "*u8")}
+for (bm, bn, bk, warps, stages), dtype, even_k, fmt in (((64, 128, 64, 4, 4), "bf16", True, None),
+                                                         ((128, 128, 64, 8, 3), "bf16", True, None),
+                                                         ((64, 128, 32, 4, 3), "fp32", False, None),
+                                                         ((64, 256, 64, 8, 3), "bf16", True, "fp8"),
+                                                         ((64, 128, 64, 4, 4), "bf16", True, "mxfp4"),
+                                                         ((128, 256, 64, 8, 3), "bf16", False, "mxfp4")):
     for fn in (mg._up_gate_kernel, mg._down_kernel):
         names = [n for n in fn.arg_names if n not in CONSTS]
         sig = {n: TYPES.get(n, "*" + dtype if n.endswith("_ptr") else "i32") for n in names}
-        for n in names:   # FP8 (W8A16): float8_e4m3fn weights, fp32 block scales
-            if n in ("w1_ptr", "w2_ptr", "w3_ptr") and fp8:
-                sig[n] = "*fp8e4nv"
+        w_type, s_type = WEIGHT_TYPES[fmt]
+        for n in names:
+            if n in ("w1_ptr", "w2_ptr", "w3_ptr") and w_type:
+                sig[n] = w_type
             elif n in ("s1_ptr", "s2_ptr", "s3_ptr"):
-                sig[n] = "*fp32"
+                sig[n] = s_type
         consts = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, EVEN_K=even_k, FP32_DOT=dtype == "fp32",
-                      FP8=fp8)
+                      FP8=fmt == "fp8", MXFP4=fmt == "mxfp4")
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if sig[n][0] == "*" or n in ALIGNED}
         src = ASTSource(fn, {**sig, **{c: "constexpr" for c in consts}}, consts, attrs)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
@@ -176,8 +182,9 @@ print("compiled")
 @pytest.mark.skipif(os.environ.get("DSV4_TRITON_DEVICE", "cpu") != "cpu", reason="compiled for real on the GPU")
 def test_compiles_for_sm90():
     """The interpreter accepts code the compiler rejects: compile both kernels ahead of time for
-    an H200 (sm_90, no GPU needed) at the default tiles in bf16, and in fp32 with K tails; in
-    bf16 they must use wgmma fed by pipelined (async-copy) loads; all within shared memory."""
+    an H200 (sm_90, no GPU needed) at the default tiles in bf16, and in fp32 with K tails, FP8 and
+    MXFP4 weights; in bf16 they must use wgmma fed by pipelined (async-copy) loads; all within
+    shared memory."""
     pytest.importorskip("triton.backends.nvidia.compiler", reason="Triton's NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)

@@ -36,6 +36,17 @@ dequantised product for power-of-two (E8M0) scales, those of every released chec
 w * (x * s) == bf16(w * s) * x in fp32, as multiplying by 2^k is exact; other fp32 scales skip
 the bf16 rounding of w * s in the folded form (a rounding closer to the exact product).
 
+MXFP4 weights (W4A16, uint8 weights and `scales=`, constexpr MXFP4): e2m1 values packed two per
+byte along the last (input) dim, low nibble first, one E8M0 exponent byte per 32 inputs
+(w1/w3 [E, I, H/2] + [E, I, H/32], w2 [E, H, I/2] + [E, H, I/32]). Each tile's bytes are split
+into nibbles, mapped to e2m1 values by their bits (`_e2m1`, no table), interleaved back to the
+column order, multiplied by 2^(byte - 127) per 32 inputs and rounded to x's dtype (exactly what
+the load-time dequantisation stores), then the same math. The shared expert (FP8 in the
+released checkpoints, dequantised at load) stays unquantised: with `shared=` it is still the
+(k+1)-th pair, loaded by a masked load of its own in place of the packed one
+(`_mxfp4_pair_rows`). Tiles along the packed dim (BLOCK_H of up-gate, BLOCK_I of down) must be
+multiples of MXFP4_BLOCK.
+
 Both are GEMVs done as fp32 elementwise products + tl.sum (bandwidth-bound; no tl.dot, which
 also keeps Triton's interpreter exact in bf16). Weight rows are read along their contiguous
 last dimension. Expert offsets use the int64 ids (e * I * H exceeds int32 at V4 sizes).
@@ -45,6 +56,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ...model.quant import unpacked_shape, weight_format
 
 # tile defaults: the best of benchmarks/kernels/moe.py's tuning scan on the H200 at V4-Flash
 # shapes (whole op at T=1: up-gate (16, 128, 8) 0.108 ms vs 0.127 for (16, 256, 4); down
@@ -87,6 +100,8 @@ def _expert_matrix(w_ptr, sw_ptr, routed, e, stride_we, stride_row, stride_srow,
 
 
 QBLOCK = tl.constexpr(128)      # FP8 scale block (rows and columns)
+FP4_GROUP = 32                  # MXFP4: inputs per E8M0 scale byte
+MXFP4_BLOCK = 64                # MXFP4: tiles along the packed dim are multiples of this
 
 
 @triton.jit
@@ -120,22 +135,100 @@ def _dequant_tile(w, s_ptr, stride_sr, r, c, r0, c0, out_dtype: tl.constexpr,
 
 
 @triton.jit
+def _e2m1(nib):
+    """int32 nibbles -> fp32 e2m1 values: magnitude code m = nib & 7 -> {0, .5, 1, 1.5, 2, 3, 4, 6},
+    bit 3 the sign. Built as fp32 bits (exact, no table): m >= 2 is 2^(m//2 - 1) * (1 + (m & 1)/2),
+    exponent field 126 + m//2 and mantissa MSB m & 1, i.e. (m + 252) << 22; m = 1 (0.5) is
+    252 << 22; m = 0 is 0."""
+    m = nib & 7
+    bits = tl.where(m >= 2, (m + 252) << 22, m * (252 << 22)) | ((nib & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0(b):
+    """uint8 E8M0 bytes -> fp32 2^(b - 127), exactly: b is the fp32 exponent field (b = 0, whose
+    2^-127 is subnormal, set apart; 255, NaN in E8M0, gives inf as e8m0_to_float does)."""
+    bi = b.to(tl.int32)
+    return tl.where(bi == 0, 2.0 ** -127, (bi << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _mxfp4_tile(q, sb, out_dtype: tl.constexpr, AXIS: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_C: tl.constexpr):
+    """Packed MXFP4 tile -> [BLOCK_R, BLOCK_C] = e2m1 * 2^(sb - 127) in fp32, rounded to out_dtype.
+    AXIS 1 (packed along columns): q [BLOCK_R, BLOCK_C/2] uint8, byte c holding columns 2c (low
+    nibble) and 2c+1 (high), sb [BLOCK_R, BLOCK_C/32] E8M0 bytes; AXIS 0 (along rows): q
+    [BLOCK_R/2, BLOCK_C], sb [BLOCK_R/32, BLOCK_C]. Block sizes along AXIS multiples of 64."""
+    qi = q.to(tl.int32)
+    pair = tl.join(_e2m1(qi & 15), _e2m1(qi >> 4))                 # [..., 2]: (even, odd) input
+    s = _e8m0(sb)
+    if AXIS == 1:    # [R, C/2, 2] -> [R, C/32, 32]: groups of 32 columns
+        w = tl.reshape(pair, (BLOCK_R, BLOCK_C // 32, 32)) * s[:, :, None]
+    else:            # [R/2, C, 2] -> [R/2, 2, C] -> [R/32, 32, C]: groups of 32 rows
+        w = tl.reshape(tl.permute(pair, (0, 2, 1)), (BLOCK_R // 32, 32, BLOCK_C)) * s[:, None, :]
+    return tl.reshape(w, (BLOCK_R, BLOCK_C)).to(out_dtype)
+
+
+@triton.jit
+def _mxfp4_rows(base, stride_row, rows, row_ok, c0, C, s_base, stride_srow,
+                out_dtype: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows `rows` [BLOCK_R] x columns [c0, c0 + BLOCK_C) of an MXFP4 matrix of C columns packed
+    along them (C % 32 == 0; c0, BLOCK_C multiples of 64): bytes at base [R, C/2] (row stride
+    stride_row), E8M0 bytes at s_base [R, C/32] (row stride stride_srow) -> [BLOCK_R, BLOCK_C]
+    in out_dtype, 0 where not row_ok or past C."""
+    cp = c0 // 2 + tl.arange(0, BLOCK_C // 2)                     # packed columns
+    q = tl.load(base + rows[:, None] * stride_row + cp[None, :],
+                mask=row_ok[:, None] & (cp < C // 2)[None, :], other=0)
+    cs = c0 // 32 + tl.arange(0, BLOCK_C // 32)                   # scale columns
+    sb = tl.load(s_base + rows[:, None] * stride_srow + cs[None, :],
+                 mask=row_ok[:, None] & (cs < C // 32)[None, :], other=0)
+    return _mxfp4_tile(q, sb, out_dtype, 1, BLOCK_R, BLOCK_C)
+
+
+@triton.jit
+def _mxfp4_pair_rows(base, stride_row, s_base, stride_srow, sw_base, stride_sw, rows, row_ok, c0, C,
+                     routed, out_dtype: tl.constexpr, SHARED: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_C: tl.constexpr):
+    """`_mxfp4_rows` of a routed expert's matrix; SHARED: when the pair is the shared expert's (not
+    routed), its unquantised matrix sw_base [R, C] in out_dtype (row stride stride_sw) instead.
+    Each load is masked by the pair's kind (no traffic for the other; tl.where, as the
+    interpreter rejects a mask made by `&` of a scalar and a vector)."""
+    w = _mxfp4_rows(base, stride_row, rows, tl.where(routed, row_ok, False), c0, C, s_base, stride_srow,
+                    out_dtype, BLOCK_R, BLOCK_C)
+    if SHARED:
+        cc = c0 + tl.arange(0, BLOCK_C)
+        dense = tl.load(sw_base + rows[:, None] * stride_sw + cc[None, :],
+                        mask=tl.where(routed, False, row_ok)[:, None] & (cc < C)[None, :], other=0.0)
+        w = tl.where(routed, w, dense.to(out_dtype))
+    return w
+
+
+@triton.jit
 def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, h_ptr, K, H, I,
                     stride_we, stride_wi, stride_si, limit,
                     s1_ptr, s3_ptr, ss1_ptr, ss3_ptr, stride_se, stride_sr,
                     SHARED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-                    FP8: tl.constexpr = False):
+                    FP8: tl.constexpr = False, MXFP4: tl.constexpr = False):
     # x [T, H]; ids [T*k] int64; w1/w3 [E, I, H], shared sw1/sw3 [I, H] (last dims contiguous)
     # -> h [T*(k+SHARED), I] (x's dtype), row p = pair p (see _pair). FP8: w1/w3/sw1/sw3 are
     # float8_e4m3fn with fp32 scales s1/s3 [E, cdiv(I, 128), cdiv(H, 128)] (strides stride_se,
-    # stride_sr, last dim contiguous), ss1/ss3 the shared expert's [cdiv(I, 128), cdiv(H, 128)]
+    # stride_sr, last dim contiguous), ss1/ss3 the shared expert's [cdiv(I, 128), cdiv(H, 128)].
+    # MXFP4: w1/w3 packed uint8 [E, I, H/2] (row stride stride_wi), E8M0 bytes s1/s3 [E, I, H/32];
+    # sw1/sw3 unquantised in x's dtype; BLOCK_H a multiple of 64
     p = tl.program_id(0)
     i0 = tl.program_id(1) * BLOCK_I
     i = i0 + tl.arange(0, BLOCK_I)                                # [BLOCK_I]
     i_ok = i < I
     t, _, routed, e = _pair(ids_ptr, p, K, SHARED)
-    w1_base, stride_i = _expert_matrix(w1_ptr, sw1_ptr, routed, e, stride_we, stride_wi, stride_si, SHARED)
-    w3_base, _ = _expert_matrix(w3_ptr, sw3_ptr, routed, e, stride_we, stride_wi, stride_si, SHARED)
+    if MXFP4:    # the routed expert's bytes and scales (expert 0's for the shared pair: unread)
+        w1_base, stride_i = _expert_matrix(w1_ptr, sw1_ptr, routed, e, stride_we, stride_wi, stride_si, False)
+        w3_base, _ = _expert_matrix(w3_ptr, sw3_ptr, routed, e, stride_we, stride_wi, stride_si, False)
+        s1_base, _ = _expert_matrix(s1_ptr, ss1_ptr, routed, e, stride_se, stride_sr, stride_sr, False)
+        s3_base, _ = _expert_matrix(s3_ptr, ss3_ptr, routed, e, stride_se, stride_sr, stride_sr, False)
+    else:
+        w1_base, stride_i = _expert_matrix(w1_ptr, sw1_ptr, routed, e, stride_we, stride_wi, stride_si, SHARED)
+        w3_base, _ = _expert_matrix(w3_ptr, sw3_ptr, routed, e, stride_we, stride_wi, stride_si, SHARED)
     if FP8:
         s1_base, _ = _expert_matrix(s1_ptr, ss1_ptr, routed, e, stride_se, stride_sr, stride_sr, SHARED)
         s3_base, _ = _expert_matrix(s3_ptr, ss3_ptr, routed, e, stride_se, stride_sr, stride_sr, SHARED)
@@ -148,9 +241,15 @@ def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, h_ptr, K, 
         hh = h0 + tl.arange(0, BLOCK_H)                           # [BLOCK_H]
         h_ok = hh < H
         xv = tl.load(x_row + hh, mask=h_ok, other=0.0).to(tl.float32)[None, :]   # [1, BLOCK_H]
-        m = i_ok[:, None] & h_ok[None, :]
-        w1 = tl.load(w1_base + w_off + hh[None, :], mask=m, other=0.0)   # [BLOCK_I, BLOCK_H]
-        w3 = tl.load(w3_base + w_off + hh[None, :], mask=m, other=0.0)
+        if MXFP4:
+            w1 = _mxfp4_pair_rows(w1_base, stride_i, s1_base, stride_sr, sw1_ptr, stride_si, i, i_ok, h0, H,
+                                  routed, h_ptr.dtype.element_ty, SHARED, BLOCK_I, BLOCK_H)
+            w3 = _mxfp4_pair_rows(w3_base, stride_i, s3_base, stride_sr, sw3_ptr, stride_si, i, i_ok, h0, H,
+                                  routed, h_ptr.dtype.element_ty, SHARED, BLOCK_I, BLOCK_H)
+        else:
+            m = i_ok[:, None] & h_ok[None, :]
+            w1 = tl.load(w1_base + w_off + hh[None, :], mask=m, other=0.0)   # [BLOCK_I, BLOCK_H]
+            w3 = tl.load(w3_base + w_off + hh[None, :], mask=m, other=0.0)
         x1, x3 = xv, xv
         if FP8:
             sh = tl.minimum(hh, H - 1)[None, :]
@@ -174,11 +273,13 @@ def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, h_ptr, K, 
 def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
                  stride_we, stride_wh, stride_sh, s2_ptr, ss2_ptr, stride_se, stride_sr,
                  SHARED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
-                 FP8: tl.constexpr = False):
+                 FP8: tl.constexpr = False, MXFP4: tl.constexpr = False):
     # h [T*KS, I], KS = k + SHARED pairs per token; ids [T*k] int64; weights [T*k] fp32;
     # w2 [E, H, I], shared sw2 [H, I] (last dims contiguous)
     # -> out [SPLIT, T, H]: x's dtype when SPLIT == 1 (the result), else fp32 partials.
-    # FP8: w2/sw2 float8_e4m3fn, scales s2 [E, cdiv(H, 128), cdiv(I, 128)], ss2 without E
+    # FP8: w2/sw2 float8_e4m3fn, scales s2 [E, cdiv(H, 128), cdiv(I, 128)], ss2 without E.
+    # MXFP4: w2 packed uint8 [E, H, I/2], E8M0 bytes s2 [E, H, I/32]; sw2 unquantised in x's
+    # dtype; BLOCK_I a multiple of 64
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_H
     n = n0 + tl.arange(0, BLOCK_H)                                # [BLOCK_H] output features
@@ -195,7 +296,11 @@ def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
         p = t * KS + j
         _, q, routed, e = _pair(ids_ptr, p, K, SHARED)
         wt = tl.load(wt_ptr + q, mask=routed, other=1.0)         # fp32 routing weight (shared: 1)
-        w2_base, stride_h = _expert_matrix(w2_ptr, sw2_ptr, routed, e, stride_we, stride_wh, stride_sh, SHARED)
+        if MXFP4:    # the routed expert's bytes and scales (expert 0's for the shared pair: unread)
+            w2_base, stride_h = _expert_matrix(w2_ptr, sw2_ptr, routed, e, stride_we, stride_wh, stride_sh, False)
+            s2_base, _ = _expert_matrix(s2_ptr, ss2_ptr, routed, e, stride_se, stride_sr, stride_sr, False)
+        else:
+            w2_base, stride_h = _expert_matrix(w2_ptr, sw2_ptr, routed, e, stride_we, stride_wh, stride_sh, SHARED)
         if FP8:
             s2_base, _ = _expert_matrix(s2_ptr, ss2_ptr, routed, e, stride_se, stride_sr, stride_sr, SHARED)
         w_off = n[:, None] * stride_h                             # [BLOCK_H, 1]
@@ -205,8 +310,12 @@ def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
             ii = b * BLOCK_I + tl.arange(0, BLOCK_I)              # [BLOCK_I]
             i_ok = ii < I
             hv = tl.load(h_row + ii, mask=i_ok, other=0.0).to(tl.float32)[None, :]   # [1, BLOCK_I]
-            w2 = tl.load(w2_base + w_off + ii[None, :], mask=n_ok[:, None] & i_ok[None, :],
-                         other=0.0)                               # [BLOCK_H, BLOCK_I]
+            if MXFP4:
+                w2 = _mxfp4_pair_rows(w2_base, stride_h, s2_base, stride_sr, sw2_ptr, stride_sh, n, n_ok,
+                                      b * BLOCK_I, I, routed, h_ptr.dtype.element_ty, SHARED, BLOCK_H, BLOCK_I)
+            else:
+                w2 = tl.load(w2_base + w_off + ii[None, :], mask=n_ok[:, None] & i_ok[None, :],
+                             other=0.0)                           # [BLOCK_H, BLOCK_I]
             if FP8:
                 sn, si = tl.minimum(n, H - 1)[:, None], tl.minimum(ii, I - 1)[None, :]
                 if QBLOCK % BLOCK_H == 0:   # the tile's rows share their scales: fold them into h
@@ -241,13 +350,14 @@ def default_down_split(T: int, k: int, H: int, I: int, block_h: int = DOWN_BLOCK
 
 def expert_shapes(x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                   w3: torch.Tensor, scales=None) -> tuple[int, int, int, int, int]:
-    """(T, H, k, E, I) of x [T, H], ids [T, k], w1/w3 [E, I, H], w2 [E, H, I], checked for the
-    layout the kernels read: w1/w3 with equal strides, every last dim contiguous; with FP8
-    scales, see `check_scales`."""
+    """(T, H, k, E, I) of x [T, H], ids [T, k], w1/w3 [E, I, H], w2 [E, H, I] (MXFP4: packed,
+    see `unpacked_shape`), checked for the layout the kernels read: w1/w3 with equal strides,
+    every last dim contiguous; with scales, see `check_scales`."""
     T, H = x.shape
     k = ids.shape[1]
     E, I, _ = w1.shape
-    assert w1.shape == w3.shape == (E, I, H) and w2.shape == (E, H, I), "expert weight shapes"
+    assert unpacked_shape(w1) == unpacked_shape(w3) == (E, I, H) and unpacked_shape(w2) == (E, H, I), \
+        "expert weight shapes"
     assert w1.stride() == w3.stride() and w1.stride(2) == 1 and w2.stride(2) == 1, \
         "w1/w3 must share strides; the last dim of w1/w2/w3 must be contiguous"
     check_scales((w1, w2, w3), scales)
@@ -255,36 +365,49 @@ def expert_shapes(x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torc
 
 
 def scale_shape(w: torch.Tensor) -> tuple[int, ...]:
-    """Shape of the FP8 block scales of w [..., R, C]: [..., cdiv(R, 128), cdiv(C, 128)]."""
+    """Shape of the scales of w [..., R, C]: FP8 [..., cdiv(R, 128), cdiv(C, 128)]; MXFP4
+    (w packed [..., R, C/2]) [..., R, C/32]."""
+    if weight_format(w) == "mxfp4":
+        return (*w.shape[:-1], w.shape[-1] * 2 // FP4_GROUP)
     return (*w.shape[:-2], triton.cdiv(w.shape[-2], 128), triton.cdiv(w.shape[-1], 128))
 
 
+def scales_fit(ws, scales) -> bool:
+    """Scales of weights ws: contiguous, of `scale_shape`, fp32 (FP8) or uint8 (MXFP4, whose
+    unpacked columns are a multiple of 32)."""
+    dtype = torch.uint8 if weight_format(ws[0]) == "mxfp4" else torch.float32
+    return all(s.dtype == dtype and s.is_contiguous() and tuple(s.shape) == scale_shape(w)
+               and (dtype != torch.uint8 or w.shape[-1] % (FP4_GROUP // 2) == 0) for w, s in zip(ws, scales))
+
+
 def check_scales(ws, scales) -> None:
-    """ws = (w1, w2, w3) float8_e4m3fn with fp32 contiguous scales of `scale_shape`, s1/s3 of
-    equal strides; or not FP8 and scales None."""
+    """ws = (w1, w2, w3) all FP8 or all MXFP4 (`weight_format`) with scales that fit
+    (`scales_fit`); or not quantised and scales None."""
+    fmts = {weight_format(w) for w in ws}
     if scales is None:
-        assert all(w.dtype != torch.float8_e4m3fn for w in ws), "FP8 expert weights need their scales"
+        assert fmts == {None}, "quantised (FP8 / MXFP4) expert weights need their scales"
         return
-    assert all(w.dtype == torch.float8_e4m3fn for w in ws), "scales given for weights that are not FP8"
-    for w, s in zip(ws, scales):
-        assert s.dtype == torch.float32 and s.is_contiguous() and tuple(s.shape) == scale_shape(w), \
-            f"FP8 scales: fp32 contiguous {scale_shape(w)}, got {s.dtype} {tuple(s.shape)}"
+    assert len(fmts) == 1 and None not in fmts, "scales given for weights that are not all FP8 or all MXFP4"
+    assert scales_fit(ws, scales), \
+        f"{fmts.pop()} scales: contiguous {[scale_shape(w) for w in ws]} " \
+        f"(fp32 for FP8, uint8 for MXFP4), got {[(s.dtype, tuple(s.shape)) for s in scales]}"
 
 
 def fusable_shared(w1: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                    scales=None, shared_scales=None) -> bool:
     """Whether the shared expert (sw1/sw3 [I, H], sw2 [H, I]) can run as one more pair of the
-    routed kernels: the routed experts' dtype and I, last dims contiguous, sw1/sw3 same strides;
-    FP8 both or neither (scales / shared_scales), the scales of one layout (see check_scales)."""
+    routed kernels: the routed experts' I and H, last dims contiguous, sw1/sw3 same strides, and
+    the same dtype as the routed experts, FP8 both or neither (scales / shared_scales) with the
+    scales of one layout (see check_scales); with MXFP4 routed experts, unquantised (x's dtype,
+    shared_scales None)."""
     sw1, sw2, sw3 = shared
-    _, I, H = w1.shape
-    ok = (sw1.shape == sw3.shape == (I, H) and sw2.shape == (H, I)
-          and sw1.dtype == sw2.dtype == sw3.dtype == w1.dtype and sw1.stride() == sw3.stride()
-          and sw1.stride(1) == 1 and sw2.stride(1) == 1 and (scales is None) == (shared_scales is None))
-    if ok and scales is not None:
-        ok = all(s.dtype == torch.float32 and s.is_contiguous() and tuple(s.shape) == scale_shape(w)
-                 for s, w in zip(shared_scales, shared))
-    return ok
+    _, I, H = unpacked_shape(w1)
+    ok = (sw1.shape == sw3.shape == (I, H) and sw2.shape == (H, I) and sw1.dtype == sw2.dtype == sw3.dtype
+          and sw1.stride() == sw3.stride() and sw1.stride(1) == 1 and sw2.stride(1) == 1)
+    if weight_format(w1) == "mxfp4":
+        return ok and weight_format(sw1) is None and shared_scales is None
+    ok = ok and sw1.dtype == w1.dtype and (scales is None) == (shared_scales is None)
+    return ok and (scales is None or scales_fit(shared, shared_scales))
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor,
@@ -301,7 +424,8 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
     shared = (sw1, sw2, sw3) adds the shared expert (dsv4.ops.moe.dense_swiglu, see
     `fusable_shared`) as a (k+1)-th pair of every token with weight 1: same two launches (+ the
     split sum), its output summed with the routed ones in fp32 and rounded once.
-    scales / shared_scales: fp32 block scales of FP8 (float8_e4m3fn) weights (`check_scales`),
+    scales / shared_scales: fp32 block scales of FP8 (float8_e4m3fn) weights, or the E8M0 bytes
+    of MXFP4 (packed uint8) routed weights (`check_scales`; the shared expert then unquantised),
     dequantised tile by tile in the kernels.
     up_tiles = (BLOCK_I, BLOCK_H, num_warps) and down_tiles = (BLOCK_H, BLOCK_I, num_warps)
     override the defaults (tuning); down_split (>= 1) overrides `default_down_split`."""
@@ -309,8 +433,10 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
     assert shared is None or fusable_shared(w1, shared, scales, shared_scales), "shared expert: see fusable_shared"
     has_shared = shared is not None
     sw1, sw2, sw3 = shared if has_shared else (w1, w2, w3)                  # unused without
-    fp8 = scales is not None
-    s1, s2, s3 = scales if fp8 else (x, x, x)                              # unused without
+    fp8, mxfp4 = weight_format(w1) == "fp8", weight_format(w1) == "mxfp4"
+    assert not (mxfp4 and has_shared) or sw1.dtype == x.dtype, "MXFP4: the shared expert in x's dtype"
+    quant = scales is not None
+    s1, s2, s3 = scales if quant else (x, x, x)                            # unused without
     ss1, ss2, ss3 = shared_scales if fp8 and has_shared else (s1, s2, s3)
     ks = k + has_shared                                                     # pairs per token
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
@@ -322,18 +448,20 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
     h = torch.empty((T * ks, I), dtype=x.dtype, device=x.device)             # swiglu, x's dtype
 
     bi, bh, nw = up_tiles or (UP_BLOCK_I, UP_BLOCK_H, UP_WARPS)
+    dh, di, dnw = down_tiles or ((FP8_DOWN_BLOCK_H, FP8_DOWN_BLOCK_I, FP8_DOWN_WARPS) if fp8
+                                 else (DOWN_BLOCK_H, DOWN_BLOCK_I, DOWN_WARPS))
+    assert not mxfp4 or bh % MXFP4_BLOCK == di % MXFP4_BLOCK == 0, \
+        f"MXFP4: BLOCK_H of up-gate and BLOCK_I of down (the packed dims) must be multiples of {MXFP4_BLOCK}"
     _up_gate_kernel[(T * ks, triton.cdiv(I, bi))](
         x, flat_ids, w1, w3, sw1, sw3, h, k, H, I, w1.stride(0), w1.stride(1), sw1.stride(0), float(limit),
-        s1, s3, ss1, ss3, s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0,
-        SHARED=has_shared, BLOCK_I=bi, BLOCK_H=bh, FP8=fp8, num_warps=nw)
-    bh, bi, nw = down_tiles or ((FP8_DOWN_BLOCK_H, FP8_DOWN_BLOCK_I, FP8_DOWN_WARPS) if fp8
-                                else (DOWN_BLOCK_H, DOWN_BLOCK_I, DOWN_WARPS))
-    split = down_split or default_down_split(T, ks, H, I, bh, bi, FP8_DOWN_MIN_PROGRAMS if fp8 else DOWN_MIN_PROGRAMS)
+        s1, s3, ss1, ss3, s1.stride(0) if quant else 0, s1.stride(1) if quant else 0,
+        SHARED=has_shared, BLOCK_I=bi, BLOCK_H=bh, FP8=fp8, MXFP4=mxfp4, num_warps=nw)
+    split = down_split or default_down_split(T, ks, H, I, dh, di, FP8_DOWN_MIN_PROGRAMS if fp8 else DOWN_MIN_PROGRAMS)
     part = out if split == 1 else torch.empty((split, T, H), dtype=torch.float32, device=x.device)
-    _down_kernel[(T, triton.cdiv(H, bh), split)](
+    _down_kernel[(T, triton.cdiv(H, dh), split)](
         h, flat_ids, flat_w, w2, sw2, part, k, H, I, w2.stride(0), w2.stride(1), sw2.stride(0),
-        s2, ss2, s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
-        SHARED=has_shared, BLOCK_H=bh, BLOCK_I=bi, FP8=fp8, num_warps=nw)
+        s2, ss2, s2.stride(0) if quant else 0, s2.stride(1) if quant else 0,
+        SHARED=has_shared, BLOCK_H=dh, BLOCK_I=di, FP8=fp8, MXFP4=mxfp4, num_warps=dnw)
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(T * H, SUM_BLOCK),)](part, out, T * H, split, BLOCK=SUM_BLOCK)
     return out

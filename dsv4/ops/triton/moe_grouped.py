@@ -23,6 +23,10 @@ each expert's output; here h and each weighted expert output are rounded.
 FP8 weights (`scales=`, constexpr FP8): each [BLOCK_K, BLOCK_N] weight tile is loaded as
 float8_e4m3fn, multiplied in fp32 by its 128x128 block scales (moe._block_scale: one scale, a
 vector along N, or a gather, by the tiles' alignment), rounded to x's dtype, then tl.dot.
+MXFP4 weights (uint8 weights and `scales=`, constexpr MXFP4): a tile's packed bytes
+[BLOCK_K/2, BLOCK_N] (two e2m1 values per byte along K) and E8M0 bytes [BLOCK_K/32, BLOCK_N]
+are loaded and dequantised by moe._mxfp4_tile (nibbles interleaved back along K, axis 0),
+rounded to x's dtype, then tl.dot; BLOCK_K a multiple of moe.MXFP4_BLOCK.
 Programs run in grouped order (GROUP_M slots, then the next tile of N) so that the weight tiles
 of an expert and the gathered x rows of the group stay in L2 while they are reused.
 Expert offsets use int64 (e * I * H exceeds int32 at V4 sizes).
@@ -35,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe import QBLOCK, _dequant_tile, expert_shapes
+from .moe import MXFP4_BLOCK, QBLOCK, _dequant_tile, _mxfp4_tile, expert_shapes, weight_format
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of (up-gate, down) by the mean rows per
 # expert P / E (1.5 at a batch-64 decode step, 12 at 512 tokens, 96 at 4k, 384 at 16k at
@@ -88,16 +92,42 @@ def _dot(a, b, acc, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
-def _load_w(w_ptrs, k0, K, kk, s_ptr, stride_sr, n_rows, n0, FP8: tl.constexpr, EVEN_K: tl.constexpr,
-            out_dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weight tile [BLOCK_K, BLOCK_N] at depth k0 (K along axis 0); FP8: dequantised with the
-    expert's scales s_ptr ([cdiv(N, 128), cdiv(K, 128)], n_rows [1, BLOCK_N] the weight rows,
-    clamped in bounds, n0 the first) and rounded to out_dtype."""
-    w = _load_k(w_ptrs, k0, K, kk, 0, EVEN_K)
-    if FP8:
-        w = _dequant_tile(w, s_ptr, stride_sr, n_rows, tl.minimum(k0 + kk, K - 1)[:, None], n0, k0, out_dtype,
-                          QBLOCK % BLOCK_N == 0, QBLOCK % BLOCK_K == 0)
-    return w
+def _mxfp4_k_tile(w_ptrs, k0, K, kk, s_ptr, stride_sr, n_rows, EVEN_K: tl.constexpr, out_dtype: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """MXFP4 weight tile [BLOCK_K, BLOCK_N] at depth k0 (K along axis 0, packed along it) in
+    out_dtype: w_ptrs point at its packed bytes [BLOCK_K/2, BLOCK_N] (kk = arange(BLOCK_K/2)),
+    s_ptr at the expert's E8M0 bytes [N, K/32] (n_rows [1, BLOCK_N] the weight rows, clamped in
+    bounds); dequantised by moe._mxfp4_tile."""
+    q = _load_k(w_ptrs, k0 // 2, K // 2, kk, 0, EVEN_K)
+    ks = tl.arange(0, BLOCK_K // 32)                                    # scale rows along K
+    sb = _load_k(s_ptr + n_rows * stride_sr + (k0 // 32 + ks)[:, None], k0 // 32, K // 32, ks, 0, EVEN_K)
+    return _mxfp4_tile(q, sb, out_dtype, 0, BLOCK_K, BLOCK_N)
+
+
+@triton.jit
+def _dot_w(a, w_ptrs, acc, k0, K, kk, s_ptr, stride_sr, n_rows, n0, FP8: tl.constexpr, EVEN_K: tl.constexpr,
+           FP32_DOT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr = False):
+    """acc + a @ W for the weight tile W [BLOCK_K, BLOCK_N] at depth k0 (K along axis 0). FP8: W
+    dequantised with the expert's scales s_ptr ([cdiv(N, 128), cdiv(K, 128)], n_rows [1, BLOCK_N]
+    the weight rows, clamped in bounds, n0 the first) and rounded to a's dtype. MXFP4: likewise
+    (`_mxfp4_k_tile`; w_ptrs at its packed bytes, kk = arange(BLOCK_K/2))."""
+    if MXFP4:
+        w = _mxfp4_k_tile(w_ptrs, k0, K, kk, s_ptr, stride_sr, n_rows, EVEN_K, a.dtype, BLOCK_N, BLOCK_K)
+    else:
+        w = _load_k(w_ptrs, k0, K, kk, 0, EVEN_K)
+        if FP8:
+            w = _dequant_tile(w, s_ptr, stride_sr, n_rows, tl.minimum(k0 + kk, K - 1)[:, None], n0, k0, a.dtype,
+                              QBLOCK % BLOCK_N == 0, QBLOCK % BLOCK_K == 0)
+    return _dot(a, w, acc, FP32_DOT)
+
+
+@triton.jit
+def _weight_k(kk, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
+    """The K offsets of a weight tile's rows: kk = arange(BLOCK_K), or MXFP4 arange(BLOCK_K/2)
+    (packed bytes, two inputs each)."""
+    if MXFP4:
+        kk = tl.arange(0, BLOCK_K // 2)
+    return kk
 
 
 @triton.jit
@@ -105,10 +135,11 @@ def _up_gate_kernel(x_ptr, order_ptr, sched_ptr, w1_ptr, w3_ptr, h_ptr, S, KP, H
                     stride_we, stride_wi, limit, s1_ptr, s3_ptr, stride_se, stride_sr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
-                    FP8: tl.constexpr = False):
+                    FP8: tl.constexpr = False, MXFP4: tl.constexpr = False):
     # x [T, H]; order [P] int32 (pair of each sorted row); w1/w3 [E, I, H] (last dim contiguous)
     # -> h [P, I] in x's dtype, rows in sorted order. FP8: w1/w3 float8_e4m3fn, fp32 scales
-    # s1/s3 [E, cdiv(I, 128), cdiv(H, 128)] (strides stride_se, stride_sr, last dim contiguous)
+    # s1/s3 [E, cdiv(I, 128), cdiv(H, 128)] (strides stride_se, stride_sr, last dim contiguous).
+    # MXFP4: w1/w3 packed uint8 [E, I, H/2] (row stride stride_wi), E8M0 bytes s1/s3 [E, I, H/32]
     e, r0, r1, cols = _tile(sched_ptr, S, I, BLOCK_N, GROUP_M)
     if r0 >= r1:
         return
@@ -120,7 +151,8 @@ def _up_gate_kernel(x_ptr, order_ptr, sched_ptr, w1_ptr, w3_ptr, h_ptr, S, KP, H
     a_ptrs = x_ptr + tok.to(tl.int64)[:, None] * H + kk[None, :]                 # [BM, BK]
     w1_ptr += e * stride_we                                             # expert e's [I, H]
     w3_ptr += e * stride_we
-    w_off = tl.where(col_ok, cols, 0)[None, :] * stride_wi + kk[:, None]  # [BK, BN] int32 (< I*H)
+    kw = _weight_k(kk, BLOCK_K, MXFP4)                                  # K rows of a weight tile
+    w_off = tl.where(col_ok, cols, 0)[None, :] * stride_wi + kw[:, None]  # [BK, BN] int32 (< I*H)
     s1_ptr += e * stride_se                                             # expert e's scales (FP8)
     s3_ptr += e * stride_se
     n_rows = tl.where(col_ok, cols, 0)[None, :]                         # [1, BN] weight rows
@@ -129,14 +161,12 @@ def _up_gate_kernel(x_ptr, order_ptr, sched_ptr, w1_ptr, w3_ptr, h_ptr, S, KP, H
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         a = _load_k(a_ptrs, k0, H, kk, 1, EVEN_K)
-        w1 = _load_w(w1_ptr + w_off, k0, H, kk, s1_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
-                     x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
-        gate = _dot(a, w1, gate, FP32_DOT)
-        w3 = _load_w(w3_ptr + w_off, k0, H, kk, s3_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
-                     x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
-        up = _dot(a, w3, up, FP32_DOT)
+        gate = _dot_w(a, w1_ptr + w_off, gate, k0, H, kw, s1_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
+                      FP32_DOT, BLOCK_N, BLOCK_K, MXFP4)
+        up = _dot_w(a, w3_ptr + w_off, up, k0, H, kw, s3_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
+                    FP32_DOT, BLOCK_N, BLOCK_K, MXFP4)
         a_ptrs += BLOCK_K
-        w_off += BLOCK_K
+        w_off += kw.shape[0]
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     h = gate / (1.0 + tl.exp(-gate)) * up                               # silu(gate) * up
@@ -149,10 +179,11 @@ def _down_kernel(h_ptr, order_ptr, wt_ptr, sched_ptr, w2_ptr, y_ptr, S, H, I,
                  stride_we, stride_wh, s2_ptr, stride_se, stride_sr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
-                 FP8: tl.constexpr = False):
+                 FP8: tl.constexpr = False, MXFP4: tl.constexpr = False):
     # h [P, I] sorted rows; order [P] int32; weights [P] fp32 in pair order; w2 [E, H, I]
     # (last dim contiguous) -> y [P, H] in x's dtype, rows in pair order. FP8: w2 float8_e4m3fn,
-    # fp32 scales s2 [E, cdiv(H, 128), cdiv(I, 128)]
+    # fp32 scales s2 [E, cdiv(H, 128), cdiv(I, 128)]. MXFP4: w2 packed uint8 [E, H, I/2], E8M0
+    # bytes s2 [E, H, I/32]
     e, r0, r1, cols = _tile(sched_ptr, S, H, BLOCK_N, GROUP_M)
     if r0 >= r1:
         return
@@ -162,18 +193,18 @@ def _down_kernel(h_ptr, order_ptr, wt_ptr, sched_ptr, w2_ptr, y_ptr, S, H, I,
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + tl.where(row_ok, rows, r0).to(tl.int64)[:, None] * I + kk[None, :]   # [BM, BK]
     w2_ptr += e * stride_we                                             # expert e's [H, I]
-    w_off = tl.where(col_ok, cols, 0)[None, :] * stride_wh + kk[:, None]  # [BK, BN] int32 (< H*I)
+    kw = _weight_k(kk, BLOCK_K, MXFP4)                                  # K rows of a weight tile
+    w_off = tl.where(col_ok, cols, 0)[None, :] * stride_wh + kw[:, None]  # [BK, BN] int32 (< H*I)
     s2_ptr += e * stride_se                                             # expert e's scales (FP8)
     n_rows = tl.where(col_ok, cols, 0)[None, :]                         # [1, BN] weight rows
     n0 = tl.min(cols, axis=0)                                           # first column of the tile (< H)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         a = _load_k(a_ptrs, k0, I, kk, 1, EVEN_K)
-        w2 = _load_w(w2_ptr + w_off, k0, I, kk, s2_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
-                     h_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
-        acc = _dot(a, w2, acc, FP32_DOT)
+        acc = _dot_w(a, w2_ptr + w_off, acc, k0, I, kw, s2_ptr, stride_sr, n_rows, n0, FP8, EVEN_K,
+                     FP32_DOT, BLOCK_N, BLOCK_K, MXFP4)
         a_ptrs += BLOCK_K
-        w_off += BLOCK_K
+        w_off += kw.shape[0]
     pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
     wt = tl.load(wt_ptr + pair, mask=row_ok, other=0.0)                 # fp32 routing weight
     out = y_ptr + pair.to(tl.int64)[:, None] * H + cols[None, :]
@@ -199,13 +230,15 @@ def schedule(flat_ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor
     return order.to(torch.int32), torch.stack([e, first, ends[e]]).to(torch.int32)
 
 
-def default_tiles(P: int, E: int, dtype: torch.dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def default_tiles(P: int, E: int, dtype: torch.dtype, mxfp4: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(up-gate, down) tiles for P pairs over E experts; shapes only (no host sync). fp32 inputs
-    halve BLOCK_K and keep <= 3 stages (their tiles take twice the shared memory)."""
+    halve BLOCK_K (not below MXFP4_BLOCK for MXFP4 weights) and keep <= 3 stages (their tiles
+    take twice the shared memory)."""
     tiles = (LARGE_M_TILES if P >= LARGE_M_ROWS * E else MID_M_TILES if P >= MID_M_ROWS * E
              else SMALL_M_TILES)
     if dtype == torch.float32:
-        tiles = tuple((bm, bn, bk // 2, nw, min(ns, 3)) for bm, bn, bk, nw, ns in tiles)
+        min_k = MXFP4_BLOCK if mxfp4 else 1
+        tiles = tuple((bm, bn, max(bk // 2, min_k), nw, min(ns, 3)) for bm, bn, bk, nw, ns in tiles)
     return tiles
 
 
@@ -220,10 +253,12 @@ def routed_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
 
     up_tiles / down_tiles = (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) override the
     `default_tiles` (tuning); BLOCK_* >= 16 on the GPU (tl.dot). scales: fp32 block scales of
-    FP8 (float8_e4m3fn) weights (moe.check_scales), dequantised tile by tile in the kernels."""
+    FP8 (float8_e4m3fn) weights or E8M0 bytes of MXFP4 (packed uint8) ones (moe.check_scales),
+    dequantised tile by tile in the kernels (MXFP4: BLOCK_K a multiple of MXFP4_BLOCK)."""
     T, H, k, E, I = expert_shapes(x, ids, w1, w2, w3, scales)
-    fp8 = scales is not None
-    s1, s2, s3 = scales if fp8 else (x, x, x)          # unused without
+    fp8, mxfp4 = weight_format(w1) == "fp8", weight_format(w1) == "mxfp4"
+    quant = scales is not None
+    s1, s2, s3 = scales if quant else (x, x, x)        # unused without
     if T == 0 or k == 0:
         return torch.zeros_like(x)
     x = x.contiguous()
@@ -231,8 +266,10 @@ def routed_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     flat_ids = ids.reshape(-1).to(torch.int64)
     flat_w = weights.reshape(-1).to(torch.float32).contiguous()        # [P], pair order
     fp32_dot = x.dtype == torch.float32 or INTERPRETING
-    default_up, default_down = default_tiles(P, E, x.dtype)
+    default_up, default_down = default_tiles(P, E, x.dtype, mxfp4)
     up_tiles, down_tiles = up_tiles or default_up, down_tiles or default_down
+    assert not mxfp4 or up_tiles[2] % MXFP4_BLOCK == down_tiles[2] % MXFP4_BLOCK == 0, \
+        f"MXFP4: BLOCK_K (along the packed dim) must be a multiple of {MXFP4_BLOCK}"
     group_m = group_m or (GROUP_M_MANY_ROWS if P >= MID_M_ROWS * E else GROUP_M)
 
     bm, bn, bk, nw, ns = up_tiles
@@ -241,9 +278,9 @@ def routed_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     h = torch.empty((P, I), dtype=x.dtype, device=x.device)           # sorted rows
     _up_gate_kernel[(S * triton.cdiv(I, bn),)](
         x, order, sched, w1, w3, h, S, k, H, I, w1.stride(0), w1.stride(1), float(limit),
-        s1, s3, s1.stride(0) if fp8 else 0, s1.stride(1) if fp8 else 0,
+        s1, s3, s1.stride(0) if quant else 0, s1.stride(1) if quant else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, EVEN_K=H % bk == 0, FP32_DOT=fp32_dot,
-        FP8=fp8, num_warps=nw, num_stages=ns)
+        FP8=fp8, MXFP4=mxfp4, num_warps=nw, num_stages=ns)
 
     bm_down, bn, bk, nw, ns = down_tiles
     if bm_down != bm:
@@ -252,7 +289,7 @@ def routed_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
     y = torch.empty((P, H), dtype=x.dtype, device=x.device)           # pair order
     _down_kernel[(S * triton.cdiv(H, bn),)](
         h, order, flat_w, sched, w2, y, S, H, I, w2.stride(0), w2.stride(1),
-        s2, s2.stride(0) if fp8 else 0, s2.stride(1) if fp8 else 0,
+        s2, s2.stride(0) if quant else 0, s2.stride(1) if quant else 0,
         BLOCK_M=bm_down, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, EVEN_K=I % bk == 0, FP32_DOT=fp32_dot,
-        FP8=fp8, num_warps=nw, num_stages=ns)
+        FP8=fp8, MXFP4=mxfp4, num_warps=nw, num_stages=ns)
     return y.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
