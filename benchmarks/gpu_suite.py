@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from dsv4.perf import bench_offline as bo  # noqa: E402
-from dsv4.perf.roofline import BF16, BF16_FP8_EXPERTS, H200, decode_step_cost, prefill_cost, roofline  # noqa: E402
+from dsv4.perf.roofline import BF16, BF16_FP8_EXPERTS, BF16_MXFP4_EXPERTS, H200, decode_step_cost, prefill_cost, roofline  # noqa: E402
 
 PREFILLS = (1024, 4096, 16384)
 DECODES = ((1, 1024), (8, 1024), (64, 1024), (1, 4096), (64, 4096), (1, 16384), (8, 16384), (64, 16384))
@@ -81,13 +81,17 @@ def engine_for(spec, model, mode, **kw):
     return LLMEngine(spec, EngineConfig(device=DEV, dtype="bfloat16", **MODES[mode], **kw), model=model)
 
 
+PRECISIONS = {None: BF16, "fp8": BF16_FP8_EXPERTS, "mxfp4": BF16_MXFP4_EXPERTS}
+
+
 def dsv4_runs(spec: str, gpu, budget: float, results: dict, greedy: bool = True, modes=tuple(MODES),
-              keep_fp8: bool = False, prefix: str = "") -> None:
+              experts: str | None = None, prefix: str = "") -> None:
     """Prefill and decode times per mode into results["<prefix>prefill N" / "<prefix>decode bB ctxC"];
-    keep_fp8: the slice's experts FP8 kept quantised (the bound counts them at 1 B + scales)."""
+    experts "fp8" / "mxfp4": the slice's experts kept quantised in that format (the bound counts
+    their bytes, PRECISIONS)."""
     from dsv4.model.weights import load_model
-    model = load_model(spec, DEV, torch.bfloat16, keep_fp8=keep_fp8)
-    cfg, precision = model.cfg, BF16_FP8_EXPERTS if keep_fp8 else BF16
+    model = load_model(spec, DEV, torch.bfloat16, keep_fp8=experts == "fp8", keep_mxfp4=experts == "mxfp4")
+    cfg, precision = model.cfg, PRECISIONS[experts]
     for mode in modes:
         for n in PREFILLS:
             if time.perf_counter() - T0 > budget or mode == "fast_sync":
@@ -115,7 +119,7 @@ def dsv4_runs(spec: str, gpu, budget: float, results: dict, greedy: bool = True,
             del eng
     if greedy:
         results[f"{prefix}greedy"] = greedy_identity(spec, model, random_prompts(cfg.vocab_size))
-    if not keep_fp8:
+    if experts is None:
         profile(spec, model)
     del model
     gc.collect()
@@ -312,10 +316,11 @@ def quick() -> int:
     return 0
 
 
-def fp8_compare() -> int:
-    """--fp8: the fast path on the slice with bf16 experts, then with its experts FP8 kept
-    quantised (--keep-fp8: the same draws, quantised), in one run; greedy identity of the
-    reference path vs the fast path on the FP8 model; the batch-64 / batch-1 ratio of each."""
+def quantised_compare() -> int:
+    """--quantised: the fast path on the slice with bf16 experts, then with its experts kept
+    quantised (--keep-fp8, --keep-mxfp4: the same draws, quantised), in one run; greedy identity
+    of the reference path vs the fast path on each quantised model; the batch-64 / batch-1
+    ratio of each."""
     global PREFILLS, DECODES
     PREFILLS, DECODES = (16384,), ((1, 1024), (1, 4096), (64, 4096), (1, 16384))
     os.makedirs(ARGS.out, exist_ok=True)
@@ -323,17 +328,17 @@ def fp8_compare() -> int:
     gpu = H200.measured(bandwidth=info["copy_bandwidth"], flops=info["bf16_matmul_flops"])
     results: dict = {}
     spec = SLICE or f"random:flash-slice:{ARGS.layers}"
-    for keep in (False, True):
-        dsv4_runs(spec, gpu, ARGS.budget_s, results, greedy=keep, modes=("fast",), keep_fp8=keep,
-                  prefix="fp8 " if keep else "bf16 ")
-    for prefix in ("bf16 ", "fp8 "):
+    for experts in (None, "fp8", "mxfp4"):
+        dsv4_runs(spec, gpu, ARGS.budget_s, results, greedy=experts is not None, modes=("fast",), experts=experts,
+                  prefix=f"{experts or 'bf16'} ")
+    for prefix in ("bf16 ", "fp8 ", "mxfp4 "):
         b1, b64 = (results.get(f"{prefix}decode b{b} ctx4096", {}).get("fast_s") for b in (1, 64))
         if b1 and b64:
             info[f"{prefix}b64/b1 tokens/s at 4k"] = round(64 * b1 / b64, 2)
     text = table(results) + "\n" + json.dumps({k: v for k, v in info.items() if "b64" in k})
     print(text)
-    log(f"fp8 greedy identity: {results.get('fp8 greedy')}")
-    with open(os.path.join(ARGS.out, "fp8.json"), "w") as f:
+    log(f"greedy identity: fp8 {results.get('fp8 greedy')}, mxfp4 {results.get('mxfp4 greedy')}")
+    with open(os.path.join(ARGS.out, "quantised.json"), "w") as f:
         json.dump({"info": info, "results": results}, f, indent=1)
     return 0
 
@@ -374,12 +379,12 @@ if __name__ == "__main__":
     p.add_argument("--budget-s", type=float, default=500)
     p.add_argument("--dry-run-cpu", action="store_true", help="tiny shapes on the CPU, to test the suite itself")
     p.add_argument("--quick", action="store_true", help="decode and greedy identity of the fast path only")
-    p.add_argument("--fp8", action="store_true", help="bf16 vs FP8 experts kept quantised (--keep-fp8), "
-                   "fast path only, + greedy identity on FP8")
+    p.add_argument("--quantised", action="store_true", help="bf16 vs FP8 and MXFP4 experts kept quantised "
+                   "(--keep-fp8, --keep-mxfp4), fast path only, + greedy identity on each")
     p.add_argument("--skip-kernels", action="store_true", help="no kernel scripts / compiled kernel tests "
                    "(run them in a call of their own: benchmarks/kernels/*.py)")
     ARGS = p.parse_args()
     if ARGS.dry_run_cpu:
         DEV, PREFILLS, DECODES = "cpu", (256, 512), ((1, 300), (4, 600))
         ORACLE_SPEC, SLICE = "random:tiny:2:n_routed_experts=4", "random:tiny"
-    sys.exit(quick() if ARGS.quick else fp8_compare() if ARGS.fp8 else main())
+    sys.exit(quick() if ARGS.quick else quantised_compare() if ARGS.quantised else main())

@@ -58,6 +58,9 @@ RELEASED_FP8_FP4 = Precision(weight_bytes=1 + 1 / (128 * 128), expert_bytes=0.5 
 # dsv4 in bf16 with `--keep-fp8` on an FP8-expert checkpoint: routed and shared experts FP8 +
 # one fp32 scale per 128x128 block, everything else bf16
 BF16_FP8_EXPERTS = Precision(expert_bytes=1 + 4 / (128 * 128), shared_expert_bytes=1 + 4 / (128 * 128))
+# ... with `--keep-mxfp4` on the released format: routed experts MXFP4 + one E8M0 byte per 32,
+# the shared expert (FP8 in the checkpoint) dequantised to bf16 at load, like everything else
+BF16_MXFP4_EXPERTS = Precision(expert_bytes=0.5 + 1 / 32)
 
 
 @dataclass(frozen=True)
