@@ -161,17 +161,30 @@ def random_prompts(vocab: int, lengths=(100, 700, 1500, 3000)) -> list[list[int]
     return [torch.randint(100, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def demo_identity(modes: tuple[str, str] = ("reference", "fast")) -> dict:
-    """The same check on the trained demo model (real margins, unlike random weights)."""
+def demo_identity(modes: tuple[str, str] = ("reference", "fast"), experts: str | None = None) -> dict:
+    """The same check on the trained demo model (real margins, unlike random weights).
+    experts "fp8" / "mxfp4": the demo written in the released format (FP8 projections, experts
+    FP8 or MXFP4) to a temporary folder and loaded with those experts kept quantised; both
+    paths then run the same weights."""
     import json
+    import shutil
+    import tempfile
     from dsv4.assets import DEMO_DIR
+    from dsv4.model.random_init import save_checkpoint
     from dsv4.model.weights import load_model
     from dsv4.serve.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(DEMO_DIR)
     with open(os.path.join(DEMO_DIR, "heldout.json")) as f:
         prompts = [tok.encode(p["prompt"]) for p in json.load(f)["prompts"]]
-    model = load_model(DEMO_DIR, DEV, torch.bfloat16)
-    return greedy_identity(DEMO_DIR, model, prompts, new_tokens=48, modes=modes)
+    path = DEMO_DIR
+    if experts:
+        path = tempfile.mkdtemp(prefix=f"demo-{experts}-")
+        shutil.copytree(DEMO_DIR, path, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors*"))
+        plain = load_model(DEMO_DIR)
+        save_checkpoint(plain.cfg, plain.state_dict(), path, quant="fp8", expert_dtype="fp8" if experts == "fp8" else "fp4")
+    model = load_model(path, DEV, torch.bfloat16, keep_fp8=experts == "fp8", keep_mxfp4=experts == "mxfp4")
+    assert experts is None or model.layers[0].ffn.experts.w1.dtype != torch.bfloat16, "experts not kept quantised"
+    return greedy_identity(path, model, prompts, new_tokens=48, modes=modes)
 
 
 def kernel_scripts() -> dict:
@@ -331,6 +344,8 @@ def quantised_compare() -> int:
     for experts in (None, "fp8", "mxfp4"):
         dsv4_runs(spec, gpu, ARGS.budget_s, results, greedy=experts is not None, modes=("fast",), experts=experts,
                   prefix=f"{experts or 'bf16'} ")
+    for experts in ("fp8", "mxfp4"):
+        info[f"greedy_demo_{experts}"] = demo_identity(experts=experts)
     for prefix in ("bf16 ", "fp8 ", "mxfp4 "):
         b1, b64 = (results.get(f"{prefix}decode b{b} ctx4096", {}).get("fast_s") for b in (1, 64))
         if b1 and b64:
