@@ -119,19 +119,26 @@ def grouped_times(q, s, dq, gen, label="fp8") -> None:
         print(f"{T:6d} {ms16:8.3f} {flops / ms16 / 1e9:7.1f} {ms8:8.3f} {flops / ms8 / 1e9:7.1f} {ms16 / ms8:7.2f}x")
 
 
+def setup(quantise):
+    """-> (CUDA generator, quantise(experts) = (q, s, dq), the bf16 shared expert (w1, w2, w3))
+    at moe.py's shapes and scales; exits without CUDA."""
+    if not torch.cuda.is_available():
+        sys.exit("needs CUDA")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    experts = quantise(bench.make_weights(gen))
+    torch.cuda.empty_cache()
+    sw = tuple(torch.randn(*shape, generator=gen, device="cuda").mul_(std).to(torch.bfloat16)
+               for shape, std in (((I, H), 6 / H ** 0.5), ((H, I), 1 / I ** 0.5), ((I, H), 4 / H ** 0.5)))
+    return gen, experts, sw
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description="FP8 routed experts (W8A16) vs bf16 on the GPU (see the docstring)")
     p.add_argument("--tune", nargs="?", const="all", choices=("all", "decode", "grouped"),
                    help="scan the decode and/or grouped tiles on FP8 weights")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("needs CUDA")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, s, dq = quantised(bench.make_weights(gen))
-    torch.cuda.empty_cache()
-    sw = tuple(torch.randn(*shape, generator=gen, device="cuda").mul_(std).to(torch.bfloat16)
-               for shape, std in (((I, H), 6 / H ** 0.5), ((H, I), 1 / I ** 0.5), ((I, H), 4 / H ** 0.5)))
+    gen, (q, s, dq), sw = setup(quantised)
     sq, ss, sdq = quantised(sw)
     failures = checks(q, s, dq, sq, ss, sdq, gen)
     decode_times(q, s, dq, gen)

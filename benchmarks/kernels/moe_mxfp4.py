@@ -34,14 +34,7 @@ def quantised(ws):
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        sys.exit("needs CUDA")
-    torch.backends.cuda.matmul.allow_tf32 = False
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    q, s, dq = quantised(bench.make_weights(gen))
-    torch.cuda.empty_cache()
-    sw = tuple(torch.randn(*shape, generator=gen, device="cuda").mul_(std).to(torch.bfloat16)
-               for shape, std in (((I, H), 6 / H ** 0.5), ((H, I), 1 / I ** 0.5), ((I, H), 4 / H ** 0.5)))
+    gen, (q, s, dq), sw = moe_fp8.setup(quantised)
     failures = moe_fp8.checks(q, s, dq, sw, None, sw, gen)       # the shared expert unquantised
     moe_fp8.decode_times(q, s, dq, gen, "mxfp4", MXFP4_BYTES)
     moe_fp8.grouped_times(q, s, dq, gen, "mxfp4")

@@ -4,11 +4,9 @@ MoE ops; everything else as without it. Same logits (fp32, CPU: the reference de
 experts it uses on the fly) and greedy tokens as the same checkpoint dequantised at load."""
 import pytest
 import torch
+from kept_experts import assert_same_greedy_tokens, assert_same_logits
 
-from dsv4.config import EngineConfig
-from dsv4.engine.llm import LLM
 from dsv4.engine.oneshot import full_logits
-from dsv4.engine.sampling_params import SamplingParams
 from dsv4.model.quant import dequant_fp8
 from dsv4.model.random_init import preset_config, random_state, save_checkpoint
 from dsv4.model.weights import fp8_experts, load_model
@@ -50,24 +48,11 @@ def test_weights_kept_fp8(fp8_expert_checkpoint, models):
 
 
 def test_same_logits(models):
-    plain, kept = models
-    ids = torch.randint(0, plain.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    want, got = full_logits(plain, ids), full_logits(kept, ids)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert_same_logits(*models)
 
 
 def test_same_greedy_tokens(fp8_expert_checkpoint):
-    """Through the engine (EngineConfig.keep_fp8 -> load_model), prefill and decode steps."""
-    prompts = [torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    outs = {}
-    for keep in (False, True):
-        llm = LLM(fp8_expert_checkpoint, keep_fp8=keep, max_num_seqs=2, num_pages=4)
-        assert llm.engine.config == EngineConfig(keep_fp8=keep, max_num_seqs=2, num_pages=4)
-        assert (llm.engine.model.layers[1].ffn.experts.w1.dtype == torch.float8_e4m3fn) == keep
-        outs[keep] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
-                                                        use_tqdm=False)]
-    assert outs[True] == outs[False] and all(len(t) == 12 for t in outs[True])
+    assert_same_greedy_tokens(fp8_expert_checkpoint, "keep_fp8", torch.float8_e4m3fn)
 
 
 def test_random_spec_keep_fp8():

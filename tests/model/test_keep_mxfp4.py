@@ -8,12 +8,10 @@ import re
 
 import pytest
 import torch
+from kept_experts import assert_same_greedy_tokens, assert_same_logits
 from safetensors.torch import load_file, save_file
 
-from dsv4.config import EngineConfig
-from dsv4.engine.llm import LLM
 from dsv4.engine.oneshot import full_logits
-from dsv4.engine.sampling_params import SamplingParams
 from dsv4.model.quant import dequant_fp4
 from dsv4.model.random_init import preset_config, random_state, save_checkpoint
 from dsv4.model.weights import CheckpointError, fp8_experts, load_model, mxfp4_experts
@@ -53,24 +51,11 @@ def test_weights_kept_mxfp4(mxfp4_checkpoint, models):
 
 
 def test_same_logits(models):
-    plain, kept = models
-    ids = torch.randint(0, plain.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    want, got = full_logits(plain, ids), full_logits(kept, ids)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert_same_logits(*models)
 
 
 def test_same_greedy_tokens(mxfp4_checkpoint):
-    """Through the engine (EngineConfig.keep_mxfp4 -> load_model), prefill and decode steps."""
-    prompts = [torch.randint(2, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 19)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    outs = {}
-    for keep in (False, True):
-        llm = LLM(mxfp4_checkpoint, keep_mxfp4=keep, max_num_seqs=2, num_pages=4)
-        assert llm.engine.config == EngineConfig(keep_mxfp4=keep, max_num_seqs=2, num_pages=4)
-        assert (llm.engine.model.layers[1].ffn.experts.w1.dtype == torch.uint8) == keep
-        outs[keep] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
-                                                        use_tqdm=False)]
-    assert outs[True] == outs[False] and all(len(t) == 12 for t in outs[True])
+    assert_same_greedy_tokens(mxfp4_checkpoint, "keep_mxfp4", torch.uint8)
 
 
 SCALE = "layers.0.ffn.experts.1.w3.scale"

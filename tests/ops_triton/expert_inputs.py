@@ -43,3 +43,32 @@ def assert_same_as_dequantised(got: torch.Tensor, want: torch.Tensor, exact: boo
         assert torch.equal(got, want)
     else:
         assert_matches(got, want, dtype)
+
+
+def assert_quantised_dispatch(monkeypatch, x, weights, ids, ws, sw, limit, quant_kw, want, decode_rows):
+    """moe_experts on quantised experts ws = (w1, w2, w3) with the shared expert sw (quant_kw:
+    scales= [, shared_scales=]), want its reference output: the torch loop without Triton; with
+    Triton the grouped GEMMs above TRITON_MAX_PAIRS even when GROUPED_GEMM is "torch"
+    (torch._grouped_mm never gets quantised weights), and the decode kernels with the shared
+    expert fused for the first `decode_rows` tokens (TRITON_MAX_PAIRS is set to their pairs)."""
+    from dsv4.ops import moe as moe_ops
+    from dsv4.ops.triton import moe as triton_moe
+    from dsv4.ops.triton import moe_grouped
+    calls = []
+    decode, grouped = triton_moe.routed_experts, moe_grouped.routed_experts_grouped
+    monkeypatch.setattr(triton_moe, "routed_experts", lambda *a, **kw: calls.append(("decode", "shared" in kw))
+                        or decode(*a, **kw))
+    monkeypatch.setattr(moe_grouped, "routed_experts_grouped", lambda *a, **kw: calls.append(("grouped",))
+                        or grouped(*a, **kw))
+    monkeypatch.setattr(moe_ops, "TRITON_MAX_PAIRS", decode_rows * ids.shape[1])
+    monkeypatch.setattr(moe_ops, "GROUPED_GEMM", "torch")
+
+    def run(rows):
+        return moe_ops.moe_experts(x[:rows], weights[:rows], ids[:rows], *ws, sw, limit, **quant_kw)
+    monkeypatch.setattr(moe_ops, "use_triton", lambda tensor: False)
+    assert torch.equal(run(len(x)), want) and calls == []
+    monkeypatch.setattr(moe_ops, "use_triton", lambda tensor: True)
+    assert_matches(run(len(x)), want, x.dtype)
+    assert calls == [("grouped",)]
+    assert_matches(run(decode_rows), want[:decode_rows], x.dtype)
+    assert calls == [("grouped",), ("decode", True)]

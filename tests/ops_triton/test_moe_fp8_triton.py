@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from expert_inputs import assert_matches, assert_same_as_dequantised, random_experts
+from expert_inputs import assert_matches, assert_quantised_dispatch, assert_same_as_dequantised, random_experts
 
 from dsv4.model.quant import dequant_fp8, e8m0_to_float, quant_fp8
 from dsv4.ops import moe as moe_ops
@@ -158,29 +158,12 @@ def test_reference_dequantises_on_the_fly(device):
 def test_dispatch_fp8(device, monkeypatch):
     """FP8 weights: decode kernels (shared fused) at small T*k; above it the Triton grouped GEMMs
     even when GROUPED_GEMM is "torch" (torch._grouped_mm never gets FP8); the loop without Triton."""
-    calls = []
-    decode, grouped = triton_moe.routed_experts, moe_grouped.routed_experts_grouped
-    monkeypatch.setattr(triton_moe, "routed_experts", lambda *a, **kw: calls.append(("decode", "shared" in kw))
-                        or decode(*a, **kw))
-    monkeypatch.setattr(moe_grouped, "routed_experts_grouped", lambda *a, **kw: calls.append(("grouped",))
-                        or grouped(*a, **kw))
-    monkeypatch.setattr(moe_ops, "TRITON_MAX_PAIRS", 6)
-    monkeypatch.setattr(moe_ops, "GROUPED_GEMM", "torch")
     x, weights, ids, w1, w2, w3, scales = make_inputs(device, 5, 2, torch.float32)
     sw, ss = make_shared(device)
     want = (moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales)
             + moe_ops.dense_swiglu(x, *sw, LIMIT, scales=ss))
-    monkeypatch.setattr(moe_ops, "use_triton", lambda tensor: False)
-    got = moe_ops.moe_experts(x, weights, ids, w1, w2, w3, sw, LIMIT, scales=scales, shared_scales=ss)
-    assert torch.equal(got, want)
-    assert calls == []
-    monkeypatch.setattr(moe_ops, "use_triton", lambda tensor: True)
-    got = moe_ops.moe_experts(x, weights, ids, w1, w2, w3, sw, LIMIT, scales=scales, shared_scales=ss)
-    assert_matches(got, want, torch.float32)                                  # 10 pairs: grouped
-    assert calls == [("grouped",)]
-    got = moe_ops.moe_experts(x[:3], weights[:3], ids[:3], w1, w2, w3, sw, LIMIT, scales=scales, shared_scales=ss)
-    assert_matches(got, want[:3], torch.float32)                              # 6 pairs: fused decode
-    assert calls == [("grouped",), ("decode", True)]
+    assert_quantised_dispatch(monkeypatch, x, weights, ids, (w1, w2, w3), sw, LIMIT,
+                              dict(scales=scales, shared_scales=ss), want, decode_rows=3)
 
 
 def test_fusable_shared_fp8(device):

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from expert_inputs import assert_matches, assert_same_as_dequantised, random_experts
+from expert_inputs import assert_matches, assert_quantised_dispatch, assert_same_as_dequantised, random_experts
 
 from dsv4.model.quant import dequant_fp4
 from dsv4.ops import moe as moe_ops
@@ -110,26 +110,10 @@ def test_dispatch_mxfp4(device, monkeypatch):
     """MXFP4 weights: the decode kernels with the dense shared expert fused at small T*k; above
     TRITON_MAX_PAIRS the Triton grouped GEMMs even when GROUPED_GEMM is "torch" (torch._grouped_mm
     never gets MXFP4); the loop without Triton."""
-    calls = []
-    decode, grouped = triton_moe.routed_experts, moe_grouped.routed_experts_grouped
-    monkeypatch.setattr(triton_moe, "routed_experts", lambda *a, **kw: calls.append(("decode", "shared" in kw))
-                        or decode(*a, **kw))
-    monkeypatch.setattr(moe_grouped, "routed_experts_grouped", lambda *a, **kw: calls.append(("grouped",))
-                        or grouped(*a, **kw))
-    monkeypatch.setattr(moe_ops, "TRITON_MAX_PAIRS", 4)
-    monkeypatch.setattr(moe_ops, "GROUPED_GEMM", "torch")
     x, weights, ids, w1, w2, w3, scales, sw = make_inputs(device, 3, 2, FP32)
     want = moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales) + moe_ops.dense_swiglu(x, *sw, LIMIT)
-    monkeypatch.setattr(moe_ops, "use_triton", lambda tensor: False)
-    assert torch.equal(moe_ops.moe_experts(x, weights, ids, w1, w2, w3, sw, LIMIT, scales=scales), want)
-    assert calls == []
-    monkeypatch.setattr(moe_ops, "use_triton", lambda tensor: True)
-    got = moe_ops.moe_experts(x, weights, ids, w1, w2, w3, sw, LIMIT, scales=scales)
-    assert_matches(got, want, FP32)                                           # 6 pairs: grouped
-    assert calls == [("grouped",)]
-    got = moe_ops.moe_experts(x[2:], weights[2:], ids[2:], w1, w2, w3, sw, LIMIT, scales=scales)
-    assert_matches(got, want[2:], FP32)                                       # 2 pairs: fused decode
-    assert calls == [("grouped",), ("decode", True)]
+    assert_quantised_dispatch(monkeypatch, x, weights, ids, (w1, w2, w3), sw, LIMIT, dict(scales=scales), want,
+                              decode_rows=2)
 
 
 def test_mxfp4_checks(device):
