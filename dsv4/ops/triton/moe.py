@@ -39,9 +39,10 @@ the bf16 rounding of w * s in the folded form (a rounding closer to the exact pr
 MXFP4 weights (W4A16, uint8 weights and `scales=`, constexpr MXFP4): e2m1 values packed two per
 byte along the last (input) dim, low nibble first, one E8M0 exponent byte per 32 inputs (w1/w3
 [E, I, H/2] + [E, I, H/32], w2 [E, H, I/2] + [E, H, I/32]). Each tile's bytes are split into
-nibbles, mapped to e2m1 values by their bits (quant_tiles: `_e2m1`, no table), interleaved back
-to the column order, multiplied by 2^(byte - 127) per 32 inputs and rounded to x's dtype (exactly
-what the load-time dequantisation stores), then the same math. The shared expert (FP8 in the
+nibbles, moved into fp32 bits and scaled by one multiply (quant_tiles: `_e2m1`, no table, no
+selects), interleaved back to the column order and multiplied by 2^(byte - 127) per 32 inputs:
+exactly what the load-time dequantisation stores, without a round trip through x's dtype (the
+identity for bf16 / fp32, see `_mxfp4_tile`), then the same math. The shared expert (FP8 in the
 released checkpoints, dequantised at load) stays unquantised: with `shared=` it is still the
 (k+1)-th pair, loaded by a masked load of its own in place of the packed one
 (`_mxfp4_pair_rows`). Tiles along the packed dim (BLOCK_H of up-gate, BLOCK_I of down) must be

@@ -63,14 +63,16 @@ def _dequant_tile(w, s_ptr, stride_sr, r, c, r0, c0, out_dtype: tl.constexpr,
 
 
 @triton.jit
-def _e2m1(nib):
-    """int32 nibbles -> fp32 e2m1 values: magnitude code m = nib & 7 -> {0, .5, 1, 1.5, 2, 3, 4, 6},
-    bit 3 the sign. Built as fp32 bits (exact, no table): m >= 2 is 2^(m//2 - 1) * (1 + (m & 1)/2),
-    exponent field 126 + m//2 and mantissa MSB m & 1, i.e. (m + 252) << 22; m = 1 (0.5) is
-    252 << 22; m = 0 is 0."""
-    m = nib & 7
-    bits = tl.where(m >= 2, (m + 252) << 22, m * (252 << 22)) | ((nib & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
+def _e2m1(qi, SHIFT: tl.constexpr):
+    """The e2m1 nibble at bits SHIFT..SHIFT+3 of int32 qi (SHIFT 0: low nibble, 4: high) -> its
+    fp32 value, exactly. Its bits are moved into fp32 bits as they are: sign to bit 31, the
+    magnitude code m = e1 e0 m0 to bits 22..24 (exponent field e1 e0, mantissa MSB m0). e2m1
+    (exponent bias 1, 0.5 subnormal at exponent 0) then reads as fp32 (bias 127, subnormals at
+    exponent 0) scaled by 2^-126 (m < 2: subnormal or zero), and one multiply by 2^126 gives the
+    value: exact, as fp32 multiplies keep subnormal operands (the kernels are compiled without
+    flush-to-zero). 2 shifts + 1-2 LOP3 + 1 FMUL an element, no selects."""
+    bits = ((qi << (22 - SHIFT)) & 0x01C00000) | ((qi << (28 - SHIFT)) & -0x80000000)
+    return bits.to(tl.float32, bitcast=True) * 2.0 ** 126
 
 
 @triton.jit
@@ -84,12 +86,13 @@ def _e8m0(b):
 @triton.jit
 def _mxfp4_tile(q, sb, out_dtype: tl.constexpr, AXIS: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_C: tl.constexpr):
-    """Packed MXFP4 tile -> [BLOCK_R, BLOCK_C] = e2m1 * 2^(sb - 127) in fp32, rounded to out_dtype.
-    AXIS 1 (packed along columns): q [BLOCK_R, BLOCK_C/2] uint8, byte c holding columns 2c (low
-    nibble) and 2c+1 (high), sb [BLOCK_R, BLOCK_C/32] E8M0 bytes; AXIS 0 (along rows): q
-    [BLOCK_R/2, BLOCK_C], sb [BLOCK_R/32, BLOCK_C]. Block sizes along AXIS multiples of 64."""
+    """Packed MXFP4 tile -> [BLOCK_R, BLOCK_C] = e2m1 * 2^(sb - 127) in fp32, rounded to out_dtype
+    (fp32: exact, no rounding). AXIS 1 (packed along columns): q [BLOCK_R, BLOCK_C/2] uint8,
+    byte c holding columns 2c (low nibble) and 2c+1 (high), sb [BLOCK_R, BLOCK_C/32] E8M0 bytes;
+    AXIS 0 (along rows): q [BLOCK_R/2, BLOCK_C], sb [BLOCK_R/32, BLOCK_C]. Block sizes along AXIS
+    multiples of 64."""
     qi = q.to(tl.int32)
-    pair = tl.join(_e2m1(qi & 15), _e2m1(qi >> 4))                 # [..., 2]: (even, odd) input
+    pair = tl.join(_e2m1(qi, 0), _e2m1(qi, 4))                     # [..., 2]: (even, odd) input
     s = _e8m0(sb)
     if AXIS == 1:    # [R, C/2, 2] -> [R, C/32, 32]: groups of 32 columns
         w = tl.reshape(pair, (BLOCK_R, BLOCK_C // 32, 32)) * s[:, :, None]
@@ -104,11 +107,20 @@ def _mxfp4_rows(base, stride_row, rows, row_ok, c0, C, s_base, stride_srow,
     """Rows `rows` [BLOCK_R] x columns [c0, c0 + BLOCK_C) of an MXFP4 matrix of C columns packed
     along them (C % 32 == 0; c0, BLOCK_C multiples of 64): bytes at base [R, C/2] (row stride
     stride_row), E8M0 bytes at s_base [R, C/32] (row stride stride_srow) -> [BLOCK_R, BLOCK_C]
-    in out_dtype, 0 where not row_ok or past C."""
+    with the values of out_dtype (the load-time dequantisation), 0 where not row_ok or past C.
+    For the GEMVs, whose products are fp32: a bf16 / fp32 out_dtype gets the fp32 tile, as
+    rounding it to bf16 and back is the identity: every e2m1 * 2^k (<= 2 significant bits,
+    k in [-127, 128]) finite in fp32 is exact in bf16 (same exponent range, subnormals down to
+    2^-133 <= 0.5 * 2^-127), and inf / NaN (b = 255) stay inf / NaN. Other dtypes (fp16, narrower
+    range) are rounded."""
     cp = c0 // 2 + tl.arange(0, BLOCK_C // 2)                     # packed columns
     q = tl.load(base + rows[:, None] * stride_row + cp[None, :],
                 mask=row_ok[:, None] & (cp < C // 2)[None, :], other=0)
     cs = c0 // 32 + tl.arange(0, BLOCK_C // 32)                   # scale columns
     sb = tl.load(s_base + rows[:, None] * stride_srow + cs[None, :],
                  mask=row_ok[:, None] & (cs < C // 32)[None, :], other=0)
-    return _mxfp4_tile(q, sb, out_dtype, 1, BLOCK_R, BLOCK_C)
+    if out_dtype == tl.bfloat16 or out_dtype == tl.float32:
+        w = _mxfp4_tile(q, sb, tl.float32, 1, BLOCK_R, BLOCK_C)
+    else:
+        w = _mxfp4_tile(q, sb, out_dtype, 1, BLOCK_R, BLOCK_C)
+    return w
