@@ -25,23 +25,24 @@ weights sw1/sw3 [I, H], sw2 [H, I] and routing weight 1 (pairs p = t*(k+1) + j, 
 shared sum then happens in the down kernel's fp32 accumulator (and the split sum): the decode
 MoE is 2-3 launches instead of the shared expert's separate GEMMs, SwiGLU ops and add.
 
-FP8 weights (W8A16, `scales=` / `shared_scales=`, constexpr FP8): the weight tiles are loaded
-as float8_e4m3fn. When a tile's rows lie in one 128-row scale block (BLOCK rows dividing 128,
-the defaults), its scales depend on the column only and are folded into the activation vector
-(x or h: [BLOCK] multiplies instead of [rows, BLOCK]; a weight element then costs one convert and
-one FMA, which keeps the GEMV at HBM speed rather than ALU-bound). Otherwise each tile is
-multiplied in fp32 by its scales (`_block_scale`: any tile size, aligned or not) and rounded to
+FP8 weights (W8A16, `scales=` / `shared_scales=`, constexpr FP8): the weight tiles are loaded as
+float8_e4m3fn. When a tile's rows lie in one 128-row scale block (BLOCK rows dividing 128, the
+defaults), its scales depend on the column only and are folded into the activation vector (x or
+h: [BLOCK] multiplies instead of [rows, BLOCK]; a weight element then costs one convert and one
+FMA, which keeps the GEMV at HBM speed rather than ALU-bound). Otherwise each tile is multiplied
+in fp32 by its scales (quant_tiles: `_block_scale`, any tile size, aligned or not) and rounded to
 x's dtype (as the load-time dequantisation stores it). Both give exactly the load-time
 dequantised product for power-of-two (E8M0) scales, those of every released checkpoint:
 w * (x * s) == bf16(w * s) * x in fp32, as multiplying by 2^k is exact; other fp32 scales skip
 the bf16 rounding of w * s in the folded form (a rounding closer to the exact product).
 
 MXFP4 weights (W4A16, uint8 weights and `scales=`, constexpr MXFP4): e2m1 values packed two per
-byte along the last (input) dim, low nibble first, one E8M0 exponent byte per 32 inputs
-(w1/w3 [E, I, H/2] + [E, I, H/32], w2 [E, H, I/2] + [E, H, I/32]). Each tile's bytes are split
-into nibbles, mapped to e2m1 values by their bits (`_e2m1`, no table), interleaved back to the
-column order, multiplied by 2^(byte - 127) per 32 inputs and rounded to x's dtype (exactly what
-the load-time dequantisation stores), then the same math. The shared expert (FP8 in the
+byte along the last (input) dim, low nibble first, one E8M0 exponent byte per 32 inputs (w1/w3
+[E, I, H/2] + [E, I, H/32], w2 [E, H, I/2] + [E, H, I/32]). Each tile's bytes are split into
+nibbles, moved into fp32 bits and scaled by one multiply (quant_tiles: `_e2m1`, no table, no
+selects), interleaved back to the column order and multiplied by 2^(byte - 127) per 32 inputs:
+exactly what the load-time dequantisation stores, without a round trip through x's dtype (the
+identity for bf16 / fp32, see `_mxfp4_tile`), then the same math. The shared expert (FP8 in the
 released checkpoints, dequantised at load) stays unquantised: with `shared=` it is still the
 (k+1)-th pair, loaded by a masked load of its own in place of the packed one
 (`_mxfp4_pair_rows`). Tiles along the packed dim (BLOCK_H of up-gate, BLOCK_I of down) must be
@@ -58,6 +59,7 @@ import triton
 import triton.language as tl
 
 from ...model.quant import unpacked_shape, weight_format
+from .quant_tiles import FP4_GROUP, MXFP4_BLOCK, QBLOCK, _block_scale, _dequant_tile, _mxfp4_rows
 
 # tile defaults: the best of benchmarks/kernels/moe.py's tuning scan on the H200 at V4-Flash
 # shapes (whole op at T=1: up-gate (16, 128, 8) 0.108 ms vs 0.127 for (16, 256, 4); down
@@ -97,93 +99,6 @@ def _expert_matrix(w_ptr, sw_ptr, routed, e, stride_we, stride_row, stride_srow,
         base = tl.where(routed, base, sw_ptr)
         stride = tl.where(routed, stride_row, stride_srow)
     return base, stride
-
-
-QBLOCK = tl.constexpr(128)      # FP8 scale block (rows and columns)
-FP4_GROUP = 32                  # MXFP4: inputs per E8M0 scale byte
-MXFP4_BLOCK = 64                # MXFP4: tiles along the packed dim are multiples of this
-
-
-@triton.jit
-def _block_scale(s_ptr, stride_sr, r, c, r0, c0, R_UNIFORM: tl.constexpr, C_UNIFORM: tl.constexpr):
-    """FP8 scales of a weight tile: s_ptr is the matrix's fp32 scales [cdiv(R, 128), cdiv(C, 128)]
-    (row stride stride_sr); r / c are the tile's weight row / column indices, in bounds (clamped
-    by the caller) and shaped to broadcast to the tile (e.g. [BR, 1] and [1, BC]); r0 / c0 the
-    first of them. R_UNIFORM: every r lies in r0's 128-block (the tile's rows start at a multiple
-    of a size dividing 128), C_UNIFORM the same for c; then one scale serves that axis. Returns
-    the scales broadcastable to the tile."""
-    if R_UNIFORM:
-        base = s_ptr + (r0 // QBLOCK) * stride_sr
-        if C_UNIFORM:
-            sc = tl.load(base + c0 // QBLOCK)                             # one block: a scalar
-        else:
-            sc = tl.load(base + c // QBLOCK)
-    else:
-        if C_UNIFORM:
-            sc = tl.load(s_ptr + (r // QBLOCK) * stride_sr + c0 // QBLOCK)
-        else:
-            sc = tl.load(s_ptr + (r // QBLOCK) * stride_sr + c // QBLOCK)   # a gather per element
-    return sc
-
-
-@triton.jit
-def _dequant_tile(w, s_ptr, stride_sr, r, c, r0, c0, out_dtype: tl.constexpr,
-                  R_UNIFORM: tl.constexpr, C_UNIFORM: tl.constexpr):
-    """float8_e4m3fn tile w -> w * scale in fp32, rounded to out_dtype."""
-    sc = _block_scale(s_ptr, stride_sr, r, c, r0, c0, R_UNIFORM, C_UNIFORM)
-    return (w.to(tl.float32) * sc).to(out_dtype)
-
-
-@triton.jit
-def _e2m1(nib):
-    """int32 nibbles -> fp32 e2m1 values: magnitude code m = nib & 7 -> {0, .5, 1, 1.5, 2, 3, 4, 6},
-    bit 3 the sign. Built as fp32 bits (exact, no table): m >= 2 is 2^(m//2 - 1) * (1 + (m & 1)/2),
-    exponent field 126 + m//2 and mantissa MSB m & 1, i.e. (m + 252) << 22; m = 1 (0.5) is
-    252 << 22; m = 0 is 0."""
-    m = nib & 7
-    bits = tl.where(m >= 2, (m + 252) << 22, m * (252 << 22)) | ((nib & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _e8m0(b):
-    """uint8 E8M0 bytes -> fp32 2^(b - 127), exactly: b is the fp32 exponent field (b = 0, whose
-    2^-127 is subnormal, set apart; 255, NaN in E8M0, gives inf as e8m0_to_float does)."""
-    bi = b.to(tl.int32)
-    return tl.where(bi == 0, 2.0 ** -127, (bi << 23).to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _mxfp4_tile(q, sb, out_dtype: tl.constexpr, AXIS: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_C: tl.constexpr):
-    """Packed MXFP4 tile -> [BLOCK_R, BLOCK_C] = e2m1 * 2^(sb - 127) in fp32, rounded to out_dtype.
-    AXIS 1 (packed along columns): q [BLOCK_R, BLOCK_C/2] uint8, byte c holding columns 2c (low
-    nibble) and 2c+1 (high), sb [BLOCK_R, BLOCK_C/32] E8M0 bytes; AXIS 0 (along rows): q
-    [BLOCK_R/2, BLOCK_C], sb [BLOCK_R/32, BLOCK_C]. Block sizes along AXIS multiples of 64."""
-    qi = q.to(tl.int32)
-    pair = tl.join(_e2m1(qi & 15), _e2m1(qi >> 4))                 # [..., 2]: (even, odd) input
-    s = _e8m0(sb)
-    if AXIS == 1:    # [R, C/2, 2] -> [R, C/32, 32]: groups of 32 columns
-        w = tl.reshape(pair, (BLOCK_R, BLOCK_C // 32, 32)) * s[:, :, None]
-    else:            # [R/2, C, 2] -> [R/2, 2, C] -> [R/32, 32, C]: groups of 32 rows
-        w = tl.reshape(tl.permute(pair, (0, 2, 1)), (BLOCK_R // 32, 32, BLOCK_C)) * s[:, None, :]
-    return tl.reshape(w, (BLOCK_R, BLOCK_C)).to(out_dtype)
-
-
-@triton.jit
-def _mxfp4_rows(base, stride_row, rows, row_ok, c0, C, s_base, stride_srow,
-                out_dtype: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Rows `rows` [BLOCK_R] x columns [c0, c0 + BLOCK_C) of an MXFP4 matrix of C columns packed
-    along them (C % 32 == 0; c0, BLOCK_C multiples of 64): bytes at base [R, C/2] (row stride
-    stride_row), E8M0 bytes at s_base [R, C/32] (row stride stride_srow) -> [BLOCK_R, BLOCK_C]
-    in out_dtype, 0 where not row_ok or past C."""
-    cp = c0 // 2 + tl.arange(0, BLOCK_C // 2)                     # packed columns
-    q = tl.load(base + rows[:, None] * stride_row + cp[None, :],
-                mask=row_ok[:, None] & (cp < C // 2)[None, :], other=0)
-    cs = c0 // 32 + tl.arange(0, BLOCK_C // 32)                   # scale columns
-    sb = tl.load(s_base + rows[:, None] * stride_srow + cs[None, :],
-                 mask=row_ok[:, None] & (cs < C // 32)[None, :], other=0)
-    return _mxfp4_tile(q, sb, out_dtype, 1, BLOCK_R, BLOCK_C)
 
 
 @triton.jit

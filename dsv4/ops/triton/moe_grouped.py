@@ -21,12 +21,12 @@ the tiles, so the op is CUDA-graph safe):
 Rounding differs from the definition only by bf16 steps: the reference rounds gate, up, h and
 each expert's output; here h and each weighted expert output are rounded.
 FP8 weights (`scales=`, constexpr FP8): each [BLOCK_K, BLOCK_N] weight tile is loaded as
-float8_e4m3fn, multiplied in fp32 by its 128x128 block scales (moe._block_scale: one scale, a
-vector along N, or a gather, by the tiles' alignment), rounded to x's dtype, then tl.dot.
+float8_e4m3fn, multiplied in fp32 by its 128x128 block scales (quant_tiles._block_scale: one
+scale, a vector along N, or a gather, by the tiles' alignment), rounded to x's dtype, then tl.dot.
 MXFP4 weights (uint8 weights and `scales=`, constexpr MXFP4): a tile's packed bytes
 [BLOCK_K/2, BLOCK_N] (two e2m1 values per byte along K) and E8M0 bytes [BLOCK_K/32, BLOCK_N]
-are loaded and dequantised by moe._mxfp4_tile (nibbles interleaved back along K, axis 0),
-rounded to x's dtype, then tl.dot; BLOCK_K a multiple of moe.MXFP4_BLOCK.
+are loaded and dequantised by quant_tiles._mxfp4_tile (nibbles interleaved back along K, axis
+0), rounded to x's dtype, then tl.dot; BLOCK_K a multiple of quant_tiles.MXFP4_BLOCK.
 Programs run in grouped order (GROUP_M slots, then the next tile of N) so that the weight tiles
 of an expert and the gathered x rows of the group stay in L2 while they are reused.
 Expert offsets use int64 (e * I * H exceeds int32 at V4 sizes).
@@ -39,7 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe import MXFP4_BLOCK, QBLOCK, _dequant_tile, _mxfp4_tile, expert_shapes, weight_format
+from .moe import expert_shapes, weight_format
+from .quant_tiles import MXFP4_BLOCK, QBLOCK, _dequant_tile, _mxfp4_tile
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of (up-gate, down) by the mean rows per
 # expert P / E (1.5 at a batch-64 decode step, 12 at 512 tokens, 96 at 4k, 384 at 16k at
@@ -97,7 +98,7 @@ def _mxfp4_k_tile(w_ptrs, k0, K, kk, s_ptr, stride_sr, n_rows, EVEN_K: tl.conste
     """MXFP4 weight tile [BLOCK_K, BLOCK_N] at depth k0 (K along axis 0, packed along it) in
     out_dtype: w_ptrs point at its packed bytes [BLOCK_K/2, BLOCK_N] (kk = arange(BLOCK_K/2)),
     s_ptr at the expert's E8M0 bytes [N, K/32] (n_rows [1, BLOCK_N] the weight rows, clamped in
-    bounds); dequantised by moe._mxfp4_tile."""
+    bounds); dequantised by quant_tiles._mxfp4_tile."""
     q = _load_k(w_ptrs, k0 // 2, K // 2, kk, 0, EVEN_K)
     ks = tl.arange(0, BLOCK_K // 32)                                    # scale rows along K
     sb = _load_k(s_ptr + n_rows * stride_sr + (k0 // 32 + ks)[:, None], k0 // 32, K // 32, ks, 0, EVEN_K)
