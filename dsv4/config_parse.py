@@ -1,0 +1,237 @@
+"""Parsing of a checkpoint's config.json into `ModelConfig` (dsv4/config.py describes the two
+schemas): each field read and checked, the schemas reconciled, contradictions rejected with a
+`ConfigError` naming the field and the values it expects."""
+from __future__ import annotations
+
+from typing import Any
+
+from .config import (CSA_RATIO, HCA_RATIO, LAYER_TYPE_OF_RATIO, MLP_TYPES, RATIO_OF_LAYER_TYPE, ConfigError,
+                     ModelConfig, YarnScaling)
+
+_INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+               "q_lora_rank", "o_groups", "o_lora_rank", "moe_intermediate_size", "n_routed_experts",
+               "n_shared_experts", "num_experts_per_tok", "num_nextn_predict_layers", "index_n_heads",
+               "index_head_dim", "index_topk", "sliding_window", "hc_mult", "hc_sinkhorn_iters",
+               "max_position_embeddings")
+_FLOAT_FIELDS = ("routed_scaling_factor", "hc_eps", "rms_norm_eps", "swiglu_limit", "rope_theta",
+                 "compress_rope_theta")
+_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+
+
+def parse_model_config(d: dict[str, Any]) -> ModelConfig:
+    """config.json (either schema, see dsv4/config.py) -> ModelConfig; ConfigError names the field."""
+    for name in _REQUIRED:
+        if name not in d:
+            raise ConfigError(name, "is required")
+    kw: dict[str, Any] = {}
+    for name in _INT_FIELDS:
+        if name in d and d[name] is not None:
+            kw[name] = _positive_int(d, name)
+    for name in _FLOAT_FIELDS:
+        if name in d and d[name] is not None:
+            kw[name] = _number(d, name)
+    n = kw["num_hidden_layers"]
+    n_mtp = kw.setdefault("num_nextn_predict_layers", 1)
+    _check_kv_heads(d)
+    kw["compress_ratios"], kw["mtp_compress_ratio"] = _parse_ratios(d, n, n_mtp)
+    kw["mlp_layer_types"] = _parse_mlp_types(d, n)
+    head_dim = kw.get("head_dim", 512)
+    kw["qk_rope_head_dim"] = _parse_rope_dim(d, head_dim)
+    _parse_rope(d, kw)
+    for name in ("bos_token_id", "eos_token_id"):
+        if isinstance(d.get(name), int):
+            kw[name] = d[name]
+        elif isinstance(d.get(name), list) and d[name]:
+            kw[name] = int(d[name][0])
+    if "scoring_func" in d and d["scoring_func"] != "sqrtsoftplus":
+        raise ConfigError("scoring_func", f"expected 'sqrtsoftplus', got {d['scoring_func']!r}")
+    kw["tie_word_embeddings"] = bool(d.get("tie_word_embeddings", False))
+    if "torch_dtype" in d and "dtype" in d and d["torch_dtype"] != d["dtype"]:
+        raise ConfigError("torch_dtype", f"contradicts dtype: {d['torch_dtype']!r} vs {d['dtype']!r}")
+    dtype = d.get("torch_dtype", d.get("dtype", "bfloat16"))
+    if dtype not in ("bfloat16", "float32", "float16"):
+        raise ConfigError("torch_dtype", f"expected bfloat16, float16 or float32, got {dtype!r}")
+    kw["torch_dtype"] = dtype
+    _parse_quant(d, kw)
+    known = set(ModelConfig.__dataclass_fields__)
+    kw["extra"] = {k: v for k, v in d.items() if k not in known}
+    cfg = ModelConfig(**kw)
+    _validate(cfg)
+    return cfg
+
+
+def _positive_int(d, name) -> int:
+    v = d[name]
+    if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "num_nextn_predict_layers" else 1):
+        raise ConfigError(name, f"expected a positive integer, got {v!r}")
+    return v
+
+
+def _number(d, name) -> float:
+    v = d[name]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(name, f"expected a number, got {v!r}")
+    return float(v)
+
+
+def _check_kv_heads(d):
+    if d.get("num_key_value_heads", 1) != 1:
+        raise ConfigError("num_key_value_heads", f"DeepSeek-V4 has one shared K=V head; expected 1, "
+                                                 f"got {d['num_key_value_heads']!r}")
+
+
+def _parse_ratios(d, n: int, n_mtp: int) -> tuple[tuple[int, ...], int]:
+    rates = d.get("compress_rates")
+    if rates is not None:
+        want = {"compressed_sparse_attention": CSA_RATIO, "heavily_compressed_attention": HCA_RATIO}
+        if not isinstance(rates, dict) or any(rates.get(k, v) != v for k, v in want.items()):
+            raise ConfigError("compress_rates", f"expected {want}, got {rates!r}")
+    for legacy, want in (("compress_rate_csa", CSA_RATIO), ("compress_rate_hca", HCA_RATIO)):
+        if legacy in d and d[legacy] != want:
+            raise ConfigError(legacy, f"expected {want}, got {d[legacy]!r}")
+    ratios = d.get("compress_ratios")
+    types = d.get("layer_types")
+    mtp_ratio = 0
+    if ratios is not None:
+        if not isinstance(ratios, list) or any(isinstance(r, bool) or r not in LAYER_TYPE_OF_RATIO for r in ratios):
+            raise ConfigError("compress_ratios", f"expected a list of values in {sorted(LAYER_TYPE_OF_RATIO)}, "
+                                                 f"got {ratios!r}")
+        if len(ratios) not in (n, n + n_mtp):
+            raise ConfigError("compress_ratios", f"expected {n} entries (num_hidden_layers) or {n + n_mtp} "
+                                                 f"(+ num_nextn_predict_layers), got {len(ratios)}")
+        if len(ratios) > n:
+            mtp_ratio = ratios[n]
+        ratios = tuple(ratios[:n])
+    if types is not None:
+        if not isinstance(types, list) or any(t not in RATIO_OF_LAYER_TYPE for t in types):
+            raise ConfigError("layer_types", f"expected a list of values in {list(RATIO_OF_LAYER_TYPE)}, "
+                                             f"got {types!r}")
+        if len(types) != n:
+            raise ConfigError("layer_types", f"expected {n} entries (num_hidden_layers), got {len(types)}")
+        from_types = tuple(RATIO_OF_LAYER_TYPE[t] for t in types)
+        if ratios is not None and from_types != ratios:
+            raise ConfigError("layer_types", f"contradicts compress_ratios {list(ratios)}: expected "
+                                             f"{[LAYER_TYPE_OF_RATIO[r] for r in ratios]}")
+        ratios = from_types
+    if ratios is None:
+        raise ConfigError("compress_ratios", "is required (or layer_types in the transformers schema)")
+    return ratios, mtp_ratio
+
+
+def _parse_mlp_types(d, n: int) -> tuple[str, ...]:
+    types = d.get("mlp_layer_types")
+    n_hash = d.get("num_hash_layers")
+    if n_hash is not None and (isinstance(n_hash, bool) or not isinstance(n_hash, int) or not 0 <= n_hash <= n):
+        raise ConfigError("num_hash_layers", f"expected an integer in [0, {n}], got {n_hash!r}")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != n or any(t not in MLP_TYPES for t in types):
+            raise ConfigError("mlp_layer_types", f"expected {n} entries from {MLP_TYPES}, got {types!r}")
+        if n_hash is not None and tuple(types) != ("hash_moe",) * n_hash + ("moe",) * (n - n_hash):
+            raise ConfigError("mlp_layer_types", f"contradicts num_hash_layers={n_hash}: expected the first "
+                                                 f"{n_hash} to be 'hash_moe' and the rest 'moe'")
+        return tuple(types)
+    n_hash = 3 if n_hash is None else n_hash
+    n_hash = min(n_hash, n)
+    return ("hash_moe",) * n_hash + ("moe",) * (n - n_hash)
+
+
+def _parse_rope_dim(d, head_dim: int) -> int:
+    rope_dim = d.get("qk_rope_head_dim")
+    prf = d.get("partial_rotary_factor")
+    rp = d.get("rope_parameters")
+    nested = [v.get("partial_rotary_factor") for v in (rp or {}).values() if isinstance(v, dict)] if isinstance(
+        rp, dict) else []
+    for value in nested:
+        if value is None:
+            continue
+        if prf is not None and value != prf:
+            raise ConfigError("rope_parameters.partial_rotary_factor",
+                              f"contradicts partial_rotary_factor={prf}: got {value}")
+        prf = value
+    if rope_dim is None and prf is not None:
+        rope_dim = int(round(head_dim * prf))
+    elif rope_dim is not None and prf is not None and int(round(head_dim * prf)) != rope_dim:
+        raise ConfigError("partial_rotary_factor", f"contradicts qk_rope_head_dim={rope_dim}: expected "
+                                                   f"{rope_dim / head_dim}")
+    rope_dim = 64 if rope_dim is None else rope_dim
+    if not isinstance(rope_dim, int) or rope_dim <= 0 or rope_dim % 2 or rope_dim > head_dim:
+        raise ConfigError("qk_rope_head_dim", f"expected an even integer in (0, head_dim={head_dim}], "
+                                              f"got {rope_dim!r}")
+    return rope_dim
+
+
+def _parse_rope(d, kw):
+    """Main (sliding) θ, compress θ and YaRN from flat `rope_scaling` or nested `rope_parameters`."""
+    rp = d.get("rope_parameters")
+    yarn_src = d.get("rope_scaling")
+    if isinstance(rp, dict) and isinstance(rp.get("main"), dict):
+        main, comp = rp["main"], rp.get("compress") or {}
+        for src, dst in ((main, "rope_theta"), (comp, "compress_rope_theta")):
+            if "rope_theta" in src:
+                if dst in kw and float(src["rope_theta"]) != kw[dst]:
+                    raise ConfigError(dst, f"contradicts rope_parameters: {src['rope_theta']} vs {kw[dst]}")
+                kw[dst] = float(src["rope_theta"])
+        if main.get("rope_type", "default") != "default":
+            raise ConfigError("rope_parameters.main.rope_type", f"expected 'default', got {main['rope_type']!r}")
+        comp_kind = comp.get("rope_type", comp.get("type", "default"))
+        flat_kind = (yarn_src or {}).get("rope_type", (yarn_src or {}).get("type")) if yarn_src else None
+        if yarn_src and (flat_kind != comp_kind or yarn_src.get("factor") != comp.get("factor")):
+            raise ConfigError("rope_scaling", f"contradicts rope_parameters.compress: expected the same type "
+                                              f"({comp_kind!r}) and factor ({comp.get('factor')!r})")
+        yarn_src = comp if comp_kind == "yarn" else None
+    elif isinstance(rp, dict) and rp and yarn_src is None:
+        yarn_src = rp  # flat rope_parameters, transformers' legacy form
+    if yarn_src:
+        kind = yarn_src.get("rope_type", yarn_src.get("type", "default"))
+        if kind == "default":
+            kw["yarn"] = None
+            return
+        if kind != "yarn":
+            raise ConfigError("rope_scaling.type", f"expected 'yarn', got {kind!r}")
+        try:
+            kw["yarn"] = YarnScaling(
+                factor=float(yarn_src["factor"]),
+                original_max_position_embeddings=int(yarn_src["original_max_position_embeddings"]),
+                beta_fast=float(yarn_src.get("beta_fast") or 32), beta_slow=float(yarn_src.get("beta_slow") or 1))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError("rope_scaling", f"YaRN needs numeric factor and original_max_position_embeddings "
+                                              f"({e})") from None
+        if yarn_src.get("mscale") or yarn_src.get("attention_factor") not in (None, 1, 1.0):
+            raise ConfigError("rope_scaling", "V4 applies no YaRN mscale; expected attention_factor 1 / no mscale")
+
+
+def _parse_quant(d, kw):
+    ed = d.get("expert_dtype")
+    q = d.get("quantization_config")
+    if isinstance(q, dict) and ed is None:
+        ed = q.get("expert_dtype")
+    if ed not in (None, "fp4", "fp8", "bf16", "bfloat16"):
+        raise ConfigError("expert_dtype", f"expected 'fp4', 'fp8' or 'bf16', got {ed!r}")
+    kw["expert_dtype"] = ed
+    if q is None:
+        return
+    if not isinstance(q, dict) or q.get("quant_method", "fp8") != "fp8":
+        raise ConfigError("quantization_config.quant_method", f"expected 'fp8', got {q!r}")
+    fmt = q.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise ConfigError("quantization_config.fmt", f"expected 'e4m3', got {fmt!r}")
+    block = q.get("weight_block_size", [128, 128])
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConfigError("quantization_config.weight_block_size", f"expected [rows, cols], got {block!r}")
+    kw["quant_method"] = "fp8"
+    kw["quant_block"] = tuple(block)
+
+
+def _validate(c: ModelConfig):
+    if c.num_attention_heads % c.o_groups:
+        raise ConfigError("o_groups", f"must divide num_attention_heads={c.num_attention_heads}, got {c.o_groups}")
+    if c.num_experts_per_tok > c.n_routed_experts:
+        raise ConfigError("num_experts_per_tok", f"expected at most n_routed_experts={c.n_routed_experts}, "
+                                                 f"got {c.num_experts_per_tok}")
+    if c.n_shared_experts != 1:
+        raise ConfigError("n_shared_experts", f"expected 1, got {c.n_shared_experts}")
+    if c.head_dim % 2:
+        raise ConfigError("head_dim", f"expected an even number, got {c.head_dim}")
+    if c.index_head_dim < c.qk_rope_head_dim:
+        raise ConfigError("index_head_dim", f"expected at least qk_rope_head_dim={c.qk_rope_head_dim}, "
+                                            f"got {c.index_head_dim}")
