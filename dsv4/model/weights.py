@@ -14,6 +14,7 @@ dequantised at load as without them.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -24,6 +25,7 @@ from safetensors import safe_open
 from .names import DS_EXPERT, HF_DOWN, HF_GATE_UP, hf_to_ds, is_transformers_name, transformers_name
 from .quant import dequant_fp4, dequant_fp8, e8m0_to_float
 
+log = logging.getLogger("dsv4.model")
 QUANT_SCALE = re.compile(r"^(.*)\.(scale|weight_scale_inv)$")
 SHARED_EXPERT = re.compile(r"^(.*\.)?ffn\.shared_experts\.w[123]\.weight$")
 STACKED = re.compile(r"experts\.w[123](_scale)?$")          # routed experts: [E, ...]
@@ -264,6 +266,10 @@ def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32, keep
     has_mtp = any(k.startswith("mtp.") for k in checkpoint_keys(path))
     fp8 = fp8_experts(path, cfg.quant_block) if keep_fp8 else (False, False)
     mxfp4 = keep_mxfp4 and mxfp4_experts(path)
+    for flag, wanted, kept in (("keep_fp8", keep_fp8, fp8[0]), ("keep_mxfp4", keep_mxfp4, mxfp4)):
+        if wanted and not kept:
+            log.warning("%s: the routed experts of %s are not all in that format; they are dequantised at load",
+                        flag, path)
     with torch.device(device):
         model = DeepseekV4(cfg, dtype, fp8, mxfp4)
         if has_mtp and cfg.num_nextn_predict_layers:

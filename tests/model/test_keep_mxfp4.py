@@ -93,3 +93,16 @@ def test_random_spec_keep_mxfp4():
     ids = list(range(3, 40))
     want, got = full_logits(plain, ids), full_logits(kept, ids)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_flag_of_another_format_warns(mxfp4_checkpoint, caplog):
+    """keep_fp8 on MXFP4 experts: nothing is kept (the experts load dequantised, as without it),
+    and the log says so, naming the flag."""
+    with caplog.at_level("WARNING", logger="dsv4.model"):
+        model = load_model(mxfp4_checkpoint, keep_fp8=True)
+    assert model.layers[0].ffn.experts.scales() is None and model.layers[0].ffn.experts.w1.dtype == torch.float32
+    assert any("keep_fp8" in r.getMessage() and "dequantised at load" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dsv4.model"):
+        load_model(mxfp4_checkpoint, keep_mxfp4=True)
+    assert not caplog.records
