@@ -123,12 +123,17 @@ def _dot_w(a, w_ptrs, acc, k0, K, kk, s_ptr, stride_sr, n_rows, n0, FP8: tl.cons
 
 
 @triton.jit
-def _weight_k(kk, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
-    """The K offsets of a weight tile's rows: kk = arange(BLOCK_K), or MXFP4 arange(BLOCK_K/2)
-    (packed bytes, two inputs each)."""
+def _weight_tile(cols, col_ok, stride_w, kk, BLOCK_K: tl.constexpr, MXFP4: tl.constexpr):
+    """Where the weight tiles [BLOCK_K, BLOCK_N] of output columns `cols` lie in an expert's
+    matrix [N, K] (row stride stride_w, K contiguous) -> (kw: the K offsets of a tile's rows,
+    kk = arange(BLOCK_K) or MXFP4 arange(BLOCK_K/2) (packed bytes, two inputs each); w_off
+    [BK, BN] int32 offsets of the first tile (< N*K); n_rows [1, BN] the weight rows, clamped in
+    bounds; n0 the first column of the tile)."""
+    kw = kk
     if MXFP4:
-        kk = tl.arange(0, BLOCK_K // 2)
-    return kk
+        kw = tl.arange(0, BLOCK_K // 2)
+    n_rows = tl.where(col_ok, cols, 0)[None, :]
+    return kw, n_rows * stride_w + kw[:, None], n_rows, tl.min(cols, axis=0)
 
 
 @triton.jit
@@ -152,12 +157,9 @@ def _up_gate_kernel(x_ptr, order_ptr, sched_ptr, w1_ptr, w3_ptr, h_ptr, S, KP, H
     a_ptrs = x_ptr + tok.to(tl.int64)[:, None] * H + kk[None, :]                 # [BM, BK]
     w1_ptr += e * stride_we                                             # expert e's [I, H]
     w3_ptr += e * stride_we
-    kw = _weight_k(kk, BLOCK_K, MXFP4)                                  # K rows of a weight tile
-    w_off = tl.where(col_ok, cols, 0)[None, :] * stride_wi + kw[:, None]  # [BK, BN] int32 (< I*H)
-    s1_ptr += e * stride_se                                             # expert e's scales (FP8)
+    kw, w_off, n_rows, n0 = _weight_tile(cols, col_ok, stride_wi, kk, BLOCK_K, MXFP4)
+    s1_ptr += e * stride_se                                             # expert e's scales
     s3_ptr += e * stride_se
-    n_rows = tl.where(col_ok, cols, 0)[None, :]                         # [1, BN] weight rows
-    n0 = tl.min(cols, axis=0)                                           # first column of the tile (< I)
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -194,11 +196,8 @@ def _down_kernel(h_ptr, order_ptr, wt_ptr, sched_ptr, w2_ptr, y_ptr, S, H, I,
     kk = tl.arange(0, BLOCK_K)
     a_ptrs = h_ptr + tl.where(row_ok, rows, r0).to(tl.int64)[:, None] * I + kk[None, :]   # [BM, BK]
     w2_ptr += e * stride_we                                             # expert e's [H, I]
-    kw = _weight_k(kk, BLOCK_K, MXFP4)                                  # K rows of a weight tile
-    w_off = tl.where(col_ok, cols, 0)[None, :] * stride_wh + kw[:, None]  # [BK, BN] int32 (< H*I)
-    s2_ptr += e * stride_se                                             # expert e's scales (FP8)
-    n_rows = tl.where(col_ok, cols, 0)[None, :]                         # [1, BN] weight rows
-    n0 = tl.min(cols, axis=0)                                           # first column of the tile (< H)
+    kw, w_off, n_rows, n0 = _weight_tile(cols, col_ok, stride_wh, kk, BLOCK_K, MXFP4)
+    s2_ptr += e * stride_se                                             # expert e's scales
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         a = _load_k(a_ptrs, k0, I, kk, 1, EVEN_K)
