@@ -6,6 +6,7 @@ from dsv4.config import EngineConfig
 from dsv4.engine.llm import LLM
 from dsv4.engine.oneshot import full_logits
 from dsv4.engine.sampling_params import SamplingParams
+from dsv4.model.random_init import preset_config, random_state, save_checkpoint
 
 
 def assert_same_logits(plain, kept) -> None:
@@ -28,3 +29,12 @@ def assert_same_greedy_tokens(checkpoint: str, flag: str, kept_dtype: torch.dtyp
         outs[keep] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                         use_tqdm=False)]
     assert outs[True] == outs[False] and all(len(t) == 12 for t in outs[True])
+
+
+def released_checkpoint(tmp_path_factory, moe_intermediate_size: int, expert_dtype: str) -> str:
+    """A tiny 2-layer checkpoint (+ MTP) in the released format (FP8 projections), its routed
+    experts FP8 or MXFP4 (expert_dtype "fp8" / "fp4"), written once per test module."""
+    cfg = preset_config("tiny", 2, moe_intermediate_size=moe_intermediate_size)
+    path = str(tmp_path_factory.mktemp(f"{expert_dtype}-experts"))
+    save_checkpoint(cfg, random_state(cfg, seed=3), path, quant="fp8", expert_dtype=expert_dtype)
+    return path

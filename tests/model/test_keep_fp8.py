@@ -4,11 +4,10 @@ MoE ops; everything else as without it. Same logits (fp32, CPU: the reference de
 experts it uses on the fly) and greedy tokens as the same checkpoint dequantised at load."""
 import pytest
 import torch
-from kept_experts import assert_same_greedy_tokens, assert_same_logits
+from kept_experts import assert_same_greedy_tokens, assert_same_logits, released_checkpoint
 
 from dsv4.engine.oneshot import full_logits
 from dsv4.model.quant import dequant_fp8
-from dsv4.model.random_init import preset_config, random_state, save_checkpoint
 from dsv4.model.weights import fp8_experts, load_model
 
 I = 160   # moe_intermediate_size: two scale blocks, the second partial
@@ -16,10 +15,7 @@ I = 160   # moe_intermediate_size: two scale blocks, the second partial
 
 @pytest.fixture(scope="module")
 def fp8_expert_checkpoint(tmp_path_factory):
-    cfg = preset_config("tiny", 2, moe_intermediate_size=I)
-    path = str(tmp_path_factory.mktemp("fp8-experts"))
-    save_checkpoint(cfg, random_state(cfg, seed=3), path, quant="fp8", expert_dtype="fp8")
-    return path
+    return released_checkpoint(tmp_path_factory, I, "fp8")
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,11 @@ import re
 
 import pytest
 import torch
-from kept_experts import assert_same_greedy_tokens, assert_same_logits
+from kept_experts import assert_same_greedy_tokens, assert_same_logits, released_checkpoint
 from safetensors.torch import load_file, save_file
 
 from dsv4.engine.oneshot import full_logits
 from dsv4.model.quant import dequant_fp4
-from dsv4.model.random_init import preset_config, random_state, save_checkpoint
 from dsv4.model.weights import CheckpointError, fp8_experts, load_model, mxfp4_experts
 
 I = 96   # moe_intermediate_size: 3 scale groups of 32 (partial kernel tiles of 64)
@@ -21,10 +20,7 @@ I = 96   # moe_intermediate_size: 3 scale groups of 32 (partial kernel tiles of 
 
 @pytest.fixture(scope="module")
 def mxfp4_checkpoint(tmp_path_factory):
-    cfg = preset_config("tiny", 2, moe_intermediate_size=I)
-    path = str(tmp_path_factory.mktemp("mxfp4-experts"))
-    save_checkpoint(cfg, random_state(cfg, seed=3), path, quant="fp8")     # routed experts MXFP4
-    return path
+    return released_checkpoint(tmp_path_factory, I, "fp4")
 
 
 @pytest.fixture(scope="module")
