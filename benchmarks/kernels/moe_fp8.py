@@ -27,7 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import moe as bench  # noqa: E402  (benchmarks/kernels/moe.py: shapes, weights, routing, timing)
-from dsv4.model.quant import dequant_fp8, quant_fp8_stacked  # noqa: E402
+from dsv4.model.quant import dequant_kept, quant_fp8_stacked  # noqa: E402
 from dsv4.ops import moe as ref  # noqa: E402
 from dsv4.ops.triton import moe as tri  # noqa: E402
 from dsv4.ops.triton import moe_grouped as grp  # noqa: E402
@@ -41,9 +41,7 @@ FP8_BYTES = 1 + 4 / (128 * 128)
 def quantised(ws):
     """bf16 stacks -> (FP8 stacks, fp32 scales, dq: the dequantised bf16 stacks)."""
     q, s = zip(*(quant_fp8_stacked(w) for w in ws))
-    dq = tuple(torch.stack([dequant_fp8(w[e], sc[e]) for e in range(w.shape[0])]).to(torch.bfloat16)
-               if w.dim() == 3 else dequant_fp8(w, sc).to(torch.bfloat16) for w, sc in zip(q, s))
-    return q, s, dq
+    return q, s, tuple(dequant_kept(w, sc).to(torch.bfloat16) for w, sc in zip(q, s))
 
 
 def checks(q, s, dq, sq, ss, sdq, gen) -> list[str]:

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 import moe as bench  # noqa: E402  (benchmarks/kernels/moe.py: shapes, weights, routing, timing)
 import moe_fp8  # noqa: E402  (checks and timings, format-agnostic)
-from dsv4.model.quant import FP4_BLOCK, dequant_fp4, quant_mxfp4_stacked  # noqa: E402
+from dsv4.model.quant import FP4_BLOCK, dequant_kept, quant_mxfp4_stacked  # noqa: E402
 
 I, H = bench.I, bench.H
 MXFP4_BYTES = 0.5 + 1 / FP4_BLOCK          # per weight: a nibble + its share of the E8M0 byte
@@ -29,8 +29,7 @@ MXFP4_BYTES = 0.5 + 1 / FP4_BLOCK          # per weight: a nibble + its share of
 def quantised(ws):
     """bf16 stacks -> (MXFP4 stacks, E8M0 bytes, dq: the dequantised bf16 stacks)."""
     q, s = zip(*(quant_mxfp4_stacked(w) for w in ws))
-    return q, s, tuple(torch.stack([dequant_fp4(w[e], sc[e]).to(torch.bfloat16) for e in range(w.shape[0])])
-                       for w, sc in zip(q, s))
+    return q, s, tuple(dequant_kept(w, sc).to(torch.bfloat16) for w, sc in zip(q, s))
 
 
 def main() -> int:

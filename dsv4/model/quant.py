@@ -99,6 +99,16 @@ def weight_format(w: torch.Tensor) -> str | None:
     return {torch.float8_e4m3fn: "fp8", torch.uint8: "mxfp4"}.get(w.dtype)
 
 
+def dequant_kept(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A kept quantised weight [..., R, C] (`weight_format`: FP8 with fp32 128x128 block scales,
+    or MXFP4 packed [..., R, C/2] with E8M0 bytes [..., R, C/32]) -> fp32 [..., R, C]."""
+    if weight_format(weight) == "mxfp4":
+        return dequant_fp4(weight, scale)
+    if weight.dim() == 2:
+        return dequant_fp8(weight, scale)
+    return torch.stack([dequant_kept(w, s) for w, s in zip(weight, scale)])
+
+
 def unpacked_shape(w: torch.Tensor) -> tuple[int, ...]:
     """The matrix shape [..., R, C] of weight w (MXFP4: w is [..., R, C/2])."""
     return (*w.shape[:-1], w.shape[-1] * 2) if weight_format(w) == "mxfp4" else tuple(w.shape)

@@ -12,7 +12,7 @@ load-time dequantisation stores); the Triton kernels dequantise tiles in-kernel.
 import torch
 import torch.nn.functional as F
 
-from ..model.quant import dequant_fp4, dequant_fp8
+from ..model.quant import dequant_kept
 from .backend import use_triton
 
 # decode sizes: up to this many (token, expert) pairs T*k run the Triton GEMV kernels, which
@@ -188,10 +188,4 @@ def expert_weights(ws, scales, expert: int | None, dtype: torch.dtype) -> tuple[
     pick = (lambda t: t) if expert is None else (lambda t: t[expert])
     if scales is None:
         return tuple(pick(w) for w in ws)
-    return tuple(dequant_weight(pick(w), pick(s)).to(dtype) for w, s in zip(ws, scales))
-
-
-def dequant_weight(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """One quantised matrix -> fp32, the format told by the dtype: uint8 MXFP4 (packed [R, C/2],
-    E8M0 bytes [R, C/32]) or float8_e4m3fn FP8 (fp32 128x128 block scales)."""
-    return dequant_fp4(w, scale) if w.dtype == torch.uint8 else dequant_fp8(w, scale)
+    return tuple(dequant_kept(pick(w), pick(s)).to(dtype) for w, s in zip(ws, scales))

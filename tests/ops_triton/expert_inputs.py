@@ -2,6 +2,8 @@
 tests (imported by file name: this folder is on sys.path while its tests run)."""
 import torch
 
+from dsv4.model.quant import dequant_kept
+
 
 def random_experts(T: int, k: int, E: int, h: int, i: int, limit: float, seed: int = 0,
                    same_experts: bool = False) -> tuple[torch.Tensor, ...]:
@@ -20,6 +22,12 @@ def random_experts(T: int, k: int, E: int, h: int, i: int, limit: float, seed: i
     w3 = torch.randn(E, i, h, generator=g) * (1.5 * limit / h ** 0.5)
     w2 = torch.randn(E, h, i, generator=g) / i ** 0.5
     return x, weights, ids, w1, w2, w3
+
+
+def dequantised(ws, scales, dtype) -> tuple[torch.Tensor, ...]:
+    """Kept quantised weights (FP8 or MXFP4 stacks or matrices) -> what the load-time
+    dequantisation stores: the fp32 product rounded to the model dtype."""
+    return tuple(dequant_kept(w, s).to(dtype) for w, s in zip(ws, scales))
 
 
 def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:

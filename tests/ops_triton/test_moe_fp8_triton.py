@@ -9,9 +9,10 @@ import os
 
 import pytest
 import torch
-from expert_inputs import assert_matches, assert_quantised_dispatch, assert_same_as_dequantised, random_experts
+from expert_inputs import (assert_matches, assert_quantised_dispatch, assert_same_as_dequantised, dequantised,
+                           random_experts)
 
-from dsv4.model.quant import dequant_fp8, e8m0_to_float, quant_fp8
+from dsv4.model.quant import e8m0_to_float, quant_fp8
 from dsv4.ops import moe as moe_ops
 from dsv4.ops.triton import moe as triton_moe
 from dsv4.ops.triton import moe_grouped
@@ -62,12 +63,6 @@ def make_shared(device, pow2=True, seed=7):
           torch.randn(I, H, generator=g) * (1.5 * LIMIT / H ** 0.5))
     q = [quantise(w, pow2, seed + j) for j, w in enumerate(sw)]
     return tuple(w.to(device) for w, _ in q), tuple(s.to(device) for _, s in q)
-
-
-def dequantised(ws, scales, dtype):
-    """What the load-time dequantisation stores: fp32 product rounded to the model dtype."""
-    return tuple(torch.stack([dequant_fp8(w[e], s[e]) for e in range(w.shape[0])]).to(dtype) if w.dim() == 3
-                 else dequant_fp8(w, s).to(dtype) for w, s in zip(ws, scales))
 
 
 def fp8_down_defaults(T, ks, tiles=None):

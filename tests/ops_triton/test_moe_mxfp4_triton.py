@@ -11,9 +11,9 @@ import math
 
 import pytest
 import torch
-from expert_inputs import assert_matches, assert_quantised_dispatch, assert_same_as_dequantised, random_experts
+from expert_inputs import (assert_matches, assert_quantised_dispatch, assert_same_as_dequantised, dequantised,
+                           random_experts)
 
-from dsv4.model.quant import dequant_fp4
 from dsv4.ops import moe as moe_ops
 from dsv4.ops.triton import moe as triton_moe
 from dsv4.ops.triton import moe_grouped
@@ -45,11 +45,6 @@ def make_inputs(device, T, k, dtype, seed=0):
     dev = lambda t: t.to(device)  # noqa: E731
     return (x.to(device, dtype), dev(weights), dev(ids), dev(q1), dev(q2), dev(q3), (dev(s1), dev(s2), dev(s3)),
             tuple(w.to(device, dtype) for w in shared))
-
-
-def dequantised(ws, scales, dtype):
-    """What the load-time dequantisation stores: fp32 product rounded to the model dtype."""
-    return tuple(dequant_fp4(w, s).to(dtype) for w, s in zip(ws, scales))
 
 
 @pytest.mark.parametrize("T,k,dtype", [(1, 3, FP32), (3, 2, BF16)])
