@@ -8,20 +8,19 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.moe import moe_experts, route_hash, route_topk
 from .layers import Linear, param
-from .quant import FP4_BLOCK
-
-QBLOCK = 128   # FP8 experts (fp8=True): one fp32 scale per QBLOCK x QBLOCK block
+from .quant import kept_scale_shape
 
 
 def _scale_param(rows: int, cols: int, *lead: int) -> torch.nn.Parameter:
-    return param(*lead, -(-rows // QBLOCK), -(-cols // QBLOCK), dtype=torch.float32)
+    """fp32 scales of an FP8 matrix [..., rows, cols], one per 128x128 block."""
+    return param(*kept_scale_shape((*lead, rows, cols), "fp8"), dtype=torch.float32)
 
 
 def _mxfp4_params(rows: int, cols: int, *lead: int) -> tuple[torch.nn.Parameter, torch.nn.Parameter]:
     """An MXFP4 matrix [..., rows, cols]: packed uint8 [..., rows, cols/2] (two e2m1 values per
     byte along the input dim, low nibble first) and E8M0 bytes [..., rows, cols/32]."""
-    return (param(*lead, rows, cols // 2, dtype=torch.uint8),
-            param(*lead, rows, cols // FP4_BLOCK, dtype=torch.uint8))
+    packed = (*lead, rows, cols // 2)
+    return param(*packed, dtype=torch.uint8), param(*kept_scale_shape(packed, "mxfp4"), dtype=torch.uint8)
 
 
 class Gate(nn.Module):

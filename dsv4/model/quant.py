@@ -99,6 +99,15 @@ def weight_format(w: torch.Tensor) -> str | None:
     return {torch.float8_e4m3fn: "fp8", torch.uint8: "mxfp4"}.get(w.dtype)
 
 
+def kept_scale_shape(shape: tuple[int, ...], fmt: str) -> tuple[int, ...]:
+    """Scales of a kept weight stored as `shape` [..., R, C'] in format fmt (`weight_format`):
+    "fp8" (C' = C) [..., cdiv(R, 128), cdiv(C, 128)]; "mxfp4" (packed: C' = C/2) [..., R, C/32]."""
+    *lead, rows, cols = shape
+    if fmt == "mxfp4":
+        return (*lead, rows, cols * 2 // FP4_BLOCK)
+    return (*lead, -(-rows // 128), -(-cols // 128))
+
+
 def dequant_kept(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """A kept quantised weight [..., R, C] (`weight_format`: FP8 with fp32 128x128 block scales,
     or MXFP4 packed [..., R, C/2] with E8M0 bytes [..., R, C/32]) -> fp32 [..., R, C]."""
