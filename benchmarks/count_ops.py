@@ -4,7 +4,7 @@ Every aten op dispatched inside DecodeGraphs._forward (the second decode step; t
 warms up) is recorded (TorchDispatchMode) with the
 module that issued it; ops that launch no kernel on a GPU (views, empty) are not counted.
 
-    python benchmarks/count_ops.py [--triton] [--spec SPEC] [--context N] [--by-op]
+    python -m benchmarks.count_ops [--triton] [--spec SPEC] [--context N] [--by-op]
 
 --triton runs the Triton kernels in Triton's interpreter (as on CUDA: every use_triton(...)
 op takes its kernel) and counts each kernel launch as one kernel, plus the aten ops around it.
@@ -18,7 +18,6 @@ import collections
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SPEC = ("random:flash-slice:6:hidden_size=256,num_attention_heads=4,q_lora_rank=128,o_groups=2,"
         "o_lora_rank=64,moe_intermediate_size=64,n_routed_experts=16,index_n_heads=4,vocab_size=1024")
 NO_KERNEL = {"view", "_unsafe_view", "unsqueeze", "squeeze", "expand", "slice", "select", "t", "transpose",
@@ -84,7 +83,7 @@ def build_engine(spec: str, context: int):
     from dsv4.engine.cuda_graphs import DecodeGraphs
     from dsv4.engine.engine import LLMEngine
     from dsv4.model.random_model import build_random_model
-    from dsv4.perf import bench_offline as bo
+    from dsv4.bench import offline as bo
     model = build_random_model(spec, "cpu", torch.bfloat16)
     eng = LLMEngine(spec, EngineConfig(dtype="bfloat16", max_num_seqs=1, max_num_batched_tokens=256,
                                        max_model_len=context + 64, num_pages=context // 256 + 4),

@@ -1,7 +1,7 @@
 """The GPU suite (one device call): probe the GPU, oracle check in bf16 on a reduced slice,
 dsv4 vs transformers on a V4-Flash-shaped slice, roofline ratios, and a profile.
 
-    python benchmarks/gpu_suite.py --out DIR [--layers 6] [--budget-s 520]
+    python -m benchmarks.gpu_suite --out DIR [--layers 6] [--budget-s 520]
 
 Prints one table; writes suite.json, suite.txt and profile.txt into DIR.
 """
@@ -16,11 +16,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dsv4.perf import bench_offline as bo  # noqa: E402
-from dsv4.perf.roofline import BF16, BF16_FP8_EXPERTS, BF16_MXFP4_EXPERTS, H200, decode_step_cost, prefill_cost, roofline  # noqa: E402
+from dsv4.bench import offline as bo
+from dsv4.bench.roofline import BF16, BF16_FP8_EXPERTS, BF16_MXFP4_EXPERTS, H200, decode_step_cost, prefill_cost, roofline
 
 PREFILLS = (1024, 4096, 16384)
 DECODES = ((1, 1024), (8, 1024), (64, 1024), (1, 4096), (64, 4096), (1, 16384), (8, 16384), (64, 16384))
@@ -62,7 +60,7 @@ def probe() -> dict:
 
 
 def oracle() -> dict:
-    from dsv4.tools.check import DEFAULT_TOLERANCE, compare, within_tolerance
+    from dsv4.cli.check import DEFAULT_TOLERANCE, compare, within_tolerance
     r = compare(ORACLE_SPEC, 512, 1, 0, DEV, torch.bfloat16)
     r["ok"] = within_tolerance(r, torch.bfloat16, DEFAULT_TOLERANCE[torch.bfloat16])
     return r
@@ -130,7 +128,7 @@ def greedy_identity(spec, model, prompts: list[list[int]], new_tokens: int = 24,
                     modes: tuple[str, str] = ("reference", "fast")) -> dict:
     """Greedy tokens of the fast path vs the reference path on the same prompts. Where they
     part, the reference's top-2 logprob margin at that step says whether it was a near-tie."""
-    from dsv4.engine.sampling_params import SamplingParams
+    from dsv4.sampling_params import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, logprobs=2)
     outs = {}
     for mode in modes:
@@ -172,7 +170,7 @@ def demo_identity(modes: tuple[str, str] = ("reference", "fast"), experts: str |
     from dsv4.assets import DEMO_DIR
     from dsv4.model.random_init import save_checkpoint
     from dsv4.model.weights import load_model
-    from dsv4.serve.tokenizer import Tokenizer
+    from dsv4.text.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(DEMO_DIR)
     with open(os.path.join(DEMO_DIR, "heldout.json")) as f:
         prompts = [tok.encode(p["prompt"]) for p in json.load(f)["prompts"]]
@@ -261,7 +259,7 @@ def host_syncs(spec, model, steps: int = 6) -> str:
 
 
 def hf_runs(spec: str, budget: float, results: dict) -> None:
-    import hf_baseline as hb
+    from benchmarks import hf_baseline as hb
     from dsv4.model.weights import load_model
     model = load_model(spec, DEV, torch.bfloat16)
     vocab = model.cfg.vocab_size

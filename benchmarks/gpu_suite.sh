@@ -11,4 +11,4 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-python3 benchmarks/gpu_suite.py --out "$OUT" --budget-s "${BUDGET_S:-480}" "${@:2}"   # e.g. --skip-kernels
+python3 -m benchmarks.gpu_suite --out "$OUT" --budget-s "${BUDGET_S:-480}" "${@:2}"   # e.g. --skip-kernels

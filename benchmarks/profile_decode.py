@@ -1,7 +1,7 @@
 """Where a batch-1 decode step of the fast path spends its time: GPU time per step (torch
 profiler) against wall time, and the host side broken down by function (cProfile).
 
-    python benchmarks/profile_decode.py [--spec random:flash-slice:6] [--batch 1] [--context 4096]
+    python -m benchmarks.profile_decode [--spec random:flash-slice:6] [--batch 1] [--context 4096]
 """
 from __future__ import annotations
 
@@ -10,17 +10,15 @@ import cProfile
 import io
 import os
 import pstats
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsv4.config import EngineConfig  # noqa: E402
-from dsv4.engine.engine import LLMEngine  # noqa: E402
-from dsv4.model.weights import load_model  # noqa: E402
-from dsv4.perf import bench_offline as bo  # noqa: E402
+from dsv4.config import EngineConfig
+from dsv4.engine.engine import LLMEngine
+from dsv4.model.weights import load_model
+from dsv4.bench import offline as bo
 
 
 def main() -> None:

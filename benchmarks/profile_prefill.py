@@ -1,24 +1,22 @@
 """Where a long prefill of the fast path spends its GPU time (torch profiler), and its wall
 time with each grouped-GEMM implementation of the routed experts.
 
-    python benchmarks/profile_prefill.py [--spec random:flash-slice:6] [--tokens 16384]
+    python -m benchmarks.profile_prefill [--spec random:flash-slice:6] [--tokens 16384]
 """
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dsv4.config import EngineConfig  # noqa: E402
-from dsv4.engine.engine import LLMEngine  # noqa: E402
-from dsv4.model.weights import load_model  # noqa: E402
-from dsv4.ops import moe  # noqa: E402
-from dsv4.perf import bench_offline as bo  # noqa: E402
+from dsv4.config import EngineConfig
+from dsv4.engine.engine import LLMEngine
+from dsv4.model.weights import load_model
+from dsv4.ops import moe
+from dsv4.bench import offline as bo
 
 
 def prefill_once(eng, n: int, tag: str) -> float:

@@ -10,7 +10,7 @@ def __getattr__(name):
         from .engine.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from .engine.sampling_params import SamplingParams
+        from .sampling_params import SamplingParams
         return SamplingParams
     if name in ("ModelConfig", "EngineConfig"):
         from . import config

@@ -17,28 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-CSA_RATIO = 4
-HCA_RATIO = 128
-LAYER_TYPE_OF_RATIO = {0: "sliding_attention", CSA_RATIO: "compressed_sparse_attention",
-                       HCA_RATIO: "heavily_compressed_attention"}
-RATIO_OF_LAYER_TYPE = {v: k for k, v in LAYER_TYPE_OF_RATIO.items()}
-MLP_TYPES = ("hash_moe", "moe")
-
-
-class ConfigError(ValueError):
-    """A config field is missing, invalid or contradicts another one."""
-
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"config field `{field_name}`: {message}")
-        self.field = field_name
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
+from .config_parse import (CSA_RATIO, HCA_RATIO, LAYER_TYPE_OF_RATIO, MLP_TYPES,  # noqa: F401 (re-exported)
+                           RATIO_OF_LAYER_TYPE, ConfigError, YarnScaling, parse_model_config)
 
 
 @dataclass(frozen=True)
@@ -109,8 +89,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        from .config_parse import parse_model_config    # (it builds ModelConfig: imported late)
-        return parse_model_config(dict(d))
+        return parse_model_config(dict(d), cls)
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)

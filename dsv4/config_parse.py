@@ -1,12 +1,35 @@
 """Parsing of a checkpoint's config.json into `ModelConfig` (dsv4/config.py describes the two
 schemas): each field read and checked, the schemas reconciled, contradictions rejected with a
-`ConfigError` naming the field and the values it expects."""
+`ConfigError` naming the field and the values it expects. The schema's constants, `ConfigError`
+and `YarnScaling` live here (dsv4/config.py re-exports them), so config.py imports this module
+and never the reverse."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from .config import (CSA_RATIO, HCA_RATIO, LAYER_TYPE_OF_RATIO, MLP_TYPES, RATIO_OF_LAYER_TYPE, ConfigError,
-                     ModelConfig, YarnScaling)
+CSA_RATIO = 4
+HCA_RATIO = 128
+LAYER_TYPE_OF_RATIO = {0: "sliding_attention", CSA_RATIO: "compressed_sparse_attention",
+                       HCA_RATIO: "heavily_compressed_attention"}
+RATIO_OF_LAYER_TYPE = {v: k for k, v in LAYER_TYPE_OF_RATIO.items()}
+MLP_TYPES = ("hash_moe", "moe")
+
+
+class ConfigError(ValueError):
+    """A config field is missing, invalid or contradicts another one."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"config field `{field_name}`: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
 
 _INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
                "q_lora_rank", "o_groups", "o_lora_rank", "moe_intermediate_size", "n_routed_experts",
@@ -18,8 +41,9 @@ _FLOAT_FIELDS = ("routed_scaling_factor", "hc_eps", "rms_norm_eps", "swiglu_limi
 _REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 
 
-def parse_model_config(d: dict[str, Any]) -> ModelConfig:
-    """config.json (either schema, see dsv4/config.py) -> ModelConfig; ConfigError names the field."""
+def parse_model_config(d: dict[str, Any], model_config: type):
+    """config.json (either schema, see dsv4/config.py) -> a `model_config` (dsv4.config.ModelConfig);
+    ConfigError names the field."""
     for name in _REQUIRED:
         if name not in d:
             raise ConfigError(name, "is required")
@@ -53,9 +77,9 @@ def parse_model_config(d: dict[str, Any]) -> ModelConfig:
         raise ConfigError("torch_dtype", f"expected bfloat16, float16 or float32, got {dtype!r}")
     kw["torch_dtype"] = dtype
     _parse_quant(d, kw)
-    known = set(ModelConfig.__dataclass_fields__)
+    known = set(model_config.__dataclass_fields__)
     kw["extra"] = {k: v for k, v in d.items() if k not in known}
-    cfg = ModelConfig(**kw)
+    cfg = model_config(**kw)
     _validate(cfg)
     return cfg
 
@@ -222,7 +246,7 @@ def _parse_quant(d, kw):
     kw["quant_block"] = tuple(block)
 
 
-def _validate(c: ModelConfig):
+def _validate(c):
     if c.num_attention_heads % c.o_groups:
         raise ConfigError("o_groups", f"must divide num_attention_heads={c.num_attention_heads}, got {c.o_groups}")
     if c.num_experts_per_tok > c.n_routed_experts:

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from dsv4.assets import DEMO_DIR
-from dsv4.serve.tokens import BOS
+from dsv4.text.tokens import BOS
 
 MAX_TOKENS = 64
 MIN_VALID_FRACTION = 0.5
@@ -75,7 +75,7 @@ def test_demo_checkpoint_is_the_default_and_in_released_form():
 
 def test_demo_completes_heldout_functions(record_property):
     from dsv4 import LLM
-    from dsv4.engine.sampling_params import SamplingParams
+    from dsv4.sampling_params import SamplingParams
 
     prompts = heldout_prompts()
     assert len(prompts) == 20

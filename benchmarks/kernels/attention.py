@@ -2,7 +2,7 @@
 against the torch reference (dsv4/ops/attention.py) at V4-Flash shapes (H = 64, D = 512,
 W = 128 window slots + K = 512 selected C4 slots, bf16, fp32 sinks).
 
-    python benchmarks/kernels/attention.py          # needs CUDA; well under a minute
+    python -m benchmarks.kernels.attention          # needs CUDA; well under a minute
 
 Checks first (exit 1 on a mismatch): every output within 2e-2 + 2e-2 |ref| of the reference
 (the kernel rounds the probabilities to bf16 for the P.V product; the reference stays fp32).
@@ -17,17 +17,15 @@ chosen among its 16384 C4 entries); prefill, one chunk of T tokens late in a lon
 each token's causal limit (repeats possible). A second table times tile shapes and the
 slot split (tuning aid): the first row of each case is the default.
 """
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
+import torch
 
-from dsv4.perf.timing import median_ms  # noqa: E402
-from dsv4.ops import backend  # noqa: E402
-from dsv4.ops.attention import sparse_attention as dispatch  # noqa: E402
-from dsv4.ops.triton import attention as tri  # noqa: E402
+from dsv4.bench.timing import median_ms
+from dsv4.ops import backend
+from dsv4.ops.attention import sparse_attention as dispatch
+from dsv4.ops.triton import attention as tri
 
 H, D, W, K = 64, 512, 128, 512
 HBM_BPS, PEAK_FLOPS = 4.2e12, 800e12

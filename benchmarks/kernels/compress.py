@@ -3,7 +3,7 @@ then the fused norm + RoPE + scatter) against the reference composition of dsv4/
 (cat(ring, fresh) -> compress_pool -> rms_norm -> RoPE -> pool[entry_slot]) at V4-Flash shapes,
 bf16 sources and pool.
 
-    python benchmarks/kernels/compress.py           # needs CUDA; well under a minute
+    python -m benchmarks.kernels.compress           # needs CUDA; well under a minute
 
 Geometries: CSA (m = 4, D = 512, C = 1024, overlap), the CSA indexer (m = 4, D = 128, C = 256,
 overlap), HCA (m = 128, D = 512); RoPE on the last 64 channels (R = 32, theta 160000).
@@ -17,19 +17,17 @@ and the sums to bf16, in different orders); for decode G = 8 also the fp32 path 
 (nominal, each group's reads counted once): kv + gate G*span*D*2*2 + rows G*span*8 + entry
 written G*D*2 + ape m*C*4, against 4.2 TB/s.
 """
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
+import torch
 
-from dsv4.ops.backend import forced  # noqa: E402
-from dsv4.ops.compress import compress_pool  # noqa: E402
-from dsv4.ops.norm import rms_norm  # noqa: E402
-from dsv4.ops.rope import apply_rope, rope_cos_sin  # noqa: E402
-from dsv4.ops.triton import compress as tri  # noqa: E402
-from dsv4.perf.timing import median_ms  # noqa: E402
+from dsv4.ops.backend import forced
+from dsv4.ops.compress import compress_pool
+from dsv4.ops.norm import rms_norm
+from dsv4.ops.rope import apply_rope, rope_cos_sin
+from dsv4.ops.triton import compress as tri
+from dsv4.bench.timing import median_ms
 
 HBM_BPS = 4.2e12
 R, THETA, EPS = 32, 160000.0, 1e-6

@@ -1,7 +1,7 @@
 """Lightning indexer on the GPU: the Triton kernel (dsv4/ops/triton/indexer.py) against the
 torch reference (dsv4/ops/indexer.py) at V4-Flash shapes (Hi = 64, Di = 128, top-k 512, bf16).
 
-    python benchmarks/kernels/indexer.py            # needs CUDA; about half a minute
+    python -m benchmarks.kernels.indexer            # needs CUDA; about half a minute
 
 Checks first (exit 1 on a mismatch): scores within 1e-5 relative (fp32), the same -1 count on
 every row, and the same set of chosen rows on every row whose k-th and (k+1)-th reference
@@ -16,17 +16,15 @@ Cases: decode, T tokens of T different requests, each with E valid entries at di
 rows; prefill, one chunk of T tokens at positions 0..T-1, E = T / 4 entries, token t sees
 entries e < (t + 1) // 4 (causal -1 tail).
 """
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
+import torch
 
-from dsv4.perf.timing import median_ms  # noqa: E402
-from dsv4.ops import backend  # noqa: E402
-from dsv4.ops import indexer as ref  # noqa: E402
-from dsv4.ops.triton import indexer as tri  # noqa: E402
+from dsv4.bench.timing import median_ms
+from dsv4.ops import backend
+from dsv4.ops import indexer as ref
+from dsv4.ops.triton import indexer as tri
 
 HI, DI, TOPK = 64, 128, 512
 HBM_BPS, PEAK_FLOPS = 4.2e12, 800e12

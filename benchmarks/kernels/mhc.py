@@ -2,7 +2,7 @@
 (dsv4/ops/mhc.py) at V4-Flash shapes (N = hc_mult = 4, D = 4096, 20 Sinkhorn iterations, bf16
 streams, fp32 mixing weights).
 
-    python benchmarks/kernels/mhc.py            # needs CUDA; well under a minute
+    python -m benchmarks.kernels.mhc            # needs CUDA; well under a minute
 
 Checks first (exit 1 on a mismatch): post and comb within 1e-5 (fp32, values O(1)); the bf16
 collapse of hc_pre / hc_head within one bf16 ulp (both sides round fp32 values that agree to
@@ -15,17 +15,15 @@ bytes the op must move (pre: h + fn + collapsed/post/comb written; post: h + out
 The hc_pre kernels read h twice (projection, then collapse); at T <= 64 the second read hits
 L2. A second table times the projection kernel alone for a few tile shapes (tuning aid).
 """
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
+import torch
 
-from dsv4.perf.timing import median_ms  # noqa: E402
-from dsv4.ops import backend  # noqa: E402
-from dsv4.ops import mhc as ref  # noqa: E402
-from dsv4.ops.triton import mhc as tri  # noqa: E402
+from dsv4.bench.timing import median_ms
+from dsv4.ops import backend
+from dsv4.ops import mhc as ref
+from dsv4.ops.triton import mhc as tri
 
 N, D, ITERS, NORM_EPS, HC_EPS = 4, 4096, 20, 1e-6, 1e-6
 TOKENS = (1, 8, 64, 512, 4096)

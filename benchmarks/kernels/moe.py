@@ -1,10 +1,10 @@
 """Routed experts on the GPU at V4-Flash shapes (E = 256 experts, k = 6 per token, H = 4096,
 I = 2048, bf16, SwiGLU limit 10), random routing with distinct experts per token.
 
-    python benchmarks/kernels/moe.py                   # needs CUDA (~30 GiB of GPU memory); ~3 minutes
-    python benchmarks/kernels/moe.py --part prefill [--tune]   # prefill only (~1 minute, + ~2 with --tune)
-    python benchmarks/kernels/moe.py --part gate       # the router only (seconds); --part shared: the shared expert
-    python benchmarks/kernels/moe.py --dry-run         # CPU, Triton interpreter, tiny shapes: gate, shared, prefill
+    python -m benchmarks.kernels.moe                   # needs CUDA (~30 GiB of GPU memory); ~3 minutes
+    python -m benchmarks.kernels.moe --part prefill [--tune]   # prefill only (~1 minute, + ~2 with --tune)
+    python -m benchmarks.kernels.moe --part gate       # the router only (seconds); --part shared: the shared expert
+    python -m benchmarks.kernels.moe --dry-run         # CPU, Triton interpreter, tiny shapes: gate, shared, prefill
 
 Decode part: the Triton GEMV kernels (dsv4/ops/triton/moe.py) against the torch reference
 `routed_experts_loop` (the definition) and the grouped-GEMM path `routed_experts_grouped`
@@ -43,7 +43,6 @@ faster per T, and what moe.GROUPED_GEMM should be. --tune scans the Triton tiles
 """
 import argparse
 import os
-import pathlib
 import statistics
 import sys
 import time
@@ -64,16 +63,15 @@ ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None and ARGS.dry_run:
     os.environ["TRITON_INTERPRET"] = "1"   # before triton is imported
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
+import torch
 
-from dsv4.perf.timing import median_ms  # noqa: E402
-from dsv4.ops import backend  # noqa: E402
-from dsv4.ops import moe as ref  # noqa: E402
-from dsv4.ops.triton import moe_gate as gate_tri  # noqa: E402
-from dsv4.ops.triton import moe as tri  # noqa: E402
-from dsv4.ops.triton import moe_grouped as grp  # noqa: E402
+from dsv4.bench.timing import median_ms
+from dsv4.ops import backend
+from dsv4.ops import moe as ref
+from dsv4.ops.triton import moe_gate as gate_tri
+from dsv4.ops.triton import moe as tri
+from dsv4.ops.triton import moe_grouped as grp
 
 E, K, H, I, LIMIT = 256, 6, 4096, 2048, 10.0
 TOKENS = (1, 2, 4, 8, 16)

@@ -1,8 +1,8 @@
 """FP8 routed experts kept quantised (W8A16, `--keep-fp8`) on the GPU at V4-Flash shapes
 (E = 256, k = 6, H = 4096, I = 2048, bf16 activations, SwiGLU limit 10).
 
-    python benchmarks/kernels/moe_fp8.py            # needs CUDA (~35 GiB of GPU memory); ~1 minute
-    python benchmarks/kernels/moe_fp8.py --tune [decode|grouped]   # + tile scans on FP8 weights (~3 more)
+    python -m benchmarks.kernels.moe_fp8            # needs CUDA (~35 GiB of GPU memory); ~1 minute
+    python -m benchmarks.kernels.moe_fp8 --tune [decode|grouped]   # + tile scans on FP8 weights (~3 more)
 
 The experts of benchmarks/kernels/moe.py are quantised to float8_e4m3fn with power-of-two
 (E8M0) 128x128 block scales; `dq` are the dequantised bf16 weights (what the load without
@@ -18,19 +18,16 @@ that must move: distinct experts x 3 I H x (1 B + scales), and % of 4.2 TB/s), a
 GEMMs at T = 64 (a batch-64 decode step) .. 16384 (TFLOP/s).
 """
 import argparse
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-import moe as bench  # noqa: E402  (benchmarks/kernels/moe.py: shapes, weights, routing, timing)
-from dsv4.model.quant import dequant_kept, quant_fp8_stacked  # noqa: E402
-from dsv4.ops import moe as ref  # noqa: E402
-from dsv4.ops.triton import moe as tri  # noqa: E402
-from dsv4.ops.triton import moe_grouped as grp  # noqa: E402
+from benchmarks.kernels import moe as bench  (benchmarks/kernels/moe.py: shapes, weights, routing, timing)
+from dsv4.ops.quant import dequant_kept, quant_fp8_stacked
+from dsv4.ops import moe as ref
+from dsv4.ops.triton import moe as tri
+from dsv4.ops.triton import moe_grouped as grp
 
 E, K, H, I, LIMIT = bench.E, bench.K, bench.H, bench.I, bench.LIMIT
 DECODE_TOKENS = (1, 2, 4, 8)

@@ -1,7 +1,7 @@
 """MXFP4 routed experts kept quantised (W4A16, `--keep-mxfp4`) on the GPU at V4-Flash shapes
 (E = 256, k = 6, H = 4096, I = 2048, bf16 activations, SwiGLU limit 10).
 
-    python benchmarks/kernels/moe_mxfp4.py          # needs CUDA (~30 GiB of GPU memory); ~1 minute
+    python -m benchmarks.kernels.moe_mxfp4          # needs CUDA (~30 GiB of GPU memory); ~1 minute
 
 The experts of benchmarks/kernels/moe.py are quantised to MXFP4 (packed e2m1 pairs + an E8M0
 byte per 32 inputs); `dq` are the dequantised bf16 weights (what the load without keep_mxfp4
@@ -10,17 +10,14 @@ decode and grouped timings are moe_fp8.py's (its "fp8" columns read as MXFP4 her
 kernels on MXFP4 == on dq bit for bit, within moe.py's tolerance of the reference; times bf16
 vs MXFP4 from CUDA graphs. Exit 1 on a failed check.
 """
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-import moe as bench  # noqa: E402  (benchmarks/kernels/moe.py: shapes, weights, routing, timing)
-import moe_fp8  # noqa: E402  (checks and timings, format-agnostic)
-from dsv4.model.quant import FP4_BLOCK, dequant_kept, quant_mxfp4_stacked  # noqa: E402
+from benchmarks.kernels import moe as bench  (benchmarks/kernels/moe.py: shapes, weights, routing, timing)
+from benchmarks.kernels import moe_fp8  (checks and timings, format-agnostic)
+from dsv4.ops.quant import FP4_BLOCK, dequant_kept, quant_mxfp4_stacked
 
 I, H = bench.I, bench.H
 MXFP4_BYTES = 0.5 + 1 / FP4_BLOCK          # per weight: a nibble + its share of the E8M0 byte

@@ -1,7 +1,7 @@
 """The fused RMSNorm + RoPE row kernel (dsv4/ops/triton/norm_rope.py) against its torch
 definition (rms_norm_unweighted / rms_norm then apply_rope) at V4-Flash shapes, bf16.
 
-    python benchmarks/kernels/norm_rope.py        # needs CUDA; seconds
+    python -m benchmarks.kernels.norm_rope        # needs CUDA; seconds
 
 Checks first (exit 1 on a mismatch beyond one bf16 ulp of the RoPE pair's magnitude: the
 rotation mixes the two channels of a pair, so a channel that cancels to ~0 carries the
@@ -9,16 +9,14 @@ rounding of its pair); then times both
 (CUDA events, median) and prints GB/s for the bytes the op must move (x read, out written)
 against 4.2 TB/s.
 """
-import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
+import torch
 
-from dsv4.ops import backend, norm, rope  # noqa: E402
-from dsv4.ops.triton.norm_rope import norm_rope  # noqa: E402
-from dsv4.perf.timing import median_ms  # noqa: E402
+from dsv4.ops import backend, norm, rope
+from dsv4.ops.triton.norm_rope import norm_rope
+from dsv4.bench.timing import median_ms
 
 HBM_BPS, EPS, R = 4.2e12, 1e-6, 32          # R: rotated pairs (qk_rope_head_dim 64)
 # (name, T, H, D, mode): q = per-head unweighted norm + RoPE, o = inverse RoPE only,

@@ -17,9 +17,9 @@ from .request import Request, Status
 from .runner import ModelRunner, StepLogits
 from .sampler import (Sampler, SamplingBatch, SamplingRow, compute_prompt_logprobs, count_pending,
                       make_generator)
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
-from .stop import StopChecker
+from ..text.stop import StopChecker
 from .upload import upload_tree
 
 log = logging.getLogger("dsv4.engine")
@@ -281,5 +281,5 @@ class LLMEngine:
 def _load_tokenizer(model_dir: str | None):
     if not model_dir or not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
         return None
-    from ..serve.tokenizer import Tokenizer
+    from ..text.tokenizer import Tokenizer
     return Tokenizer.from_dir(model_dir)

@@ -10,7 +10,7 @@ from tqdm import tqdm
 from ..config import EngineConfig
 from .engine import LLMEngine
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 def default_model_dir() -> str:

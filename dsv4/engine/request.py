@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling_params import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

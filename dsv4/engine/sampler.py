@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4.engine.sampling_params import SamplingParams
+from dsv4.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
 

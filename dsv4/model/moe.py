@@ -8,7 +8,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..ops.moe import moe_experts, route_hash, route_topk
 from .layers import Linear, param
-from .quant import kept_scale_shape
+from ..ops.quant import kept_scale_shape
 
 
 def _scale_param(rows: int, cols: int, *lead: int) -> torch.nn.Parameter:

@@ -97,3 +97,9 @@ def transformers_name(name: str) -> str:
     if m:
         return f"model.{m.group(1)}.mlp.experts." + ("down_proj" if m.group(2) == "w2" else "gate_up_proj")
     return ds_to_hf(name)
+
+
+def fp8_scale_name(name: str) -> str:
+    """The model's name for the scales of kept quantised (FP8 or MXFP4) canonical weight `name`:
+    `X.scale` for `X.weight` (shared expert), `experts.w1_scale` for the stacked `experts.w1`."""
+    return name[:-len(".weight")] + ".scale" if name.endswith(".weight") else name + "_scale"

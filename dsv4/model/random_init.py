@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from ..config import ModelConfig
 from .names import DS_EXPERT, ds_to_hf
-from .quant import quant_fp4, quant_fp8
+from ..ops.quant import quant_fp4, quant_fp8
 
 FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4]
 

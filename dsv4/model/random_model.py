@@ -13,9 +13,9 @@ import torch
 
 from ..config import ModelConfig
 from .deepseek_v4 import DeepseekV4
-from .quant import quant_fp8_stacked, quant_mxfp4_stacked, unpacked_shape
+from ..ops.quant import quant_fp8_stacked, quant_mxfp4_stacked, unpacked_shape
 from .random_init import _random_tensor, preset_config
-from .weights import fp8_scale_name
+from .names import fp8_scale_name
 
 PREFIX = "random:"
 

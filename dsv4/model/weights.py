@@ -22,8 +22,9 @@ from collections.abc import Callable, Iterator
 import torch
 from safetensors import safe_open
 
-from .names import DS_EXPERT, HF_DOWN, HF_GATE_UP, hf_to_ds, is_transformers_name, transformers_name
-from .quant import dequant_fp4, dequant_fp8, e8m0_to_float
+from .names import (DS_EXPERT, HF_DOWN, HF_GATE_UP, fp8_scale_name, hf_to_ds, is_transformers_name,
+                    transformers_name)
+from ..ops.quant import dequant_fp4, dequant_fp8, e8m0_to_float
 
 log = logging.getLogger("dsv4.model")
 QUANT_SCALE = re.compile(r"^(.*)\.(scale|weight_scale_inv)$")
@@ -57,12 +58,6 @@ def checkpoint_keys(path: str) -> list[str]:
         with safe_open(file, "pt") as f:
             keys.extend(f.keys())
     return keys
-
-
-def fp8_scale_name(name: str) -> str:
-    """The model's name for the scales of kept quantised (FP8 or MXFP4) canonical weight `name`:
-    `X.scale` for `X.weight` (shared expert), `experts.w1_scale` for the stacked `experts.w1`."""
-    return name[:-len(".weight")] + ".scale" if name.endswith(".weight") else name + "_scale"
 
 
 def iter_checkpoint(path: str, block: tuple[int, int] = (128, 128),

@@ -12,7 +12,7 @@ load-time dequantisation stores); the Triton kernels dequantise tiles in-kernel.
 import torch
 import torch.nn.functional as F
 
-from ..model.quant import dequant_kept
+from .quant import dequant_kept
 from .backend import use_triton
 
 # decode sizes: up to this many (token, expert) pairs T*k run the Triton GEMV kernels, which

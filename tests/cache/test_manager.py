@@ -9,7 +9,7 @@ import pytest
 from dsv4.cache.layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout, CachePlan
 from dsv4.cache.manager import CacheManager
 from dsv4.engine.request import Request
-from dsv4.engine.sampling_params import SamplingParams
+from dsv4.sampling_params import SamplingParams
 from dsv4.model.random_init import preset_config
 
 

@@ -29,7 +29,7 @@ import torch
 from dsv4.config import EngineConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request, Status
-from dsv4.engine.sampling_params import SamplingParams
+from dsv4.sampling_params import SamplingParams
 from dsv4.engine.scheduler import ScheduledChunk
 
 INDEX_HEADS = 16

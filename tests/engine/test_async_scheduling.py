@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4.engine.sampling_params import SamplingParams
+from dsv4.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

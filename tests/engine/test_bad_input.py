@@ -8,7 +8,7 @@ import pytest
 
 from dsv4.config import ConfigError, EngineConfig
 from dsv4.engine.engine import LLMEngine
-from dsv4.engine.sampling_params import SamplingParams
+from dsv4.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -7,7 +7,7 @@ import torch
 from dsv4.config import EngineConfig
 from dsv4.engine.cuda_graphs import DecodeGraphs, batch_bucket, width_bucket
 from dsv4.engine.engine import LLMEngine
-from dsv4.engine.sampling_params import SamplingParams
+from dsv4.sampling_params import SamplingParams
 from dsv4.model.random_init import preset_config, random_state, save_checkpoint
 
 

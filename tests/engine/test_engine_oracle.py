@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from dsv4.config import CSA_RATIO, HCA_RATIO
-from dsv4.engine.sampling_params import SamplingParams
+from dsv4.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

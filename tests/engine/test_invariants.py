@@ -15,7 +15,7 @@ import torch
 
 from dsv4.config import CSA_RATIO, HCA_RATIO
 from dsv4.engine.request import Status
-from dsv4.engine.sampling_params import SamplingParams
+from dsv4.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -6,7 +6,7 @@ import torch
 
 from dsv4.engine.sampler import (Sampler, SamplingBatch, SamplingRow, apply_min_p,
                                  apply_top_k_top_p, compute_prompt_logprobs, make_generator)
-from dsv4.engine.sampling_params import SamplingParams
+from dsv4.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 EOS = 0

@@ -1,6 +1,6 @@
 import pytest
 
-from dsv4.engine.sampling_params import SamplingParams
+from dsv4.sampling_params import SamplingParams
 
 VOCAB = 100
 

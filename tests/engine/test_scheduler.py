@@ -8,7 +8,7 @@ from __future__ import annotations
 from dsv4.cache.layout import CacheLayout, CachePlan
 from dsv4.cache.manager import CacheManager
 from dsv4.engine.request import Request, Status
-from dsv4.engine.sampling_params import SamplingParams
+from dsv4.sampling_params import SamplingParams
 from dsv4.engine.scheduler import Scheduler
 from dsv4.model.random_init import preset_config
 

@@ -1,5 +1,5 @@
-from dsv4.engine.sampling_params import SamplingParams
-from dsv4.engine.stop import StopChecker, StopResult
+from dsv4.sampling_params import SamplingParams
+from dsv4.text.stop import StopChecker, StopResult
 
 EOS = 1
 

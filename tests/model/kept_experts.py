@@ -5,7 +5,7 @@ import torch
 from dsv4.config import EngineConfig
 from dsv4.engine.llm import LLM
 from dsv4.engine.oneshot import full_logits
-from dsv4.engine.sampling_params import SamplingParams
+from dsv4.sampling_params import SamplingParams
 from dsv4.model.random_init import preset_config, random_state, save_checkpoint
 
 

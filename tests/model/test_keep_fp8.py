@@ -7,7 +7,7 @@ import torch
 from kept_experts import assert_same_greedy_tokens, assert_same_logits, released_checkpoint
 
 from dsv4.engine.oneshot import full_logits
-from dsv4.model.quant import dequant_fp8
+from dsv4.ops.quant import dequant_fp8
 from dsv4.model.weights import fp8_experts, load_model
 
 I = 160   # moe_intermediate_size: two scale blocks, the second partial

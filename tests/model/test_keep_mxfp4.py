@@ -12,7 +12,7 @@ from kept_experts import assert_same_greedy_tokens, assert_same_logits, released
 from safetensors.torch import load_file, save_file
 
 from dsv4.engine.oneshot import full_logits
-from dsv4.model.quant import dequant_fp4
+from dsv4.ops.quant import dequant_fp4
 from dsv4.model.weights import CheckpointError, fp8_experts, load_model, mxfp4_experts
 
 I = 96   # moe_intermediate_size: 3 scale groups of 32 (partial kernel tiles of 64)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dsv4.model.quant import dequant_fp4, dequant_fp8, quant_fp4, quant_fp8
+from dsv4.ops.quant import dequant_fp4, dequant_fp8, quant_fp4, quant_fp8
 from dsv4.model.weights import load_model
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

@@ -2,7 +2,7 @@
 tests (imported by file name: this folder is on sys.path while its tests run)."""
 import torch
 
-from dsv4.model.quant import dequant_kept
+from dsv4.ops.quant import dequant_kept
 
 
 def random_experts(T: int, k: int, E: int, h: int, i: int, limit: float, seed: int = 0,

@@ -6,7 +6,7 @@ import torch
 from dsv4.config import EngineConfig
 from dsv4.engine.cuda_graphs import DecodeGraphs
 from dsv4.engine.engine import LLMEngine
-from dsv4.engine.sampling_params import SamplingParams
+from dsv4.sampling_params import SamplingParams
 from dsv4.model.weights import load_model
 from dsv4.ops import compress, norm, rope
 from dsv4.ops.triton import compress as tri_compress

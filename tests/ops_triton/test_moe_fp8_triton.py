@@ -12,7 +12,7 @@ import torch
 from expert_inputs import (assert_matches, assert_quantised_dispatch, assert_same_as_dequantised, dequantised,
                            random_experts)
 
-from dsv4.model.quant import e8m0_to_float, quant_fp8
+from dsv4.ops.quant import e8m0_to_float, quant_fp8
 from dsv4.ops import moe as moe_ops
 from dsv4.ops.triton import moe as triton_moe
 from dsv4.ops.triton import moe_grouped

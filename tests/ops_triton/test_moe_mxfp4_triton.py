@@ -4,7 +4,7 @@ low nibble first) with an E8M0 exponent byte per 32 inputs, dequantised tile by 
 kernels. Against the same kernels on the dequantised weights (equal in the interpreter: e2m1 *
 2^k is exact in bf16, so the dequantised tile is exactly what the load-time dequantisation
 stores; compiled, within tolerance: see assert_same_as_dequantised) and against
-the reference (`routed_experts_loop` with scales, which dequantises with dsv4.model.quant's
+the reference (`routed_experts_loop` with scales, which dequantises with dsv4.ops.quant's
 `dequant_fp4`, the definition of the format). Uniformly random bytes: every nibble code, both
 signs (and -0). H, I multiples of 32 but not of the tiles (partial tiles, partial scale runs)."""
 import math

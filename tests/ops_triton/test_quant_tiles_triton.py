@@ -1,4 +1,4 @@
-"""dsv4/ops/triton/quant_tiles.py's MXFP4 tile decoding against dsv4.model.quant.dequant_fp4 (the
+"""dsv4/ops/triton/quant_tiles.py's MXFP4 tile decoding against dsv4.ops.quant.dequant_fp4 (the
 format's definition), bit for bit: every byte (both nibbles: all 16 e2m1 codes, -0 included)
 under E8M0 bytes at the edges of the exponent range (0: subnormal scale, 1/2: subnormal
 results, 126..128 around 1, 253/254: fp32 overflow, 255: NaN in E8M0, inf here as in
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4.model.quant import dequant_fp4
+from dsv4.ops.quant import dequant_fp4
 from dsv4.ops.triton.quant_tiles import _mxfp4_rows, _mxfp4_tile
 
 EXPONENTS = (0, 1, 2, 3, 64, 125, 126, 127, 128, 129, 130, 200, 252, 253, 254, 255)   # one per row

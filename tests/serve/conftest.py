@@ -1,6 +1,6 @@
 import pytest
 
-from dsv4.serve.tokenizer import TEST_TOKENIZER_DIR, Tokenizer
+from dsv4.text.tokenizer import TEST_TOKENIZER_DIR, Tokenizer
 
 
 @pytest.fixture(scope="session")

@@ -24,9 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dsv4.serve.dsml import BLOCK_CLOSE, BLOCK_OPEN, INVOKE_CLOSE, INVOKE_OPEN, PARAM_CLOSE, PARAM_OPEN
-from dsv4.serve.engine_core import _drain
-from dsv4.serve.ipc import (AbortRequests, AddRequest, EngineStats, Ready, RequestFailed, Shutdown,
+from dsv4.serve.chat_format.dsml import BLOCK_CLOSE, BLOCK_OPEN, INVOKE_CLOSE, INVOKE_OPEN, PARAM_CLOSE, PARAM_OPEN
+from dsv4.engine.core import _drain
+from dsv4.engine.ipc import (AbortRequests, AddRequest, EngineStats, Ready, RequestFailed, Shutdown,
                             StepOutputs, TokenOutput, encode, engine_sockets, parent_alive)
 
 API_KEY = "test-key"
@@ -77,7 +77,7 @@ class _Script:
 def fake_engine_core(model_dir, config, addresses, parent_pid) -> None:
     import zmq
 
-    from dsv4.serve.tokenizer import Tokenizer
+    from dsv4.text.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(model_dir)
     ctx = zmq.Context()
     inbox, outbox = engine_sockets(ctx, addresses)
@@ -123,7 +123,7 @@ class ThreadServer:
     """An APIServer running in a thread of this process."""
 
     def __init__(self, model_dir: str, engine_target, api_key: str | None = None):
-        from dsv4.serve.server import APIServer, ServeSettings
+        from dsv4.serve.http.server import APIServer, ServeSettings
         settings = ServeSettings(model_dir=model_dir, model_names=list(MODEL_NAMES), port=0, api_key=api_key,
                                  log_level="warning")
         self.server = APIServer(settings, engine_target)
@@ -144,7 +144,7 @@ class ThreadServer:
 
 
 def start_fake_server() -> ThreadServer:
-    from dsv4.serve.tokenizer import TEST_TOKENIZER_DIR
+    from dsv4.text.tokenizer import TEST_TOKENIZER_DIR
     return ThreadServer(str(TEST_TOKENIZER_DIR), fake_engine_core)
 
 

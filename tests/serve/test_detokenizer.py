@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from dsv4.serve.detokenizer import IncrementalDetokenizer
+from dsv4.text.detokenizer import IncrementalDetokenizer
 
 SAMPLES = [
     "plain ascii text with spaces",

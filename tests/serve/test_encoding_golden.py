@@ -13,7 +13,7 @@ render_tools (TOOLS_TEMPLATE), response_format_template.
 
 import pytest
 
-from dsv4.serve.encoding import encode_messages
+from dsv4.serve.chat_format.encoding import encode_messages
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from dsv4.serve.encoding import encode_messages
+from dsv4.serve.chat_format.encoding import encode_messages
 
 BOS, EOS, U, A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from dsv4.serve.parsers import Delta, OutputParser, ParsedMessage, parse_completion
+from dsv4.serve.chat_format.parsers import Delta, OutputParser, ParsedMessage, parse_completion
 
 EOS = "<｜end▁of▁sentence｜>"
 BLOCK = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from dsv4.serve.release import REASONING_EFFORTS, RELEASES, detect_release, effort_prefix, normalize_effort
+from dsv4.serve.chat_format.release import REASONING_EFFORTS, RELEASES, detect_release, effort_prefix, normalize_effort
 
 # Module-level names of the two reference encoders, as the checkpoints ship them in
 # encoding/encoding_dsv4.py (only these assignments matter to the detection).

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from dsv4.serve.encoding import encode_messages
-from dsv4.serve.parsers import OutputParser, parse_completion
+from dsv4.serve.chat_format.encoding import encode_messages
+from dsv4.serve.chat_format.parsers import OutputParser, parse_completion
 
 _PIECES = (list("abcdefgh xyz XYZ 0123 .,;:!?-_=+*/\\'\"(){}[]<>&%$#@") + ["\n", "\n\n", "\t"]
            + list("éüßñ中文字日本語한국") + ["🎉", "🚀", "👍🏽", "—"])

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from dsv4.cli import build_parser, main
-from dsv4.serve.tokenizer import TEST_TOKENIZER_DIR
+from dsv4.text.tokenizer import TEST_TOKENIZER_DIR
 
 pytest_plugins = ["serve.server_fixtures"]
 
@@ -53,7 +53,7 @@ def test_engine_that_cannot_start_fails_with_its_reason(tmp_path):
 def test_engine_client_reports_an_engine_that_dies_or_hangs_at_start_up():
     from serve.server_fixtures import exiting_engine_core, silent_engine_core
 
-    from dsv4.serve.engine_client import EngineClient, EngineStartError
+    from dsv4.serve.client import EngineClient, EngineStartError
     with pytest.raises(EngineStartError, match="exited with code 2 while loading 'm'"):
         EngineClient("m", None, exiting_engine_core).start()
     client = EngineClient("m", None, silent_engine_core)

@@ -9,9 +9,9 @@ import torch
 import zmq
 
 from dsv4.config import EngineConfig
-from dsv4.engine.sampling_params import SamplingParams
-from dsv4.serve import ipc
-from dsv4.serve.engine_core import EngineCore, _startup_message, ready_message, serve_loop
+from dsv4.sampling_params import SamplingParams
+from dsv4.engine import ipc
+from dsv4.engine.core import EngineCore, _startup_message, ready_message, serve_loop
 
 pytest_plugins = ["serve.server_fixtures"]
 

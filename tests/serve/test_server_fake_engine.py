@@ -190,11 +190,11 @@ def test_an_undecodable_engine_message_is_treated_as_engine_death(fake_server_fa
 def test_health_and_generation_answer_503_while_the_engine_is_down():
     from types import SimpleNamespace
 
-    from dsv4.serve.api import build_app
-    from dsv4.serve.ipc import Ready
-    from dsv4.serve.metrics import ServerMetrics
-    from dsv4.serve.state import ServerState
-    from dsv4.serve.tokenizer import TEST_TOKENIZER_DIR, Tokenizer
+    from dsv4.serve.http.api import build_app
+    from dsv4.engine.ipc import Ready
+    from dsv4.serve.http.metrics import ServerMetrics
+    from dsv4.serve.http.state import ServerState
+    from dsv4.text.tokenizer import TEST_TOKENIZER_DIR, Tokenizer
 
     info = Ready(max_model_len=64, vocab_size=1024, eos_token_id=1, num_pages=4, max_num_seqs=4,
                  max_request_tokens=64, memory_report="")

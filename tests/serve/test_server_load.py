@@ -22,7 +22,7 @@ def prompt(i: int) -> list[int]:
 def reference(demo_dir) -> list[str]:
     """Greedy texts of the load prompts, from the offline engine."""
     from dsv4.engine.llm import LLM
-    from dsv4.engine.sampling_params import SamplingParams
+    from dsv4.sampling_params import SamplingParams
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -5,9 +5,9 @@ import openai
 import pytest
 import torch
 
-from dsv4.serve.encoding import encode_messages
-from dsv4.serve.release import detect_release
-from dsv4.serve.tokenizer import Tokenizer
+from dsv4.serve.chat_format.encoding import encode_messages
+from dsv4.serve.chat_format.release import detect_release
+from dsv4.text.tokenizer import Tokenizer
 
 pytest_plugins = ["serve.server_fixtures"]
 
@@ -148,7 +148,7 @@ def test_streamed_n_choices_each_finish(client):
 
 def test_greedy_output_equals_llm_generate(client, demo_dir):
     from dsv4.engine.llm import LLM
-    from dsv4.engine.sampling_params import SamplingParams
+    from dsv4.sampling_params import SamplingParams
     prompts = [[11, 12, 13, 14, 15], [300, 301, 302]]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

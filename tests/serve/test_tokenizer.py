@@ -4,9 +4,9 @@ import pytest
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers import Regex, models, pre_tokenizers
 
-from dsv4.serve.tokenizer import (SPECIAL_TOKENS, TEST_TOKENIZER_DIR, Tokenizer,
+from dsv4.text.tokenizer import (SPECIAL_TOKENS, TEST_TOKENIZER_DIR, Tokenizer,
                                   train_test_tokenizer)
-from dsv4.serve.tokens import ASSISTANT, BOS, DSML, EOS, THINK_END, THINK_START, USER
+from dsv4.text.tokens import ASSISTANT, BOS, DSML, EOS, THINK_END, THINK_START, USER
 
 
 def test_special_tokens_fixed_order():

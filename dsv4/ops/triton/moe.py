@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...model.quant import kept_scale_shape, unpacked_shape, weight_format
+from ..quant import kept_scale_shape, unpacked_shape, weight_format
 from .quant_tiles import FP4_GROUP, MXFP4_BLOCK, QBLOCK, _block_scale, _dequant_tile, _mxfp4_rows
 
 # tile defaults: the best of benchmarks/kernels/moe.py's tuning scan on the H200 at V4-Flash
@@ -280,7 +280,7 @@ def expert_shapes(x: torch.Tensor, ids: torch.Tensor, w1: torch.Tensor, w2: torc
 
 
 def scale_shape(w: torch.Tensor) -> tuple[int, ...]:
-    """Shape of the scales of kept quantised w (dsv4.model.quant.kept_scale_shape)."""
+    """Shape of the scales of kept quantised w (dsv4.ops.quant.kept_scale_shape)."""
     return kept_scale_shape(tuple(w.shape), weight_format(w))
 
 

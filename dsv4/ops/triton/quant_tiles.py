@@ -10,7 +10,7 @@ in fp32 and rounds to the activation dtype.
 MXFP4 (W4A16): e2m1 values (sign, 2 exponent bits, 1 mantissa bit: magnitudes
 {0, .5, 1, 1.5, 2, 3, 4, 6}) packed two per uint8 along the input (last) dim, low nibble = even
 input, and one E8M0 byte b per FP4_GROUP = 32 inputs (scale 2^(b - 127); b = 255, NaN in E8M0,
-reads as inf as dsv4.model.quant.e8m0_to_float does). A matrix [R, C] is stored as bytes
+reads as inf as dsv4.ops.quant.e8m0_to_float does). A matrix [R, C] is stored as bytes
 [R, C/2] and scale bytes [R, C/32]. Tiles along the packed dim are multiples of MXFP4_BLOCK.
 
 Exactness invariants (what the tests check bit for bit in Triton's interpreter):

@@ -1,0 +1,65 @@
+"""`dsv4 serve`: the OpenAI-compatible server (API process + engine-core process)."""
+from __future__ import annotations
+
+import os
+import sys
+
+from .engine_args import add_engine_args, engine_config
+
+DEMO_NAME = "dsv4-demo"
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                              description="Serve a checkpoint over an OpenAI-compatible HTTP API.")
+    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) clients use (default: the --model argument, or dsv4-demo)")
+    p.add_argument("--api-key", default=os.environ.get("DSV4_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $DSV4_API_KEY)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..assets import demo_model_dir
+    from ..serve.client import EngineStartError
+    from ..serve.http.server import APIServer, ServeSettings
+
+    config = engine_config(args)
+    model_dir = args.model or demo_model_dir()
+    _check_model_dir(model_dir)
+    names = args.served_model_name or [args.model or DEMO_NAME]
+    settings = ServeSettings(model_dir=model_dir, model_names=names, engine=config, host=args.host,
+                             port=args.port, api_key=args.api_key, log_level=args.log_level)
+    try:
+        server = APIServer(settings)
+    except OSError as e:
+        return _fail(f"--host/--port: cannot listen on {args.host}:{args.port}: {e.strerror or e}")
+    print(f"dsv4 serve: loading {model_dir} ...", flush=True)
+    try:
+        info = server.start_engine()
+    except EngineStartError as e:
+        return _fail(f"the engine could not start: {e}")
+
+    def ready() -> None:
+        print(f"dsv4 serve: ready at {server.url} (model {', '.join(names)}, max_model_len "
+              f"{info.max_model_len})", flush=True)
+
+    return server.serve(on_ready=ready)
+
+
+def _check_model_dir(model_dir: str) -> None:
+    if not os.path.isdir(model_dir):
+        raise SystemExit(f"dsv4 serve: --model {model_dir}: no such directory")
+    if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        raise SystemExit(f"dsv4 serve: --model {model_dir}: no tokenizer.json (the server needs the "
+                         f"checkpoint's tokenizer)")
+
+
+def _fail(message: str) -> int:
+    print(f"dsv4 serve: {message}", file=sys.stderr, flush=True)
+    return 1

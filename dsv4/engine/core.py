@@ -1,0 +1,200 @@
+"""The engine-core process: owns the model and the scheduler, runs the step loop.
+
+`run_engine_core` is the process entry (multiprocessing spawn). It loads the engine, sends
+`Ready` (or `StartupFailed` with the reason, then exits 1), and loops: take every waiting
+input without blocking when there is work (blocking, with a timeout, when idle), run one
+`step()`, send what it produced as one `StepOutputs`. It exits on `Shutdown` or as soon as
+the API process (its parent) is gone.
+
+`EngineCore` is the loop's logic without sockets, so it can be tested in-process. Failure
+rules: a request rejected by `add_request` fails alone with 400; an exception inside
+`step()` is narrowed down by running each request of the failed batch (and the next one to
+admit) alone for one step (their state is unchanged by a step that raised before the
+bookkeeping, and a request simply advances by a solo step that succeeds); the ones that
+still fail are aborted and reported with 500, the others go on.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from collections import deque
+
+from .ipc import (AbortRequests, AddRequest, Addresses, EngineStats, Ready, RequestFailed, Shutdown,
+                  StartupFailed, StepOutputs, TokenOutput, decode_input, encode, engine_sockets,
+                  parent_alive)
+
+log = logging.getLogger("dsv4.engine_core")
+IDLE_POLL_MS = 200   # how often an idle engine checks that its parent is still there
+
+
+class EngineCore:
+    def __init__(self, engine):
+        self.engine = engine
+        self._sent: dict[str, int] = {}   # request id -> tokens already forwarded
+        self._failures: list[RequestFailed] = []
+        self._steps = 0
+        self._generated = 0
+
+    # ---- inputs ------------------------------------------------------------------------
+    def handle(self, message: AddRequest | AbortRequests) -> None:
+        if isinstance(message, AddRequest):
+            self._add(message)
+        else:
+            for rid in message.request_ids:
+                self.engine.abort(rid)
+                self._sent.pop(rid, None)
+
+    def _add(self, message: AddRequest) -> None:
+        try:
+            self.engine.add_request(message.request_id, message.prompt_token_ids, message.params)
+        except ValueError as e:
+            self._failures.append(RequestFailed(message.request_id, 400, str(e)))
+            return
+        except Exception as e:  # noqa: BLE001 - whatever it was, it fails this request only
+            log.exception("add_request %s failed", message.request_id)
+            self._failures.append(RequestFailed(message.request_id, 500, f"{type(e).__name__}: {e}"))
+            return
+        self._sent[message.request_id] = 0
+
+    # ---- the step ----------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def step(self) -> list[TokenOutput]:
+        self._steps += 1
+        try:
+            outs = self.engine.step()
+        except Exception:  # noqa: BLE001
+            log.exception("engine step failed; running its requests one by one")
+            outs = self._isolate()
+        return [self._forward(o) for o in outs if o.request_id in self._sent]
+
+    def _isolate(self) -> list:
+        """Run each request the failed step may have touched (the running ones and the next
+        to admit) alone for one step; abort those that fail on their own."""
+        sched = self.engine.scheduler
+        suspects = list(sched.running) + list(sched.waiting)[:1]
+        outs, culprits = [], []
+        for req in suspects:
+            try:
+                outs += self._solo_step(req)
+            except Exception as e:  # noqa: BLE001
+                log.exception("request %s fails on its own", req.request_id)
+                culprits.append((req.request_id, f"{type(e).__name__}: {e}"))
+        for rid, message in culprits:
+            self.engine.abort(rid)
+            self._sent.pop(rid, None)
+            self._failures.append(RequestFailed(rid, 500, f"engine step failed: {message}"))
+        return outs
+
+    def _solo_step(self, req) -> list:
+        """One engine step with `req` as the only request the scheduler can see."""
+        sched = self.engine.scheduler
+        running, waiting = sched.running, sched.waiting
+        was_waiting = req in waiting
+        sched.running, sched.waiting = ([], deque([req])) if was_waiting else ([req], deque())
+        try:
+            return self.engine.step()
+        finally:
+            solo_running, solo_waiting = sched.running, sched.waiting
+            sched.running, sched.waiting = running, waiting
+            (waiting if was_waiting else running).remove(req)
+            if req in solo_running:
+                running.append(req)
+            elif req in solo_waiting:
+                waiting.appendleft(req)      # not admitted, or preempted
+
+    def _forward(self, out) -> TokenOutput:
+        """Everything of `out` not forwarded before (a step that raised may have appended
+        tokens whose output was lost)."""
+        sent = self._sent[out.request_id]
+        new = TokenOutput(out.request_id, list(out.token_ids[sent:]))
+        self._generated += len(new.token_ids)
+        if out.logprobs is not None:
+            new.logprobs = [list(entry.items()) for entry in out.logprobs[sent:]]
+        if sent == 0 and out.prompt_logprobs is not None:
+            new.prompt_logprobs = [None if e is None else list(e.items()) for e in out.prompt_logprobs]
+        if out.finished:
+            new.finished, new.finish_reason, new.stop_reason = True, out.finish_reason, out.stop_reason
+            if isinstance(out.stop_reason, str):
+                new.final_text = out.text
+            self._sent.pop(out.request_id)
+        else:
+            self._sent[out.request_id] = len(out.token_ids)
+        return new
+
+    # ---- reporting ---------------------------------------------------------------------
+    def take_failures(self) -> list[RequestFailed]:
+        failures, self._failures = self._failures, []
+        return failures
+
+    def stats(self) -> EngineStats:
+        sched, usage = self.engine.scheduler, self.engine.cache.usage()
+        return EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
+                           pages_used=usage["pages_used"], pages_free=self.engine.cache.pages.num_free,
+                           swa_pages_used=usage["swa_pages_used"], slots_used=usage["slots_used"],
+                           steps=self._steps, generated_tokens=self._generated)
+
+
+def ready_message(engine) -> Ready:
+    plan = engine.plan
+    return Ready(max_model_len=engine.max_model_len, vocab_size=engine.cfg.vocab_size,
+                 eos_token_id=engine.eos_token_id, num_pages=plan.num_pages, max_num_seqs=plan.max_num_seqs,
+                 max_request_tokens=min(engine.max_model_len, plan.num_pages * 256),
+                 memory_report=engine.memory_report())
+
+
+# ---- the process ---------------------------------------------------------------------------
+def run_engine_core(model_dir: str, config, addresses: Addresses, parent_pid: int) -> None:
+    """Process entry: load, report, loop. Exit code 1 when the engine could not start."""
+    import zmq
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the API process's to handle
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    ctx = zmq.Context()
+    inbox, outbox = engine_sockets(ctx, addresses)
+    try:
+        engine = _load_engine(model_dir, config)
+    except BaseException as e:  # noqa: BLE001 - report anything, including MemoryError
+        outbox.send(encode(StartupFailed(_startup_message(model_dir, e))))
+        outbox.close(linger=2000)
+        sys.exit(1)
+    outbox.send(encode(ready_message(engine)))
+    try:
+        serve_loop(EngineCore(engine), inbox, outbox, parent_pid)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _load_engine(model_dir: str, config):
+    from .engine import LLMEngine
+    return LLMEngine(model_dir, config)
+
+
+def _startup_message(model_dir: str, error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}"
+    if isinstance(error, MemoryError) or "out of memory" in str(error).lower():
+        text += " (lower --cache-memory-gb / --num-pages / --max-model-len, or use a larger device)"
+    return f"cannot load model {model_dir!r}: {text}"
+
+
+def serve_loop(core: EngineCore, inbox, outbox, parent_pid: int) -> None:
+    while parent_alive(parent_pid):
+        messages = _drain(inbox, wait_ms=0 if core.has_work else IDLE_POLL_MS)
+        if any(isinstance(m, Shutdown) for m in messages):
+            return
+        for m in messages:
+            core.handle(m)
+        outputs = core.step() if core.has_work else []
+        failures = core.take_failures()
+        if messages or outputs or failures:
+            outbox.send(encode(StepOutputs(outputs, failures, core.stats())))
+
+
+def _drain(inbox, wait_ms: int) -> list:
+    messages = []
+    while inbox.poll(wait_ms):
+        messages.append(decode_input(inbox.recv()))
+        wait_ms = 0
+    return messages

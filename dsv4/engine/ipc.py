@@ -1,0 +1,150 @@
+"""The wire between the API process and the engine-core process (DESIGN §1).
+
+Two ZeroMQ PUSH/PULL pipes on ipc:// paths in a private temp dir, both bound by the API
+process: requests flow in on `input`, results flow out on `output`. Every frame is one
+msgpack-encoded msgspec message of a tagged union below, so no JSON and no tensor ever
+crosses: token ids, logprobs and finish reasons come back, sampling parameters go in.
+
+Engine -> API: first exactly one `Ready` or `StartupFailed`, then `StepOutputs` (one per
+engine step that produced something, or after a batch of inputs; each carries fresh
+`EngineStats`). API -> engine: `AddRequest`, `AbortRequests`, `Shutdown`.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import msgspec
+import zmq
+
+from ..sampling_params import SamplingParams
+
+# A logprob entry of one position: (token id, logprob) pairs, the chosen token first.
+LogprobEntry = list[tuple[int, float]]
+
+
+# ---- API -> engine -----------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class AbortRequests(msgspec.Struct, tag=True):
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+EngineInput = AddRequest | AbortRequests | Shutdown
+
+
+# ---- engine -> API -----------------------------------------------------------------------
+class Ready(msgspec.Struct, tag=True):
+    max_model_len: int
+    vocab_size: int
+    eos_token_id: int | None
+    num_pages: int              # 256-token history pages (all free at start)
+    max_num_seqs: int
+    max_request_tokens: int     # prompt + output tokens that fit the cache even alone
+    memory_report: str
+
+
+class StartupFailed(msgspec.Struct, tag=True):
+    message: str
+
+
+class TokenOutput(msgspec.Struct):
+    """What one request got in one step: tokens never sent before, in order."""
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[LogprobEntry] | None = None          # one entry per token, when asked
+    prompt_logprobs: list[LogprobEntry | None] | None = None  # with a request's first output
+    finished: bool = False
+    finish_reason: str | None = None                    # "stop" | "length"
+    stop_reason: int | str | None = None
+    final_text: str | None = None                       # the output cut at a stop string
+
+
+class RequestFailed(msgspec.Struct):
+    request_id: str
+    status: int                 # 400: rejected on admission; 500: failed inside a step
+    message: str
+
+
+class EngineStats(msgspec.Struct):
+    num_running: int = 0
+    num_waiting: int = 0
+    pages_used: int = 0
+    pages_free: int = 0
+    swa_pages_used: int = 0
+    slots_used: int = 0
+    steps: int = 0              # engine steps run so far
+    generated_tokens: int = 0   # tokens sampled so far (forwarded or not)
+
+
+class StepOutputs(msgspec.Struct, tag=True):
+    outputs: list[TokenOutput]
+    failures: list[RequestFailed]
+    stats: EngineStats
+
+
+EngineOutput = Ready | StartupFailed | StepOutputs
+
+_encoder = msgspec.msgpack.Encoder()
+_input_decoder = msgspec.msgpack.Decoder(EngineInput)
+_output_decoder = msgspec.msgpack.Decoder(EngineOutput)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_input(frame: bytes) -> AddRequest | AbortRequests | Shutdown:
+    return _input_decoder.decode(frame)
+
+
+def decode_output(frame: bytes) -> Ready | StartupFailed | StepOutputs:
+    return _output_decoder.decode(frame)
+
+
+# ---- sockets -----------------------------------------------------------------------------
+class Addresses(msgspec.Struct):
+    input: str
+    output: str
+    folder: str
+
+    @classmethod
+    def new(cls) -> "Addresses":
+        folder = tempfile.mkdtemp(prefix="dsv4-ipc-")
+        return cls(f"ipc://{folder}/input", f"ipc://{folder}/output", folder)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)   # never drop or block on a burst of messages
+    sock.setsockopt(zmq.RCVHWM, 0)
+    (sock.bind if bind else sock.connect)(address)
+    return sock
+
+
+def api_sockets(ctx: zmq.Context, addr: Addresses) -> tuple[zmq.Socket, zmq.Socket]:
+    """(input PUSH, output PULL), bound: the API process owns the paths."""
+    return _socket(ctx, zmq.PUSH, addr.input, True), _socket(ctx, zmq.PULL, addr.output, True)
+
+
+def engine_sockets(ctx: zmq.Context, addr: Addresses) -> tuple[zmq.Socket, zmq.Socket]:
+    """(input PULL, output PUSH), connected."""
+    return _socket(ctx, zmq.PULL, addr.input, False), _socket(ctx, zmq.PUSH, addr.output, False)
+
+
+def parent_alive(parent_pid: int) -> bool:
+    """False once the process that started us is gone (we were re-parented)."""
+    return os.getppid() == parent_pid

@@ -1,0 +1,255 @@
+"""OpenAI request bodies: pydantic models (strict types, unknown fields ignored) and the
+checks pydantic cannot express. Everything here runs in the API process before the engine
+sees anything, and raises `APIError` (400) naming the offending field.
+
+Sampling fields keep OpenAI's names; `sampling_params` maps them onto the engine's
+`SamplingParams` and validates the values with its own rules (vLLM extensions included:
+top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
+include_stop_str_in_output, skip_special_tokens).
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ...sampling_params import SamplingParams
+from .errors import APIError, bad_request, from_value_error, validation_error
+
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+IMAGE_PARTS = ("image_url", "input_image", "image")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """`"field": null` is the same as leaving the field out (OpenAI accepts both)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class SamplingFields(_Model):
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+# ---- chat ------------------------------------------------------------------------------
+class FunctionCall(_Model):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(_Model):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Model):
+    role: Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(_Model):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+
+    @property
+    def thinking(self) -> bool:
+        kwargs = self.chat_template_kwargs or {}
+        value = kwargs.get("thinking", kwargs.get("enable_thinking", False))
+        if not isinstance(value, bool):
+            raise bad_request("chat_template_kwargs.thinking: must be true or false", "chat_template_kwargs")
+        return value
+
+    def tool_choice_mode(self) -> str:
+        """"none", "auto", "required" or "named" (checked against the tools)."""
+        choice = self.tool_choice
+        if choice is None:
+            return "auto" if self.tools else "none"
+        if choice in ("none", "auto"):
+            return choice
+        if not self.tools:
+            raise bad_request("tool_choice: requires tools", "tool_choice")
+        if choice == "required":
+            return choice
+        if choice.function.name not in {t.function.name for t in self.tools}:
+            raise bad_request(f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice")
+        return "named"
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+
+# ---- parsing and checks --------------------------------------------------------------------
+def parse_body(raw: bytes, model: type[_Model]) -> Any:
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+def check_messages(req: ChatCompletionRequest, vision: bool = False) -> None:
+    for i, message in enumerate(req.messages):
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                _check_part(part, f"messages.{i}.content.{j}", vision)
+
+
+def _check_part(part: dict, where: str, vision: bool) -> None:
+    kind = part.get("type")
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{where}.text: must be a string", f"{where}.text")
+    elif kind in IMAGE_PARTS and not vision:
+        raise bad_request(f"{where}: image content is not supported: this server runs without "
+                          f"vision (text-only model)", where)
+    else:
+        raise bad_request(f"{where}: unsupported content part type {kind!r}", f"{where}.type")
+
+
+def check_tools(tools: list[Tool] | None) -> None:
+    for i, tool in enumerate(tools or []):
+        fn = tool.function
+        if not _FUNCTION_NAME.match(fn.name):
+            raise bad_request(f"tools.{i}.function.name: {fn.name!r} must be 1-64 letters, digits, "
+                              f"'_', '.' or '-'", f"tools.{i}.function.name")
+        if fn.parameters is not None and fn.parameters.get("type", "object") != "object":
+            raise bad_request(f"tools.{i}.function.parameters: must be a JSON schema of type "
+                              f"'object'", f"tools.{i}.function.parameters")
+    names = [t.function.name for t in tools or []]
+    if len(set(names)) != len(names):
+        raise bad_request("tools: function names must be unique", "tools")
+
+
+def check_response_format(fmt: ResponseFormat | None) -> dict | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_schema":
+        if not fmt.json_schema or not isinstance(fmt.json_schema.get("schema", {}), dict):
+            raise bad_request("response_format.json_schema: required with a 'schema' object",
+                              "response_format.json_schema")
+    return fmt.model_dump(exclude_none=True)
+
+
+def sampling_params(req: SamplingFields, vocab_size: int, max_tokens: int, **extra) -> SamplingParams:
+    """The engine's parameters for one choice (n=1); raises APIError(400) for bad values."""
+    defaults = SamplingParams()
+    values = {name: getattr(req, name) for name in (
+        "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+        "repetition_penalty")}
+    params = SamplingParams(
+        n=req.n, seed=req.seed, stop=req.stop, max_tokens=max_tokens, min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        **{k: (getattr(defaults, k) if v is None else v) for k, v in values.items()}, **extra)
+    try:
+        params.validate(vocab_size)
+    except ValueError as e:
+        raise from_value_error(e, rename={"logprobs": "top_logprobs" if isinstance(req, ChatCompletionRequest)
+                                          else "logprobs"}) from None
+    return params
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, max_request_tokens: int,
+                       default: int | None, prompt_param: str, param: str = "max_tokens") -> int:
+    """max_tokens for a prompt of `prompt_len` tokens: the request's, else `default` (None: up
+    to the context), never past the context or what the KV cache can hold for one request."""
+    limit = min(max_model_len, max_request_tokens)
+    if prompt_len >= limit:
+        raise bad_request(f"{prompt_param}: this model's maximum context length is {limit} tokens; "
+                          f"the prompt has {prompt_len} tokens (and needs room for at least one more)",
+                          prompt_param)
+    if requested is None:
+        return limit - prompt_len if default is None else min(default, limit - prompt_len)
+    if requested < 1:
+        raise bad_request(f"{param}: must be >= 1, got {requested}", param)
+    if prompt_len + requested > limit:
+        raise bad_request(f"{param}: this model's maximum context length is {limit} tokens; you "
+                          f"requested {prompt_len + requested} ({prompt_len} in the prompt, {requested} "
+                          f"for the completion)", param)
+    return requested
+
+
+def check_model(requested: str | None, served: list[str]) -> str:
+    if requested is None or requested in served:
+        return requested or served[0]
+    raise APIError(404, f"The model `{requested}` does not exist; this server serves {served}",
+                   "model", "model_not_found")

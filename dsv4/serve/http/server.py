@@ -1,0 +1,103 @@
+"""Starting and stopping the two processes of `dsv4 serve`.
+
+`APIServer` binds the listening socket first (a busy port fails before any model loads),
+then spawns the engine core and waits until it is ready, then runs uvicorn on that socket
+in the calling thread. When the engine core dies the server stops (exit code 1); when the
+server stops it shuts the engine core down (which also exits by itself if this process
+dies).
+"""
+from __future__ import annotations
+
+import socket
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import uvicorn
+
+from ...config import EngineConfig
+from .api import build_app
+from ..client import EngineClient
+from ...engine.core import run_engine_core
+from ...engine.ipc import Ready
+from .state import ServerState
+
+GRACEFUL_SHUTDOWN_S = 5
+
+
+@dataclass
+class ServeSettings:
+    model_dir: str
+    model_names: list[str]
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    log_level: str = "info"
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+class APIServer:
+    def __init__(self, settings: ServeSettings, engine_target: Callable = run_engine_core):
+        self.settings = settings
+        self.sock = listen_socket(settings.host, settings.port)
+        self.port = self.sock.getsockname()[1]
+        self.client = EngineClient(settings.model_dir, settings.engine, engine_target)
+        self.uvicorn: uvicorn.Server | None = None
+        self.engine_died = False
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.settings.host}]" if ":" in self.settings.host else self.settings.host
+        return f"http://{host}:{self.port}"
+
+    def start_engine(self, timeout: float | None = None) -> Ready:
+        """Spawn the engine core and wait for it; EngineStartError says why it could not start."""
+        try:
+            return self.client.start(timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def serve(self, on_ready: Callable[[], None] | None = None) -> int:
+        """Run until stopped (Ctrl-C, `stop()`) or the engine dies; 1 when it died."""
+        s = self.settings
+        try:
+            state = ServerState.create(self.client, s.model_dir, s.model_names, s.api_key)
+            self.client.on_death = self._engine_died
+            config = uvicorn.Config(build_app(state, on_ready), log_level=s.log_level,
+                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+            self.uvicorn = uvicorn.Server(config)
+            self.uvicorn.run(sockets=[self.sock])
+        except KeyboardInterrupt:
+            pass   # uvicorn re-raises Ctrl-C after its graceful shutdown
+        finally:
+            self.close()
+        return 1 if self.engine_died else 0
+
+    def stop(self) -> None:
+        if self.uvicorn is not None:
+            self.uvicorn.should_exit = True
+
+    def _engine_died(self) -> None:
+        self.engine_died = True
+        print(f"dsv4 serve: the engine core died (exit code {self.client.process.exitcode}); "
+              f"shutting down", file=sys.stderr, flush=True)
+        self.stop()
+
+    def close(self) -> None:
+        self.client.close()
+        self.sock.close()

@@ -1,0 +1,162 @@
+"""Plumbing shared by the generating endpoints: the engine outputs of one HTTP request as an
+async iterator (failures raised as `RequestError`), server-sent events, and cancelling a
+handler when its client disconnects (which aborts its engine requests)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from ..client import EngineDead, RequestGroup
+from .errors import APIError, error_body
+from ...engine.ipc import RequestFailed, TokenOutput
+from .metrics import RequestTracker
+
+DONE = "data: [DONE]\n\n"
+CLIENT_CLOSED = 499   # nginx's code for "client closed request"; the client never sees it
+
+
+class RequestError(APIError):
+    """The engine failed (or rejected) a request of the group."""
+
+
+async def first_output(group: RequestGroup, tracker: RequestTracker) -> None:
+    """Wait for the group's first engine item and keep it for `outputs`, so that a stream
+    can still answer with a plain HTTP error when the engine rejects the request."""
+    try:
+        group.peeked = await group.queue.get()
+        _check(group.peeked[1])
+    except RequestError:
+        _end(group, tracker, "error")
+        raise
+    except BaseException:
+        _end(group, tracker, "abort")
+        raise
+
+
+async def outputs(group: RequestGroup, tracker: RequestTracker) -> AsyncIterator[tuple[int, TokenOutput]]:
+    """(choice index, output) until every request of the group finished. The caller ends
+    the group (`guarded`) whatever happens."""
+    remaining = len(group.request_ids)
+    while remaining:
+        if group.peeked is not None:
+            (index, item), group.peeked = group.peeked, None
+        else:
+            index, item = await group.queue.get()
+        _check(item)
+        tracker.observe(index, item)
+        remaining -= item.finished
+        yield index, item
+
+
+@contextlib.contextmanager
+def guarded(group: RequestGroup, tracker: RequestTracker):
+    """On leaving: abort what still runs in the engine and count it ("error" when the
+    engine failed it, "abort" when the client went away or the handler was cancelled)."""
+    try:
+        yield
+    except RequestError:
+        _end(group, tracker, "error")
+        raise
+    finally:
+        _end(group, tracker, "abort")
+
+
+async def respond_whole(group: RequestGroup, tracker: RequestTracker, head: dict, choices: list, usage,
+                        extra: dict | None = None):
+    """Non-streaming answer: feed every output to its choice, then one JSON body."""
+    from fastapi.responses import JSONResponse
+    with guarded(group, tracker):
+        async for index, out in outputs(group, tracker):
+            choices[index].update(out)
+    body = {**head, **(extra or {}), "choices": [c.whole() for c in choices], "usage": usage.to_dict()}
+    return JSONResponse(body, headers={"X-Request-Id": head["id"]})
+
+
+def _end(group: RequestGroup, tracker: RequestTracker, reason: str) -> None:
+    group.abort()
+    tracker.close(reason)
+
+
+def _check(item) -> None:
+    if isinstance(item, RequestFailed):
+        raise RequestError(item.status, item.message)
+    if isinstance(item, EngineDead):
+        raise RequestError(500, "the engine core died; the server is shutting down")
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def sse_error(error: APIError) -> str:
+    return sse(error_body(error.status, error.message, error.param, error.code))
+
+
+async def until_disconnected(request: Request, work: Awaitable):
+    """Await `work` unless the client disconnects first; then cancel it (its `finally`
+    blocks abort the engine requests) and return a 499 response nobody will read."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return Response(status_code=CLIENT_CLOSED)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Usage:
+    """OpenAI usage of one response: prompt tokens once per prompt, all choices' tokens."""
+
+    def __init__(self, prompt_tokens: int, choices: list):
+        self.prompt_tokens, self.choices = prompt_tokens, choices
+
+    def to_dict(self) -> dict:
+        completion = sum(c.num_tokens for c in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+
+async def answer(request: Request, group: RequestGroup, tracker: RequestTracker, request_id: str,
+                 whole: Callable[[], Awaitable[Response]],
+                 stream: Callable[[], AsyncIterator[str]] | None) -> Response:
+    """The response of a generating endpoint: `whole()` when not streaming, else an SSE
+    stream once the engine accepted the request (an engine rejection stays an HTTP error)."""
+    if stream is None:
+        return await until_disconnected(request, whole())
+    gone = await until_disconnected(request, first_output(group, tracker))
+    if gone is not None:
+        return gone
+    return EngineStream(stream(), lambda: _end(group, tracker, "abort"), request_id)
+
+
+class EngineStream(StreamingResponse):
+    """An SSE response that ends its engine requests however it ends, even when the client
+    hangs up before the body generator ever ran (so its own `finally` never does)."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None], request_id: str):
+        super().__init__(body, media_type="text/event-stream", headers={"X-Request-Id": request_id})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
