@@ -1,7 +1,8 @@
 """Sparse shared-KV attention with per-head sinks (torch reference).
 
 Each query token t attends over key rows gathered from one or more sources: for a source
-(kv [N, D], idx [T, K]), `idx[t, k]` is a row of kv, -1 marks an unused slot. K and V are the
+(kv [N, D], idx [T, K]), `idx[t, k]` is a row of kv, -1 marks an unused slot. idx may also be a
+PagedRows (dsv4/ops/paged.py) of width K, which means its dense form. K and V are the
 same vector (V4's single shared head). exp(sink_h) joins the softmax denominator only.
 """
 from __future__ import annotations
@@ -9,13 +10,14 @@ from __future__ import annotations
 import torch
 
 from .backend import use_triton
+from .paged import PagedRows, dense_index
 
 QUERY_BLOCK = 1024  # queries per block; bounds the gathered [block, K, D] tensor
 
 
-def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """q [T, H, D]; sources [(kv [N, D], idx [T, K])]; sinks [H] -> out [T, H, D]."""
+def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor | PagedRows]],
+                     sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, H, D]; sources [(kv [N, D], idx [T, K] or PagedRows)]; sinks [H] -> out [T, H, D]."""
     if use_triton(q):
         from .triton import attention as triton_attention
         if triton_attention.supports(q, sources, sinks):
@@ -23,7 +25,7 @@ def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
     out = torch.empty_like(q)
     for start in range(0, q.shape[0], QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, q.shape[0])
-        keys, valid = _gather([(kv, idx[start:stop]) for kv, idx in sources])
+        keys, valid = _gather([(kv, dense_index(idx, start, stop)) for kv, idx in sources])
         out[start:stop] = _attend(q[start:stop], keys, valid, sinks, scale)
     return out
 

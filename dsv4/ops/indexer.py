@@ -1,19 +1,22 @@
 """Lightning indexer (torch reference): score compressed entries, keep the top k.
 
 score(t, e) = sum_h w[t, h] * ReLU(q[t, h] . k[e]) * Di^-0.5, over the candidate entries
-of token t (`cand[t, j]`: flat row of the indexer-key pool, -1 = not causal / absent).
+of token t (`cand[t, j]`: flat row of the indexer-key pool, -1 = not causal / absent). cand may
+also be a PagedRows (dsv4/ops/paged.py), which means its dense form.
 """
 import torch
 
 from .backend import use_triton
+from .paged import PagedRows, dense_index, index_width
 
 QUERY_BLOCK = 1024
 
 
-def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor,
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor | PagedRows,
                  topk: int, weight_scale: float = 1.0) -> torch.Tensor:
     """q [T, Hi, Di], weights [T, Hi] (w[t, h] = weights[t, h] * weight_scale, e.g. the
-    projection's output and index_heads^-0.5), keys [N, Di], cand [T, E].
+    projection's output and index_heads^-0.5), keys [N, Di], cand [T, E] or a PagedRows of
+    width E (rows long, as its dense form).
 
     Returns [T, min(topk, E)] flat rows of the chosen entries, -1 where fewer are valid.
     """
@@ -21,13 +24,14 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, can
         from .triton.indexer import indexer_topk as triton_indexer_topk
         return triton_indexer_topk(q, weights, keys, cand, topk, weight_scale)
     weights = weights.float() * weight_scale
-    k = min(topk, cand.shape[1])
-    out = torch.full((cand.shape[0], k), -1, dtype=cand.dtype, device=cand.device)
+    k = min(topk, index_width(cand))
+    dtype, device = (torch.long, cand.req.device) if isinstance(cand, PagedRows) else (cand.dtype, cand.device)
+    out = torch.full((q.shape[0], k), -1, dtype=dtype, device=device)
     if k == 0:
         return out
     for start in range(0, q.shape[0], QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, q.shape[0])
-        out[start:stop] = _select(q[start:stop], weights[start:stop], keys, cand[start:stop], k)
+        out[start:stop] = _select(q[start:stop], weights[start:stop], keys, dense_index(cand, start, stop), k)
     return out
 
 

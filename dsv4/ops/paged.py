@@ -53,6 +53,11 @@ class PagedRows:
         return self.rows_at(k, start, stop)
 
 
+def index_width(idx: torch.Tensor | PagedRows) -> int:
+    """Slots per token: a dense table's K, a PagedRows' width."""
+    return idx.width if isinstance(idx, PagedRows) else int(idx.shape[1])
+
+
 def dense_index(idx: torch.Tensor | PagedRows, start: int = 0, stop: int | None = None) -> torch.Tensor:
     """Rows [start, stop) of a dense index table, or of a PagedRows' dense form."""
     if isinstance(idx, PagedRows):
