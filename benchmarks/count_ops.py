@@ -1,6 +1,6 @@
 """Count the kernels of one padded batch-1 decode step (what the CUDA graph replays), on the CPU.
 
-Every aten op dispatched inside DecodeGraphs._forward (the second decode step; the first one
+Every aten op dispatched inside StepGraphs._forward (the second decode step; the first one
 warms up) is recorded (TorchDispatchMode) with the
 module that issued it; ops that launch no kernel on a GPU (views, empty) are not counted.
 
@@ -80,7 +80,7 @@ class Counter:
 def build_engine(spec: str, context: int):
     import torch
     from dsv4.config import EngineConfig
-    from dsv4.engine.cuda_graphs import DecodeGraphs
+    from dsv4.engine.cuda_graphs import StepGraphs
     from dsv4.engine.engine import LLMEngine
     from dsv4.model.random_model import build_random_model
     from dsv4.bench import offline as bo
@@ -88,7 +88,7 @@ def build_engine(spec: str, context: int):
     eng = LLMEngine(spec, EngineConfig(dtype="bfloat16", max_num_seqs=1, max_num_batched_tokens=256,
                                        max_model_len=context + 64, num_pages=context // 256 + 4),
                     model=model)
-    eng.runner.graphs = DecodeGraphs(model, eng.runner.pools, max_bs=1, capture=False)
+    eng.runner.graphs = StepGraphs(model, eng.runner.storage, max_bs=1, capture=False)
     bo._add_batch(eng, 1, context, 8, True, "c")
     return eng
 

@@ -1,4 +1,4 @@
-"""Page math for V4's cache (DESIGN §4).
+"""Page math for V4's cache (docs/architecture.md, "Cache").
 
 * compressed history: shareable 256-token pages. Per page and layer: 64 C4 slots + 64
   indexer-key slots (CSA layers) or 2 C128 slots (HCA layers). Entry e of ratio m sits on
@@ -49,6 +49,29 @@ class CacheLayout:
     @property
     def hca_ring(self) -> int:
         return HCA_SPAN + self.spec_slots
+
+    @property
+    def swa_pitch(self) -> int:
+        """Rows from one SWA page to the next (every layer's 128 slots)."""
+        return self.num_swa_layers * SWA_PAGE_TOKENS
+
+    @property
+    def c4_pitch(self) -> int:
+        """Rows from one history page to the next in the C4 and indexer-key storage."""
+        return len(self.csa_layers) * (PAGE_TOKENS // CSA_RATIO)
+
+    @property
+    def c128_pitch(self) -> int:
+        return len(self.hca_layers) * (PAGE_TOKENS // HCA_RATIO)
+
+    @property
+    def csa_ring_pitch(self) -> int:
+        """Rows from one request slot to the next in the CSA compressor and indexer rings."""
+        return len(self.csa_layers) * self.csa_ring
+
+    @property
+    def hca_ring_pitch(self) -> int:
+        return len(self.hca_layers) * self.hca_ring
 
     @property
     def swa_keep(self) -> int:

@@ -1,11 +1,12 @@
-"""Decode steps replayed as CUDA graphs (DESIGN §5).
+"""Uniform steps replayed as CUDA graphs (docs/architecture.md, "Engine").
 
-A decode-only step (every sequence adds one token and samples) is padded to fixed shapes —
-batch B from BATCH_BUCKETS, causal-entry widths E4/E128 rounded up by `width_bucket` — and
-run through a graph captured once per shape. The step's index tensors are copied into the
-graph's static buffers before each replay, so changed page tables, SWA slots and ring rows
-are picked up every step. Padding rows point at the pools' scratch page / SWA page / ring
-slot (written, never read) and have no keys (all −1): their outputs are discarded.
+A uniform step — every sequence adds the same number q of tokens and wants all their logits:
+q = 1 for decode, k + 1 to verify k drafts — is padded to fixed shapes (batch B from
+BATCH_BUCKETS, causal-entry widths E4/E128 rounded up by `width_bucket`) and run through a
+graph captured once per shape. The step's index tensors are copied into the graph's static
+buffers before each replay, so changed page tables, slots and ring rows are picked up every
+step. Padding rows read nothing and write to the storage's scratch units (cache/addressing.py);
+their outputs are discarded.
 
 With `capture=False` the same padded step runs eagerly: that is how the padding is tested on
 machines without CUDA.
@@ -16,9 +17,9 @@ from collections import OrderedDict
 
 import torch
 
+from ..cache.addressing import Scratch, SeqChunk, StepShape, build_step, step_widths
+from ..cache.layout import SWA_PAGE_TOKENS
 from ..model.forward_batch import ForwardBatch
-from .batch import SeqChunk
-from .decode_batch import Scratch, build_decode_batch, decode_widths
 from .upload import HostToDevice, replace_leaves, tensor_leaves
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -39,53 +40,60 @@ def width_bucket(n: int) -> int:
     return -(-n // 512) * 512
 
 
-class DecodeGraphs:
-    def __init__(self, model, pools, max_bs: int, capture: bool, h2d: HostToDevice | None = None):
-        self.model, self.pools, self.max_bs, self.capture = model, pools, max_bs, capture
-        self.layout = pools.layout
+class StepGraphs:
+    def __init__(self, model, storage, max_bs: int, capture: bool, h2d: HostToDevice | None = None):
+        self.model, self.storage, self.max_bs, self.capture = model, storage, max_bs, capture
+        self.layout = storage.layout
         self.h2d = h2d if h2d is not None else HostToDevice(next(model.parameters()).device)
-        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()   # key -> graph, in replay order
-        self.scratch = Scratch(pools.scratch_page, pools.scratch_swa_page, pools.scratch_slot)
+        self.graphs: OrderedDict[StepShape, tuple] = OrderedDict()   # in replay order
+        self.scratch = Scratch(storage.scratch_page, storage.scratch_swa_page, storage.scratch_slot)
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
 
-    def accepts(self, seq_chunks) -> bool:
-        return (0 < len(seq_chunks) <= self.max_bs and batch_bucket(len(seq_chunks), self.max_bs) is not None
-                and all(len(s.token_ids) == 1 and s.logits == "last" for s in seq_chunks))
+    def accepts(self, seqs: list[SeqChunk]) -> bool:
+        q = len(seqs[0].token_ids) if seqs else 0
+        return (0 < len(seqs) <= self.max_bs and batch_bucket(len(seqs), self.max_bs) is not None
+                and all(len(s.token_ids) == q and s.logits == q for s in seqs))
+
+    def shape(self, seqs: list[SeqChunk]) -> StepShape:
+        W, q = self.layout.cfg.sliding_window, len(seqs[0].token_ids)
+        e4, e128, _ = step_widths(seqs, W)
+        # the SWA pages q tokens and their windows can span, at any alignment: one shape for all
+        return StepShape(seqs=batch_bucket(len(seqs), self.max_bs), tokens=q, e4=width_bucket(e4),
+                         e128=width_bucket(e128), swa_pages=(W + q - 2) // SWA_PAGE_TOKENS + 2)
 
     @torch.inference_mode()
     def run(self, seqs: list[SeqChunk], fill=None) -> torch.Tensor:
-        """seqs: the step's decode chunks -> fp32 logits [R, vocab] of its R rows.
+        """seqs: the step's uniform chunks -> fp32 logits [R * q, vocab] of its real rows.
         `fill` (runner.PendingFill): token rows whose ids are still on the device. The graph
-        ends at the head's input [B, hidden]; the head GEMV runs after it (so a graph holds no
-        [B, vocab] buffer)."""
-        real = len(seqs)
-        e4, e128 = decode_widths(seqs)
-        key = (batch_bucket(real, self.max_bs), width_bucket(e4), width_bucket(e128))
-        padded = build_decode_batch(seqs, self.layout, self.pools.ring_slots, key, self.scratch)
+        ends at the head's input [B * q, hidden]; the head GEMM runs after it (so a graph holds
+        no [B * q, vocab] buffer)."""
+        real = len(seqs) * len(seqs[0].token_ids)
+        shape = self.shape(seqs)
+        padded = build_step(seqs, self.layout, self.storage.ring_slots, shape, self.scratch)
         leaves = [t for _, t in tensor_leaves(padded)]
         if not self.capture:
             static = _rebind(padded, self.h2d.allocate(leaves)[1])
             if fill is not None:
                 fill.apply(static.token_ids, self.h2d)
             return self.model.head_logits(self._forward(static)[:real])
-        graph, flat, static, out = self._graph(key, padded, leaves)
+        graph, flat, static, out = self._graph(shape, padded, leaves)
         self.h2d.upload_into(flat, leaves)             # page tables, slots, rows of this step
         if fill is not None:
             fill.apply(static.token_ids, self.h2d)
         graph.replay()
         return self.model.head_logits(out[:real])
 
-    def _graph(self, key: tuple, padded: ForwardBatch, leaves: list[torch.Tensor]) -> tuple:
-        if key in self.graphs:
-            self.graphs.move_to_end(key)
+    def _graph(self, shape: StepShape, padded: ForwardBatch, leaves: list[torch.Tensor]) -> tuple:
+        if shape in self.graphs:
+            self.graphs.move_to_end(shape)
         else:
             if len(self.graphs) >= MAX_GRAPHS:
                 self.graphs.popitem(last=False)
-            self.graphs[key] = self._capture(padded, leaves)
-        return self.graphs[key]
+            self.graphs[shape] = self._capture(padded, leaves)
+        return self.graphs[shape]
 
     def _forward(self, fb: ForwardBatch) -> torch.Tensor:
-        return self.model.head_input(self.model(fb, self.pools)[fb.logits_rows])
+        return self.model.head_input(self.model(fb, self.storage.layers)[fb.logits_rows])
 
     def _capture(self, padded: ForwardBatch, leaves: list[torch.Tensor]):
         """The graph reads its batch from views of one flat buffer, refilled before each replay."""

@@ -8,8 +8,9 @@ import os
 
 import torch
 
-from ..cache.layout import CacheLayout, CachePlan, dtype_bytes
+from ..cache.layout import CacheLayout
 from ..cache.manager import CacheManager
+from ..cache.sizing import memory_report, plan_cache
 from ..config import ConfigError, EngineConfig
 from .outputs import RequestOutput
 from .inflight import HostCopy, PromptLogprobRows, StepInFlight
@@ -37,11 +38,11 @@ class LLMEngine:
         self.cfg = self.model.cfg
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_dir)
         self.layout = CacheLayout(self.cfg, spec_slots=config.spec_slots)
-        self.plan = self._plan()
+        self.plan = plan_cache(self.layout, config, DTYPES[config.dtype])
         self.max_model_len = self._max_model_len()
         self.cache = CacheManager(self.layout, self.plan)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.layout, self.plan, config.device,
+        self.runner = ModelRunner(self.model, self.layout, self.plan, self.cache, config.device,
                                   0 if config.enforce_eager else config.cuda_graph_max_bs)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
@@ -56,20 +57,6 @@ class LLMEngine:
         log.info(self.memory_report())
 
     # ---- set-up ---------------------------------------------------------------------
-    def _plan(self) -> CachePlan:
-        c, elem = self.config, dtype_bytes(DTYPES[self.config.dtype])
-        if c.num_pages is not None:
-            swa = self.layout.swa_pages_needed(c.max_num_seqs, c.max_num_batched_tokens)
-            return CachePlan(num_pages=c.num_pages, num_swa_pages=swa, max_num_seqs=c.max_num_seqs)
-        if c.cache_memory_gb is not None:
-            budget = int(c.cache_memory_gb * 2**30)
-        elif str(c.device).startswith("cuda"):
-            free, _ = torch.cuda.mem_get_info(torch.device(c.device))
-            budget = int(free * 0.9)
-        else:
-            budget = 2**30
-        return self.layout.plan(budget, elem, c.max_num_seqs, c.max_num_batched_tokens)
-
     def _max_model_len(self) -> int:
         want = self.config.max_model_len
         limit = min(self.cfg.max_position_embeddings, self.plan.max_tokens)
@@ -79,16 +66,7 @@ class LLMEngine:
         return want if want is not None else limit
 
     def memory_report(self) -> str:
-        elem = dtype_bytes(DTYPES[self.config.dtype])
-        p, lay = self.plan, self.layout
-        total = (p.num_pages * lay.page_bytes(elem) + p.num_swa_pages * lay.swa_page_bytes(elem)
-                 + p.max_num_seqs * lay.ring_bytes(elem))
-        per_request = -(-self.max_model_len // 256)
-        fit = min(p.num_pages // max(per_request, 1), p.max_num_seqs)   # pages and state slots both bound it
-        return (f"KV cache: {p.num_pages} history pages x 256 tokens = {p.max_tokens} tokens, "
-                f"{p.num_swa_pages} sliding-window pages, {p.max_num_seqs} request slots, "
-                f"{total / 2**20:.1f} MiB; {fit} request(s) of "
-                f"max_model_len {self.max_model_len} fit at once")
+        return memory_report(self.layout, self.plan, DTYPES[self.config.dtype], self.max_model_len)
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:

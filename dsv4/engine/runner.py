@@ -1,29 +1,32 @@
-"""ModelRunner: one forward over a mixed batch of prefill chunks and decode tokens."""
+"""ModelRunner: one forward over a mixed batch of prefill chunks, decode tokens and verify
+tokens (docs/architecture.md, "Engine")."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
+from ..cache.addressing import SeqChunk, build_step
 from ..cache.layout import CacheLayout, CachePlan
-from ..cache.pools import KVPools
-from .batch import SeqChunk, build_forward_batch
-from .cuda_graphs import DecodeGraphs
+from ..cache.manager import CacheManager
+from ..cache.storage import KVStorage
+from .cuda_graphs import StepGraphs
 from .scheduler import ScheduledChunk
-from .upload import HostToDevice
+from .upload import HostToDevice, upload_tree
 
 
 @dataclass
 class StepLogits:
     logits: torch.Tensor            # [L, vocab] fp32 for the rows asked for
     first_row: list[int]            # per chunk: its first row in `logits` (-1: none)
-    num_rows: list[int]             # per chunk: rows it has (0, 1 = last token, n = all)
+    num_rows: list[int]             # per chunk: rows it has (its last num_rows tokens)
 
 
 @dataclass
 class PendingFill:
     """Tokens still on the device: token row dst[i] of this step takes prev[src[i]], the
-    token the step in flight sampled (DESIGN §5, async scheduling)."""
+    token the step in flight sampled (async scheduling, docs/architecture.md "Engine")."""
     dst: torch.Tensor               # [P] long, CPU
     src: torch.Tensor               # [P] long, CPU
     prev: torch.Tensor              # [N] long on the device: the step in flight's sampled tokens
@@ -34,13 +37,15 @@ class PendingFill:
 
 
 class ModelRunner:
-    def __init__(self, model, layout: CacheLayout, plan: CachePlan, device, cuda_graph_max_bs: int = 0):
-        """cuda_graph_max_bs > 0 on a CUDA device: decode steps up to that batch replay CUDA graphs."""
-        self.model, self.layout, self.plan, self.device = model, layout, plan, device
-        self.pools = KVPools(layout, plan, model.dtype, device)
+    def __init__(self, model, layout: CacheLayout, plan: CachePlan, cache: CacheManager, device,
+                 cuda_graph_max_bs: int = 0):
+        """cuda_graph_max_bs > 0 on a CUDA device: uniform steps (every request the same number
+        of tokens, all with logits) up to that batch replay CUDA graphs."""
+        self.model, self.layout, self.cache, self.device = model, layout, cache, device
+        self.storage = KVStorage(layout, plan, model.dtype, device)
         self.h2d = HostToDevice(device)
         use_graphs = cuda_graph_max_bs > 0 and torch.device(device).type == "cuda"
-        self.graphs = DecodeGraphs(model, self.pools, cuda_graph_max_bs, capture=True, h2d=self.h2d) \
+        self.graphs = StepGraphs(model, self.storage, cuda_graph_max_bs, capture=True, h2d=self.h2d) \
             if use_graphs else None
 
     @torch.inference_mode()
@@ -49,35 +54,33 @@ class ModelRunner:
         token is still pending (Request.num_pending)."""
         seqs = [self._seq_chunk(c) for c in chunks]
         fill = _pending_fill(chunks, seqs, prev_tokens)
+        counts = [s.logits for s in seqs]
+        first = [row if n else -1 for row, n in zip(accumulate([0] + counts), counts)]
         if self.graphs is not None and self.graphs.accepts(seqs):
-            return StepLogits(self.graphs.run(seqs, fill), list(range(len(seqs))), [1] * len(seqs))
-        fb = build_forward_batch(seqs, self.layout, self.pools.ring_slots, self.device, self.h2d)
+            return StepLogits(self.graphs.run(seqs, fill), first, counts)
+        fb = upload_tree(build_step(seqs, self.layout, self.storage.ring_slots), self.h2d)
         if fill is not None:
             fill.apply(fb.token_ids, self.h2d)
-        hidden = self.model(fb, self.pools)
-        logits = self.model.logits(hidden[fb.logits_rows])
-        first, counts, row = [], [], 0
-        for s in seqs:
-            n = {"all": len(s.token_ids), "last": 1, "none": 0}[s.logits]
-            first.append(row if n else -1)
-            counts.append(n)
-            row += n
-        return StepLogits(logits, first, counts)
+        hidden = self.model(fb, self.storage.layers)
+        return StepLogits(self.model.logits(hidden[fb.logits_rows]), first, counts)
 
-    @staticmethod
-    def _seq_chunk(c: ScheduledChunk) -> SeqChunk:
-        req = c.request
+    def _seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
+        req, held = c.request, self.cache.seq(c.request)
         start = req.num_computed
-        in_prompt = start < len(req.prompt_token_ids)
-        mode = "all" if req.wants_prompt_logprobs and in_prompt else ("last" if c.completes else "none")
+        if req.wants_prompt_logprobs and start < len(req.prompt_token_ids):
+            logits = c.num_tokens
+        else:
+            logits = min(max(c.num_logits or 0, 1 if c.completes else 0), c.num_tokens)
         known = req.known_tokens(start, c.num_tokens)
         missing = c.num_tokens - len(known)              # the pending token, still on the device
-        return SeqChunk(slot=req.slot, start=start, token_ids=known + [0] * missing,
-                        page_table=req.pages, swa_table=req.swa_pages, logits=mode)
+        return SeqChunk(slot=held.slot, start=start, token_ids=known + [0] * missing,
+                        page_table=held.pages, swa_table=held.swa_pages, logits=logits)
 
 
 def _pending_fill(chunks: list[ScheduledChunk], seqs: list[SeqChunk],
                   prev_tokens: torch.Tensor | None) -> PendingFill | None:
+    """Rows whose token the step in flight sampled: position `known` (the first unknown one)
+    of each request whose chunk reaches past its known tokens."""
     dst, src, row = [], [], 0
     for c, s in zip(chunks, seqs):
         req = c.request
@@ -87,7 +90,7 @@ def _pending_fill(chunks: list[ScheduledChunk], seqs: list[SeqChunk],
             if req.num_pending != 1 or last != known + 1 or prev_tokens is None:
                 raise RuntimeError(f"request {req.request_id}: tokens up to {last} scheduled, "
                                    f"{known} known and {req.num_pending} pending")
-            dst.append(row + len(s.token_ids) - 1)
+            dst.append(row + known - s.start)
             src.append(req.pending_row)
         row += len(s.token_ids)
     if not dst:

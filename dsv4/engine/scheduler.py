@@ -1,4 +1,4 @@
-"""Continuous batching with chunked prefill (DESIGN §5).
+"""Continuous batching with chunked prefill (docs/architecture.md, "Engine").
 
 Each step: running requests first (decodes, then unfinished prefills, oldest first), then
 waiting ones in arrival order, under `max_num_batched_tokens` and `max_num_seqs`. A
@@ -17,8 +17,12 @@ from .request import Request, Status
 
 @dataclass
 class ScheduledChunk:
+    """Tokens [num_computed, num_computed + num_tokens) of a request in this step: a prefill
+    chunk, one decode token, or k + 1 tokens to verify (`num_logits` = k + 1: the last rows
+    whose logits the step returns; by default the last row when the chunk completes)."""
     request: Request
-    num_tokens: int      # tokens [num_computed, num_computed + num_tokens) this step
+    num_tokens: int
+    num_logits: int | None = None
 
     @property
     def completes(self) -> bool:

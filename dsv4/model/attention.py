@@ -11,6 +11,7 @@ from ..ops.attention import sparse_attention
 from ..ops.rope import apply_rope, norm_rope, rope_cos_sin
 from .compressor import Indexer, make_compressor
 from .forward_batch import CompressPlan, ForwardBatch
+from .kv import LayerKV
 from .layers import Linear, RMSNorm, fused_linear, param
 
 
@@ -31,21 +32,19 @@ class Attention(nn.Module):
         self.compressor = make_compressor(cfg, ratio, dtype)
         self.indexer = Indexer(cfg, dtype) if ratio == CSA_RATIO else None
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, pools, rope: "RopeTables") -> torch.Tensor:
-        """x [T, hidden] (normed block input) -> [T, hidden]."""
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, kv: LayerKV, rope: "RopeTables") -> torch.Tensor:
+        """x [T, hidden] (normed block input) -> [T, hidden]; reads and writes this layer's cache views."""
         cos, sin = rope.for_ratio(self.ratio)
-        q_a, kv, *rest = fused_linear(x, self._input_linears())        # column slices of one GEMM
+        q_a, kv_proj, *rest = fused_linear(x, self._input_linears())   # column slices of one GEMM
         q_res = self.q_norm(q_a)
         q = norm_rope(self.wq_b(q_res).unflatten(-1, (self.heads, self.head_dim)), None, self.eps, cos, sin)
-        swa = pools.swa[self.layer]
-        norm_rope(kv, self.kv_norm.weight, self.kv_norm.eps, cos, sin, out=swa, rows=fb.swa_write)
-        sources = [(swa, fb.swa_idx)]
+        norm_rope(kv_proj, self.kv_norm.weight, self.kv_norm.eps, cos, sin, out=kv.swa, rows=fb.swa_write)
+        sources = [(kv.swa, fb.swa)]
         if self.ratio == CSA_RATIO:
-            sources.append((pools.c4[self.layer], self._select(rest, q_res, fb, pools, rope, cos, sin)))
+            sources.append((kv.c4, self._select(rest, q_res, fb, kv, rope, cos, sin)))
         elif self.ratio == HCA_RATIO:
-            self.compressor(*rest, fb.hca, pools.ring_kv[self.layer], pools.ring_gate[self.layer],
-                            pools.c128[self.layer], rope.entries(fb.hca))
-            sources.append((pools.c128[self.layer], fb.c128_idx))
+            self.compressor(*rest, fb.hca, kv.ring_kv, kv.ring_gate, kv.c128, rope.entries(fb.hca))
+            sources.append((kv.c128, fb.c128))
         out = sparse_attention(q, sources, self.attn_sink, self.scale)
         out = apply_rope(out, cos, sin, inverse=True)
         return self.wo_b(self._grouped_wo_a(out))
@@ -59,13 +58,12 @@ class Attention(nn.Module):
             linears += [self.indexer.weights_proj, self.indexer.compressor.wkv, self.indexer.compressor.wgate]
         return linears
 
-    def _select(self, rest, q_res, fb, pools, rope, cos, sin):
-        l = self.layer
+    def _select(self, rest, q_res, fb: ForwardBatch, kv: LayerKV, rope, cos, sin):
         c_kv, c_gate, i_weights, i_kv, i_gate = rest
         entries = rope.entries(fb.csa)
-        self.compressor(c_kv, c_gate, fb.csa, pools.ring_kv[l], pools.ring_gate[l], pools.c4[l], entries)
-        self.indexer.compressor(i_kv, i_gate, fb.csa, pools.iring_kv[l], pools.iring_gate[l], pools.idx[l], entries)
-        return self.indexer.select(i_weights, q_res, fb.c4_cand, pools.idx[l], cos, sin)
+        self.compressor(c_kv, c_gate, fb.csa, kv.ring_kv, kv.ring_gate, kv.c4, entries)
+        self.indexer.compressor(i_kv, i_gate, fb.csa, kv.iring_kv, kv.iring_gate, kv.idx, entries)
+        return self.indexer.select(i_weights, q_res, fb.c4, kv.idx, cos, sin)
 
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
         """out [T, H, D] -> [T, G * o_lora]: each group of heads has its own projection."""

@@ -8,6 +8,7 @@ from ..config import CSA_RATIO, HCA_RATIO, ModelConfig
 from ..ops.compress import close_groups, ring_write
 from ..ops.indexer import indexer_topk
 from ..ops.rope import apply_rope
+from ..ops.paged import PagedRows
 from .forward_batch import CompressPlan
 from .layers import Linear, RMSNorm, param
 
@@ -51,10 +52,10 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, self.heads, dtype)
         self.compressor = Compressor(cfg, CSA_RATIO, self.dim, dtype)
 
-    def select(self, weights: torch.Tensor, q_res: torch.Tensor, cand: torch.Tensor, keys: torch.Tensor,
+    def select(self, weights: torch.Tensor, q_res: torch.Tensor, cand: PagedRows, keys: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """weights = weights_proj(x) [T, heads] -> [T, min(topk, E4)] slots of the chosen entries
-        (-1 where fewer are causal)."""
+        """weights = weights_proj(x) [T, heads], cand: the causal entries of each token (width E4)
+        -> [T, min(topk, E4)] rows of the chosen entries (-1 where fewer are causal)."""
         q = apply_rope(self.wq_b(q_res).unflatten(-1, (self.heads, self.dim)), cos, sin)
         return indexer_topk(q, weights, keys, cand, self.topk, self.heads ** -0.5)
 

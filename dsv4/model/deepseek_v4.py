@@ -1,4 +1,4 @@
-"""The DeepSeek-V4 model over a flat mixed batch (DESIGN §3).
+"""The DeepSeek-V4 model over a flat mixed batch (docs/architecture.md, "Model").
 
 Residual state: hc_mult streams per token, h [T, N, hidden]. Each block: mHC pre ->
 RMSNorm -> attention -> mHC post, then the same around the MoE. After the last block:
@@ -13,6 +13,7 @@ from ..config import ModelConfig
 from ..ops.mhc import hc_head, hc_post, hc_pre
 from .attention import Attention, RopeTables
 from .forward_batch import ForwardBatch
+from .kv import LayerKV
 from .layers import RMSNorm, param
 from .moe import MoE
 from .rope import compress_inv_freq, main_inv_freq
@@ -33,9 +34,9 @@ class Block(nn.Module):
             setattr(self, f"hc_{site}_base", param((2 + n) * n, dtype=torch.float32))
             setattr(self, f"hc_{site}_scale", param(3, dtype=torch.float32))
 
-    def forward(self, h: torch.Tensor, fb: ForwardBatch, pools, rope: RopeTables) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, fb: ForwardBatch, kv: LayerKV, rope: RopeTables) -> torch.Tensor:
         x, post, comb = self._pre(h, "attn")
-        h = hc_post(self.attn(self.attn_norm(x), fb, pools, rope), h, post, comb)
+        h = hc_post(self.attn(self.attn_norm(x), fb, kv, rope), h, post, comb)
         x, post, comb = self._pre(h, "ffn")
         return hc_post(self.ffn(self.ffn_norm(x), fb.token_ids), h, post, comb)
 
@@ -68,12 +69,13 @@ class DeepseekV4(nn.Module):
         self.register_buffer("compress_freq", compress_inv_freq(cfg), persistent=False)
         self.mtp = nn.ModuleList()  # filled by dsv4.model.mtp.attach_mtp when the checkpoint has it
 
-    def forward(self, fb: ForwardBatch, pools) -> torch.Tensor:
-        """One step over the batch -> final residual streams [T, N, hidden]."""
+    def forward(self, fb: ForwardBatch, kv: list[LayerKV]) -> torch.Tensor:
+        """One step over the batch -> final residual streams [T, N, hidden]. kv[l]: layer l's
+        cache views (KVStorage.layers)."""
         rope = RopeTables(fb, self.main_freq, self.compress_freq)
         h = self.embed(fb.token_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        for block in self.layers:
-            h = block(h, fb, pools, rope)
+        for i, block in enumerate(self.layers):
+            h = block(h, fb, kv[i], rope)
         return h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:

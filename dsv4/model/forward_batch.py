@@ -1,7 +1,7 @@
 """What one forward reads: flat tokens of a mixed batch plus precomputed cache addressing.
 
-Built once per step (dsv4/engine/batch.py) and shared by every layer of a kind. All index
-tensors hold flat row ids of the pools in dsv4/cache/pools.py; -1 marks "none".
+Built once per step (dsv4/cache/addressing.py) and shared by every layer of a kind. All ids
+are rows of the layer views of dsv4/model/kv.py (LayerKV); -1 marks "none".
 T = tokens in the step, W = sliding window, E4/E128 = most causal entries of any token.
 """
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..ops.paged import PagedRows
 
 
 @dataclass(frozen=True)
@@ -30,10 +32,10 @@ class CompressPlan:
 class ForwardBatch:
     token_ids: torch.Tensor   # [T] long
     positions: torch.Tensor   # [T] long
-    swa_write: torch.Tensor   # [T] long: SWA slot that receives each token's K=V
-    swa_idx: torch.Tensor     # [T, W] long: SWA slots of positions (p-W, p]
-    c4_cand: torch.Tensor     # [T, E4] long: C4 / indexer slots of entries e < (p+1)//4
-    c128_idx: torch.Tensor    # [T, E128] long: C128 slots of entries e < (p+1)//128
+    swa_write: torch.Tensor   # [T] long: SWA row that receives each token's K=V
+    swa: PagedRows            # width W: SWA rows of positions (p-W, p]
+    c4: PagedRows             # width E4: C4 / indexer-key rows of entries e < (p+1)//4
+    c128: PagedRows           # width E128: C128 rows of entries e < (p+1)//128
     csa: CompressPlan         # ratio-4 groups (CSA compressor and indexer share it)
     hca: CompressPlan         # ratio-128 groups
     logits_rows: torch.Tensor  # [L] long: token rows whose logits are wanted

@@ -1,7 +1,7 @@
 """The MTP block: a sliding-window block fed e_proj(enorm(embed(x_{t+1}))) + h_proj(hnorm(h_t))
 (h_t = the main model's final residual streams), with its own hc_head and norm, sharing the
-embedding and the head with the main model. Its SWA keys live in pool layer
-`num_hidden_layers + k` (layout.with_mtp)."""
+embedding and the head with the main model. Its SWA keys live in cache layer
+`num_hidden_layers + k` (CacheLayout.with_mtp)."""
 from __future__ import annotations
 
 import torch
@@ -11,6 +11,7 @@ from ..ops.mhc import hc_head
 from .attention import RopeTables
 from .deepseek_v4 import Block, DeepseekV4
 from .forward_batch import ForwardBatch
+from .kv import LayerKV
 from .layers import Linear, RMSNorm, param
 
 
@@ -26,11 +27,11 @@ class MTPBlock(Block):
         self.hc_head_base = param(n, dtype=torch.float32)
         self.hc_head_scale = param(1, dtype=torch.float32)
 
-    def draft(self, model: DeepseekV4, h_main: torch.Tensor, fb: ForwardBatch, pools) -> torch.Tensor:
+    def draft(self, model: DeepseekV4, h_main: torch.Tensor, fb: ForwardBatch, kv: list[LayerKV]) -> torch.Tensor:
         """h_main [T, N, H] streams at positions t; fb.token_ids = tokens at t+1 -> streams [T, N, H]."""
         e = self.enorm(model.embed(fb.token_ids))
         h = self.e_proj(e).unsqueeze(1) + self.h_proj(self.hnorm(h_main))
-        return self(h, fb, pools, RopeTables(fb, model.main_freq, model.compress_freq))
+        return self(h, fb, kv[self.attn.layer], RopeTables(fb, model.main_freq, model.compress_freq))
 
     def logits(self, model: DeepseekV4, h: torch.Tensor) -> torch.Tensor:
         c = self.cfg

@@ -23,28 +23,19 @@ def dsv4_logits(model_dir: str, ids: list[int]) -> tuple[torch.Tensor, torch.Ten
     from a prefill of ids[:-2], and MTP logits [n-2, V] from `MTPBlock.draft` at positions t
     fed x_{t+1} = ids[1:-1]. (The main model gets exactly the training model's input: a top-k
     over tied indexer scores may otherwise pick differently for another input length.)"""
-    from dsv4.cache.layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout, CachePlan
-    from dsv4.cache.pools import KVPools
-    from dsv4.engine.batch import SeqChunk, build_forward_batch
+    from dsv4.engine.oneshot import OneSequence
     from dsv4.model.weights import load_model
 
     model = load_model(model_dir)
-    layout = CacheLayout(model.cfg, with_mtp=True)
-    n = len(ids) - 2
-    pages, swa_pages = -(-n // PAGE_TOKENS), -(-n // SWA_PAGE_TOKENS)
-    pools = KVPools(layout, CachePlan(num_pages=pages, num_swa_pages=swa_pages, max_num_seqs=1), model.dtype, "cpu")
-
-    def batch(tokens):
-        chunk = SeqChunk(slot=0, start=0, token_ids=list(tokens), page_table=list(range(pages)),
-                         swa_table=list(range(swa_pages)), logits="all")
-        return build_forward_batch([chunk], layout, pools.ring_slots, "cpu")
+    one = OneSequence(model, len(ids) - 2, with_mtp=True)
+    batch, kv = one.batch, one.storage.layers
 
     fb = batch(ids[:-2])
-    h = model(fb, pools)
+    h = model(fb, kv)
     main = model.logits(h[fb.logits_rows])
     fb_mtp = batch(ids[1:-1])          # token x_{t+1} at position t
     mtp = model.mtp[0]
-    draft = mtp.draft(model, h, fb_mtp, pools)
+    draft = mtp.draft(model, h, fb_mtp, kv)
     return main, mtp.logits(model, draft[fb_mtp.logits_rows])
 
 

@@ -23,25 +23,26 @@ def request(n_tokens=1000, rid="r") -> Request:
 
 
 def state(cache: CacheManager, req: Request):
-    return (list(req.pages), list(req.swa_pages), req.slot, cache.pages.num_free, cache.swa.num_free,
+    held = cache.seq(req)
+    return (list(held.pages), list(held.swa_pages), held.slot, cache.pages.num_free, cache.swa.num_free,
             list(cache.free_slots))
 
 
 def assert_holds_what_a_step_needs(cache: CacheManager, req: Request, n: int) -> None:
     """After reserve(req, n): history pages for [0, c + n), SWA pages for [c - W - S, c + n)."""
     c, keep = req.num_computed, cache.layout.swa_keep
-    assert len(req.pages) == -(-(c + n) // PAGE_TOKENS)
+    assert len(cache.seq(req).pages) == -(-(c + n) // PAGE_TOKENS)
     for logical in range(max(0, c - keep) // SWA_PAGE_TOKENS, (c + n - 1) // SWA_PAGE_TOKENS + 1):
-        assert req.swa_pages[logical] >= 0, f"SWA page {logical} missing at c={c}, n={n}"
-    assert req.slot is not None
+        assert cache.seq(req).swa_pages[logical] >= 0, f"SWA page {logical} missing at c={c}, n={n}"
+    assert cache.seq(req).slot is not None
 
 
 def advance(cache: CacheManager, req: Request, n: int) -> None:
     req.num_computed += n
     cache.trim(req)
     keep_from = max(0, req.num_computed - cache.layout.swa_keep) // SWA_PAGE_TOKENS
-    assert all(p < 0 for p in req.swa_pages[:keep_from]), "trim kept a page wholly behind the window"
-    assert all(p >= 0 for p in req.swa_pages[keep_from:]), "trim freed a page the window still reads"
+    assert all(p < 0 for p in cache.seq(req).swa_pages[:keep_from]), "trim kept a page wholly behind the window"
+    assert all(p >= 0 for p in cache.seq(req).swa_pages[keep_from:]), "trim freed a page the window still reads"
 
 
 @pytest.mark.parametrize("spec_slots", [0, 3])
@@ -56,8 +57,8 @@ def test_reserve_and_trim_follow_the_window(spec_slots, window):
         assert cache.reserve(req, n)
         assert_holds_what_a_step_needs(cache, req, n)
         advance(cache, req, n)
-        assert cache.pages.num_used == len(req.pages)
-        assert cache.swa.num_used == sum(p >= 0 for p in req.swa_pages)
+        assert cache.pages.num_used == len(cache.seq(req).pages)
+        assert cache.swa.num_used == sum(p >= 0 for p in cache.seq(req).swa_pages)
     assert cache.swa.num_used <= -(-(window + spec_slots) // SWA_PAGE_TOKENS) + 1
     cache.release(req)
     assert (cache.pages.num_free, cache.swa.num_free, len(cache.free_slots)) == (8, 8, 4)
@@ -93,7 +94,7 @@ def test_release_frees_everything_once():
         advance(cache, r, 100 * (i + 1))
     for r in reqs:
         cache.release(r)
-        assert r.pages == [] and r.swa_pages == [] and r.slot is None
+        assert cache.seq(r).pages == [] and cache.seq(r).swa_pages == [] and cache.seq(r).slot is None
         cache.release(r)                                # a second release is a no-op
     assert (cache.pages.num_free, cache.swa.num_free, len(cache.free_slots)) == initial
 
@@ -102,11 +103,11 @@ def test_state_slots_are_limited_and_reused():
     cache = make(max_num_seqs=2)
     a, b, c = request(rid="a"), request(rid="b"), request(rid="c")
     assert cache.reserve(a, 5) and cache.reserve(b, 5)
-    assert a.slot != b.slot
-    assert not cache.reserve(c, 5) and c.slot is None and not c.pages
-    slot = a.slot
+    assert cache.seq(a).slot != cache.seq(b).slot
+    assert not cache.reserve(c, 5) and cache.seq(c).slot is None and not cache.seq(c).pages
+    slot = cache.seq(a).slot
     cache.release(a)
-    assert cache.reserve(c, 5) and c.slot == slot
+    assert cache.reserve(c, 5) and cache.seq(c).slot == slot
     assert cache.reserve(b, 5) and cache.usage()["slots_used"] == 2   # a holder keeps its slot
 
 

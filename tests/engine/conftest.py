@@ -91,7 +91,7 @@ def check_greedy_against_reference(tokens: list[int], ref_logits: torch.Tensor, 
 def assert_cache_accounting(engine: LLMEngine) -> None:
     """Every page and slot in use is held by exactly one live request (no leak, no double use)."""
     cache = engine.cache
-    live = list(engine.scheduler.running) + list(engine.scheduler.waiting)
+    live = [cache.seq(r) for r in list(engine.scheduler.running) + list(engine.scheduler.waiting)]
     held = [p for r in live for p in r.pages]
     swa = [p for r in live for p in r.swa_pages if p >= 0]
     slots = [r.slot for r in live if r.slot is not None]
@@ -99,7 +99,7 @@ def assert_cache_accounting(engine: LLMEngine) -> None:
     assert len(set(swa)) == len(swa) == cache.swa.num_used
     assert len(set(slots)) == len(slots) == cache.plan.max_num_seqs - len(cache.free_slots)
     for r in engine.scheduler.waiting:   # waiting (also after preemption) holds nothing
-        assert not r.pages and not any(p >= 0 for p in r.swa_pages) and r.slot is None, r.request_id
+        assert cache.seq(r).holds_nothing, r.request_id
 
 
 @contextmanager

@@ -3,7 +3,7 @@ unchanged; a buffer is reused after its turn comes round; a dataclass tree keeps
 import torch
 
 from dsv4.cache.layout import CacheLayout
-from dsv4.engine.batch import SeqChunk, build_forward_batch
+from dsv4.cache.addressing import SeqChunk, build_step
 from dsv4.engine.upload import HostToDevice, tensor_leaves, upload_tree
 from dsv4.model.random_init import preset_config
 
@@ -15,10 +15,10 @@ def _chunks():
 
 def test_packed_batch_equals_the_direct_one():
     layout = CacheLayout(preset_config("tiny"))
-    direct = build_forward_batch(_chunks(), layout, 2, "cpu")
+    direct = build_step(_chunks(), layout, 2)
     h2d = HostToDevice("cpu", num_buffers=2, pack=True)
     for _ in range(3):  # buffers come round again from the third step
-        packed = build_forward_batch(_chunks(), layout, 2, "cpu", h2d)
+        packed = upload_tree(build_step(_chunks(), layout, 2), h2d)
         a, b = tensor_leaves(direct), tensor_leaves(packed)
         assert [p for p, _ in a] == [p for p, _ in b]
         for (path, x), (_, y) in zip(a, b):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dsv4.config import EngineConfig
-from dsv4.engine.cuda_graphs import DecodeGraphs, batch_bucket, width_bucket
+from dsv4.engine.cuda_graphs import StepGraphs, batch_bucket, width_bucket
 from dsv4.engine.engine import LLMEngine
 from dsv4.sampling_params import SamplingParams
 from dsv4.model.random_init import preset_config, random_state, save_checkpoint
@@ -15,7 +15,7 @@ def _engine(path, padded: bool, async_scheduling: str = "off"):
     eng = LLMEngine(path, EngineConfig(max_num_batched_tokens=64, max_num_seqs=6, num_pages=24,
                                        async_scheduling=async_scheduling))
     if padded:
-        eng.runner.graphs = DecodeGraphs(eng.model, eng.runner.pools, max_bs=8, capture=False)
+        eng.runner.graphs = StepGraphs(eng.model, eng.runner.storage, max_bs=8, capture=False)
     return eng
 
 
@@ -67,7 +67,7 @@ def test_graphs_kept_are_bounded_least_recently_replayed_first(monkeypatch):
     """At most MAX_GRAPHS captured shapes are kept; a replayed shape is kept over older ones."""
     import dsv4.engine.cuda_graphs as cg
     monkeypatch.setattr(cg, "MAX_GRAPHS", 3)
-    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs = StepGraphs.__new__(StepGraphs)
     graphs.graphs = cg.OrderedDict()
     captured = []
     graphs._capture = lambda padded, leaves: captured.append(padded) or (padded,)

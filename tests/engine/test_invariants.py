@@ -178,12 +178,13 @@ def test_abort_frees_every_page(tiny, h):
     for _ in range(3):
         eng.step()
     assert reqs["decoding"].output_token_ids and 0 < reqs["prefilling"].num_computed < 290
-    assert reqs["decoding"].pages and reqs["prefilling"].pages and reqs["prefilling"].swa_pages
+    held = {rid: eng.cache.seq(r) for rid, r in reqs.items()}
+    assert held["decoding"].pages and held["prefilling"].pages and held["prefilling"].swa_pages
     for rid in ("decoding", "prefilling"):
         eng.abort(rid)
         r = reqs[rid]
         assert r.status is Status.ABORTED and r.finish_reason == "abort"
-        assert not r.pages and not r.swa_pages and r.slot is None
+        assert eng.cache.seq(r).holds_nothing
         h.assert_cache_accounting(eng)
     eng.abort("prefilling")        # twice, and unknown ids: no-ops
     eng.abort("no-such-request")

@@ -36,8 +36,8 @@ def step(sched: Scheduler) -> list[tuple[str, int]]:
     assert len({c.request.request_id for c in chunks}) == len(chunks)
     for c in chunks:
         req = c.request
-        assert req.status is Status.RUNNING and req.slot is not None
-        assert len(req.pages) * 256 >= req.num_computed + c.num_tokens, "history pages not reserved"
+        assert req.status is Status.RUNNING and sched.cache.seq(req).slot is not None
+        assert len(sched.cache.seq(req).pages) * 256 >= req.num_computed + c.num_tokens, "history pages not reserved"
     out = [(c.request.request_id, c.num_tokens) for c in chunks]
     for c in chunks:
         completes = c.completes
@@ -48,8 +48,8 @@ def step(sched: Scheduler) -> list[tuple[str, int]]:
     return out
 
 
-def holds_nothing(req: Request) -> bool:
-    return not req.pages and not any(p >= 0 for p in req.swa_pages) and req.slot is None
+def holds_nothing(sched: Scheduler, req: Request) -> bool:
+    return sched.cache.seq(req).holds_nothing
 
 
 def test_decodes_first_then_prefills_then_waiting_under_the_budget():
@@ -77,9 +77,9 @@ def test_max_num_seqs_limits_running_requests():
     sched = make(budget=64, max_seqs=2)
     a, _, c = add(sched, "a", 4), add(sched, "b", 4), add(sched, "c", 4)
     assert step(sched) == [("a", 4), ("b", 4)]
-    assert step(sched) == [("a", 1), ("b", 1)] and c.status is Status.WAITING and holds_nothing(c)
+    assert step(sched) == [("a", 1), ("b", 1)] and c.status is Status.WAITING and holds_nothing(sched, c)
     sched.finish(a)
-    assert a.status is Status.FINISHED and holds_nothing(a)
+    assert a.status is Status.FINISHED and holds_nothing(sched, a)
     assert step(sched) == [("b", 1), ("c", 4)]
 
 
@@ -90,7 +90,7 @@ def test_admission_reserves_pages_up_front():
     a = add(sched, "a", 400)                                # 2 pages
     b, c = add(sched, "b", 100), add(sched, "c", 10)
     assert step(sched) == [("a", 400)]
-    assert holds_nothing(b) and holds_nothing(c) and list(sched.waiting) == [b, c]
+    assert holds_nothing(sched, b) and holds_nothing(sched, c) and list(sched.waiting) == [b, c]
     assert sched.cache.pages.num_free == 0
     sched.finish(a)
     assert step(sched) == [("b", 100), ("c", 10)]
@@ -108,11 +108,11 @@ def test_preemption_takes_the_newest_and_frees_everything():
     while a.num_computed <= 256:                              # a needs its second page at 256
         step(sched)
     assert b.status is Status.WAITING and b.num_preemptions == 1 and b.num_computed == 0
-    assert holds_nothing(b) and sched.waiting[0] is b
+    assert holds_nothing(sched, b) and sched.waiting[0] is b
     assert b.output_token_ids[:len(outputs)] == outputs       # generated tokens survive (recompute)
-    assert a.num_preemptions == 0 and len(a.pages) == 2
+    assert a.num_preemptions == 0 and len(sched.cache.seq(a).pages) == 2
     sched.finish(a)
-    assert holds_nothing(a)
+    assert holds_nothing(sched, a)
     chunks = step(sched)
     assert chunks == [("b", 64)]                              # recompute of prompt + outputs, chunked
     assert b.num_tokens == 200 + len(b.output_token_ids)
@@ -133,9 +133,9 @@ def test_a_request_preempts_itself_rather_than_an_older_one():
             break
         assert chunks[0] == ("new", 1)                        # decodes go first
     assert chunks == [("old", 8)]                             # preempted in this step: old gets the budget
-    assert new.num_computed == 0 and new.num_preemptions == 1 and holds_nothing(new)
+    assert new.num_computed == 0 and new.num_preemptions == 1 and holds_nothing(sched, new)
     assert sched.waiting[0] is new
-    assert old.status is Status.RUNNING and old.num_preemptions == 0 and len(old.pages) == 1
+    assert old.status is Status.RUNNING and old.num_preemptions == 0 and len(sched.cache.seq(old).pages) == 1
     assert 0 < old.num_computed < 250                         # it was prefilling, not scheduled yet
 
 
@@ -143,10 +143,10 @@ def test_finish_frees_waiting_and_running_requests():
     sched = make(budget=16)
     a, b = add(sched, "a", 40), add(sched, "b", 40)
     step(sched)
-    assert a.pages and holds_nothing(b)
+    assert sched.cache.seq(a).pages and holds_nothing(sched, b)
     sched.finish(a, Status.ABORTED)
     sched.finish(b, Status.ABORTED)
-    assert holds_nothing(a) and holds_nothing(b) and not sched.has_work()
+    assert holds_nothing(sched, a) and holds_nothing(sched, b) and not sched.has_work()
     assert sched.cache.pages.num_free == 8 and len(sched.cache.free_slots) == 4
 
 
@@ -161,5 +161,5 @@ def test_an_older_prefill_preempts_a_newer_decode_already_scheduled_in_the_step(
     assert step(sched) == [("new", 10), ("old", 256)]       # new: page 0; old: page 1
     sched.max_tokens = 300
     assert step(sched) == [("old", 299)]                     # old needs 2 more pages: new goes
-    assert new.status is Status.WAITING and holds_nothing(new) and new.num_computed == 0
-    assert old.num_computed == 555 and len(old.pages) == 3
+    assert new.status is Status.WAITING and holds_nothing(sched, new) and new.num_computed == 0
+    assert old.num_computed == 555 and len(sched.cache.seq(old).pages) == 3

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import dsv4.model.compressor as compressor_module
+from dsv4.ops.paged import dense_index
 
 TOLERANCE = 1e-4  # max |Δlogit| relative to max |reference logit|, fp32 (DESIGN §3)
 
@@ -34,7 +35,8 @@ class IndexerProbe:
     def __init__(self, inner):
         self.inner, self.calls = inner, []
 
-    def __call__(self, q, weights, keys, cand, topk, weight_scale=1.0):
+    def __call__(self, q, weights, keys, paged, topk, weight_scale=1.0):
+        cand = dense_index(paged)
         gathered = keys[cand.clamp(min=0)].float()
         w = weights.float() * weight_scale
         scores = (torch.relu(torch.einsum("thd,ted->the", q.float(), gathered)) * w[..., None]).sum(1)
@@ -43,7 +45,7 @@ class IndexerProbe:
         top = scores[discards].topk(topk + 1, dim=-1).values
         gap = top[:, topk - 1] - top[:, topk]
         self.calls.append((float(discards.float().mean()), float(gap.min()) if gap.numel() else float("inf")))
-        return self.inner(q, weights, keys, cand, topk, weight_scale)
+        return self.inner(q, weights, keys, paged, topk, weight_scale)
 
 
 def layers_for(overrides):

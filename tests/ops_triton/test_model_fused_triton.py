@@ -4,7 +4,7 @@ every other op stays on its reference, so only these kernels differ."""
 import torch
 
 from dsv4.config import EngineConfig
-from dsv4.engine.cuda_graphs import DecodeGraphs
+from dsv4.engine.cuda_graphs import StepGraphs
 from dsv4.engine.engine import LLMEngine
 from dsv4.sampling_params import SamplingParams
 from dsv4.model.weights import load_model
@@ -17,7 +17,7 @@ def generate(model, prompt, steps):
     device = str(next(model.parameters()).device)
     eng = LLMEngine("random:tiny", EngineConfig(device=device, max_num_batched_tokens=256, max_num_seqs=2,
                                                 num_pages=4), model=model)
-    eng.runner.graphs = DecodeGraphs(model, eng.runner.pools, max_bs=2, capture=False)
+    eng.runner.graphs = StepGraphs(model, eng.runner.storage, max_bs=2, capture=False)
     eng.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=0))
     while eng.has_unfinished():
         for out in eng.step():

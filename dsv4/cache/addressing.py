@@ -1,0 +1,191 @@
+"""A step's cache addressing: the ForwardBatch of the sequences scheduled in a step, built from
+their page tables in O(tokens + pages) (docs/architecture.md, "Cache").
+
+One definition, in numpy, for every step: prefill chunks, decode tokens, k + 1 verify tokens,
+mixed. `shape` pads it to the fixed sizes of a CUDA graph: rows past the real ones read
+nothing (empty ranges, -1 group rows) and write to the storage's scratch page, SWA page and
+ring slot. Reads are PagedRows (per-token ranges looked up in the page tables by the kernels),
+never [tokens x entries] tables.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..config import CSA_RATIO, HCA_RATIO
+from ..model.forward_batch import CompressPlan, ForwardBatch
+from ..ops.paged import PagedRows
+from .layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's share of a step: tokens [start, start + len(token_ids))."""
+    slot: int                     # request state slot (its ring rows)
+    start: int                    # absolute position of the first token
+    token_ids: list[int]
+    page_table: list[int]         # logical 256-token page -> physical page (-1 none)
+    swa_table: list[int]          # logical 128-token SWA page -> physical SWA page (-1 freed)
+    logits: int = 1               # the last `logits` tokens' logits are wanted
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """Where padding rows write: a history page, an SWA page and a ring slot nobody reads."""
+    page: int
+    swa_page: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The fixed sizes of a padded step: `seqs` sequences of `tokens` tokens each, causal-entry
+    widths e4 / e128, and `swa_pages` columns of the sliding-window table."""
+    seqs: int
+    tokens: int
+    e4: int
+    e128: int
+    swa_pages: int
+
+
+def step_widths(chunks: list[SeqChunk], window: int) -> tuple[int, int, int]:
+    """(E4, E128, SWA table columns) the chunks need: what a StepShape must cover."""
+    ends = [c.start + len(c.token_ids) for c in chunks]
+    swa = max((e - 1) // SWA_PAGE_TOKENS - max(c.start - window + 1, 0) // SWA_PAGE_TOKENS + 1
+              for c, e in zip(chunks, ends))
+    return max(ends) // CSA_RATIO, max(ends) // HCA_RATIO, swa
+
+
+def build_step(chunks: list[SeqChunk], layout: CacheLayout, ring_slots: int, shape: StepShape | None = None,
+               scratch: Scratch | None = None) -> ForwardBatch:
+    """The step's ForwardBatch on the host (CPU tensors). `ring_slots`: request slots the
+    storage's rings have (KVStorage.ring_slots). With `shape`, every chunk must have
+    `shape.tokens` tokens and the batch is padded to `shape.seqs` sequences, every row's logits
+    kept."""
+    s = _Seqs.of(chunks)
+    W = layout.cfg.sliding_window
+    e4, e128, swa_cols = step_widths(chunks, W) if shape is None else (shape.e4, shape.e128, shape.swa_pages)
+    rows = shape.seqs if shape is not None else s.R
+    T = rows * shape.tokens if shape is not None else s.T
+    scratch = scratch or Scratch(0, 0, 0)
+    pages = _table([c.page_table for c in chunks], _history_columns(e4, e128), rows)
+    swa_base = np.maximum(s.starts - W + 1, 0) // SWA_PAGE_TOKENS
+    swa = _table([c.swa_table[b:] for c, b in zip(chunks, swa_base.tolist())], swa_cols, rows)
+    _check_held(s, pages, swa, swa_base, W)
+    pos, shift = s.pos, (swa_base * SWA_PAGE_TOKENS)[s.req]
+    swa_write = swa[s.req, (pos - shift) // SWA_PAGE_TOKENS] * layout.swa_pitch + pos % SWA_PAGE_TOKENS
+    return ForwardBatch(
+        token_ids=_pad(np.fromiter((t for c in chunks for t in c.token_ids), np.int64, s.T), T, 0),
+        positions=_pad(pos, T, 0),
+        swa_write=_pad(swa_write, T, scratch.swa_page * layout.swa_pitch),
+        swa=_ranges(swa, s, T, np.maximum(pos - W + 1, 0) - shift, pos + 1 - shift, SWA_PAGE_TOKENS,
+                    layout.swa_pitch, W),
+        c4=_ranges(pages, s, T, 0, (pos + 1) // CSA_RATIO, PAGE_TOKENS // CSA_RATIO, layout.c4_pitch, e4),
+        c128=_ranges(pages, s, T, 0, (pos + 1) // HCA_RATIO, PAGE_TOKENS // HCA_RATIO, layout.c128_pitch, e128),
+        csa=_plan(pages, s, CSA_RATIO, True, layout.csa_ring, layout.csa_ring_pitch, ring_slots, layout.c4_pitch,
+                  T if shape is not None else None, scratch),
+        hca=_plan(pages, s, HCA_RATIO, False, layout.hca_ring, layout.hca_ring_pitch, ring_slots,
+                  layout.c128_pitch, T if shape is not None else None, scratch),
+        logits_rows=torch.arange(T) if shape is not None else _logits_rows(chunks, s),
+        seq_lens=(shape.tokens,) * rows if shape is not None else tuple(s.lens.tolist()))
+
+
+@dataclass(frozen=True)
+class _Seqs:
+    R: int
+    T: int
+    lens: np.ndarray      # [R] tokens of each sequence
+    starts: np.ndarray    # [R] first position
+    slots: np.ndarray     # [R] request slot
+    offs: np.ndarray      # [R] first token row
+    req: np.ndarray       # [T] sequence of each token
+    pos: np.ndarray       # [T] absolute position of each token
+
+    @classmethod
+    def of(cls, chunks: list[SeqChunk]) -> "_Seqs":
+        R = len(chunks)
+        lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, R)
+        starts = np.fromiter((c.start for c in chunks), np.int64, R)
+        offs = np.cumsum(lens) - lens
+        req = np.repeat(np.arange(R), lens)
+        pos = starts[req] + np.arange(int(lens.sum())) - offs[req]
+        return cls(R, int(lens.sum()), lens, starts, np.fromiter((c.slot for c in chunks), np.int64, R), offs,
+                   req, pos)
+
+
+def _history_columns(e4: int, e128: int) -> int:
+    """Page-table columns that cover every entry e < e4 (64 a page) and e < e128 (2 a page)."""
+    per4, per128 = PAGE_TOKENS // CSA_RATIO, PAGE_TOKENS // HCA_RATIO
+    return max(-(-e4 // per4), -(-e128 // per128), 1)
+
+
+def _table(tables: list[list[int]], columns: int, rows: int) -> np.ndarray:
+    out = np.full((rows, columns), -1, np.int64)
+    for i, t in enumerate(tables):
+        n = min(len(t), columns)
+        out[i, :n] = t[:n]
+    return out
+
+
+def _check_held(s: _Seqs, pages: np.ndarray, swa: np.ndarray, swa_base: np.ndarray, W: int) -> None:
+    """Every history page up to each chunk's end and every SWA page its tokens write or their
+    windows read must be held (O(R x columns))."""
+    ends = s.starts + s.lens
+    need = np.maximum(-(-(ends // CSA_RATIO) // (PAGE_TOKENS // CSA_RATIO)),
+                      -(-(ends // HCA_RATIO) // (PAGE_TOKENS // HCA_RATIO)))
+    if (need > pages.shape[1]).any() or ((np.arange(pages.shape[1]) < need[:, None]) & (pages[:s.R] < 0)).any():
+        raise RuntimeError(f"history page missing: sequences ending at {ends.tolist()} need {need.tolist()} "
+                           f"pages, tables {pages[:s.R].tolist()}")
+    swa_need = (ends - 1) // SWA_PAGE_TOKENS - swa_base + 1
+    held = (np.arange(swa.shape[1]) < swa_need[:, None]) & (swa[:s.R] >= 0)
+    if (swa_need > swa.shape[1]).any() or (held.sum(1) < swa_need).any():
+        raise RuntimeError(f"SWA page missing for a position the step reads or writes: positions from "
+                           f"{s.starts.tolist()} to {ends.tolist()}, window {W}, tables {swa[:s.R].tolist()}")
+
+
+def _ranges(table: np.ndarray, s: _Seqs, T: int, lo, hi: np.ndarray, per_page: int, pitch: int,
+            width: int) -> PagedRows:
+    lo = np.broadcast_to(np.asarray(lo, np.int64), hi.shape)
+    return PagedRows(pages=torch.from_numpy(table), req=_pad(s.req, T, 0), lo=_pad(lo, T, 0), hi=_pad(hi, T, 0),
+                     per_page=per_page, pitch=pitch, width=width)
+
+
+def _plan(pages: np.ndarray, s: _Seqs, ratio: int, overlap: bool, cap: int, ring_pitch: int, ring_slots: int,
+          entry_pitch: int, padded: int | None, scratch: Scratch) -> CompressPlan:
+    """Groups of `ratio` closing at the step's tokens, and the tail rows the ring keeps.
+
+    Rows of a group index cat(ring view, the step's fresh projections): ring rows first
+    (slot u's row j at u * ring_pitch + j, storage.py), then fresh token t at ring_rows + t."""
+    per_page = PAGE_TOKENS // ratio
+    ring_rows = (ring_slots - 1) * ring_pitch + cap
+    closing = np.nonzero((s.pos + 1) % ratio == 0)[0]
+    r, e = s.req[closing], (s.pos[closing] + 1) // ratio - 1
+    entry_slot = pages[r, e // per_page] * entry_pitch + e % per_page
+    q = (e * ratio)[:, None] + np.arange(-ratio if overlap else 0, ratio)[None, :]     # [G, span] positions
+    start = s.starts[r][:, None]
+    fresh = ring_rows + s.offs[r][:, None] + (q - start)
+    rows = np.where(q < 0, -1, np.where(q >= start, fresh, s.slots[r][:, None] * ring_pitch + q % cap))
+    keep = np.nonzero(s.pos >= (s.starts + s.lens)[s.req] - cap)[0]
+    ring_dst = s.slots[s.req[keep]] * ring_pitch + s.pos[keep] % cap
+    return CompressPlan(rows=_pad(rows, padded, -1), entry_slot=_pad(entry_slot, padded, scratch.page * entry_pitch),
+                        entry_pos=_pad(e * ratio, padded, 0),
+                        ring_dst=_pad(ring_dst, padded, scratch.slot * ring_pitch),
+                        ring_src=_pad(keep, padded, 0), ring_rows=ring_rows)
+
+
+def _logits_rows(chunks: list[SeqChunk], s: _Seqs) -> torch.Tensor:
+    wanted = np.fromiter((c.logits for c in chunks), np.int64, s.R)
+    ends = s.offs + s.lens
+    return torch.from_numpy(np.repeat(ends - wanted, wanted) + np.arange(int(wanted.sum()))
+                            - np.repeat(np.cumsum(wanted) - wanted, wanted))
+
+
+def _pad(a: np.ndarray, rows: int | None, fill: int) -> torch.Tensor:
+    """a (int64) padded to `rows` rows (None: as many as it has) with `fill`."""
+    a = np.asarray(a, np.int64)
+    out = np.full((rows if rows is not None else a.shape[0], *a.shape[1:]), fill, np.int64)
+    out[:a.shape[0]] = a
+    return torch.from_numpy(out)

@@ -1,0 +1,80 @@
+"""The cache tensors, allocated once, page-major (docs/architecture.md, "Cache").
+
+One tensor per kind, [units, layers of the kind, rows per unit, C]:
+
+  swa        [swa_pages + 1, L_swa, 128, D]        K=V vectors of recent positions
+  c4, idx    [pages + 1, L_csa, 64, D | Di]        CSA entries and indexer keys
+  c128       [pages + 1, L_hca, 2, D]              HCA entries
+  csa rings  [slots + 1, L_csa, 8 + S, 2D | 2Di]   CSA compressor / indexer continuation (kv, gate)
+  hca rings  [slots + 1, L_hca, 128 + S, D]        HCA compressor continuation (kv, gate)
+
+so one page of one kind (or one request's ring rows) is a contiguous block that can be copied,
+packed and sent as a unit (`page`). Each layer sees its rows as a 2-D view starting at its
+offset in a page (layout.py gives the row arithmetic); the views of all layers of a kind have
+the same length, so a row id means the same slot in every layer. The last unit of each tensor
+is scratch: padding rows of fixed-shape (CUDA graph) steps write there and nothing reads it.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import CSA_RATIO, HCA_RATIO
+from ..model.kv import LayerKV
+from .layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout, CachePlan
+
+
+class KVStorage:
+    def __init__(self, layout: CacheLayout, plan: CachePlan, dtype: torch.dtype, device):
+        self.layout, self.plan = layout, plan
+        self.scratch_page, self.scratch_swa_page, self.scratch_slot = (plan.num_pages, plan.num_swa_pages,
+                                                                       plan.max_num_seqs)
+        self.ring_slots = plan.max_num_seqs + 1
+        c, csa, hca = layout.cfg, layout.csa_layers, layout.hca_layers
+        D, Di = c.head_dim, c.index_head_dim
+        pages, swa_pages = plan.num_pages + 1, plan.num_swa_pages + 1
+
+        def blocks(units, layers, rows, dim):
+            return torch.zeros(units, len(layers), rows, dim, dtype=dtype, device=device)
+
+        swa_layers = range(layout.num_swa_layers)
+        self.kinds = {"swa": blocks(swa_pages, swa_layers, SWA_PAGE_TOKENS, D),
+                      "c4": blocks(pages, csa, PAGE_TOKENS // CSA_RATIO, D),
+                      "idx": blocks(pages, csa, PAGE_TOKENS // CSA_RATIO, Di),
+                      "c128": blocks(pages, hca, PAGE_TOKENS // HCA_RATIO, D)}
+        for name, layers, ring, width in (("ring", csa, layout.csa_ring, 2 * D), ("iring", csa, layout.csa_ring, 2 * Di),
+                                          ("hring", hca, layout.hca_ring, D)):
+            self.kinds[f"{name}_kv"] = blocks(self.ring_slots, layers, ring, width)
+            self.kinds[f"{name}_gate"] = blocks(self.ring_slots, layers, ring, width)
+        self.layers = [self._layer_views(layer) for layer in swa_layers]
+
+    def _layer_views(self, layer: int) -> LayerKV:
+        lay, k = self.layout, self.kinds
+        views = {"swa": _layer_view(k["swa"], layer)}
+        if layer in lay.csa_layers:
+            i = lay.csa_layers.index(layer)
+            views.update(c4=_layer_view(k["c4"], i), idx=_layer_view(k["idx"], i),
+                         ring_kv=_layer_view(k["ring_kv"], i), ring_gate=_layer_view(k["ring_gate"], i),
+                         iring_kv=_layer_view(k["iring_kv"], i), iring_gate=_layer_view(k["iring_gate"], i))
+        elif layer in lay.hca_layers:
+            i = lay.hca_layers.index(layer)
+            views.update(c128=_layer_view(k["c128"], i), ring_kv=_layer_view(k["hring_kv"], i),
+                         ring_gate=_layer_view(k["hring_gate"], i))
+        return LayerKV(**views)
+
+    def page(self, kind: str, unit: int) -> torch.Tensor:
+        """The contiguous block of one page (or ring slot) of `kind` across its layers."""
+        return self.kinds[kind][unit]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.kinds.values())
+
+
+def _layer_view(blocks: torch.Tensor, i: int) -> torch.Tensor:
+    """Layer i's rows of a [units, layers, rows, C] tensor as a 2-D view [units * layers * rows, C]
+    starting at row i * rows: row u * pitch + j (pitch = layers * rows) is unit u's slot j of
+    layer i. Every layer's view has the same length (the last layers' views end in padding
+    rows of the following layers, never addressed)."""
+    units, layers, rows, width = blocks.shape
+    flat = blocks.view(units * layers * rows, width)
+    length = (units - 1) * layers * rows + rows            # rows through the last unit's slots of layer i
+    return flat[i * rows:i * rows + length] if length > 0 else flat[:0]
