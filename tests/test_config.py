@@ -1,6 +1,6 @@
 """ModelConfig: both schemas (DeepSeek's released config.json and transformers') are
 accepted and agree; every invalid or contradictory field raises a ConfigError naming the
-field and the values it expects (DESIGN §3, §7)."""
+field and the values it expects (docs/architecture.md, "Model")."""
 from __future__ import annotations
 
 import copy

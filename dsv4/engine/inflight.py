@@ -1,4 +1,4 @@
-"""A launched step whose sampled tokens are still on their way to the host (DESIGN §5).
+"""A launched step whose sampled tokens are still on their way to the host (docs/architecture.md, "Engine").
 
 With async scheduling the engine launches step k+1 before it reads step k's tokens: the
 host's bookkeeping of step k (appending tokens, stop checks, detokenising) overlaps the

@@ -1,4 +1,4 @@
-"""The wire between the API process and the engine-core process (DESIGN §1).
+"""The wire between the API process and the engine-core process (docs/architecture.md, "Serving").
 
 Two ZeroMQ PUSH/PULL pipes on ipc:// paths in a private temp dir, both bound by the API
 process: requests flow in on `input`, results flow out on `output`. Every frame is one

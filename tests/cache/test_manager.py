@@ -1,5 +1,5 @@
 """CacheManager: which history pages, sliding-window pages and state slot a request holds
-(DESIGN §4: history pages for every position written, SWA keys for [n - W - S, n), one slot)."""
+(docs/architecture.md, "Cache": history pages for every position written, SWA keys for [n - W - S, n), one slot)."""
 from __future__ import annotations
 
 import random

@@ -1,4 +1,4 @@
-"""Async scheduling (DESIGN §5): step k+1 is launched before step k's tokens are read, its
+"""Async scheduling (docs/architecture.md, "Engine"): step k+1 is launched before step k's tokens are read, its
 decode tokens taken from the device. Invariant 5: the same tokens, logprobs and finish
 reasons as the synchronous engine, through stop tokens, seeded sampling, penalties (which
 count the tokens in flight on the device), min_tokens, prompt logprobs, preemption and aborts; every page returns."""

@@ -1,5 +1,5 @@
 """Bad requests are refused at `add_request` with a ValueError that names the field, cost
-nothing, and the engine keeps serving the requests it already has (DESIGN §7)."""
+nothing, and the engine keeps serving the requests it already has (docs/architecture.md, "Serving")."""
 from __future__ import annotations
 
 import math

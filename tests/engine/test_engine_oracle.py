@@ -2,7 +2,7 @@
 
 Teacher forcing: dsv4's per-step logits of a prompt + a known continuation (the tokens fed
 instead of sampled ones) must equal the reference's full-sequence logits within 1e-4 of the
-reference's scale, whatever the chunking and whatever else is in the batch (DESIGN §4.3, §4.5).
+reference's scale, whatever the chunking and whatever else is in the batch (docs/architecture.md, "Cache").
 Free run: greedy tokens equal the reference's greedy decoding wherever its top-2 margin exceeds
 1e-3. Sequences are checked free of indexer top-k near-ties (see conftest.py: where two
 compressed entries score equal at the top-k boundary, which one is kept is arbitrary, in the

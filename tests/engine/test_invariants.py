@@ -1,4 +1,4 @@
-"""The request-state invariants of DESIGN §4, each by name, on the real engine objects.
+"""The request-state invariants (docs/architecture.md, "Cache"), each by name, on the real engine objects.
 
 1. positions, not histories: position-addressed rollback of up to S speculative positions;
 3. chunks keep what they read: a chunk boundary at every offset mod 4 and mod 128;

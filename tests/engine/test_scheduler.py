@@ -1,4 +1,4 @@
-"""Scheduler (DESIGN §5): continuous batching under a token budget, decodes first, then
+"""Scheduler (docs/architecture.md, "Engine"): continuous batching under a token budget, decodes first, then
 running prefills, then waiting requests in arrival order; pages reserved up front for the
 whole step; preemption by recompute frees everything and takes the newest request first.
 No model here: steps are simulated (num_computed advances, a token is appended on completion).

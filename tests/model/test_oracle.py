@@ -1,7 +1,7 @@
 """Oracle: dsv4's full-sequence logits against transformers' DeepseekV4ForCausalLM in fp32
 on CPU, for random tiny configs that differ in window, ratios, index_topk, hc_mult, experts
 and top-k, with sequences long enough that the indexer's top-k discards entries and that
-several 128-token HCA groups close (DESIGN §3)."""
+several 128-token HCA groups close (docs/architecture.md, "Model")."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +10,7 @@ import torch
 import dsv4.model.compressor as compressor_module
 from dsv4.ops.paged import dense_index
 
-TOLERANCE = 1e-4  # max |Δlogit| relative to max |reference logit|, fp32 (DESIGN §3)
+TOLERANCE = 1e-4  # max |Δlogit| relative to max |reference logit|, fp32 (docs/architecture.md, "Model")
 
 # name -> (config overrides, sequence length). compress_ratios end with the MTP entry.
 # index_n_heads >= 8 (16 where 8 gave zero-score ties at the top-k boundary with this seed).
