@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import sys
 
 import pytest
 
@@ -97,12 +96,7 @@ def test_demo_mtp_matches_its_training_definition():
     """dsv4's MTP head (and main model) on the shipped checkpoint reproduce the model the
     training script defines (transformers' DeepseekV4ForCausalLM + an MTP layer of its pieces)."""
     pytest.importorskip("transformers")
-    tools = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools")
-    sys.path.insert(0, tools)
-    try:
-        import demo_verify
-    finally:
-        sys.path.remove(tools)
+    from scripts.demo import verify as demo_verify     # the repository root is on sys.path (python -m pytest)
     result = demo_verify.compare(demo_verify.load_training_model(DEMO_DIR), DEMO_DIR,
                                  demo_verify.heldout_ids(DEMO_DIR, 96))
     for name, r in result.items():
