@@ -1,25 +1,20 @@
 """Triton kernels for the manifold-constrained hyper-connections (mHC); the definition is the
-torch reference in dsv4/ops/mhc.py, which these match to fp32 rounding.
+torch reference in dsv4/ops/mhc.py, matched to fp32 rounding. hc_pre / hc_head take two
+launches, hc_post one (the reference's Sinkhorn alone is 2 x iters launches per site).
 
-hc_pre / hc_head take two launches, hc_post one (the reference takes hundreds: the Sinkhorn
-alone is 2 x iters tiny kernels per site):
-
-1. `_mix_partials_kernel`, split-K over the flattened streams x = h.view(T, K), K = N*D:
-     part[s, t, m] = sum_{k in split s} x[t, k] * fn[m, k]        (fp32)
-     sq[s, t]      = sum_{k in split s} x[t, k]^2                  (fp32)
-   h is read once in its own dtype. The product runs on the tensor cores in tf32 and is
-   still fp32-accurate: fn (fp32) is split in registers into hi + lo, each exact in tf32 (so
-   the tf32 rounding of the operands is a no-op) and together equal to it to ~2^-21; tf32 x
-   tf32 products are exact in the fp32 accumulator. 16-bit streams are exact in tf32 as they
-   are (2 dots per tile); fp32 streams are split as well (3 dots, x_lo * w_lo dropped).
-   The RMS norm is folded in afterwards: mixes = (x @ fn^T) * rsqrt(mean(x^2) + eps).
-2. `_mix_epilogue_kernel`, one program per (token, slice of D): sums the splits, applies
-   scale and base, sigmoid (pre, post), row softmax + Sinkhorn on the N x N comb matrix in
-   registers, writes post/comb (from the first slice only) and the collapse sum_j pre_j h_j.
+1. `_mix_partials_kernel`, split-K over x = h.view(T, K), K = N*D (h read once, in its dtype):
+     part[s, t, m] = sum_{k in split s} x[t, k] * fn[m, k],   sq[s, t] = sum_{k in s} x[t, k]^2
+   fp32-accurate on tf32 tensor cores: fn is split into hi + lo, each exact in tf32
+   (`_split_tf32`), and tf32 products are exact in the fp32 accumulator; 16-bit x is exact in
+   tf32 (2 dots), fp32 x is split too (3 dots, x_lo * w_lo dropped). The RMS norm is applied
+   after: mixes = (x @ fn^T) * rsqrt(mean(x^2) + eps).
+2. `_mix_epilogue_kernel`, one program per (token, slice of D): sums the splits, scale + base,
+   sigmoid (pre, post), row softmax + Sinkhorn on the N x N comb in registers; writes post/comb
+   (first slice only) and the collapse sum_j pre_j h_j.
 3. `_hc_post_kernel`, one program per (token, D tile): new_k = post_k out + sum_j comb[j, k] h_j.
 
-N (hc_mult, a constexpr) may be any small integer: tiles are padded to the next power of two
-and masked (V4 uses 4).
+N (hc_mult, a constexpr; 4 at V4) may be any small integer: tiles are padded to a power of two
+and masked.
 """
 from __future__ import annotations
 
@@ -158,12 +153,12 @@ def _hc_post_kernel(out_ptr, h_ptr, post_ptr, comb_ptr, new_ptr, D,
 
 
 _BT = 64  # token tile of the projection (16 when T <= 16)
-_BK = 32  # K tile of the projection (H200, benchmarks/kernels/mhc.py: 0.15 vs 0.19 ms for 64 at T=4096)
-_BK_FEW = 64  # ... at T <= 16 (0.059 vs 0.085 ms at T=1)
+_BK = 32  # K tile of the projection: fastest at T = 4096 in the H200 scan (docs/benchmarks.md)
+_BK_FEW = 64  # ... at T <= 16 (fastest at T = 1)
 _BD = 512  # D tile of the collapse / post
 _EPI_WARPS = 4  # warps of the epilogue (Sinkhorn + collapse) programs below _EPI_MANY tokens
 _EPI_WARPS_MANY, _EPI_MANY = 1, 1024  # from there one warp (no cross-warp reductions): hc_pre at
-                                      # 16k tokens 0.61 vs 1.12 ms on the H200 (benchmarks/kernels/mhc.py)
+                                      # 16k tokens 1.8x faster on the H200 (docs/benchmarks.md)
 _MAX_SPLITS = 128
 
 

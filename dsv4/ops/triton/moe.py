@@ -1,56 +1,36 @@
 """Triton kernels for the routed experts at decode sizes (few (token, expert) pairs); the
 definition is `routed_experts_loop` in dsv4/ops/moe.py.
 
-At decode the op is a set of matrix-vector products that must stream each selected expert's
-weights once; a grouped GEMM over all E groups costs far more than that. Two launches, no weight
-copies, no host synchronisation (grids depend only on T and k, so the op is CUDA-graph safe):
+GEMVs that stream each selected expert's weights once (a grouped GEMM costs far more here);
+2-3 launches, no weight copies, no host sync: grids depend on T and k only (CUDA-graph safe).
 
-1. `_up_gate_kernel`, one program per (pair p = t*k + j, tile of I):
-     e = ids[p];  gate = w1[e] @ x[t],  up = w3[e] @ x[t]           (fp32 accumulation)
-     h[p, i] = silu(min(gate, L)) * clamp(up, -L, L)                  stored in x's dtype
-   Storing h in x's dtype matches the reference, which rounds h to x's dtype before the down
-   projection (its gate/up/silu are bf16 ops in bf16; here they stay fp32 until h).
-2. `_down_kernel`, one program per (token t, tile of H, split s), summing its share of the
-   k x cdiv(I, BLOCK_I) (expert j, I-block) units in registers (no atomics):
-     part[s, t, n] = sum_{j, I-blocks of s} weights[t, j] * (w2[ids[t, j]] @ h[t*k + j])[n]  (fp32)
-   The units are cut into SPLIT contiguous, near-equal runs (expert-major), so at T = 1 the
-   k*I reduction spreads over SPLIT times more programs (at SPLIT 1 a program holds all k
-   experts, 512 programs at V4 sizes: too few loads in flight to reach HBM bandwidth).
-   SPLIT 1 writes out[t, n] in x's dtype directly; SPLIT > 1 writes fp32 partials [SPLIT, T, H]
-   and `_sum_splits_kernel` adds them in a fixed order and casts (deterministic).
+1. `_up_gate_kernel`, one program per (pair p = t*k + j, tile of I), e = ids[p]:
+     h[p] = silu(min(w1[e] @ x[t], L)) * clamp(w3[e] @ x[t], -L, L)   fp32, stored in x's dtype
+   (as the reference rounds h before the down projection).
+2. `_down_kernel`, one program per (token t, tile of H, split s), summing a contiguous share of
+   the k * cdiv(I, BLOCK_I) (expert j, I-block) units in registers (no atomics):
+     part[s, t] = sum_{units of s} weights[t, j] * (w2[ids[t, j]] @ h[t*k + j])          fp32
+   SPLIT 1 writes out [T, H] in x's dtype; SPLIT > 1 writes fp32 partials [SPLIT, T, H] that
+   `_sum_splits_kernel` adds in a fixed order (deterministic). Split because at T = 1 one split
+   gives too few programs (512 at V4 sizes) to reach HBM bandwidth.
 
-The shared expert (optional, `shared=`): one more pair per token, j == k, with the shared
-weights sw1/sw3 [I, H], sw2 [H, I] and routing weight 1 (pairs p = t*(k+1) + j, h [T*(k+1), I]);
-`_pair` / `_expert_matrix` pick the matrix (a pointer select, no weight copies). The routed +
-shared sum then happens in the down kernel's fp32 accumulator (and the split sum): the decode
-MoE is 2-3 launches instead of the shared expert's separate GEMMs, SwiGLU ops and add.
+Shared expert (`shared=`): pair j == k of every token (p = t*(k+1) + j, h [T*(k+1), I]), weights
+sw1/sw3 [I, H], sw2 [H, I], routing weight 1, chosen by pointer select (`_pair`, `_expert_matrix`),
+summed with the routed experts in the down kernel's fp32 accumulator.
 
-FP8 weights (W8A16, `scales=` / `shared_scales=`, constexpr FP8): the weight tiles are loaded as
-float8_e4m3fn. When a tile's rows lie in one 128-row scale block (BLOCK rows dividing 128, the
-defaults), its scales depend on the column only and are folded into the activation vector (x or
-h: [BLOCK] multiplies instead of [rows, BLOCK]; a weight element then costs one convert and one
-FMA, which keeps the GEMV at HBM speed rather than ALU-bound). Otherwise each tile is multiplied
-in fp32 by its scales (quant_tiles: `_block_scale`, any tile size, aligned or not) and rounded to
-x's dtype (as the load-time dequantisation stores it). Both give exactly the load-time
-dequantised product for power-of-two (E8M0) scales, those of every released checkpoint:
-w * (x * s) == bf16(w * s) * x in fp32, as multiplying by 2^k is exact; other fp32 scales skip
-the bf16 rounding of w * s in the folded form (a rounding closer to the exact product).
+FP8 (W8A16, `scales=`): float8_e4m3fn tiles. A tile whose rows lie in one 128-row scale block
+(the default tiles) has its scales folded into the activation vector (one convert + one FMA per
+weight keeps the GEMV bandwidth-bound); other tiles are dequantised (quant_tiles). Both give the
+load-time dequantised product exactly for power-of-two (E8M0) scales, as in released checkpoints.
 
-MXFP4 weights (W4A16, uint8 weights and `scales=`, constexpr MXFP4): e2m1 values packed two per
-byte along the last (input) dim, low nibble first, one E8M0 exponent byte per 32 inputs (w1/w3
-[E, I, H/2] + [E, I, H/32], w2 [E, H, I/2] + [E, H, I/32]). Each tile's bytes are split into
-nibbles, moved into fp32 bits and scaled by one multiply (quant_tiles: `_e2m1`, no table, no
-selects), interleaved back to the column order and multiplied by 2^(byte - 127) per 32 inputs:
-exactly what the load-time dequantisation stores, without a round trip through x's dtype (the
-identity for bf16 / fp32, see `_mxfp4_tile`), then the same math. The shared expert (FP8 in the
-released checkpoints, dequantised at load) stays unquantised: with `shared=` it is still the
-(k+1)-th pair, loaded by a masked load of its own in place of the packed one
-(`_mxfp4_pair_rows`). Tiles along the packed dim (BLOCK_H of up-gate, BLOCK_I of down) must be
-multiples of MXFP4_BLOCK.
+MXFP4 (W4A16, uint8 weights + `scales=`): w1/w3 [E, I, H/2] + E8M0 bytes [E, I, H/32], w2
+[E, H, I/2] + [E, H, I/32], decoded to the load-time values (quant_tiles `_mxfp4_rows`). The
+shared expert stays unquantised, read by its own masked load (`_mxfp4_pair_rows`). Tiles along
+the packed dim (BLOCK_H of up-gate, BLOCK_I of down) are multiples of MXFP4_BLOCK.
 
-Both are GEMVs done as fp32 elementwise products + tl.sum (bandwidth-bound; no tl.dot, which
-also keeps Triton's interpreter exact in bf16). Weight rows are read along their contiguous
-last dimension. Expert offsets use the int64 ids (e * I * H exceeds int32 at V4 sizes).
+No tl.dot: fp32 products + tl.sum (bandwidth-bound anyway; keeps Triton's interpreter exact in
+bf16). Expert offsets are int64 (e * I * H overflows int32 at V4 sizes). Figures:
+docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -61,18 +41,13 @@ import triton.language as tl
 from ..quant import kept_scale_shape, unpacked_shape, weight_format
 from .quant_tiles import FP4_GROUP, MXFP4_BLOCK, QBLOCK, _block_scale, _dequant_tile, _mxfp4_rows
 
-# tile defaults: the best of benchmarks/kernels/moe.py's tuning scan on the H200 at V4-Flash
-# shapes (whole op at T=1: up-gate (16, 128, 8) 0.108 ms vs 0.127 for (16, 256, 4); down
-# (16, 512, 4) with SPLIT 2 0.112 ms vs 0.129 for (8, 256, 8) with SPLIT 8; both also best at T=8)
+# tile defaults: among the fastest at T = 1 and 8 in benchmarks/kernels/moe.py's H200 scan (docs/benchmarks.md)
 UP_BLOCK_I, UP_BLOCK_H, UP_WARPS = 16, 128, 8
 DOWN_BLOCK_H, DOWN_BLOCK_I, DOWN_WARPS = 16, 512, 4
-# default SPLIT: the fewest giving >= DOWN_MIN_PROGRAMS down programs. At V4 sizes: T = 1 -> 2,
-# T >= 2 -> 1 (the measured best)
+# default SPLIT: the fewest giving >= this many down programs (V4 sizes: 2 at T = 1, else 1; the scan's best)
 DOWN_MIN_PROGRAMS = 512
-# FP8 weights (a tile is half the bytes; the scales are folded into h): the best of
-# `benchmarks/kernels/moe_fp8.py --tune` on the H200, whole op from a CUDA graph: down
-# (32, 128, 4) at T=1 split 8 0.063 ms vs 0.073 with the bf16 defaults, at T=8 split 1 0.369 ms
-# vs 0.460 (up-gate: the bf16 default was also best for FP8). 1024 programs: T=1 -> 8, T=8 -> 1
+# FP8 down tiles and programs (split 8 at T = 1, 1 at T = 8): fastest in `benchmarks/kernels/moe_fp8.py
+# --tune` on the H200 (docs/benchmarks.md); up-gate keeps the bf16 tiles, also fastest for FP8
 FP8_DOWN_BLOCK_H, FP8_DOWN_BLOCK_I, FP8_DOWN_WARPS = 32, 128, 4
 FP8_DOWN_MIN_PROGRAMS = 1024
 SUM_BLOCK = 1024

@@ -1,34 +1,28 @@
-"""Triton MoE router for few tokens (decode): one launch per layer. The definition is
-`route_topk` / `route_hash` in dsv4/ops/moe.py (the torch path there).
+"""Triton MoE router for few tokens (decode), one launch per layer; the definition is
+`route_topk` / `route_hash` in dsv4/ops/moe.py.
 
-`_route_kernel`, one program per (token block tb of BLOCK_T tokens, expert block of BLOCK_E):
-  1. scores[t, e] = sqrt(softplus(x[t] . gate_w[e]))     fp32 products of x and the gate weight
-     in their own dtype (bf16 at V4), fp32 accumulation -> a [T, E] fp32 scratch.
-  2. the program that finishes its token block last (a per-block arrival counter, atomic
-     acq_rel at GPU scope after a CTA barrier, the split-K "last block" pattern; no spinning)
-     resets the counter to 0 for the next launch and selects for the block's tokens:
-       score routing: K rounds of argmax over scores + bias (the bias only selects; ties go
-         to the lowest expert id), the chosen unbiased scores gathered;
+`_route_kernel`, one program per (block of BLOCK_T tokens, block of BLOCK_E experts):
+  1. scores[t, e] = sqrt(softplus(x[t] . gate_w[e])), fp32 accumulation -> [T, E] fp32 scratch.
+  2. the token block's last program to arrive (per-block int32 counter, acq_rel atomic after a
+     CTA barrier: the split-K "last block" pattern, no spinning) resets its counter and selects:
+       score routing: K argmax rounds over scores + bias (the bias only selects), ties to the
+         lowest expert id, the unbiased scores gathered;
        hash routing:  ids = tid2eid[token_ids[t]], their scores gathered;
      weights = chosen / (sum + 1e-20) * scaling -> weights [T, K] fp32, ids [T, K] int64.
-The E-blocks spread the gate GEMV (2 MB of bf16 weight per layer at V4-Flash) over the
-machine: one program alone would stream it at a single SM's bandwidth.
+E-blocks because one program alone would stream the gate weight (2 MB at V4-Flash) at one SM's
+bandwidth.
 
-Order of ids within a row: descending biased score (the argmax rounds); torch.topk(sorted=False)
-leaves its order unspecified, and the only consumer (routed_experts) takes (weight, id) pairs,
-so any order is equivalent. Exact ties between biased scores: torch.topk does not define which
-tied expert it picks (on the CPU, 6 of 256 equal scores gave ids 169..175, not 0..5); the
-kernel takes the lowest id. With real-valued scores ties have probability ~0, the tests use
-tie-free inputs and compare sets of experts.
+Invariants:
+- ids in a row come in descending biased score; the consumer takes (weight, id) pairs, so this
+  matches torch.topk(sorted=False), whose order is unspecified. Exact ties go to the lowest id
+  (torch.topk may pick any tied one; tests use tie-free inputs and compare sets of experts).
+- NaN scores select expert E - 1 (in range; the reference ranks NaN first); real gates give none.
+- CUDA-graph safe: grids depend on T and E only, no host sync. The counters (`_counters`) are one
+  persistent zeroed buffer per device, left at 0 by every launch, so routing calls on a device
+  must be stream-ordered (they are: one decode stream).
 
-CUDA-graph safe: grids depend on T and E only, no host synchronisation. The arrival counters
-are one persistent zeroed int32 buffer per device (`_counters`), left at 0 by every launch, so
-routing calls on a device must be stream-ordered (they are: one decode stream). NaN scores:
-the argmax finds no maximum and falls back to expert E - 1 (in range; the reference's
-torch.topk would rank NaN first); real gates never produce NaN.
-
-ONE_LAUNCH = False splits step 2 into a second launch, `_select_kernel` (no counters): a
-fallback should the single-launch form misbehave on some GPU.
+ONE_LAUNCH = False runs step 2 as a second launch, `_select_kernel` (no counters): a fallback
+should the single-launch form misbehave on some GPU.
 """
 from __future__ import annotations
 

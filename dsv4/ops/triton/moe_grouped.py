@@ -1,35 +1,26 @@
 """Triton grouped GEMMs for the routed experts at prefill sizes (many (token, expert) pairs);
 the definition is `routed_experts_loop` in dsv4/ops/moe.py.
 
-The P = T*k pairs are sorted by expert (row r of the sorted order is pair order[r], token
-order[r] // k). Rows of one expert are contiguous; an M-tile never spans two experts. Two
-kernels plus a few small torch ops, no host synchronisation (grids depend only on P, E and
-the tiles, so the op is CUDA-graph safe):
+The P = T*k pairs are sorted by expert: sorted row r is pair order[r], token order[r] // k; one
+expert's rows are contiguous and an M-tile never spans two experts. No host sync: grids depend
+on P, E and the tiles only (CUDA-graph safe).
 
-1. `schedule` (torch, on device): order [P], and per tile slot s < S = cdiv(P, BLOCK_M) +
-   min(E, P) the (expert, first row, end row) of one M-tile; slots past the last tile have
-   first row >= end row and their programs return at once.
-2. `_up_gate_kernel`, one program per (slot, tile of I):
-     gate = x[tok] @ w1[e]^T,  up = x[tok] @ w3[e]^T          (bf16 tl.dot, fp32 accumulation)
-     h[r, i] = silu(min(gate, L)) * clamp(up, -L, L)           stored in x's dtype, sorted rows
-   x rows are gathered through order inside the kernel (no x[token_of] copy).
-3. `_down_kernel`, one program per (slot, tile of H):
-     y[order[r], n] = weights[order[r]] * (h[r] @ w2[e]^T)[n]   (fp32, stored in x's dtype)
-   The output rows are scattered back to pair order (each row written once, no atomics), so
-4. the combine is out[t] = sum_j y[t*k + j] in fp32, cast once (deterministic).
+1. `schedule` (torch, on device): order [P] and, per tile slot s < S = cdiv(P, BLOCK_M) +
+   min(E, P), the (expert, first row, end row) of one M-tile; spare slots have first >= end
+   and return at once.
+2. `_up_gate_kernel`, one program per (slot, tile of I), x rows gathered through order:
+     h[r] = silu(min(x[tok] @ w1[e]^T, L)) * clamp(x[tok] @ w3[e]^T, -L, L)   x's dtype, sorted
+3. `_down_kernel`, one program per (slot, tile of H), rows scattered back (each written once):
+     y[order[r]] = weights[order[r]] * (h[r] @ w2[e]^T)                       x's dtype, pair order
+4. out[t] = sum_j y[t*k + j] in fp32, cast once (no atomics anywhere: deterministic).
 
-Rounding differs from the definition only by bf16 steps: the reference rounds gate, up, h and
-each expert's output; here h and each weighted expert output are rounded.
-FP8 weights (`scales=`, constexpr FP8): each [BLOCK_K, BLOCK_N] weight tile is loaded as
-float8_e4m3fn, multiplied in fp32 by its 128x128 block scales (quant_tiles._block_scale: one
-scale, a vector along N, or a gather, by the tiles' alignment), rounded to x's dtype, then tl.dot.
-MXFP4 weights (uint8 weights and `scales=`, constexpr MXFP4): a tile's packed bytes
-[BLOCK_K/2, BLOCK_N] (two e2m1 values per byte along K) and E8M0 bytes [BLOCK_K/32, BLOCK_N]
-are loaded and dequantised by quant_tiles._mxfp4_tile (nibbles interleaved back along K, axis
-0), rounded to x's dtype, then tl.dot; BLOCK_K a multiple of quant_tiles.MXFP4_BLOCK.
-Programs run in grouped order (GROUP_M slots, then the next tile of N) so that the weight tiles
-of an expert and the gathered x rows of the group stay in L2 while they are reused.
-Expert offsets use int64 (e * I * H exceeds int32 at V4 sizes).
+bf16 tl.dot, fp32 accumulation; rounding differs from the definition only by bf16 steps (it
+rounds gate, up, h and each expert output; here h and each weighted output). FP8 (`scales=`):
+each weight tile times its 128x128 block scales in fp32, rounded to x's dtype, then tl.dot.
+MXFP4: packed bytes [BLOCK_K/2, BLOCK_N] + E8M0 bytes [BLOCK_K/32, BLOCK_N], decoded along K
+(axis 0); BLOCK_K a multiple of MXFP4_BLOCK. Both dequantise in quant_tiles.
+Grouped program order (GROUP_M slots, then the next N tile) keeps an expert's weight tiles and
+the group's x rows in L2 while reused. Expert offsets are int64 (e * I * H overflows int32).
 """
 from __future__ import annotations
 
@@ -51,7 +42,7 @@ LARGE_M_TILES = ((128, 128, 64, 8, 4), (128, 256, 64, 8, 3))
 MID_M_ROWS = 32             # P / E from which MID_M_TILES apply
 LARGE_M_ROWS = 256          # P / E from which LARGE_M_TILES apply
 GROUP_M = 8                 # M-tile slots per program group (L2 reuse of weights and x rows)
-GROUP_M_MANY_ROWS = 16      # ... from MID_M_ROWS rows per expert (measured: 5.27 vs 5.40 ms at 4k)
+GROUP_M_MANY_ROWS = 16      # ... from MID_M_ROWS rows per expert (faster at 4k tokens, docs/benchmarks.md)
 # Triton's interpreter multiplies the raw uint16 bits in a bf16 tl.dot: upcast there (tests only)
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -1,26 +1,22 @@
-"""Dequantisation of quantised weight tiles inside Triton kernels (dsv4/ops/triton/moe.py decode
-GEMVs, dsv4/ops/triton/moe_grouped.py grouped GEMMs); the formats are defined by
-dsv4/model/quant.py (`dequant_fp8`, `dequant_fp4`).
+"""Dequantisation of quantised weight tiles inside Triton kernels (the decode GEMVs of moe.py,
+the grouped GEMMs of moe_grouped.py); the formats are defined by dsv4/model/quant.py
+(`dequant_fp8`, `dequant_fp4`).
 
-FP8 (W8A16): float8_e4m3fn weights with one fp32 scale per 128 x 128 block (QBLOCK), the scales
-of a matrix [R, C] being [cdiv(R, 128), cdiv(C, 128)]. `_block_scale` fetches a tile's scales
-(one, a vector, or a gather, by the tile's alignment), `_dequant_tile` multiplies a tile by them
-in fp32 and rounds to the activation dtype.
+FP8 (W8A16): float8_e4m3fn [R, C] with fp32 scales [cdiv(R, 128), cdiv(C, 128)] (QBLOCK blocks).
+`_block_scale` fetches a tile's scales (one, a vector or a gather, by its alignment);
+`_dequant_tile` multiplies in fp32 and rounds to the activation dtype.
 
-MXFP4 (W4A16): e2m1 values (sign, 2 exponent bits, 1 mantissa bit: magnitudes
-{0, .5, 1, 1.5, 2, 3, 4, 6}) packed two per uint8 along the input (last) dim, low nibble = even
-input, and one E8M0 byte b per FP4_GROUP = 32 inputs (scale 2^(b - 127); b = 255, NaN in E8M0,
-reads as inf as dsv4.ops.quant.e8m0_to_float does). A matrix [R, C] is stored as bytes
-[R, C/2] and scale bytes [R, C/32]. Tiles along the packed dim are multiples of MXFP4_BLOCK.
+MXFP4 (W4A16): e2m1 values (magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}) packed two per uint8 along
+the last (input) dim, low nibble = even input: bytes [R, C/2]; one E8M0 byte b per FP4_GROUP = 32
+inputs: [R, C/32], scale 2^(b - 127) (b = 255 reads as inf, as dsv4.ops.quant.e8m0_to_float).
+Tiles along the packed dim are multiples of MXFP4_BLOCK.
 
-Exactness invariants (what the tests check bit for bit in Triton's interpreter):
-- a dequantised tile equals what the load-time dequantisation stores: the fp32 product
-  w * scale rounded to the activation dtype (`dequant_fp8` / `dequant_fp4`, then `.to(dtype)`);
-- e2m1 values and E8M0 scales are decoded exactly from their bits (no tables, no transcendental
-  functions): every e2m1 * 2^(b - 127) is exact in fp32 (or inf), so the MXFP4 product is the
-  exact value;
-- for power-of-two (E8M0) FP8 scales the product w * s is exact too, which is what lets the
-  decode kernels fold such scales into the activation vector instead.
+Invariants (the tests check them bit for bit in Triton's interpreter):
+- a dequantised tile equals the load-time dequantisation: fp32 w * scale rounded to the dtype;
+- e2m1 and E8M0 are decoded from their bits (no tables, no transcendentals), and every
+  e2m1 * 2^(b - 127) is exact in fp32 (or inf);
+- for power-of-two (E8M0) FP8 scales w * s is exact too, which lets the decode GEMVs fold the
+  scales into the activation vector.
 """
 from __future__ import annotations
 
