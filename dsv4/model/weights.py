@@ -31,10 +31,20 @@ SHARED_EXPERT = re.compile(r"^(.*\.)?ffn\.shared_experts\.w[123]\.weight$")
 STACKED = re.compile(r"experts\.w[123](_scale)?$")          # routed experts: [E, ...]
 
 
-def load_weights(model: torch.nn.Module, path: str) -> None:
-    """Fill every parameter and persistent buffer of `model` from the checkpoint at `path`."""
+def model_targets(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer of `model`, by name."""
     targets = dict(model.named_parameters())
     targets.update((n, b) for n, b in model.named_buffers() if n.rsplit(".", 1)[-1] == "tid2eid")
+    return targets
+
+
+def load_weights(model: torch.nn.Module, path: str, targets: dict[str, torch.Tensor] | None = None,
+                 shared: dict[str, torch.Tensor] | None = None) -> None:
+    """Fill `targets` (default: every parameter and persistent buffer of `model`) from the
+    checkpoint at `path`; tensors named in `shared` must be there and equal those given
+    (a draft's embedding and head, dsv4/model/draft.py)."""
+    targets = model_targets(model) if targets is None else targets
+    shared = shared or {}
     filled: dict[str, int] = {}
     hf_names = all(is_transformers_name(k) for k in checkpoint_keys(path))
     block = getattr(getattr(model, "cfg", None), "quant_block", (128, 128))
@@ -43,22 +53,35 @@ def load_weights(model: torch.nn.Module, path: str) -> None:
         t.dtype in (torch.float8_e4m3fn, torch.uint8) for t in targets.values()) else None
     with torch.no_grad():
         for item in read_checkpoint(path, block, keep):
-            name, expert, tensor = item.name, item.expert, item.tensor
-            if name not in targets:
-                raise _unexpected(item)
-            target = targets[name] if expert is None else _expert_slice(targets[name], item)
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise CheckpointError(f"tensor {name!r}{'' if expert is None else f' expert {expert}'}: shape "
-                                      f"{tuple(tensor.shape)}, expected {tuple(target.shape)} ({_source(item)})"
-                                      f"{foreign_layout_hint(item.key, name)}", name)
-            target.copy_(tensor.to(target.dtype))
-            filled[name] = filled.get(name, 0) + 1
+            if item.name in shared:
+                _check_shared(item, shared[item.name])
+            else:
+                _fill(targets, item)
+            filled[item.name] = filled.get(item.name, 0) + 1
     try:
-        _check_complete(targets, filled)
+        _check_complete({**targets, **shared}, filled)
     except CheckpointError as e:
         if hf_names and e.tensor and not e.tensor.startswith("mtp."):
             raise CheckpointError(f"{e} (transformers name {transformers_name(e.tensor)!r})", e.tensor) from None
         raise
+
+
+def _fill(targets: dict[str, torch.Tensor], item: Loaded) -> None:
+    name, expert, tensor = item.name, item.expert, item.tensor
+    if name not in targets:
+        raise _unexpected(item)
+    target = targets[name] if expert is None else _expert_slice(targets[name], item)
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise CheckpointError(f"tensor {name!r}{'' if expert is None else f' expert {expert}'}: shape "
+                              f"{tuple(tensor.shape)}, expected {tuple(target.shape)} ({_source(item)})"
+                              f"{foreign_layout_hint(item.key, name)}", name)
+    target.copy_(tensor.to(target.dtype))
+
+
+def _check_shared(item: Loaded, want: torch.Tensor) -> None:
+    if item.expert is not None or not torch.equal(item.tensor.to(want.dtype), want):
+        raise CheckpointError(f"tensor {item.name!r} ({_source(item)}) differs from the model's: the checkpoint "
+                              f"was not extracted from the model's own", item.name)
 
 
 def _source(item: Loaded) -> str:
