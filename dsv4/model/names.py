@@ -79,10 +79,10 @@ _DS_TO_HF = [
     (r"\.ffn\.", ".mlp."),
 ]
 
-# transformers' `deepseek_v4` checkpoint renames, in its order (transformers >= 5.23,
-# conversion_mapping.py; tests/model/test_transformers_names.py checks them against the
-# installed version). Each replaces its first match; sources ending in a letter or digit end
-# on a name boundary `(?!\w)`, as transformers compiles them.
+# transformers' `deepseek_v4` checkpoint renames, in its order (transformers >= 5.23;
+# tests/model/test_transformers_names.py checks them key by key against the installed one).
+# Each replaces its first match; sources ending in a letter or digit end on a name boundary
+# `(?!\w)`, as transformers compiles them.
 _TRANSFORMERS_RENAMES = [(re.compile(p), r) for p, r in [
     (r"\.attn\.", ".self_attn."),
     (r"\.ffn\.", ".mlp."),
