@@ -49,7 +49,8 @@ def run(args) -> int:
             summary = _convert_with_progress(args.src, out, opts, args.quiet)
         except (ConvertError, CheckpointError, ValueError, FileNotFoundError) as e:
             raise SystemExit(f"dsv4 convert: {e}") from None
-        print(f"wrote {summary.out_dir}: {summary.tensors} tensors in {summary.shards} shards, "
+        shards = f"{summary.shards} shard{'' if summary.shards == 1 else 's'}"
+        print(f"wrote {summary.out_dir}: {summary.tensors} tensors in {shards}, "
               f"{_gib(summary.bytes_written)} written ({_gib(summary.bytes_read)} read)"
               f"{f', {summary.dequantised} weights dequantised' if summary.dequantised else ''}"
               f"{f', {summary.rescaled} FP8 scales rewritten' if summary.rescaled else ''}")

@@ -32,7 +32,7 @@ def test_each_output_passes_check(flags, released, tmp_path, capsys):
     capsys.readouterr()
     assert main(["convert", released, out, "--quiet", *flags]) == 0
     summary = capsys.readouterr().out
-    written = rf"wrote {re.escape(out)}: \d+ tensors in 1 shards, [\d.]+ MiB written \([\d.]+ MiB read\)"
+    written = rf"wrote {re.escape(out)}: \d+ tensors in 1 shard, [\d.]+ MiB written \([\d.]+ MiB read\)"
     assert re.search(written, summary)
     if "bf16" in flags:
         assert re.search(r", \d+ weights dequantised", summary)
