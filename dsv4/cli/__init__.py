@@ -10,6 +10,7 @@ import sys
 SUBCOMMAND_MODULES = (
     "dsv4.cli.check",
     "dsv4.cli.init_random",
+    "dsv4.cli.convert",
     "dsv4.cli.bench",
     "dsv4.cli.generate",
     "dsv4.cli.serve",

@@ -1,6 +1,17 @@
 """Tensor names: DeepSeek's released names are canonical (and the model's own parameter
 names, except routed experts, which the model stacks as `...experts.w1` [E, I, H]).
-transformers' names map to them and back."""
+transformers' names map to them and back.
+
+Every naming transformers produces for V4 reads back through `canonical_name`:
+  * its module names (`model.layers.N.self_attn.q_a_proj.weight`, `lm_head.weight`, stacked
+    `mlp.experts.gate_up_proj` [E, 2I, H] / `down_proj` [E, H, I]), with or without `model.`;
+  * what its `save_pretrained` writes: the module names renamed back by its conversion rules
+    (DeepSeek-like `model.layers.N.attn.wq_a.weight`, per-expert `ffn.experts.E.w1.weight`,
+    `attn.norm` for the attention's `kv_norm`, `head.weight`; no `model.` when a bare
+    `DeepseekV4Model` is saved), or any mix of the two.
+`canonical_name` applies transformers' own load-time renames (the `deepseek_v4` entry of its
+conversion mapping, transcribed in `_TRANSFORMERS_RENAMES`), adds the `model.` prefix, then
+maps module names to DeepSeek's (`hf_to_ds`)."""
 from __future__ import annotations
 
 import re
@@ -68,9 +79,79 @@ _DS_TO_HF = [
     (r"\.ffn\.", ".mlp."),
 ]
 
+# transformers' `deepseek_v4` checkpoint renames, in its order (transformers >= 5.23;
+# tests/model/test_transformers_names.py checks them key by key against the installed one).
+# Each replaces its first match; sources ending in a letter or digit end on a name boundary
+# `(?!\w)`, as transformers compiles them.
+_TRANSFORMERS_RENAMES = [(re.compile(p), r) for p, r in [
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight(?!\w)", "embed_tokens.weight"),
+    (r"^head\.weight(?!\w)", "lm_head.weight"),
+    (r"^hc_head_fn(?!\w)", "hc_head.hc_fn"),
+    (r"^hc_head_base(?!\w)", "hc_head.hc_base"),
+    (r"^hc_head_scale(?!\w)", "hc_head.hc_scale"),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_fn(?!\w)", ".attn_hc.fn"),
+    (r"\.hc_attn_base(?!\w)", ".attn_hc.base"),
+    (r"\.hc_attn_scale(?!\w)", ".attn_hc.scale"),
+    (r"\.hc_ffn_fn(?!\w)", ".ffn_hc.fn"),
+    (r"\.hc_ffn_base(?!\w)", ".ffn_hc.base"),
+    (r"\.hc_ffn_scale(?!\w)", ".ffn_hc.scale"),
+    (r"\.attn_sink(?!\w)", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+    (r"\.norm\.", ".kv_norm."),
+    (r"\.ape(?!\w)", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias(?!\w)", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+]]
+MODEL_PREFIX = "model."
+# module names the renames above would move (`\.norm\.`): transformers keeps a key as written
+# when the renamed one names no parameter and the key itself does
+_KEPT_MODULE_NAMES = {"model.norm.weight"}
+
 HF_GATE_UP = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.gate_up_proj$")
 HF_DOWN = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.down_proj$")
 DS_EXPERT = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.weight$")
+
+
+# routed experts in canonical names: stacked as transformers holds them, or one per key
+DS_GATE_UP = re.compile(r"^(layers\.\d+\.ffn\.experts)\.gate_up_proj$")   # [E, 2I, H]: w1 then w3
+DS_DOWN = re.compile(r"^(layers\.\d+\.ffn\.experts)\.down_proj$")         # [E, H, I]: w2
+
+
+def transformers_load_name(key: str) -> str:
+    """The module name transformers loads checkpoint key `key` into (its renames, then the
+    `model.` prefix it adds to keys of the base model); per-expert keys stay per expert."""
+    if key in _KEPT_MODULE_NAMES:
+        return key
+    for pattern, repl in _TRANSFORMERS_RENAMES:
+        key = pattern.sub(repl, key, count=1)
+    if key.startswith(MODEL_PREFIX) or key.startswith("lm_head."):
+        return key
+    return MODEL_PREFIX + key
+
+
+def canonical_name(key: str) -> str:
+    """DeepSeek's name for checkpoint key `key` in any naming dsv4 reads (module docstring).
+    `mtp.*` (DeepSeek's MTP and draft blocks, which transformers does not model) is kept as
+    is. Stacked transformers experts come out as `layers.N.ffn.experts.gate_up_proj` /
+    `.down_proj` (`DS_GATE_UP`, `DS_DOWN`)."""
+    if key.startswith("mtp."):
+        return key
+    return hf_to_ds(transformers_load_name(key))
 
 
 def is_transformers_name(name: str) -> bool:

@@ -18,6 +18,21 @@ def e8m0_to_float(scale: torch.Tensor) -> torch.Tensor:
     return scale.float()
 
 
+def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
+    """Float scales -> E8M0 (float8_e8m0fnu) holding the same values, exactly: `e8m0_to_float`
+    of the result equals `scale` bit for bit. ValueError naming the first value that is not a
+    power of two in [2^-127, 2^127] (E8M0 has no sign, no mantissa and no zero)."""
+    s = scale.float()
+    exponent = torch.round(torch.log2(s.abs().clamp(min=2.0 ** -127))).clamp(-127, 127)
+    codes = (exponent + 127).to(torch.uint8)
+    bad = ~(e8m0_to_float(codes) == s)
+    if bad.any():
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"scale {float(s[at])!r} at {list(at)} is not a power of two in [2^-127, 2^127] "
+                         f"(not representable in E8M0)")
+    return codes.view(torch.float8_e8m0fnu)
+
+
 def dequant_fp8(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """weight [out, in] float8_e4m3fn, scale [ceil(out/b0), ceil(in/b1)] -> fp32 [out, in]."""
     out, inp = weight.shape

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import dsv4.model.weights as weights
+import dsv4.model.checkpoint_reader as checkpoint_reader
 from dsv4.model.weights import CheckpointError, iter_checkpoint, load_model, shard_files
 
 
@@ -146,7 +146,7 @@ def test_hand_built_two_shards_with_scales_apart(first, checkpoints, tmp_path):
 
 def test_loading_streams_one_shard_at_a_time(sharded_fp8, monkeypatch):
     opened, open_now, most_open = [], [0], [0]
-    real_safe_open = weights.safe_open
+    real_safe_open = checkpoint_reader.safe_open
 
     @contextmanager
     def counting_safe_open(file, *args, **kwargs):
@@ -159,7 +159,7 @@ def test_loading_streams_one_shard_at_a_time(sharded_fp8, monkeypatch):
         finally:
             open_now[0] -= 1
 
-    monkeypatch.setattr(weights, "safe_open", counting_safe_open)
+    monkeypatch.setattr(checkpoint_reader, "safe_open", counting_safe_open)
     files = shard_files(sharded_fp8.path)
     stream = iter_checkpoint(sharded_fp8.path)
     next(stream)
