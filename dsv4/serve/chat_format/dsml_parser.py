@@ -65,7 +65,12 @@ class DsmlBlockParser:
             pos += 1
         if pos < len(buf) and mark_at(buf, pos):
             return self._tag(buf, start, pos, final)
-        if pos == len(buf) or (may_be_mark(buf, pos) and not final):
+        if pos < len(buf) and may_be_mark(buf, pos):
+            if not final:
+                return pos - start, False
+            self._cut_tag = True                   # a tag cut off by the end of output
+            return len(buf) - start, False
+        if pos == len(buf):
             return pos - start, False
         return pos - start, True                   # text outside any invoke: content again
 
@@ -73,16 +78,16 @@ class DsmlBlockParser:
         at = _next_mark(buf, pos)
         if at == pos:
             return self._tag(buf, pos, pos, final)
-        end = at if at >= 0 else len(buf) - (0 if final else _held(buf, pos, MARKS))
+        end = at if at >= 0 else len(buf) - _held(buf, pos, MARKS)
         self._writer.body_text(buf[pos:end])
-        return end - pos, False
+        return (len(buf) if final and at < 0 else end) - pos, False
 
     def _value(self, buf: str, pos: int, final: bool) -> tuple[int, bool]:
         at, end = _earliest(buf, pos, _VALUE_ENDS)
-        if end is None:
-            stop = len(buf) - (0 if final else _held(buf, pos, _VALUE_HOLD))
+        if end is None:                            # at the end, a partial terminator is dropped
+            stop = len(buf) - _held(buf, pos, _VALUE_HOLD)
             self._writer.value(buf[pos:stop])
-            return stop - pos, False
+            return (len(buf) if final else stop) - pos, False
         text = buf[pos:at]
         if end != PARAM_CLOSE and text.endswith("\n"):
             text = text[:-1]
@@ -97,7 +102,9 @@ class DsmlBlockParser:
         if tag is None:
             return pos - start, False
         used = tag.end - start
-        self._cut_tag = tag.cut
+        if tag.cut:                                # never completed: no effect, and unfinished
+            self._cut_tag = True
+            return used, False
         if tag.kind == "invoke":
             return used, self._on_invoke(tag)
         if tag.kind == "parameter":

@@ -19,7 +19,8 @@ _ALIASES = {"int": "integer", "long": "integer", "float": "number", "double": "n
             "varchar": "string", "dict": "object", "map": "object", "list": "array",
             "tuple": "array", "none": "null"}
 _JSON_TYPES = ("string", "integer", "number", "boolean", "array", "object", "null")
-_CONVERSION_ORDER = ("integer", "number", "boolean", "null", "array", "object", "string")
+_CONVERSION_ORDER = ("integer", "number", "boolean", "null", "array", "object")
+_NO = object()    # "no conversion" (None is a value)
 
 
 def declared_types(schema: Any) -> frozenset[str] | None:
@@ -78,15 +79,15 @@ def convert_text(text: str, is_string: bool | None, schema: Any, where: str) -> 
         if is_string is False:
             logger.info("tool call %s: %r is not JSON; kept as a string", where, text[:80])
         return conform(text, types, where)
-    if is_string is False and not fits(value, types) and allows_string(types):
-        return text                              # JSON written for a string parameter
     return conform(value, types, where)
 
 
 def conform(value: Any, types: frozenset[str] | None, where: str) -> Any:
     """`value` converted to one of `types` when it does not fit them already and a lossless
     conversion exists (a string holding a number, boolean, null, array or object; an
-    integral float for an integer); else `value` unchanged (noted in the log)."""
+    integral float for an integer); else `value` unchanged (noted in the log). Nothing is
+    turned into a string: a JSON value written for a string property stays what it is, as
+    the reference and both peers read it."""
     if fits(value, types):
         return value
     for kind in _CONVERSION_ORDER:
@@ -99,12 +100,7 @@ def conform(value: Any, types: frozenset[str] | None, where: str) -> Any:
     return value
 
 
-_NO = object()
-
-
 def _to(kind: str, value: Any) -> Any:
-    if kind == "string":
-        return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
     if isinstance(value, float) and kind == "integer" and value.is_integer():
         return int(value)
     if not isinstance(value, str):
