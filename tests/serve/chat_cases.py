@@ -14,7 +14,7 @@ D = "｜DSML｜"
 TC_START, TC_END = f"<{D}tool_calls>", f"</{D}tool_calls>"
 INV_END, PARAM_END = f"</{D}invoke>", f"</{D}parameter>"
 EOS = "<｜end▁of▁sentence｜>"
-MARKUP = (f"<{D}", f"</{D}", EOS, "<think>", "</think>")   # the bare DSML token alone is no tag
+MARKUP = (D, EOS, "<think>", "</think>")
 
 
 def param(name: str, value: str, string: str = "true") -> str:

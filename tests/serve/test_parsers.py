@@ -1,4 +1,5 @@
 import itertools
+import json
 import random
 
 import pytest
@@ -190,3 +191,25 @@ def test_random_corruption_never_raises_and_stream_equals_whole():
         for thinking, tools in [(True, True), (False, True), (True, False)]:
             whole = parse_completion(text, thinking=thinking, tools_enabled=tools, id_factory=ids())
             assert streamed(text, thinking, tools, size=rng.randrange(1, 9))[1] == whole
+
+
+def test_random_variants_keep_markup_out_and_stream_equals_whole():
+    """Fuzz with the pieces real output varies in (bare or damaged wrappers, self-closing
+    invokes, missing close tags, compact layout): no chunking changes the message, and no
+    tag, think marker or EOS ever reaches content or reasoning."""
+    rng = random.Random(11)
+    pieces = ["<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", "<｜DSML｜toolcalls>", '<｜DSML｜invoke name="f">',
+              '<｜DSML｜invoke name="g"/>', "</｜DSML｜invoke>", '<｜DSML｜parameter name="a" string="true">',
+              '<｜DSML｜parameter name="b" string="false">', "<｜DSML｜parameter name='c'>", "</｜DSML｜parameter>",
+              "<think>", "</think>", EOS, "\n", "\n\n", " ", "x", "42", '{"k": [1]}', "<", ">", "/", '"', "｜", "｜DSML｜"]
+    markup = ("｜DSML｜", EOS, "<think>", "</think>")
+    for _ in range(400):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 25)))
+        for thinking in (True, False):
+            whole = parse_completion(text, thinking=thinking, id_factory=ids())
+            assert streamed(text, thinking, size=rng.randrange(1, 9))[1] == whole, text
+            assert streamed(text, thinking, size=1)[1] == whole, text
+            for channel in (whole.content, whole.reasoning_content or ""):
+                assert not any(m in channel for m in markup), (text, channel)
+            for call in whole.tool_calls:
+                json.loads(call["function"]["arguments"])

@@ -11,8 +11,9 @@ any chunking. The grammar is the one DeepSeek's reference parser reads
 read tolerantly. States: REASONING (thinking mode, until `</think>`), CONTENT, BLOCK (DSML
 markup, see dsml_parser.py), DONE (after EOS). Where the reference raises instead:
   * markup never reaches reasoning or content: text that may be the start of a marker is
-    held back until it is known not to be one, and any DSML tag opens a block (a block
-    also ends reasoning; text after a block is content);
+    held back until it is known not to be one, any DSML tag opens a block (a block also
+    ends reasoning; text after a block is content), and a DSML token outside a tag is
+    dropped (the reference rejects it in content);
   * `</think>` in content and `<think>` in reasoning are dropped; `<think>` in content
     opens reasoning again;
   * no `</think>` before the end: the text stays reasoning and `unfinished` is "reasoning"
@@ -35,7 +36,7 @@ __all__ = ["CONTENT", "REASONING", "Delta", "OutputParser", "ParsedMessage", "pa
 
 BLOCK, DONE = "block", "done"
 _SEPARATOR = "\n\n"               # what the encoder puts between content and a block
-_MARKERS = (*MARKS, THINK_START, THINK_END, EOS)
+_MARKERS = (*MARKS, DSML, THINK_START, THINK_END, EOS)   # a bare DSML token is markup too
 _HELD = (*_MARKERS, *(_SEPARATOR + mark for mark in MARKS))
 
 
@@ -103,7 +104,7 @@ class OutputParser:
         if marker == EOS:
             self._unfinished = REASONING if self._state == REASONING else self._unfinished
             self._state = DONE
-        else:
+        elif marker != DSML:
             self._state = CONTENT if marker == THINK_END else REASONING
         return True
 
