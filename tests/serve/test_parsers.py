@@ -213,3 +213,18 @@ def test_random_variants_keep_markup_out_and_stream_equals_whole():
                 assert not any(m in channel for m in markup), (text, channel)
             for call in whole.tool_calls:
                 json.loads(call["function"]["arguments"])
+
+
+@pytest.mark.parametrize("text,calls", [
+    # Variants seen in agents' DSML recovery code: a "｜" before the wrapper's ">", no
+    # string="..." flag (JSON when it parses), single quotes, extra spaces.
+    ('<｜DSML｜tool_calls｜><｜DSML｜invoke name="read"><｜DSML｜parameter name="path">/a</｜DSML｜parameter>'
+     '<｜DSML｜parameter name="limit">20</｜DSML｜parameter></｜DSML｜invoke></｜DSML｜tool_calls｜>',
+     [("read", {"path": "/a", "limit": 20})]),
+    ("<｜DSML｜tool_calls>\n<｜DSML｜invoke  name='glob' >\n<｜DSML｜parameter name='pattern'  string='true'>**/*.ts"
+     "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>", [("glob", {"pattern": "**/*.ts"})]),
+])
+def test_attribute_variants(text, calls):
+    msg = both(text + EOS, thinking=False)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.tool_calls] == calls
+    assert msg.content == ""

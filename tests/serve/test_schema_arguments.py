@@ -81,3 +81,15 @@ def test_an_arguments_wrapper_is_unwrapped_only_when_spurious():
     assert calls_of(parse_all(odd, tools=[TRIP])) == [("plan_trip", {"arguments": {"weird": 1}})]
     # Without the tool's schema nothing says it is spurious.
     assert calls_of(parse_all(wrapped)) == [("plan_trip", {"arguments": {"days": "4", "notes": "x"}})]
+
+
+def test_a_parameter_repeating_an_unwrapped_key_is_dropped():
+    text = block(invoke("plan_trip", param("arguments", '{"days": 4}', "false"), param("days", "5")))
+    assert calls_of(parse_all(text, tools=[TRIP])) == [("plan_trip", {"days": 4})]
+
+
+def test_a_value_missing_both_closes_ends_at_the_wrapper_close():
+    text = '<｜DSML｜tool_calls><｜DSML｜invoke name="plan_trip"><｜DSML｜parameter name="notes" string="true">hi' \
+           "</｜DSML｜tool_calls>After."
+    msg = parse_all(text, tools=[TRIP])
+    assert (calls_of(msg), msg.content) == ([("plan_trip", {"notes": "hi"})], "After.")

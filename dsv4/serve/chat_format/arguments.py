@@ -50,7 +50,7 @@ class ArgumentWriter:
             self._emit('"')
 
     def _mode_for(self, name: str | None, is_string: bool | None) -> str:
-        if name is None or name in self._seen:
+        if name is None or name in self._seen or name in self._written:
             logger.info("tool call %s: parameter %r %s; dropped", self.tool, name,
                         "has no name" if name is None else "repeats")
             return DISCARD

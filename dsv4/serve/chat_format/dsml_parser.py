@@ -4,7 +4,8 @@ format"): from the first `<｜DSML｜` (or `</｜DSML｜`) tag to the end of the
 It reads the canonical block the reference encoder writes (dsml.py) and what models emit
 besides: no `tool_calls` wrapper (bare invokes), damaged wrappers (dsml_tags.py), compact
 or indented layout (whitespace between tags is ignored), self-closing invokes, a missing
-`</｜DSML｜parameter>` (the value ends at the next parameter or `</｜DSML｜invoke>`), a
+`</｜DSML｜parameter>` (the value ends at the next parameter, `</｜DSML｜invoke>` or the
+wrapper's close), a
 missing `</｜DSML｜invoke>` (the invoke ends at the next invoke or the wrapper's close), and
 an invoke body given as a JSON object. Stray tags are dropped: markup never becomes text.
 
@@ -24,7 +25,7 @@ from dsv4.text.tokens import DSML
 OUT, INVOKE, VALUE = "out", "invoke", "value"
 PARAM_CLOSE = f"</{DSML}parameter>"
 # Where a value ends when its close tag is missing (the text before loses one newline).
-_LOOKAHEADS = (f"<{DSML}parameter name=", f"</{DSML}invoke>")
+_LOOKAHEADS = (f"<{DSML}parameter name=", f"</{DSML}invoke>", f"</{DSML}tool_calls>")
 _VALUE_ENDS = (PARAM_CLOSE, *_LOOKAHEADS)
 _VALUE_HOLD = (*_VALUE_ENDS, *("\n" + end for end in _LOOKAHEADS))
 _FLAGS = {"true": True, "false": False}
@@ -120,9 +121,9 @@ class DsmlBlockParser:
         self._end_call()
         if tag.closing:
             return False
-        name = tag.attrs.get("name") or None
-        self._writer = ArgumentWriter(name or "(unnamed)", self._schemas.get(name), self._emit_args
-                                      if name else _ignore)
+        name = tag.attrs.get("name") or None       # an invoke without a name is read, then dropped
+        emit = self._emit_args if name else _ignore
+        self._writer = ArgumentWriter(name or "(unnamed)", self._schemas.get(name), emit)
         if name:
             self.events.append(("start", name))
             self._call_open = True
