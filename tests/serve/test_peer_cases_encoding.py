@@ -6,6 +6,7 @@ continuation of a final assistant message. Sources:
 Where a peer and DeepSeek's reference encoder disagree, dsv4 follows the reference.
 """
 import json
+from pathlib import Path
 
 import pytest
 
@@ -187,3 +188,17 @@ def test_replayed_arguments_as_object_or_json_string():
     actual = encode_messages(history(arguments), thinking=False)
     assert actual == encode_messages(history(json.dumps(arguments)), thinking=False)
     assert 'parameter name="city"' in actual and 'parameter name="arguments"' not in actual
+
+
+FIXTURES = Path(__file__).parent / "data" / "vllm_deepseek_v4"
+
+
+@pytest.mark.parametrize("case,thinking", [(1, True), (3, True), (4, False)])
+def test_reference_golden_fixtures(case, thinking):
+    # V::test_deepseek_v4_matches_reference_golden_fixtures (thinking with effort "low", the
+    # 0731 default, for 1 and 3; chat mode for 4)
+    data = json.loads((FIXTURES / f"test_input_{case}.json").read_text(encoding="utf-8"))
+    messages, tools = (data["messages"], data.get("tools")) if isinstance(data, dict) else (data, None)
+    prompt = encode_messages(messages, thinking=thinking, reasoning_effort="low" if thinking else None,
+                             tools=tools, release="0731")
+    assert prompt == (FIXTURES / f"test_output_{case}.txt").read_text(encoding="utf-8")
