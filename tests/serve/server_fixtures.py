@@ -41,6 +41,11 @@ SCRIPTS = {
     "tool_rest": _CALL,                                   # after a forced "\n\n<block>\n" prefill
     "named_rest": _CALL.split("\n", 1)[1],                # after a forced invoke header
     "plain": "Hello from the fake engine.",
+    # Real-output variants: typed by the schema, a spurious "arguments" wrapper, cut mid-value.
+    "typed_tool": BLOCK_OPEN + _CALL.replace('"false">3', '"true">3').replace("\n", ""),
+    "wrapped_tool": (f'{BLOCK_OPEN}{INVOKE_OPEN}get_weather">{PARAM_OPEN}arguments" string="false">'
+                     f'{{"city": "Paris", "days": 3}}{PARAM_CLOSE}{INVOKE_CLOSE}{BLOCK_CLOSE}'),
+    "cut_tool": "Let me check.\n\n" + BLOCK_OPEN + "\n" + _CALL.split('"false">')[0] + '"false">[1,2',
 }
 DEFAULT_REPLY = SCRIPTS["plain"]
 FAKE_MAX_MODEL_LEN = 4096

@@ -1,4 +1,5 @@
 import itertools
+import json
 import random
 
 import pytest
@@ -109,22 +110,28 @@ def test_held_back_text_is_flushed_at_the_end(text):
 def test_cut_off_block_never_leaks_markup(thinking):
     head = "R</think>Hi" if thinking else "Hi"
     full = head + BLOCK
+    invoke_at, header_end = full.index("<｜DSML｜invoke"), full.index('">\n', full.index("invoke")) + 2
+    invoke_end = full.index("</｜DSML｜invoke>") + len("</｜DSML｜invoke>")
     for cut in range(len(head), len(full)):
         msg = both(full[:cut], thinking)
         assert msg.content in ("Hi", "Hi\n", "Hi\n\n", "Hi\n\n<"), cut
         assert "｜" not in msg.content and "｜" not in (msg.reasoning_content or "")
-        assert len(msg.tool_calls) <= 1
-        if msg.tool_calls:
-            assert ARGS.startswith(msg.tool_calls[0]["function"]["arguments"])
-        if "｜" in full[len(head):cut]:
-            assert msg.unfinished == "tool_calls", cut
+        # Only a closed invoke is a call; one cut inside is unfinished, its streamed
+        # arguments a prefix of the real ones.
+        assert [c["function"]["arguments"] for c in msg.tool_calls] == ([ARGS] if cut >= invoke_end else []), cut
+        assert len(msg.cut_calls) == (header_end <= cut < invoke_end), cut
+        if msg.cut_calls:
+            assert ARGS.startswith(msg.cut_calls[0]["function"]["arguments"]), cut
+        if invoke_at < cut < invoke_end:
+            assert msg.unfinished == "tool_calls" and msg.finish_reason("stop") == "stop", cut
 
 
 def test_eos_inside_a_block_cuts_it():
     text = BLOCK[:BLOCK.index("Paris") + 3] + EOS + "ignored"
     msg = both(text, thinking=False)
-    assert msg.unfinished == "tool_calls"
-    assert msg.tool_calls[0]["function"]["arguments"] == '{"city": "Par'
+    assert (msg.unfinished, msg.tool_calls) == ("tool_calls", [])
+    assert msg.cut_calls[0]["function"]["arguments"] == '{"city": "Par'
+    assert msg.finish_reason("stop") == "stop" and msg.finish_reason("length") == "length"
 
 
 def test_tools_disabled_drops_the_block():
@@ -134,36 +141,37 @@ def test_tools_disabled_drops_the_block():
     assert msg.finish_reason("stop") == "stop"
 
 
-MALFORMED = [
-    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜oops>\n</｜DSML｜tool_calls>',
-    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="maybe">1'
-    '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>',
-    '\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f\nx">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>',
-    '\n\n<｜DSML｜tool_calls><｜DSML｜invoke name="f">\n\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>',
+# Markup the reference parser rejects: each is read as far as it goes, and none of it
+# reaches the content (dsv4's rule; the reference raises, it never returns such text).
+ODD_MARKUP = [  # (block, the calls' arguments)
+    ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜oops>\n</｜DSML｜tool_calls>', []),
+    ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="a" string="maybe">1'
+     '</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>', ['{"a": 1}']),
+    ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f\nx">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>', []),
+    ('\n\n<｜DSML｜tool_calls><｜DSML｜invoke name="f">\n\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>', ["{}"]),
 ]
 
 
-@pytest.mark.parametrize("block", MALFORMED)
-def test_malformed_block_is_raw_content(block):
+@pytest.mark.parametrize("block,arguments", ODD_MARKUP)
+def test_odd_markup_never_reaches_content(block, arguments):
     msg = both("Hi" + block + EOS, thinking=False)
-    assert (msg.content, msg.tool_calls) == ("Hi" + block, [])
+    assert (msg.content, [c["function"]["arguments"] for c in msg.tool_calls]) == ("Hi", arguments)
 
 
-def test_malformed_after_a_good_invoke_keeps_the_call():
+def test_a_damaged_invoke_after_a_good_one_keeps_the_call():
     bad = '\n<｜DSML｜invok3 name="x">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>'
     msg = both(BLOCK[:-len("\n</｜DSML｜tool_calls>")] + bad, thinking=False)
-    assert msg.tool_calls[0]["function"]["arguments"] == ARGS
-    assert msg.content == bad
+    assert [c["function"]["arguments"] for c in msg.tool_calls] == [ARGS]
+    assert msg.content == ""
 
 
-def test_repeated_parameter_is_malformed_but_the_invoke_stays_valid_json():
+def test_repeated_parameter_keeps_the_first_value_and_leaks_nothing():
     block = ('\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n'
              '<｜DSML｜parameter name="a" string="false">1</｜DSML｜parameter>\n'
              '<｜DSML｜parameter name="a" string="false">2</｜DSML｜parameter>\n'
              '</｜DSML｜invoke>\n</｜DSML｜tool_calls>')
     msg = both(block, thinking=False)
-    assert msg.tool_calls[0]["function"]["arguments"] == '{"a": 1}'
-    assert msg.content.startswith('\n<｜DSML｜parameter name="a" string="false">2')
+    assert (msg.content, msg.tool_calls[0]["function"]["arguments"]) == ("", '{"a": 1}')
 
 
 def test_random_corruption_never_raises_and_stream_equals_whole():
@@ -183,3 +191,40 @@ def test_random_corruption_never_raises_and_stream_equals_whole():
         for thinking, tools in [(True, True), (False, True), (True, False)]:
             whole = parse_completion(text, thinking=thinking, tools_enabled=tools, id_factory=ids())
             assert streamed(text, thinking, tools, size=rng.randrange(1, 9))[1] == whole
+
+
+def test_random_variants_keep_markup_out_and_stream_equals_whole():
+    """Fuzz with the pieces real output varies in (bare or damaged wrappers, self-closing
+    invokes, missing close tags, compact layout): no chunking changes the message, and no
+    tag, think marker or EOS ever reaches content or reasoning."""
+    rng = random.Random(11)
+    pieces = ["<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>", "<｜DSML｜toolcalls>", '<｜DSML｜invoke name="f">',
+              '<｜DSML｜invoke name="g"/>', "</｜DSML｜invoke>", '<｜DSML｜parameter name="a" string="true">',
+              '<｜DSML｜parameter name="b" string="false">', "<｜DSML｜parameter name='c'>", "</｜DSML｜parameter>",
+              "<think>", "</think>", EOS, "\n", "\n\n", " ", "x", "42", '{"k": [1]}', "<", ">", "/", '"', "｜", "｜DSML｜"]
+    markup = ("｜DSML｜", EOS, "<think>", "</think>")
+    for _ in range(400):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randrange(1, 25)))
+        for thinking in (True, False):
+            whole = parse_completion(text, thinking=thinking, id_factory=ids())
+            assert streamed(text, thinking, size=rng.randrange(1, 9))[1] == whole, text
+            assert streamed(text, thinking, size=1)[1] == whole, text
+            for channel in (whole.content, whole.reasoning_content or ""):
+                assert not any(m in channel for m in markup), (text, channel)
+            for call in whole.tool_calls:
+                json.loads(call["function"]["arguments"])
+
+
+@pytest.mark.parametrize("text,calls", [
+    # Variants seen in agents' DSML recovery code: a "｜" before the wrapper's ">", no
+    # string="..." flag (JSON when it parses), single quotes, extra spaces.
+    ('<｜DSML｜tool_calls｜><｜DSML｜invoke name="read"><｜DSML｜parameter name="path">/a</｜DSML｜parameter>'
+     '<｜DSML｜parameter name="limit">20</｜DSML｜parameter></｜DSML｜invoke></｜DSML｜tool_calls｜>',
+     [("read", {"path": "/a", "limit": 20})]),
+    ("<｜DSML｜tool_calls>\n<｜DSML｜invoke  name='glob' >\n<｜DSML｜parameter name='pattern'  string='true'>**/*.ts"
+     "</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>", [("glob", {"pattern": "**/*.ts"})]),
+])
+def test_attribute_variants(text, calls):
+    msg = both(text + EOS, thinking=False)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.tool_calls] == calls
+    assert msg.content == ""

@@ -60,11 +60,20 @@ def test_prefixes_only_in_thinking_mode():
     assert effort_prefix("0731", "high", thinking=True) == effort_prefix("preview", "max", thinking=True)
 
 
+# 0731 rows: vLLM tests/tokenizers_/test_deepseek_v4.py::
+# test_deepseek_v4_maps_compatible_thinking_reasoning_effort_values (every row, "unexpected"
+# included). Preview rows: the mapping of vLLM's preview-era vllm/tokenizers/deepseek_v4.py
+# ("max"/"xhigh" -> max, "none" -> no thinking, anything else -> high).
+# None keeps the release default (DeepSeek's reference); vLLM sends "high" instead.
 @pytest.mark.parametrize("release,given,want", [
-    ("0731", "medium", ("low", True)), ("0731", "minimal", ("low", True)), ("0731", "xhigh", ("high", True)),
-    ("0731", "max", ("max", True)), ("0731", "none", (None, False)), ("preview", "low", (None, True)),
-    ("preview", "medium", (None, True)), ("preview", "high", ("high", True)), ("preview", None, (None, True)),
-    ("0731", "bogus", ("bogus", True)),
+    ("0731", "none", (None, False)), ("0731", "minimal", ("low", True)), ("0731", "low", ("low", True)),
+    ("0731", "medium", ("low", True)), ("0731", "high", ("high", True)), ("0731", "xhigh", ("high", True)),
+    ("0731", "max", ("max", True)), ("0731", "unexpected", ("high", True)), ("0731", None, (None, True)),
+    ("preview", "none", (None, False)), ("preview", "max", ("max", True)), ("preview", "xhigh", ("max", True)),
+    ("preview", "high", ("high", True)), ("preview", "low", ("high", True)), ("preview", "medium", ("high", True)),
+    ("preview", "unexpected", ("high", True)), ("preview", None, (None, True)),
 ])
-def test_openai_effort_names_map_to_the_release(release, given, want):
+def test_requested_efforts_map_to_the_release(release, given, want):
     assert normalize_effort(release, given) == want
+    effort, _ = want
+    effort_prefix(release, effort, thinking=True)  # every mapped value is one the release accepts

@@ -72,10 +72,13 @@ def render_tools(tools: list[dict]) -> str:
 
 
 def tool_call_arguments(arguments: Any) -> dict:
-    """The arguments of an OpenAI tool call as a dict. A JSON string that does not parse is
-    kept whole under the key "arguments", as SGLang's copy of the reference does."""
+    """The arguments of an OpenAI tool call as a dict. None or a blank string is no
+    arguments (as vLLM reads them); a JSON string that does not parse is kept whole under
+    the key "arguments", as SGLang's copy of the reference does."""
     if isinstance(arguments, dict):
         return arguments
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        return {}
     if isinstance(arguments, str):
         try:
             parsed = json.loads(arguments)

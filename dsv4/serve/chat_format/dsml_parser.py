@@ -1,168 +1,180 @@
-"""An incremental parser for one DSML tool-call block (the text after `<｜DSML｜tool_calls>`).
+"""An incremental, tolerant parser for DSML tool-call markup (docs/architecture.md, "Chat
+format"): from the first `<｜DSML｜` (or `</｜DSML｜`) tag to the end of the block.
 
-It reads the canonical form the reference encoder writes (see dsml.py), which is what the
-reference parser (`parse_tool_calls` in encoding_dsv4.py) reads, and turns it into events as
-early as the text allows: ("start", name) once an invoke's header and its first parameter's
-header (or its close tag) are valid; ("args", text) pieces of the OpenAI arguments JSON, a
-parameter's value streaming as it arrives; ("end",) when the invoke closes. The pieces of one
-invoke concatenate to the reference's decode_dsml_to_arguments: `{"k": <value>, ...}`, where
-a string="true" value becomes a JSON string and a string="false" value is spliced in raw.
+It reads the canonical block the reference encoder writes (dsml.py) and what models emit
+besides: no `tool_calls` wrapper (bare invokes), damaged wrappers (dsml_tags.py), compact
+or indented layout (whitespace between tags is ignored), self-closing invokes, a missing
+`</｜DSML｜parameter>` (the value ends at the next parameter, `</｜DSML｜invoke>` or the
+wrapper's close), a
+missing `</｜DSML｜invoke>` (the invoke ends at the next invoke or the wrapper's close), and
+an invoke body given as a JSON object. Stray tags are dropped: markup never becomes text.
 
-Invariant: `raw` is the consumed text not yet reflected in an event (since the last complete
-header or close tag); when the block turns out malformed the caller gives it back as text,
-and an invoke already started is closed with the parameters it has (valid JSON).
+States: OUT (between invokes), INVOKE (inside one, between parameters), VALUE (inside a
+parameter). The block ends at the wrapper's close tag, or at text outside any invoke (that
+text is content again). Events, in `events`: ("start", name) as soon as an invoke's header
+is read, ("args", piece) as the arguments JSON grows (arguments.py), ("end",) when it
+closes. An invoke cut by the end of output gets no "end".
 """
 
 from __future__ import annotations
 
-from dsv4.serve.chat_format.dsml import (BLOCK_CLOSE, INVOKE_CLOSE, INVOKE_OPEN, PARAM_CLOSE, PARAM_OPEN,
-                             to_json)
-from dsv4.text.tokens import EOS
+from dsv4.serve.chat_format.arguments import ArgumentWriter
+from dsv4.serve.chat_format.dsml_tags import MARKS, Tag, mark_at, may_be_mark, read_tag
+from dsv4.text.tokens import DSML
 
-_INVOKE_HEADER_END = '">\n'
-_PARAM_NAME_END = '" string="'
-_FLAGS = {'true">': True, 'false">': False}
-_MAX_NAME = 512  # a header longer than this without its terminator is malformed
-
-MORE, CLOSED, MALFORMED = "more", "closed", "malformed"
-
-
-class _Malformed(Exception):
-    pass
+OUT, INVOKE, VALUE = "out", "invoke", "value"
+PARAM_CLOSE = f"</{DSML}parameter>"
+# Where a value ends when its close tag is missing (the text before loses one newline).
+_LOOKAHEADS = (f"<{DSML}parameter name=", f"</{DSML}invoke>", f"</{DSML}tool_calls>")
+_VALUE_ENDS = (PARAM_CLOSE, *_LOOKAHEADS)
+_VALUE_HOLD = (*_VALUE_ENDS, *("\n" + end for end in _LOOKAHEADS))
+_FLAGS = {"true": True, "false": False}
 
 
 class DsmlBlockParser:
-    def __init__(self, raw: str):
-        self.raw = raw                 # see the module invariant
-        self.events: list[tuple] = []  # produced since the caller last cleared it
-        self._state = self._between
-        self._params: set[str] = set()
-        self._pending_name: str | None = None  # an invoke header not yet reported
-        self._in_invoke = False                # "start" reported, "end" not yet
-        self._is_string = False
-        self._accounted = False        # the current step produced an event or closed a tag
+    def __init__(self, schemas: dict[str, dict] | None = None):
+        self.events: list[tuple] = []     # produced since the caller last cleared it
+        self._schemas = schemas or {}
+        self._state = OUT
+        self._writer: ArgumentWriter | None = None
+        self._call_open = False           # "start" sent, "end" not yet
+        self._after_value = INVOKE        # the state a parameter's value returns to
+        self._cut_tag = False             # the end of output came inside a tag
 
-    def feed(self, buf: str) -> tuple[int, str]:
-        """Consume a prefix of `buf`; return (chars consumed, MORE | CLOSED | MALFORMED)."""
+    def feed(self, buf: str, final: bool) -> tuple[int, bool]:
+        """Consume a prefix of `buf`; return (chars consumed, whether the block ended).
+        `final`: no more text will come (the end of output)."""
         pos = 0
-        try:
-            while self._state is not None:
-                self._accounted = False
-                used = self._state(buf, pos)
-                if used == 0:
-                    return pos, MORE
-                self.raw = "" if self._accounted else self.raw + buf[pos:pos + used]
-                pos += used
-        except _Malformed:
-            if self._in_invoke:
-                self._end_invoke()
-            return pos, MALFORMED
-        return pos, CLOSED
+        while True:
+            state = self._state
+            used, ended = {OUT: self._out, INVOKE: self._invoke, VALUE: self._value}[state](buf, pos, final)
+            pos += used
+            if ended or (used == 0 and self._state == state):
+                return pos, ended
 
-    # Each state reads buf from pos and returns the chars it used (0: wait for more text).
+    def cut(self) -> bool:
+        """End of output inside the block; True when it came inside an invoke or a tag (an
+        open call then stays unfinished: it never gets its "end")."""
+        unfinished = self._state != OUT or self._cut_tag
+        self._state, self._writer, self._call_open = OUT, None, False
+        return unfinished
 
-    def _between(self, buf: str, pos: int) -> int:
-        found = _match(buf, pos, ("\n" + INVOKE_OPEN, "\n" + BLOCK_CLOSE))
-        if found is not None:
-            self._state = self._invoke_name if INVOKE_OPEN in found else None
-        return len(found or "")
+    # ---- states: each reads buf from pos, returns (chars used, block ended) -----------------
+    def _out(self, buf: str, pos: int, final: bool) -> tuple[int, bool]:
+        start = pos
+        while pos < len(buf) and buf[pos].isspace():
+            pos += 1
+        if pos < len(buf) and mark_at(buf, pos):
+            return self._tag(buf, start, pos, final)
+        if pos < len(buf) and may_be_mark(buf, pos):
+            if not final:
+                return pos - start, False
+            self._cut_tag = True                   # a tag cut off by the end of output
+            return len(buf) - start, False
+        if pos == len(buf):
+            return pos - start, False
+        return pos - start, True                   # text outside any invoke: content again
 
-    def _invoke_name(self, buf: str, pos: int) -> int:
-        name = _read_name(buf, pos, _INVOKE_HEADER_END)
-        if name is None:
-            return 0
-        self._pending_name, self._params = name, set()
-        self._state = self._invoke_body
-        return len(name) + len(_INVOKE_HEADER_END)
+    def _invoke(self, buf: str, pos: int, final: bool) -> tuple[int, bool]:
+        at = _next_mark(buf, pos)
+        if at == pos:
+            return self._tag(buf, pos, pos, final)
+        end = at if at >= 0 else len(buf) - _held(buf, pos, MARKS)
+        self._writer.body_text(buf[pos:end])
+        return (len(buf) if final and at < 0 else end) - pos, False
 
-    def _invoke_body(self, buf: str, pos: int) -> int:
-        """Right after an invoke header: its first parameter, or (no parameters) its close."""
-        found = _match(buf, pos, (PARAM_OPEN, "\n" + INVOKE_CLOSE))
-        return self._open_param_or_close(found)
+    def _value(self, buf: str, pos: int, final: bool) -> tuple[int, bool]:
+        at, end = _earliest(buf, pos, _VALUE_ENDS)
+        if end is None:                            # at the end, a partial terminator is dropped
+            stop = len(buf) - _held(buf, pos, _VALUE_HOLD)
+            self._writer.value(buf[pos:stop])
+            return (len(buf) if final else stop) - pos, False
+        text = buf[pos:at]
+        if end != PARAM_CLOSE and text.endswith("\n"):
+            text = text[:-1]
+        self._writer.value(text)
+        self._writer.close_param()
+        self._state = self._after_value
+        return at - pos + (len(end) if end == PARAM_CLOSE else 0), False
 
-    def _after_param(self, buf: str, pos: int) -> int:
-        found = _match(buf, pos, ("\n" + PARAM_OPEN, "\n" + INVOKE_CLOSE))
-        return self._open_param_or_close(found)
+    # ---- tags --------------------------------------------------------------------------------
+    def _tag(self, buf: str, start: int, pos: int, final: bool) -> tuple[int, bool]:
+        tag = read_tag(buf, pos, final)
+        if tag is None:
+            return pos - start, False
+        used = tag.end - start
+        if tag.cut:                                # never completed: no effect, and unfinished
+            self._cut_tag = True
+            return used, False
+        if tag.kind == "invoke":
+            return used, self._on_invoke(tag)
+        if tag.kind == "parameter":
+            if not tag.closing:
+                self._open_param(tag)
+            return used, False
+        if tag.closing:                            # the wrapper's close ends the block
+            self._end_call()
+            return used, True
+        return used, False                         # a wrapper's open (damaged or not)
 
-    def _open_param_or_close(self, found: str | None) -> int:
-        if found is None:
-            return 0
-        if PARAM_OPEN in found:
-            self._state = self._param_header
-        else:
-            self._start_invoke()
-            self._end_invoke()
-            self._state = self._between
-        return len(found)
+    def _on_invoke(self, tag: Tag) -> bool:
+        self._end_call()
+        if tag.closing:
+            return False
+        name = tag.attrs.get("name") or None       # an invoke without a name is read, then dropped
+        emit = self._emit_args if name else _ignore
+        self._writer = ArgumentWriter(name or "(unnamed)", self._schemas.get(name), emit)
+        if name:
+            self.events.append(("start", name))
+            self._call_open = True
+        self._state = INVOKE
+        if tag.self_closing:
+            self._end_call()
+        return False
 
-    def _start_invoke(self) -> None:
-        if self._pending_name is not None:
-            self._emit("start", self._pending_name)
-            self._pending_name, self._in_invoke = None, True
+    def _open_param(self, tag: Tag) -> None:
+        if self._state == OUT:                     # a parameter outside any invoke: dropped
+            self._writer = ArgumentWriter("(none)", None, _ignore)
+        self._after_value = self._state
+        self._writer.open_param(tag.attrs.get("name"), _FLAGS.get(tag.attrs.get("string", "").lower()))
+        self._state = VALUE
+        if tag.self_closing:
+            self._writer.close_param()
+            self._state = self._after_value
 
-    def _end_invoke(self) -> None:
-        self._emit("args", "}" if self._params else "{}")
-        self._emit("end")
-        self._in_invoke = False
+    def _end_call(self) -> None:
+        if self._state == VALUE:
+            self._writer.close_param()
+        if self._writer is not None and self._state != OUT:
+            self._writer.close()
+            if self._call_open:
+                self.events.append(("end",))
+        self._state, self._writer, self._call_open = OUT, None, False
 
-    def _param_header(self, buf: str, pos: int) -> int:
-        name = _read_name(buf, pos, _PARAM_NAME_END)
-        if name is None:
-            return 0
-        flag_at = pos + len(name) + len(_PARAM_NAME_END)
-        flag = _match(buf, flag_at, tuple(_FLAGS))
-        if flag is None:
-            return 0
-        if name in self._params:
-            raise _Malformed  # the reference rejects a repeated parameter name
-        self._is_string = _FLAGS[flag]
-        self._start_invoke()
-        opener = ", " if self._params else "{"
-        self._params.add(name)
-        self._emit("args", opener + to_json(name) + ": " + ('"' if self._is_string else ""))
-        self._state = self._param_value
-        return flag_at + len(flag) - pos
-
-    def _param_value(self, buf: str, pos: int) -> int:
-        end = buf.find(PARAM_CLOSE, pos)
-        if end < 0:
-            keep = max(held_tail(buf, PARAM_CLOSE, pos), held_tail(buf, EOS, pos))
-            self._emit_value(buf[pos:len(buf) - keep])
-            return len(buf) - keep - pos
-        self._emit_value(buf[pos:end])
-        if self._is_string:
-            self._emit("args", '"')
-        self._accounted = True
-        self._state = self._after_param
-        return end + len(PARAM_CLOSE) - pos
-
-    def _emit_value(self, text: str) -> None:
-        if text:
-            self._emit("args", to_json(text)[1:-1] if self._is_string else text)
-
-    def _emit(self, *event) -> None:
-        self.events.append(event)
-        self._accounted = True
-
-
-def _match(buf: str, pos: int, alternatives: tuple[str, ...]) -> str | None:
-    """The alternative `buf` continues with at `pos`; None while it may still become one."""
-    rest = buf[pos:]
-    for alt in alternatives:
-        if rest.startswith(alt):
-            return alt
-    if any(alt.startswith(rest) for alt in alternatives):
-        return None
-    raise _Malformed
+    def _emit_args(self, piece: str) -> None:
+        self.events.append(("args", piece))
 
 
-def _read_name(buf: str, pos: int, terminator: str) -> str | None:
-    """The name before `terminator`; None while incomplete. Names are single-line."""
-    end = buf.find(terminator, pos)
-    name = buf[pos:end] if end >= 0 else buf[pos:]
-    if "\n" in name or len(name) > _MAX_NAME:
-        raise _Malformed
-    return name if end >= 0 else None
+def _ignore(piece: str) -> None:
+    pass
+
+
+def _next_mark(buf: str, pos: int) -> int:
+    found = [i for i in (buf.find(m, pos) for m in MARKS) if i >= 0]
+    return min(found) if found else -1
+
+
+def _earliest(buf: str, pos: int, ends: tuple[str, ...]) -> tuple[int, str | None]:
+    best, found = len(buf), None
+    for end in ends:
+        at = buf.find(end, pos)
+        if 0 <= at < best:
+            best, found = at, end
+    return best, found
+
+
+def _held(buf: str, pos: int, markers: tuple[str, ...]) -> int:
+    return max(held_tail(buf, m, pos) for m in markers)
 
 
 def held_tail(text: str, marker: str, start: int = 0) -> int:

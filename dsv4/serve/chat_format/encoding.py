@@ -37,17 +37,23 @@ _RESPONSE_FORMAT = "## Response Format:\n\nYou MUST strictly adhere to the follo
 def encode_messages(messages: list[dict], *, thinking: bool, reasoning_effort: str | None = None,
                     tools: list[dict] | None = None, response_format: dict | None = None,
                     release: str = "0731", add_generation_prompt: bool = True,
-                    drop_thinking: bool = True) -> str:
+                    drop_thinking: bool = True, continue_final_message: bool = False) -> str:
     """The prompt for `messages`. `tools` are OpenAI tools ({"type": "function", ...});
     `reasoning_effort` must be one the release accepts (release.REASONING_EFFORTS).
     `add_generation_prompt=False` leaves out the `<｜Assistant｜>` + think token after a final
-    user/developer message (a task's tokens stay). Messages may also carry the reference's
-    extras: role "latest_reminder", "task" (a TASK_TOKENS name) and "wo_eos".
+    user/developer message (a task's tokens stay). `continue_final_message`: the last
+    message is an assistant turn the model goes on with: no EOS after it, and in thinking
+    mode, when it has reasoning but no content, no `</think>` either (see
+    `continuation_channel`). Messages may also carry the reference's extras: role
+    "latest_reminder", "task" (a TASK_TOKENS name) and "wo_eos".
     Raises ValueError for a message the format cannot express."""
     prefix = effort_prefix(release, reasoning_effort, thinking)
     if not messages:
         raise ValueError("messages is empty")
-    msgs = _attach_request_options([_normalize(m) for m in messages], tools, response_format)
+    msgs = [_normalize(m) for m in messages]
+    if continue_final_message:
+        msgs[-1] = _open_final_turn(msgs[-1])
+    msgs = _attach_request_options(msgs, tools, response_format)
     msgs = _sort_tool_results(_merge_tool_results(msgs))
     # Invariant from here on: no "tool" role; every user message has "blocks".
     drop = drop_thinking and not any(m.get("tools") for m in msgs)
@@ -58,6 +64,23 @@ def encode_messages(messages: list[dict], *, thinking: bool, reasoning_effort: s
         parts.append(_render(index, msgs, thinking, drop))
         parts.append(_transition(index, msgs, thinking, drop, add_generation_prompt))
     return "".join(parts)
+
+
+def continuation_channel(messages: list[dict], thinking: bool) -> str:
+    """Where the model's text goes when it continues the final assistant message:
+    "reasoning" (thinking mode, the message has no content or tool calls yet) or "content"."""
+    last = _normalize(messages[-1])
+    prev_has_task = len(messages) > 1 and messages[-2].get("task") is not None
+    open_reasoning = thinking and not prev_has_task and not last.get("content") and not last.get("tool_calls")
+    return "reasoning" if open_reasoning else "content"
+
+
+def _open_final_turn(msg: dict) -> dict:
+    if msg["role"] != "assistant":
+        raise ValueError("continue_final_message: the last message must be an assistant message")
+    if msg["tool_calls"]:
+        raise ValueError("continue_final_message: the message to continue has tool_calls")
+    return {**msg, "wo_eos": True, "open_reasoning": not msg["content"]}
 
 
 # ---- input normalisation ----------------------------------------------------------------
@@ -233,6 +256,8 @@ def _render_block(block: dict) -> str:
 def _render_assistant(msg: dict, keep_reasoning: bool) -> str:
     """An assistant turn: [reasoning</think>] content [\\n\\n tool-call block] [EOS]. With
     `keep_reasoning` this is exactly the text the model generates for the turn."""
+    if keep_reasoning and msg.get("open_reasoning"):
+        return msg.get("reasoning") or ""      # a continued turn still reasoning
     text = (msg.get("reasoning") or "") + THINK_END if keep_reasoning else ""
     text += msg.get("content") or ""
     if msg.get("tool_calls"):

@@ -45,21 +45,23 @@ _PREFIXES = {
 REASONING_EFFORTS = {release: tuple(prefixes) for release, prefixes in _PREFIXES.items()}
 
 
-# OpenAI's effort names -> the release's own (server policy, as vLLM maps them); "none"
-# turns thinking off instead.
-_OPENAI_EFFORTS = {
-    "preview": {"minimal": None, "low": None, "medium": None, "xhigh": "high"},
-    "0731": {"minimal": "low", "medium": "low", "xhigh": "high"},
+# Any requested effort -> the release's own, as vLLM maps them (server policy): "none"
+# turns thinking off; None keeps the release's default (preview: no prefix; 0731: "low",
+# where vLLM defaults to "high"); any other value, unknown ones included, maps as below.
+_EFFORT_MAP = {
+    "preview": ({"max": "max", "xhigh": "max"}, "high"),
+    "0731": ({"max": "max", "low": "low", "minimal": "low", "medium": "low"}, "high"),
 }
 
 
 def normalize_effort(release: str, reasoning_effort: str | None) -> tuple[str | None, bool]:
-    """(the release's effort, whether thinking stays allowed) for an OpenAI-style effort."""
+    """(the release's effort, whether thinking stays allowed) for a requested effort."""
+    if reasoning_effort is None:
+        return None, True
     if reasoning_effort == "none":
         return None, False
-    if reasoning_effort in _PREFIXES.get(release, {}):
-        return reasoning_effort, True
-    return _OPENAI_EFFORTS.get(release, {}).get(reasoning_effort, reasoning_effort), True
+    named, otherwise = _EFFORT_MAP.get(release, ({}, reasoning_effort))
+    return named.get(reasoning_effort, otherwise), True
 
 
 def effort_prefix(release: str, reasoning_effort: str | None, thinking: bool) -> str:

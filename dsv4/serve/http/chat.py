@@ -26,7 +26,7 @@ class ChatChoice:
     def __init__(self, index: int, plan: ChatPlan, state: ServerState, texts: TokenTexts):
         self.index, self.top, self.texts = index, plan.top_logprobs, texts
         self.text = TextStream(state.tokenizer, plan.prompt_ids, plan.params[index])
-        self.parser = OutputParser(plan.thinking, plan.tools_enabled)
+        self.parser = OutputParser(plan.thinking, plan.tools_enabled, tools=plan.tools, start=plan.start)
         self.initial = self.parser.feed(plan.prefill) if plan.prefill else []
         self.num_tokens = 0
         self.logprobs: list[dict] = []

@@ -5,6 +5,12 @@ call the model writes; "required" and a named function prefill the assistant tur
 opening of a DSML tool-call block (and the invoke header for a named one), so the reply
 *is* a tool call. A prefilled reply starts right after `</think>`: forced tool choices
 run without thinking.
+
+Continuation: an assistant message with `"prefix": true` (DeepSeek's API; the last message
+only) or `continue_final_message` (vLLM's name) is continued rather than closed: the prompt
+ends inside that turn (encoding.encode_messages) and the parser starts where the turn
+stands (reasoning or content). `add_generation_prompt: false` (vLLM) leaves out the
+`<｜Assistant｜>` after a final user message; the output is then read as content.
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from dataclasses import dataclass
 
 from ...sampling_params import SamplingParams
 from ..chat_format.dsml import BLOCK_OPEN, BLOCK_SEPARATOR, INVOKE_OPEN
-from ..chat_format.encoding import encode_messages
+from ..chat_format.encoding import continuation_channel, encode_messages
 from .errors import bad_request
 from ..chat_format.release import normalize_effort
 from .protocol import (ChatCompletionRequest, check_messages, check_model, check_response_format,
@@ -32,6 +38,8 @@ class ChatPlan:
     tools_enabled: bool
     prefill: str                      # assistant text already at the end of the prompt
     top_logprobs: int | None          # None: no logprobs
+    tools: list[dict] | None = None   # the request's tools (their schemas type the arguments)
+    start: str = "content"            # where the output begins: "reasoning" or "content"
 
 
 def plan_chat(req: ChatCompletionRequest, state: ServerState) -> ChatPlan:
@@ -41,8 +49,11 @@ def plan_chat(req: ChatCompletionRequest, state: ServerState) -> ChatPlan:
     mode = req.tool_choice_mode()
     effort, thinking_allowed = normalize_effort(state.release, req.reasoning_effort)
     thinking = req.thinking and thinking_allowed and mode not in ("required", "named")
+    continuing, generation_prompt = _turn(req, mode)
     prefill = _prefill(req, mode)
-    prompt_ids = state.tokenizer.encode(_prompt_text(req, state, thinking, effort) + prefill)
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    prompt = _prompt_text(req, state, messages, thinking, effort, continuing, generation_prompt)
+    prompt_ids = state.tokenizer.encode(prompt + prefill)
     top = _top_logprobs(req)
     info = state.info
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -51,7 +62,10 @@ def plan_chat(req: ChatCompletionRequest, state: ServerState) -> ChatPlan:
     if req.n > MAX_N:
         raise bad_request(f"n: at most {MAX_N} choices per request, got {req.n}", "n")
     base = sampling_params(req, info.vocab_size, max_tokens, logprobs=top, skip_special_tokens=False)
-    return ChatPlan(model, prompt_ids, per_choice(base), thinking, mode != "none", prefill, top)
+    start = (continuation_channel(messages, thinking) if continuing
+             else "reasoning" if thinking and generation_prompt else "content")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    return ChatPlan(model, prompt_ids, per_choice(base), thinking, mode != "none", prefill, top, tools, start)
 
 
 def per_choice(params: SamplingParams) -> list[SamplingParams]:
@@ -60,15 +74,36 @@ def per_choice(params: SamplingParams) -> list[SamplingParams]:
             for i in range(params.n)]
 
 
-def _prompt_text(req: ChatCompletionRequest, state: ServerState, thinking: bool, effort: str | None) -> str:
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+def _turn(req: ChatCompletionRequest, mode: str) -> tuple[bool, bool]:
+    """(whether the final assistant message is continued, whether the prompt ends with the
+    generation prompt); raises APIError(400) for combinations that contradict each other."""
+    last = len(req.messages) - 1
+    for i, message in enumerate(req.messages):
+        if message.prefix and (i != last or message.role != "assistant"):
+            raise bad_request(f"messages.{i}.prefix: only the last message, an assistant one, can be "
+                              f"a prefix to continue", f"messages.{i}.prefix")
+    continuing = req.continue_final_message or req.messages[last].prefix
+    if continuing and req.add_generation_prompt:
+        raise bad_request("add_generation_prompt: cannot be true when the final message is continued "
+                          "(continue_final_message or prefix)", "add_generation_prompt")
+    if continuing and req.messages[last].role != "assistant":
+        raise bad_request("continue_final_message: the last message must be an assistant message",
+                          "continue_final_message")
+    if continuing and mode in ("required", "named"):
+        raise bad_request("tool_choice: a forced tool call cannot continue an assistant message", "tool_choice")
+    return continuing, not continuing and req.add_generation_prompt is not False
+
+
+def _prompt_text(req: ChatCompletionRequest, state: ServerState, messages: list[dict], thinking: bool,
+                 effort: str | None, continuing: bool, generation_prompt: bool) -> str:
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     try:
         return encode_messages(messages, thinking=thinking, reasoning_effort=effort,
                                tools=tools, response_format=check_response_format(req.response_format),
-                               release=state.release)
+                               release=state.release, add_generation_prompt=generation_prompt,
+                               continue_final_message=continuing)
     except ValueError as e:
-        param = "reasoning_effort" if "reasoning_effort" in str(e) else "messages"
+        param = next((p for p in ("reasoning_effort", "continue_final_message") if p in str(e)), "messages")
         raise bad_request(f"{param}: {e}", param) from None
 
 

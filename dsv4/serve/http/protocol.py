@@ -81,6 +81,7 @@ class ChatMessage(_Model):
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    prefix: bool = False           # DeepSeek's "continue this assistant message" (last only)
 
 
 class FunctionDef(_Model):
@@ -120,6 +121,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    continue_final_message: bool = False       # vLLM's names for prefix continuation
+    add_generation_prompt: bool | None = None  # None: true unless continuing
 
     @property
     def thinking(self) -> bool:
