@@ -8,9 +8,10 @@ score(t, j) = sum_h w[t, h] * ReLU(q[t, h] . keys[cand[t, j]]) * Di^-0.5   (fp32
             = -inf where cand[t, j] < 0.
 
 cand may be a PagedRows (dsv4/ops/paged.py; E = its width): the kernel then computes the rows
-from the page table (PER_PAGE constexpr: a shift and a mask for a power of two), and the chosen
-positions become rows through PagedRows.rows_at, so scores and selection are bit-identical to
-those of its dense form.
+from the page table (PER_PAGE constexpr: a shift and a mask for a power of two), and one more
+kernel turns the chosen positions into rows (PagedRows.rows_at where the score is finite, in one
+pass instead of a dozen torch ops), so scores and selection are bit-identical to those of its
+dense form.
 """
 import os
 
@@ -73,6 +74,35 @@ def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, ou
     tl.store(out_ptr + t * stride_ot + offs_e, scores, mask=e_ok)
 
 
+@triton.jit
+def _chosen_rows_kernel(pos_ptr, val_ptr, pages_ptr, req_ptr, lo_ptr, out_ptr, K, n_kblk, pitch,
+                        stride_pr, stride_pc, PER_PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    # positions/scores/out [T, K] contiguous: out = the pool row of item lo[t] + pos where the
+    # score is finite (so pos < hi - lo: the rest scored -inf), else -1.
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid // n_kblk
+    offs = t * K + (pid % n_kblk) * BLOCK + tl.arange(0, BLOCK)
+    ok = (pid % n_kblk) * BLOCK + tl.arange(0, BLOCK) < K
+    chosen = ok & (tl.load(val_ptr + offs, mask=ok, other=float("-inf")) > float("-inf"))
+    item = tl.load(lo_ptr + t).to(tl.int32) + tl.load(pos_ptr + offs, mask=chosen, other=0).to(tl.int32)
+    page = tl.load(pages_ptr + tl.load(req_ptr + t).to(tl.int64) * stride_pr + (item // PER_PAGE) * stride_pc,
+                   mask=chosen, other=-1).to(tl.int64)
+    tl.store(out_ptr + offs, tl.where(chosen, page * pitch + item % PER_PAGE, -1), mask=ok)
+
+
+def _chosen_rows(cand: PagedRows, top) -> torch.Tensor:
+    """torch.where(top.values > -inf, cand.rows_at(top.indices), -1) in one kernel."""
+    T, k = top.indices.shape
+    out = torch.empty((T, k), dtype=torch.long, device=top.indices.device)
+    block = min(1024, triton.next_power_of_2(k))
+    n_kblk = triton.cdiv(k, block)
+    _chosen_rows_kernel[(T * n_kblk,)](
+        top.indices.contiguous(), top.values.contiguous(), cand.pages, cand.req.contiguous(), cand.lo.contiguous(), out, k, n_kblk,
+        cand.pitch, cand.pages.stride(0), cand.pages.stride(1), PER_PAGE=cand.per_page, BLOCK=block,
+        num_warps=4)
+    return out
+
+
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor | PagedRows,
                    block_e: int = BLOCK_E, weight_scale: float = 1.0) -> torch.Tensor:
     """q [T, Hi, Di], weights [T, Hi] (x weight_scale), keys [N, Di], cand [T, E] (-1 = absent)
@@ -118,5 +148,6 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, can
     # Selection as the reference's _select (scores are finite or -inf: `> -inf` is its isfinite,
     # one kernel instead of three, and a scalar -1 needs no filled tensor).
     top = indexer_scores(q, weights, keys, cand, weight_scale=weight_scale).topk(k, dim=-1)
-    rows = cand.rows_at(top.indices) if paged else cand.gather(1, top.indices)
-    return torch.where(top.values > float("-inf"), rows, -1)
+    if paged:
+        return _chosen_rows(cand, top)
+    return torch.where(top.values > float("-inf"), cand.gather(1, top.indices), -1)
