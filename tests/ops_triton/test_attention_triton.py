@@ -127,13 +127,14 @@ def test_dispatch_and_fallback(device, monkeypatch):
         kernel(q, sources, sinks, scale)
 
 
-def paged_inputs(device, T, dtype, widths=(16, 24), seed=0, index_dtype=torch.long):
-    """q, sources [(pool, PagedRows)] (a window-like source of 8-item pages and a history-like
-    one of 4-item pages, pitch 3x: pages interleaved with other layers'), sinks."""
+def paged_inputs(device, T, dtype, widths=(16, 24), seed=0, index_dtype=torch.long, per_pages=(16, 4)):
+    """q, sources [(pool, PagedRows)] (a window-like source of 16-item pages and a history-like
+    one of 4-item pages, pitch 3x: pages interleaved with other layers'), sinks. With blocks of
+    16 slots the kernel reads the first source's pages two a block, the second's slot by slot."""
     g = torch.Generator().manual_seed(seed)
     q = (3 * torch.randn(T, 4, 64, generator=g)).to(device, dtype)
     sources = []
-    for i, (width, per_page) in enumerate(zip(widths, (8, 4))):
+    for i, (width, per_page) in enumerate(zip(widths, per_pages)):
         paged, rows = random_paged(T, width, per_page=per_page, pitch=3 * per_page, seed=seed + i, device=device)
         paged = PagedRows(*(v.to(index_dtype) for v in (paged.pages, paged.req, paged.lo, paged.hi)),
                           per_page=paged.per_page, pitch=paged.pitch, width=paged.width)
@@ -161,15 +162,17 @@ def test_paged_is_dense(device, dtype, mix, splits):
     assert torch.equal(out, triton_attention.sparse_attention(q, dense, sinks, q.shape[-1] ** -0.5, **knobs))
 
 
-@pytest.mark.parametrize("widths", [(16, 0), (0, 24), (0, 0), (5, 37)])
+@pytest.mark.parametrize("widths", [(16, 0), (0, 24), (0, 0), (5, 37), (40, 9)])
 def test_paged_widths_and_int32(device, widths):
-    """Zero and ragged widths (no slot at all, splits over a ragged virtual list), int32 tables."""
-    q, sources, sinks = paged_inputs(device, 9, torch.float32, widths, seed=3, index_dtype=torch.int32)
+    """Zero and ragged widths (no slot at all, splits over a ragged virtual list), int32 tables,
+    pages smaller than, as large as and larger than a block."""
+    q, sources, sinks = paged_inputs(device, 9, torch.float32, widths, seed=3, index_dtype=torch.int32,
+                                     per_pages=(32, 16))
     dense = [(kv, dense_index(idx)) for kv, idx in sources]
-    for splits in (1, 2):
-        out = check(q, sources, sinks, num_splits=splits, block_k=16)
-        assert torch.equal(out, triton_attention.sparse_attention(q, dense, sinks, q.shape[-1] ** -0.5,
-                                                                  num_splits=splits, block_k=16))
+    for splits, block_k in ((1, 16), (2, 16), (2, 32)):
+        knobs = dict(num_splits=splits, block_k=block_k)
+        out = check(q, sources, sinks, **knobs)
+        assert torch.equal(out, triton_attention.sparse_attention(q, dense, sinks, q.shape[-1] ** -0.5, **knobs))
     if widths == (0, 0):
         assert out.abs().max() == 0
 
@@ -187,5 +190,5 @@ def test_paged_dispatch(device, monkeypatch):
     torch.testing.assert_close(got, reference(q, sources, sinks, 0.125), **TOL[q.dtype])
     short = [(sources[0][0], PagedRows(*(v for v in (sources[0][1].pages, sources[0][1].req[:4],
                                                          sources[0][1].lo[:4], sources[0][1].hi[:4])),
-                                       per_page=8, pitch=24, width=16))]
+                                       per_page=16, pitch=48, width=16))]
     assert not triton_attention.supports(q, short, sinks)           # a token count other than T

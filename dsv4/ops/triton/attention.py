@@ -23,7 +23,9 @@ constexpr). A paged source's rows are computed from the page table slot by slot,
 stops at the token's range length hi - lo (early tokens of a prefill chunk skip the blocks past
 it); W still sizes the virtual list, so the splits need no host sync. Skipped slots add nothing
 to m, l, acc (an all -1 block leaves them unchanged), so the result is bit-identical to the
-dense form's. PER_PAGE is a constexpr: a power of two makes the page arithmetic a shift and mask.
+dense form's. PER_PAGE is a constexpr: a power of two makes the page arithmetic a shift and
+mask, and pages of at least BLOCK_K slots (the window's) are read as two scalars a block instead
+of a per-slot gather, which keeps the paged loop at the dense one's registers (sm_90).
 """
 from __future__ import annotations
 
@@ -52,10 +54,16 @@ def _attend(q, m, l, acc, kv_ptr, idx_ptr, stride_kv, lo, hi, qk_scale, dims, d_
     range's length). Carries m, l [H_BLOCK] (log2 units) and acc [H_BLOCK, BLOCK_D] fp32."""
     for start in range(lo, hi, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
-        if PAGED:
-            e = base + slots
-            page = tl.load(idx_ptr + e // PER_PAGE, mask=slots < hi, other=-1).to(tl.int64)
-            idx = tl.where(slots < hi, page * pitch + e % PER_PAGE, -1)
+        if PAGED:   # rows in int32 (fewer registers): 2^31 pool rows would not fit in GPU memory
+            e = base + slots                                                        # items
+            if PER_PAGE >= BLOCK_K:     # the block spans at most two pages: two scalar loads
+                p0 = (base + start) // PER_PAGE
+                page0 = tl.load(idx_ptr + p0).to(tl.int32)
+                page1 = tl.load(idx_ptr + p0 + 1, mask=(p0 + 1) * PER_PAGE < base + hi, other=-1).to(tl.int32)
+                page = tl.where(e // PER_PAGE == p0, page0, page1)
+            else:
+                page = tl.load(idx_ptr + e // PER_PAGE, mask=slots < hi, other=-1).to(tl.int32)
+            idx = tl.where(slots < hi, page * pitch + e % PER_PAGE, -1).to(tl.int64)
         else:
             idx = tl.load(idx_ptr + slots, mask=slots < hi, other=-1).to(tl.int64)
         valid = idx >= 0                                                            # [BLOCK_K]
