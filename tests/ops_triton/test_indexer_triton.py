@@ -163,14 +163,16 @@ def test_paged_is_dense(dtype, topk, block_e, device):
 
 
 @pytest.mark.parametrize("width", [0, 1, 20])
-def test_paged_widths_and_int32(width, device):
-    """Zero and small widths, int32 tables (rows come back long, as the dense form's)."""
+def test_paged_widths_and_int32(width, device, monkeypatch):
+    """Zero and small widths, int32 tables (rows come back long, as the dense form's), chosen
+    positions over several blocks of the rows kernel."""
+    monkeypatch.setattr(tri, "ROWS_BLOCK", 2)
     q, weights, keys, cand = paged_inputs(7, width, torch.float32, device, seed=width, index_dtype=torch.int32)
     dense = cand.dense()
     assert torch.equal(tri.indexer_scores(q, weights, keys, cand), tri.indexer_scores(q, weights, keys, dense))
-    got = tri.indexer_topk(q, weights, keys, cand, 8)
-    assert got.shape == (7, min(8, width)) and got.dtype == torch.long
-    assert torch.equal(got, tri.indexer_topk(q, weights, keys, dense, 8))
+    got = tri.indexer_topk(q, weights, keys, cand, 7)                 # 7: a partial last block
+    assert got.shape == (7, min(7, width)) and got.dtype == torch.long
+    assert torch.equal(got, tri.indexer_topk(q, weights, keys, dense, 7))
 
 
 def test_paged_dispatch(device, monkeypatch):

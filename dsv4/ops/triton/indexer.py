@@ -23,6 +23,7 @@ from ..paged import PagedRows, index_width
 
 BLOCK_E = 128       # candidates per program (best measured on an H200 for E >= 1k: benchmarks/kernels/indexer.py)
 NUM_WARPS = 4
+ROWS_BLOCK = 1024   # chosen positions per program of the paged rows kernel (top-k 512: one a token)
 
 
 @triton.jit
@@ -94,12 +95,12 @@ def _chosen_rows(cand: PagedRows, top) -> torch.Tensor:
     """torch.where(top.values > -inf, cand.rows_at(top.indices), -1) in one kernel."""
     T, k = top.indices.shape
     out = torch.empty((T, k), dtype=torch.long, device=top.indices.device)
-    block = min(1024, triton.next_power_of_2(k))
+    block = min(ROWS_BLOCK, triton.next_power_of_2(k))
     n_kblk = triton.cdiv(k, block)
     _chosen_rows_kernel[(T * n_kblk,)](
-        top.indices.contiguous(), top.values.contiguous(), cand.pages, cand.req.contiguous(), cand.lo.contiguous(), out, k, n_kblk,
-        cand.pitch, cand.pages.stride(0), cand.pages.stride(1), PER_PAGE=cand.per_page, BLOCK=block,
-        num_warps=4)
+        top.indices.contiguous(), top.values.contiguous(), cand.pages, cand.req.contiguous(),
+        cand.lo.contiguous(), out, k, n_kblk, cand.pitch, cand.pages.stride(0), cand.pages.stride(1),
+        PER_PAGE=cand.per_page, BLOCK=block, num_warps=4)
     return out
 
 
