@@ -16,16 +16,31 @@ chosen among its 16384 C4 entries); prefill, one chunk of T tokens late in a lon
 (position 262144 on; a 68 MB C4 pool, larger than L2): windows of consecutive rows of an SWA ring, C4 rows drawn at random below
 each token's causal limit (repeats possible). A second table times tile shapes and the
 slot split (tuning aid): the first row of each case is the default.
+
+A third table times paged sources (PagedRows, dsv4/ops/paged.py) against their dense form on
+the same rows (bit-identical outputs required, and within tolerance of the reference): each
+case's window as a PagedRows over 128-position pages (a CSA layer: the C4 source stays the
+dense top-k), and window plus a range of K compressed entries over 2-entry pages (HCA-like).
+Token t sits at position 65536 + 37 t (decode, request t) or PREFILL_START + t (prefill, one
+request); pages are shuffled and LAYERS layers' pages interleave (pitch = LAYERS x page).
 """
 import sys
 
 
 import torch
 
+<<<<<<< HEAD
 from dsv4.bench.timing import median_ms
 from dsv4.ops import backend
 from dsv4.ops.attention import sparse_attention as dispatch
 from dsv4.ops.triton import attention as tri
+=======
+from dsv4.perf.timing import median_ms  # noqa: E402
+from dsv4.ops import backend  # noqa: E402
+from dsv4.ops.attention import sparse_attention as dispatch  # noqa: E402
+from dsv4.ops.paged import PagedRows  # noqa: E402
+from dsv4.ops.triton import attention as tri  # noqa: E402
+>>>>>>> paged-ops
 
 H, D, W, K = 64, 512, 128, 512
 HBM_BPS, PEAK_FLOPS = 4.2e12, 800e12
@@ -39,6 +54,7 @@ TILES = [(16, 32, 8, 2, None), (16, 32, 4, 2, None), (16, 64, 8, 2, None), (32, 
 PREFILL_SCAN = [(64, 32, 8, 2, None), (64, 64, 8, 2, None), (64, 32, 4, 2, None), (64, 32, 8, 3, None),
                 (64, 16, 8, 2, None), (64, 16, 4, 2, None), (32, 32, 4, 2, None), (64, 64, 8, 3, None)]
 TUNE_CASES = [("decode", 1), ("decode", 64), ("prefill", 4096)]
+LAYERS, SWA_PAGE, HCA_PAGE, HCA_RATIO, DECODE_POS = 4, 128, 2, 128, 65536
 
 
 def make_case(kind, T, gen):
@@ -60,6 +76,58 @@ def make_case(kind, T, gen):
         limit = (PREFILL_START + t + 1) // 4
         c4_idx = (torch.rand(T, K, generator=gen, device=DEVICE) * limit).long()
     return q, [(swa, swa_idx), (c4, c4_idx)], sinks
+
+
+def paged_rows(req, lo, hi, per_page, width, gen):
+    """A PagedRows over shuffled physical pages (pages below every range trimmed to -1), pitch
+    LAYERS * per_page -> (PagedRows, pool rows)."""
+    R = int(req.max()) + 1
+    first, last = int(lo.min()) // per_page, int(hi.max() - 1) // per_page
+    count = last - first + 1
+    pages = torch.full((R, last + 1), -1, dtype=torch.long, device=DEVICE)
+    pages[:, first:] = torch.randperm(R * count, generator=gen, device=DEVICE).view(R, count)
+    return PagedRows(pages, req, lo, hi, per_page, LAYERS * per_page, width), R * count * LAYERS * per_page
+
+
+def make_paged_case(kind, T, gen):
+    """make_case's q, sinks and C4 source, plus the window and an HCA-like history as
+    (pool, PagedRows)."""
+    q, (_, c4_source), sinks = make_case(kind, T, gen)
+    t = torch.arange(T, device=DEVICE)
+    pos = DECODE_POS + 37 * t if kind == "decode" else PREFILL_START + t
+    req = t if kind == "decode" else torch.zeros_like(t)
+    window, n_swa = paged_rows(req, pos - W + 1, pos + 1, SWA_PAGE, W, gen)
+    closed = (pos + 1) // HCA_RATIO
+    history, n_hca = paged_rows(req, (closed - K).clamp(min=0), closed, HCA_PAGE, K, gen)
+
+    def rows(n):
+        return torch.randn(n, D, generator=gen, device=DEVICE).to(torch.bfloat16)
+    return q, sinks, (rows(n_swa), window), c4_source, (rows(n_hca), history)
+
+
+def paged_table(gen, scale) -> int:
+    """Print paged against dense on the same rows; -> number of failures."""
+    print(f"\npaged sources against their dense form (same rows; pitch = {LAYERS} x page, shuffled pages)")
+    print(f"{'case':>14} {'layer':>5} {'dense ms':>9} {'paged ms':>9} {'paged/dense':>11} {'bitwise':>7}")
+    failures = 0
+    for kind, T in CASES:
+        q, sinks, window, c4_source, history = make_paged_case(kind, T, gen)
+        for layer, paged in (("CSA", [window, c4_source]), ("HCA", [window, history])):
+            dense = [(kv, idx.dense() if isinstance(idx, PagedRows) else idx) for kv, idx in paged]
+            out = tri.sparse_attention(q, paged, sinks, scale)
+            same = torch.equal(out, tri.sparse_attention(q, dense, sinks, scale))
+            want = reference(q, paged, sinks, scale).float()
+            ok = same and bool(((out.float() - want).abs() <= TOL + TOL * want.abs()).all())
+            failures += not ok
+            reps = 30 if T >= 4096 else 50
+            dense_ms = median_ms(lambda: tri.sparse_attention(q, dense, sinks, scale), reps=reps)
+            paged_ms = median_ms(lambda: tri.sparse_attention(q, paged, sinks, scale), reps=reps)
+            print(f"{kind + ' T=' + str(T):>14} {layer:>5} {dense_ms:9.4f} {paged_ms:9.4f} "
+                  f"{paged_ms / dense_ms:11.2f} {'yes' if same else 'NO':>7}{'' if ok else '  MISMATCH'}")
+            del dense, out, want
+        del q, window, c4_source, history
+        torch.cuda.empty_cache()
+    return failures
 
 
 def reference(*args):
@@ -96,6 +164,8 @@ def main() -> int:
               f"{tfs:8.1f} {100 * tfs * 1e12 / PEAK_FLOPS:5.1f}%")
         del q, sources, out, want, err
         torch.cuda.empty_cache()
+
+    failures += paged_table(gen, scale)
 
     print("\ntile shapes (tuning aid): h_block, block_k, num_warps, num_stages, num_splits (None = auto)")
     for kind, T in TUNE_CASES:

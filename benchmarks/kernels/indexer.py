@@ -15,6 +15,11 @@ blocks that hold only -1 (half the blocks of a causal prefill).
 Cases: decode, T tokens of T different requests, each with E valid entries at distinct pool
 rows; prefill, one chunk of T tokens at positions 0..T-1, E = T / 4 entries, token t sees
 entries e < (t + 1) // 4 (causal -1 tail).
+
+A second table times the same cases with the candidates as a PagedRows (dsv4/ops/paged.py:
+token t's range [0, E) or [0, (t + 1) // 4) over shuffled 64-entry pages, LAYERS layers' pages
+interleaved) against its dense form on the same rows: scores and selection must be
+bit-identical (the dense kernel is checked against the reference in the first table).
 """
 import sys
 
@@ -24,6 +29,7 @@ import torch
 from dsv4.bench.timing import median_ms
 from dsv4.ops import backend
 from dsv4.ops import indexer as ref
+from dsv4.ops.paged import PagedRows
 from dsv4.ops.triton import indexer as tri
 
 HI, DI, TOPK = 64, 128, 512
@@ -35,6 +41,7 @@ BLOCKS = (32, 64, 128)          # BLOCK_E values timed for the scores kernel (tu
 TIE_GAP, RTOL = 1e-4, 1e-5
 DEVICE = "cuda"
 REF_CHUNK = 1024                # queries per chunk of the reference scores (as the reference)
+PAGE, LAYERS = 64, 4            # C4 entries per page; layers whose pages interleave (pitch = LAYERS * PAGE)
 
 
 def make_case(kind, T, E, gen):
@@ -51,6 +58,34 @@ def make_case(kind, T, E, gen):
         limit = (torch.arange(T, device=DEVICE) + 1)[:, None] // 4
         cand = torch.where(e < limit, rows[e], -1)
     return q, weights, keys, cand
+
+
+def make_paged_case(kind, T, E, gen):
+    """make_case's q and weights, candidates as a PagedRows over a pool of shuffled pages."""
+    q, weights, _, _ = make_case(kind, T, E, gen)
+    t = torch.arange(T, device=DEVICE)
+    req = t if kind == "decode" else torch.zeros_like(t)
+    hi = torch.full_like(t, E) if kind == "decode" else (t + 1) // 4
+    R, P = int(req.max()) + 1, -(-E // PAGE)
+    pages = torch.randperm(R * P, generator=gen, device=DEVICE).view(R, P)
+    cand = PagedRows(pages, req, torch.zeros_like(t), hi, PAGE, LAYERS * PAGE, E)
+    keys = torch.randn(R * P * LAYERS * PAGE, DI, generator=gen, device=DEVICE).to(torch.bfloat16)
+    return q, weights, keys, cand
+
+
+def run_paged_case(kind, T, E, gen):
+    """Time paged against dense on the same rows, print its row; -> True on a difference."""
+    q, weights, keys, cand = make_paged_case(kind, T, E, gen)
+    dense = cand.dense()
+    same = (torch.equal(tri.indexer_scores(q, weights, keys, cand), tri.indexer_scores(q, weights, keys, dense))
+            and torch.equal(tri.indexer_topk(q, weights, keys, cand, TOPK),
+                            tri.indexer_topk(q, weights, keys, dense, TOPK)))
+    reps = 5 if T >= 4096 else 50
+    times = [median_ms(lambda c=c: tri.indexer_topk(q, weights, keys, c, TOPK), reps) for c in (dense, cand)]
+    times += [median_ms(lambda c=c: tri.indexer_scores(q, weights, keys, c), reps) for c in (dense, cand)]
+    print(f"{kind:8} {T:6d} {E:5d} " + " ".join(f"{ms:9.3f}" for ms in times)
+          + f" {times[1] / times[0]:11.2f} {'yes' if same else 'NO':>7}")
+    return not same
 
 
 def reference_scores(q, weights, keys, cand):
@@ -145,6 +180,14 @@ def main():
     failed = False
     for kind, T, E in CASES:
         failed |= run_case(kind, T, E, gen)
+        torch.cuda.empty_cache()
+    print(f"\npaged candidates against their dense form (same rows; {PAGE}-entry pages, pitch {LAYERS} x page)")
+    head = (f"{'case':8} {'T':>6} {'E':>5} {'dense ms':>9} {'paged ms':>9} {'dense sc':>9} {'paged sc':>9} "
+            f"{'paged/dense':>11} {'bitwise':>7}")
+    print(head)
+    print("-" * len(head))
+    for kind, T, E in CASES:
+        failed |= run_paged_case(kind, T, E, gen)
         torch.cuda.empty_cache()
     print("FAIL: Triton disagrees with the reference" if failed else "OK: Triton agrees with the reference")
     sys.exit(1 if failed else 0)

@@ -18,7 +18,7 @@ def random_paged(T: int, width: int, *, per_page: int, pitch: int, requests: int
     """-> (PagedRows of T tokens, rows its pool needs)."""
     assert pitch >= per_page
     g = torch.Generator().manual_seed(seed)
-    length = [width + int(torch.randint(0, 3 * width + 1, (1,), generator=g)) for _ in range(requests)]
+    length = [max(width, 1) + int(torch.randint(0, 3 * width + 1, (1,), generator=g)) for _ in range(requests)]
     req = torch.randint(0, requests, (T,), generator=g)
     lo, hi = torch.zeros(T, dtype=torch.long), torch.zeros(T, dtype=torch.long)
     for t in range(T):

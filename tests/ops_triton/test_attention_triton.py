@@ -1,12 +1,20 @@
 """Triton sparse shared-KV attention against the torch reference (dsv4.ops.attention), the
 definition: one/two sources, -1 holes, rows with no valid key, repeated rows, full lists,
-head dims that are not a power of two, split slots (flash-decoding) and the dispatch."""
+head dims that are not a power of two, split slots (flash-decoding) and the dispatch; paged
+sources (PagedRows) against their dense form, bit for bit."""
+import pathlib
+import sys
+
 import pytest
 import torch
 
 import dsv4.ops.attention as attention_ops
 from dsv4.ops import backend
+from dsv4.ops.paged import PagedRows, dense_index
 from dsv4.ops.triton import attention as triton_attention
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "ops"))
+from paged_inputs import random_paged  # noqa: E402
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -117,3 +125,70 @@ def test_dispatch_and_fallback(device, monkeypatch):
     assert not triton_attention.supports(q, sources, sinks)
     with pytest.raises(AssertionError):
         kernel(q, sources, sinks, scale)
+
+
+def paged_inputs(device, T, dtype, widths=(16, 24), seed=0, index_dtype=torch.long, per_pages=(16, 4)):
+    """q, sources [(pool, PagedRows)] (a window-like source of 16-item pages and a history-like
+    one of 4-item pages, pitch 3x: pages interleaved with other layers'), sinks. With blocks of
+    16 slots the kernel reads the first source's pages two a block, the second's slot by slot."""
+    g = torch.Generator().manual_seed(seed)
+    q = (3 * torch.randn(T, 4, 64, generator=g)).to(device, dtype)
+    sources = []
+    for i, (width, per_page) in enumerate(zip(widths, per_pages)):
+        paged, rows = random_paged(T, width, per_page=per_page, pitch=3 * per_page, seed=seed + i, device=device)
+        paged = PagedRows(*(v.to(index_dtype) for v in (paged.pages, paged.req, paged.lo, paged.hi)),
+                          per_page=paged.per_page, pitch=paged.pitch, width=paged.width)
+        sources.append((torch.randn(rows, 64, generator=g).to(device, dtype), paged))
+    return q, sources, torch.randn(4, generator=g).to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mix", ["paged", "paged_dense", "dense_paged", "one"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_is_dense(device, dtype, mix, splits):
+    """A PagedRows source gives the kernel's own result for its dense form, bit for bit (tokens
+    of several requests, windows with lo > 0, short and empty ranges, -1 pages), whether the
+    slots are split or not, and the reference's within tolerance."""
+    q, sources, sinks = paged_inputs(device, 13, dtype)
+    if mix == "paged_dense":
+        sources[1] = (sources[1][0], sources[1][1].dense())
+    elif mix == "dense_paged":
+        sources[0] = (sources[0][0], sources[0][1].dense())
+    elif mix == "one":
+        sources = sources[1:]
+    dense = [(kv, dense_index(idx)) for kv, idx in sources]
+    knobs = dict(num_splits=splits, block_k=16)
+    out = check(q, sources, sinks, **knobs)
+    assert torch.equal(out, triton_attention.sparse_attention(q, dense, sinks, q.shape[-1] ** -0.5, **knobs))
+
+
+@pytest.mark.parametrize("widths", [(16, 0), (0, 24), (0, 0), (5, 37), (40, 9)])
+def test_paged_widths_and_int32(device, widths):
+    """Zero and ragged widths (no slot at all, splits over a ragged virtual list), int32 tables,
+    pages smaller than, as large as and larger than a block."""
+    q, sources, sinks = paged_inputs(device, 9, torch.float32, widths, seed=3, index_dtype=torch.int32,
+                                     per_pages=(32, 16))
+    dense = [(kv, dense_index(idx)) for kv, idx in sources]
+    for splits, block_k in ((1, 16), (2, 16), (2, 32)):
+        knobs = dict(num_splits=splits, block_k=block_k)
+        out = check(q, sources, sinks, **knobs)
+        assert torch.equal(out, triton_attention.sparse_attention(q, dense, sinks, q.shape[-1] ** -0.5, **knobs))
+    if widths == (0, 0):
+        assert out.abs().max() == 0
+
+
+def test_paged_dispatch(device, monkeypatch):
+    """ops.attention.sparse_attention sends PagedRows sources to the kernel."""
+    calls = []
+    kernel = triton_attention.sparse_attention
+    monkeypatch.setattr(attention_ops, "use_triton", lambda t: True)
+    monkeypatch.setattr(triton_attention, "sparse_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    q, sources, sinks = paged_inputs(device, 5, torch.float32)
+    assert triton_attention.supports(q, sources, sinks)
+    got = attention_ops.sparse_attention(q, sources, sinks, 0.125)
+    assert len(calls) == 1
+    torch.testing.assert_close(got, reference(q, sources, sinks, 0.125), **TOL[q.dtype])
+    short = [(sources[0][0], PagedRows(*(v for v in (sources[0][1].pages, sources[0][1].req[:4],
+                                                         sources[0][1].lo[:4], sources[0][1].hi[:4])),
+                                       per_page=16, pitch=48, width=16))]
+    assert not triton_attention.supports(q, short, sinks)           # a token count other than T

@@ -1,12 +1,20 @@
 """Lightning indexer: the Triton scores and selection against the torch reference
 (dsv4/ops/indexer.py). Scores are compared numerically (fp32, different summation order);
-selections as sets, and only on rows whose k-th and (k+1)-th reference scores do not nearly tie."""
+selections as sets, and only on rows whose k-th and (k+1)-th reference scores do not nearly tie.
+Paged candidates (PagedRows) against their dense form: bit for bit."""
+import pathlib
+import sys
+
 import pytest
 import torch
 
 from dsv4.ops import backend
 from dsv4.ops import indexer as ref
+from dsv4.ops.paged import PagedRows
 from dsv4.ops.triton import indexer as tri
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "ops"))
+from paged_inputs import random_paged  # noqa: E402
 
 TIE_GAP = 1e-4          # relative gap between the k-th and (k+1)-th score for a row to count
 
@@ -124,3 +132,57 @@ def test_weight_scale_and_strided_bf16_weights(device):
     want = ref.indexer_topk(q.cpu(), weights.cpu(), keys.cpu(), cand.cpu(), 7, 0.37)
     assert torch.equal(want, ref.indexer_topk(q.cpu(), scaled.cpu(), keys.cpu(), cand.cpu(), 7))
     assert_same_selection(got, q, scaled, keys, cand, 7)
+
+
+def paged_inputs(T, width, dtype, device, seed=0, index_dtype=torch.long, Hi=8, Di=32):
+    """q, weights, keys, cand: a PagedRows over a pool of 4-entry pages, pitch 12 (pages
+    interleaved with other layers'), tokens of several requests, windows, short and empty ranges."""
+    cand, n = random_paged(T, width, per_page=4, pitch=12, seed=seed, device=device)
+    cand = PagedRows(*(v.to(index_dtype) for v in (cand.pages, cand.req, cand.lo, cand.hi)),
+                     per_page=cand.per_page, pitch=cand.pitch, width=cand.width)
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, Hi, Di, generator=g).to(device, dtype)
+    weights = (torch.randn(T, Hi, generator=g) * Hi ** -0.5).to(device)
+    return q, weights, torch.randn(n, Di, generator=g).to(device, dtype), cand
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("topk", [5, 37, 512])       # fewer than the width, the width, more
+@pytest.mark.parametrize("block_e", [16, tri.BLOCK_E])
+def test_paged_is_dense(dtype, topk, block_e, device):
+    """Scores and selection from a PagedRows are those of its dense form, bit for bit; the
+    selection also agrees with the reference's."""
+    q, weights, keys, cand = paged_inputs(11, 37, dtype, device, seed=topk + block_e)
+    dense = cand.dense()
+    got = tri.indexer_scores(q, weights, keys, cand, block_e=block_e, weight_scale=0.5)
+    assert torch.equal(got, tri.indexer_scores(q, weights, keys, dense, block_e=block_e, weight_scale=0.5))
+    got = tri.indexer_topk(q, weights, keys, cand, topk, 0.5)
+    want = tri.indexer_topk(q, weights, keys, dense, topk, 0.5)
+    assert got.dtype == torch.long and torch.equal(got, want)
+    assert_same_selection(got, q, weights.float() * 0.5, keys, dense, topk)
+
+
+@pytest.mark.parametrize("width", [0, 1, 20])
+def test_paged_widths_and_int32(width, device, monkeypatch):
+    """Zero and small widths, int32 tables (rows come back long, as the dense form's), chosen
+    positions over several blocks of the rows kernel."""
+    monkeypatch.setattr(tri, "ROWS_BLOCK", 2)
+    q, weights, keys, cand = paged_inputs(7, width, torch.float32, device, seed=width, index_dtype=torch.int32)
+    dense = cand.dense()
+    assert torch.equal(tri.indexer_scores(q, weights, keys, cand), tri.indexer_scores(q, weights, keys, dense))
+    got = tri.indexer_topk(q, weights, keys, cand, 7)                 # 7: a partial last block
+    assert got.shape == (7, min(7, width)) and got.dtype == torch.long
+    assert torch.equal(got, tri.indexer_topk(q, weights, keys, dense, 7))
+
+
+def test_paged_dispatch(device, monkeypatch):
+    """ops.indexer.indexer_topk sends a PagedRows to the Triton path where it is chosen."""
+    q, weights, keys, cand = paged_inputs(6, 24, torch.float32, device)
+    monkeypatch.setattr(ref, "use_triton", lambda t: True)
+    calls = []
+    kernel = tri.indexer_topk
+    monkeypatch.setattr(tri, "indexer_topk", lambda *a: calls.append(1) or kernel(*a))
+    got = ref.indexer_topk(q, weights, keys, cand, 6)
+    assert len(calls) == 1
+    monkeypatch.undo()                                   # the reference again, for the comparison
+    assert_same_selection(got, q, weights, keys, cand.dense(), 6)

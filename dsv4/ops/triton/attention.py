@@ -17,6 +17,15 @@ l at the end.
 Few programs (decode: T * H / H_BLOCK small against the SM count) leave the GPU idle, so the
 slot range can also be split across num_splits programs (flash-decoding): each writes its
 partial (m, l, acc) and a second kernel merges them and adds the sink.
+
+Each source is a dense [T, W] table or a PagedRows (dsv4/ops/paged.py; W = its width; PAGED0/1
+constexpr). A paged source's rows are computed from the page table slot by slot, and its loop
+stops at the token's range length hi - lo (early tokens of a prefill chunk skip the blocks past
+it); W still sizes the virtual list, so the splits need no host sync. Skipped slots add nothing
+to m, l, acc (an all -1 block leaves them unchanged), so the result is bit-identical to the
+dense form's. PER_PAGE is a constexpr: a power of two makes the page arithmetic a shift and
+mask, and pages of at least BLOCK_K slots (the window's) are read as two scalars a block instead
+of a per-slot gather, which keeps the paged loop at the dense one's registers (sm_90).
 """
 from __future__ import annotations
 
@@ -27,20 +36,36 @@ import torch
 import triton
 import triton.language as tl
 
+from ..paged import PagedRows
+
 LOG2E = tl.constexpr(1.4426950408889634)
 # Triton's interpreter multiplies the raw uint16 bits in a bf16 tl.dot: upcast there (tests only)
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _attend(q, m, l, acc, kv_ptr, idx_ptr, stride_kv, lo, hi, qk_scale,
-            dims, d_ok, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr):
+def _attend(q, m, l, acc, kv_ptr, idx_ptr, stride_kv, lo, hi, qk_scale, dims, d_ok,
+            base, pitch, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
+            PAGED: tl.constexpr, PER_PAGE: tl.constexpr):
     """Online softmax of one token's q [H_BLOCK, BLOCK_D] over its key slots [lo, hi) of one
-    source: idx_ptr points at the token's index row, a slot names a row of the pool kv_ptr
-    (-1: unused). Carries m, l [H_BLOCK] (log2 units) and acc [H_BLOCK, BLOCK_D] fp32."""
+    source, a slot naming a row of the pool kv_ptr (-1: unused). Dense: idx_ptr points at the
+    token's index row. Paged: at its request's page-table row; slot k is item base + k, on row
+    page[(base + k) // PER_PAGE] * pitch + (base + k) % PER_PAGE (the caller bounds hi by the
+    range's length). Carries m, l [H_BLOCK] (log2 units) and acc [H_BLOCK, BLOCK_D] fp32."""
     for start in range(lo, hi, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
-        idx = tl.load(idx_ptr + slots, mask=slots < hi, other=-1).to(tl.int64)
+        if PAGED:   # rows in int32 (fewer registers): 2^31 pool rows would not fit in GPU memory
+            e = base + slots                                                        # items
+            if PER_PAGE >= BLOCK_K:     # the block spans at most two pages: two scalar loads
+                p0 = (base + start) // PER_PAGE
+                page0 = tl.load(idx_ptr + p0).to(tl.int32)
+                page1 = tl.load(idx_ptr + p0 + 1, mask=(p0 + 1) * PER_PAGE < base + hi, other=-1).to(tl.int32)
+                page = tl.where(e // PER_PAGE == p0, page0, page1)
+            else:
+                page = tl.load(idx_ptr + e // PER_PAGE, mask=slots < hi, other=-1).to(tl.int32)
+            idx = tl.where(slots < hi, page * pitch + e % PER_PAGE, -1).to(tl.int64)
+        else:
+            idx = tl.load(idx_ptr + slots, mask=slots < hi, other=-1).to(tl.int64)
         valid = idx >= 0                                                            # [BLOCK_K]
         k = tl.load(kv_ptr + idx[:, None] * stride_kv + dims[None, :],
                     mask=valid[:, None] & d_ok[None, :], other=0.0)                 # [BLOCK_K, BLOCK_D]
@@ -58,16 +83,32 @@ def _attend(q, m, l, acc, kv_ptr, idx_ptr, stride_kv, lo, hi, qk_scale,
 
 
 @triton.jit
+def _slots(idx_ptr, req_ptr, lo_ptr, hi_ptr, stride_i, t, W, PAGED: tl.constexpr):
+    """One source's table row for token t, the item of its slot 0 and its slot count."""
+    if PAGED:
+        base = tl.load(lo_ptr + t).to(tl.int32)
+        n = tl.minimum(tl.maximum(tl.load(hi_ptr + t).to(tl.int32) - base, 0), W)
+        row_ptr = idx_ptr + tl.load(req_ptr + t).to(tl.int64) * stride_i
+    else:
+        base = 0
+        n = W
+        row_ptr = idx_ptr + t * stride_i
+    return row_ptr, base, n
+
+
+@triton.jit
 def _sparse_attn_kernel(
         q_ptr, sink_ptr, out_ptr,                  # q [T, H, D], sinks [H], out [T, H, D]
-        kv0_ptr, idx0_ptr, kv1_ptr, idx1_ptr,      # pools [N, D] (row stride), idx [T, W] (last dim contiguous)
+        kv0_ptr, idx0_ptr, req0_ptr, lo0_ptr, hi0_ptr,  # pools [N, D] (row stride); dense: idx [T, W] (last
+        kv1_ptr, idx1_ptr, req1_ptr, lo1_ptr, hi1_ptr,  # dim contiguous); paged: pages [R, P] (same), req/lo/hi [T]
         m_ptr, l_ptr, part_ptr,                    # split partials: m, l [T, H, S], acc [T, H, S, D] fp32
         H, W0, W1, num_splits, slots_per_split,    # grid: (T * cdiv(H, H_BLOCK), num_splits)
         qk_scale,                                  # scale * log2(e)
         stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kv0, stride_i0, stride_kv1, stride_i1,
+        stride_kv0, stride_i0, stride_kv1, stride_i1, pitch0, pitch1,
         D: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-        SPLIT: tl.constexpr, FP32_DOT: tl.constexpr):  # SPLIT: num_splits > 1, write partials
+        SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,  # SPLIT: num_splits > 1, write partials
+        PAGED0: tl.constexpr, PER_PAGE0: tl.constexpr, PAGED1: tl.constexpr, PER_PAGE1: tl.constexpr):
     n_hb = tl.cdiv(H, H_BLOCK)
     pid = tl.program_id(0)                      # token-major: the head blocks of a token are adjacent (L2 reuse)
     t = (pid // n_hb).to(tl.int64)
@@ -84,13 +125,17 @@ def _sparse_attn_kernel(
     l = tl.zeros([H_BLOCK], dtype=tl.float32)           # [H_BLOCK] sum of exp2(s - m) over keys
     acc = tl.zeros([H_BLOCK, BLOCK_D], dtype=tl.float32)
 
-    # this program's slots [first, last) of the virtual list: W0 slots of source 0, then W1 of source 1
+    # this program's slots [first, last) of the virtual list: W0 slots of source 0, then W1 of source 1;
+    # a paged source's slots past its range's length are skipped (n0, n1 <= W0, W1)
     first = tl.program_id(1) * slots_per_split
     last = tl.minimum(first + slots_per_split, W0 + W1)
-    m, l, acc = _attend(q, m, l, acc, kv0_ptr, idx0_ptr + t * stride_i0, stride_kv0,
-                        first, tl.minimum(last, W0), qk_scale, dims, d_ok, BLOCK_K, FP32_DOT)
-    m, l, acc = _attend(q, m, l, acc, kv1_ptr, idx1_ptr + t * stride_i1, stride_kv1,
-                        tl.maximum(first, W0) - W0, last - W0, qk_scale, dims, d_ok, BLOCK_K, FP32_DOT)
+    row0, base0, n0 = _slots(idx0_ptr, req0_ptr, lo0_ptr, hi0_ptr, stride_i0, t, W0, PAGED0)
+    row1, base1, n1 = _slots(idx1_ptr, req1_ptr, lo1_ptr, hi1_ptr, stride_i1, t, W1, PAGED1)
+    m, l, acc = _attend(q, m, l, acc, kv0_ptr, row0, stride_kv0, first, tl.minimum(last, n0), qk_scale,
+                        dims, d_ok, base0, pitch0, BLOCK_K, FP32_DOT, PAGED0, PER_PAGE0)
+    m, l, acc = _attend(q, m, l, acc, kv1_ptr, row1, stride_kv1, tl.maximum(first, W0) - W0,
+                        tl.minimum(last - W0, n1), qk_scale, dims, d_ok, base1, pitch1, BLOCK_K, FP32_DOT,
+                        PAGED1, PER_PAGE1)
 
     if not SPLIT:
         out = acc / (l + tl.exp2(sink - m))[:, None]
@@ -131,14 +176,37 @@ def _merge_splits_kernel(
              (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=hd_ok)
 
 
-def supports(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor) -> bool:
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _index_ok(idx: torch.Tensor | PagedRows, T: int) -> bool:
+    if isinstance(idx, PagedRows):
+        return (idx.pages.dim() == 2 and idx.pages.dtype in INDEX_DTYPES and idx.per_page >= 1 and idx.width >= 0
+                and all(v.dim() == 1 and v.shape[0] == T and v.dtype in INDEX_DTYPES
+                        for v in (idx.req, idx.lo, idx.hi)))
+    return idx.dim() == 2 and idx.shape[0] == T and idx.dtype in INDEX_DTYPES
+
+
+def supports(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor | PagedRows]],
+             sinks: torch.Tensor) -> bool:
     """Inputs the kernel takes; anything else goes to the reference. One or two sources, pools
-    of q's dtype (fp32/fp16/bf16) with contiguous rows (pools are never copied)."""
+    of q's dtype (fp32/fp16/bf16) with contiguous rows (pools are never copied), each indexed
+    by a dense table or a PagedRows."""
     return (q.dim() == 3 and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
             and 1 <= len(sources) <= 2 and sinks.shape == (q.shape[1],)
             and all(kv.dim() == 2 and kv.dtype == q.dtype and kv.shape[1] == q.shape[2] and kv.stride(1) == 1
-                    and idx.dim() == 2 and idx.shape[0] == q.shape[0] and idx.dtype in (torch.int32, torch.int64)
-                    for kv, idx in sources))
+                    and _index_ok(idx, q.shape[0]) for kv, idx in sources))
+
+
+def _source_args(kv: torch.Tensor, idx: torch.Tensor | PagedRows) -> tuple:
+    """A source's kernel arguments: (kv, table, req, lo, hi, table row stride, pitch), (W, paged,
+    per_page). A dense source passes its table for the unused req/lo/hi."""
+    if isinstance(idx, PagedRows):
+        pages = idx.pages if idx.pages.stride(1) == 1 else idx.pages.contiguous()
+        req, lo, hi = (v.contiguous() for v in (idx.req, idx.lo, idx.hi))
+        return (kv, pages, req, lo, hi, pages.stride(0), idx.pitch), (idx.width, True, idx.per_page)
+    idx = idx if idx.stride(1) == 1 else idx.contiguous()
+    return (kv, idx, idx, idx, idx, idx.stride(0), 1), (idx.shape[1], False, 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,13 +231,14 @@ def _default_splits(q: torch.Tensor, programs: int, slot_blocks: int) -> int:
 PREFILL_TILES, DECODE_TILES, PREFILL_FROM = (64, 64, 8, 2), (16, 32, 8, 2), 1024
 
 
-def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
-                     scale: float, *, h_block: int | None = None, block_k: int | None = None,
+def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor | PagedRows]],
+                     sinks: torch.Tensor, scale: float, *, h_block: int | None = None, block_k: int | None = None,
                      num_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None) -> torch.Tensor:
-    """q [T, H, D]; sources [(kv [N, D], idx [T, K])] (one or two; idx -1 = unused slot);
-    sinks [H] (finite) -> out [T, H, D] in q's dtype. Keyword arguments are tuning knobs (tests
-    and benchmarks); `num_splits=None` splits the slots when T is small (CUDA only).
+    """q [T, H, D]; sources [(kv [N, D], idx [T, K] or PagedRows of width K)] (one or two; idx
+    -1 = unused slot); sinks [H] (finite) -> out [T, H, D] in q's dtype. Keyword arguments are
+    tuning knobs (tests and benchmarks); `num_splits=None` splits the slots when T is small
+    (CUDA only). No host sync (CUDA graphs): a PagedRows' width, per_page and pitch are ints.
     Defaults (D = 512, bf16, sm_90, Triton 3.9 ahead-of-time): 103 registers, no spills, 50 KB
     of shared memory; the keys go through cp.async. benchmarks/kernels/attention.py times others."""
     assert supports(q, sources, sinks), "sparse_attention (triton): unsupported inputs, use the reference"
@@ -182,16 +251,17 @@ def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
                                                zip((h_block, block_k, num_warps, num_stages), tiles))
     q = q if q.stride(2) == 1 else q.contiguous()
     sinks = sinks.contiguous()
-    kv0, idx0 = sources[0]
-    kv1, idx1 = sources[1] if len(sources) == 2 else (kv0, idx0[:, :0])    # one source: W1 = 0
-    idx0, idx1 = (i if i.stride(1) == 1 else i.contiguous() for i in (idx0, idx1))
-    W0, W1 = idx0.shape[1], idx1.shape[1]
+    args0, (W0, paged0, per_page0) = _source_args(*sources[0])
+    if len(sources) == 2:
+        args1, (W1, paged1, per_page1) = _source_args(*sources[1])
+    else:                                                    # one source: W1 = 0, never read
+        args1, (W1, paged1, per_page1) = args0, (0, False, 1)
 
     h_block = max(16, min(h_block, triton.next_power_of_2(H)))   # tl.dot needs >= 16 rows
     n_hb = triton.cdiv(H, h_block)
     slot_blocks = triton.cdiv(W0 + W1, block_k)
     splits = num_splits or _default_splits(q, T * n_hb, slot_blocks)
-    blocks_per_split = triton.cdiv(slot_blocks, max(1, min(splits, slot_blocks)))
+    blocks_per_split = max(1, triton.cdiv(slot_blocks, max(1, min(splits, slot_blocks))))
     splits = max(1, triton.cdiv(slot_blocks, blocks_per_split))      # no empty split
     slots_per_split = blocks_per_split * block_k
     if splits > 1:
@@ -201,13 +271,15 @@ def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
     else:
         m = l = part = out                                   # unused by the kernel
     block_d = triton.next_power_of_2(D)
+    (kv0, idx0, req0, lo0, hi0, stride_i0, pitch0), (kv1, idx1, req1, lo1, hi1, stride_i1, pitch1) = args0, args1
     _sparse_attn_kernel[(T * n_hb, splits)](
-        q, sinks, out, kv0, idx0, kv1, idx1, m, l, part,
+        q, sinks, out, kv0, idx0, req0, lo0, hi0, kv1, idx1, req1, lo1, hi1, m, l, part,
         H, W0, W1, splits, slots_per_split, scale * LOG2E.value,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv0.stride(0), idx0.stride(0), kv1.stride(0), idx1.stride(0),
+        kv0.stride(0), stride_i0, kv1.stride(0), stride_i1, pitch0, pitch1,
         D=D, H_BLOCK=h_block, BLOCK_K=block_k, BLOCK_D=block_d, SPLIT=splits > 1,
         FP32_DOT=q.dtype == torch.float32 or INTERPRETING,
+        PAGED0=paged0, PER_PAGE0=per_page0, PAGED1=paged1, PER_PAGE1=per_page1,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _merge_splits_kernel[(T * n_hb,)](

@@ -6,6 +6,12 @@ nothing bigger than the [T, E] fp32 scores is ever materialised.
 
 score(t, j) = sum_h w[t, h] * ReLU(q[t, h] . keys[cand[t, j]]) * Di^-0.5   (fp32)
             = -inf where cand[t, j] < 0.
+
+cand may be a PagedRows (dsv4/ops/paged.py; E = its width): the kernel then computes the rows
+from the page table (PER_PAGE constexpr: a shift and a mask for a power of two), and one more
+kernel turns the chosen positions into rows (PagedRows.rows_at where the score is finite, in one
+pass instead of a dozen torch ops), so scores and selection are bit-identical to those of its
+dense form.
 """
 import os
 
@@ -13,19 +19,24 @@ import torch
 import triton
 import triton.language as tl
 
+from ..paged import PagedRows, index_width
+
 BLOCK_E = 128       # candidates per program (best measured on an H200 for E >= 1k: benchmarks/kernels/indexer.py)
 NUM_WARPS = 4
+ROWS_BLOCK = 1024   # chosen positions per program of the paged rows kernel (top-k 512: one a token)
 
 
 @triton.jit
-def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, out_ptr,
-                   E, HI, DI, n_eblk, scale,
+def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, out_ptr,
+                   E, HI, DI, n_eblk, scale, pitch,
                    stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
                    stride_kn, stride_kd, stride_ct, stride_ce, stride_ot,
                    HI_P: tl.constexpr, DI_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                   FP32_DOT: tl.constexpr):
+                   FP32_DOT: tl.constexpr, PAGED: tl.constexpr, PER_PAGE: tl.constexpr):
     # One program = token t x candidates [e0, e0 + BLOCK_E). The E blocks of one token are
     # adjacent program ids, so q[t] is read from DRAM once and then served by L2.
+    # Dense: cand_ptr is cand [T, E]. Paged: the page table [R, P], candidate j of token t is
+    # item lo[t] + j of request req[t] (req/lo/hi unused when dense).
     pid = tl.program_id(0).to(tl.int64)
     t = pid // n_eblk
     offs_e = (pid % n_eblk) * BLOCK_E + tl.arange(0, BLOCK_E)                 # [BLOCK_E]
@@ -33,8 +44,16 @@ def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, out_ptr,
     offs_d = tl.arange(0, DI_P)                                               # [DI_P]
     h_ok, d_ok, e_ok = offs_h < HI, offs_d < DI, offs_e < E
 
-    rows = tl.load(cand_ptr + t * stride_ct + offs_e * stride_ce, mask=e_ok, other=-1)
-    rows = rows.to(tl.int64)                                                  # [BLOCK_E]
+    if PAGED:
+        base = tl.load(lo_ptr + t).to(tl.int32)
+        in_range = e_ok & (offs_e < tl.load(hi_ptr + t).to(tl.int32) - base)
+        item = base + offs_e.to(tl.int32)
+        page = tl.load(cand_ptr + tl.load(req_ptr + t).to(tl.int64) * stride_ct + (item // PER_PAGE) * stride_ce,
+                       mask=in_range, other=-1).to(tl.int64)
+        rows = tl.where(in_range, page * pitch + item % PER_PAGE, -1)
+    else:
+        rows = tl.load(cand_ptr + t * stride_ct + offs_e * stride_ce, mask=e_ok, other=-1)
+        rows = rows.to(tl.int64)                                              # [BLOCK_E]
     valid = rows >= 0
     scores = tl.full([BLOCK_E], float("-inf"), tl.float32)
     # Candidates past the causal limit are a -1 tail: a block of only -1 does no work.
@@ -56,15 +75,50 @@ def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, out_ptr,
     tl.store(out_ptr + t * stride_ot + offs_e, scores, mask=e_ok)
 
 
-def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor,
+@triton.jit
+def _chosen_rows_kernel(pos_ptr, val_ptr, pages_ptr, req_ptr, lo_ptr, out_ptr, K, n_kblk, pitch,
+                        stride_pr, stride_pc, PER_PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    # positions/scores/out [T, K] contiguous: out = the pool row of item lo[t] + pos where the
+    # score is finite (so pos < hi - lo: the rest scored -inf), else -1.
+    pid = tl.program_id(0).to(tl.int64)
+    t = pid // n_kblk
+    offs = t * K + (pid % n_kblk) * BLOCK + tl.arange(0, BLOCK)
+    ok = (pid % n_kblk) * BLOCK + tl.arange(0, BLOCK) < K
+    chosen = ok & (tl.load(val_ptr + offs, mask=ok, other=float("-inf")) > float("-inf"))
+    item = tl.load(lo_ptr + t).to(tl.int32) + tl.load(pos_ptr + offs, mask=chosen, other=0).to(tl.int32)
+    page = tl.load(pages_ptr + tl.load(req_ptr + t).to(tl.int64) * stride_pr + (item // PER_PAGE) * stride_pc,
+                   mask=chosen, other=-1).to(tl.int64)
+    tl.store(out_ptr + offs, tl.where(chosen, page * pitch + item % PER_PAGE, -1), mask=ok)
+
+
+def _chosen_rows(cand: PagedRows, top) -> torch.Tensor:
+    """torch.where(top.values > -inf, cand.rows_at(top.indices), -1) in one kernel."""
+    T, k = top.indices.shape
+    out = torch.empty((T, k), dtype=torch.long, device=top.indices.device)
+    block = min(ROWS_BLOCK, triton.next_power_of_2(k))
+    n_kblk = triton.cdiv(k, block)
+    _chosen_rows_kernel[(T * n_kblk,)](
+        top.indices.contiguous(), top.values.contiguous(), cand.pages, cand.req.contiguous(),
+        cand.lo.contiguous(), out, k, n_kblk, cand.pitch, cand.pages.stride(0), cand.pages.stride(1),
+        PER_PAGE=cand.per_page, BLOCK=block, num_warps=4)
+    return out
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor | PagedRows,
                    block_e: int = BLOCK_E, weight_scale: float = 1.0) -> torch.Tensor:
     """q [T, Hi, Di], weights [T, Hi] (x weight_scale), keys [N, Di], cand [T, E] (-1 = absent)
-    -> [T, E] fp32."""
+    or a PagedRows of width E -> [T, E] fp32."""
     T, Hi, Di = q.shape
-    E = cand.shape[1]
+    E = index_width(cand)
     scores = torch.empty((T, E), dtype=torch.float32, device=q.device)
     if T == 0 or E == 0:
         return scores
+    if isinstance(cand, PagedRows):
+        table, req, lo, hi = cand.pages, cand.req.contiguous(), cand.lo.contiguous(), cand.hi.contiguous()
+        paged, per_page, pitch = True, cand.per_page, cand.pitch
+    else:
+        table = req = lo = hi = cand
+        paged, per_page, pitch = False, 1, 1
     n_eblk = triton.cdiv(E, block_e)
     # tl.dot needs every dimension >= 16 on the GPU; the padding is masked.
     hi_p = max(16, triton.next_power_of_2(Hi))
@@ -75,23 +129,26 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, c
     fp32_dot = (q.dtype != keys.dtype or q.dtype not in (torch.bfloat16, torch.float16)
                 or os.environ.get("TRITON_INTERPRET") == "1")
     _scores_kernel[(T * n_eblk,)](
-        q, weights, keys, cand, scores,
-        E, Hi, Di, n_eblk, Di ** -0.5 * weight_scale,
+        q, weights, keys, table, req, lo, hi, scores,
+        E, Hi, Di, n_eblk, Di ** -0.5 * weight_scale, pitch,
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
-        keys.stride(0), keys.stride(1), cand.stride(0), cand.stride(1), scores.stride(0),
-        HI_P=hi_p, DI_P=di_p, BLOCK_E=block_e, FP32_DOT=fp32_dot, num_warps=NUM_WARPS)
+        keys.stride(0), keys.stride(1), table.stride(0), table.stride(1), scores.stride(0),
+        HI_P=hi_p, DI_P=di_p, BLOCK_E=block_e, FP32_DOT=fp32_dot, PAGED=paged, PER_PAGE=per_page,
+        num_warps=NUM_WARPS)
     return scores
 
 
-def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor,
+def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor | PagedRows,
                  topk: int, weight_scale: float = 1.0) -> torch.Tensor:
     """Same contract as dsv4.ops.indexer.indexer_topk: [T, min(topk, E)] flat rows of the
-    chosen entries, -1 where fewer are valid."""
-    T, E = cand.shape
-    k = min(topk, E)
+    chosen entries, -1 where fewer are valid (long for a PagedRows, as its dense form)."""
+    paged = isinstance(cand, PagedRows)
+    T, k = q.shape[0], min(topk, index_width(cand))
     if T == 0 or k == 0:
-        return torch.full((T, k), -1, dtype=cand.dtype, device=cand.device)
+        return torch.full((T, k), -1, dtype=torch.long if paged else cand.dtype, device=q.device)
     # Selection as the reference's _select (scores are finite or -inf: `> -inf` is its isfinite,
     # one kernel instead of three, and a scalar -1 needs no filled tensor).
     top = indexer_scores(q, weights, keys, cand, weight_scale=weight_scale).topk(k, dim=-1)
+    if paged:
+        return _chosen_rows(cand, top)
     return torch.where(top.values > float("-inf"), cand.gather(1, top.indices), -1)
