@@ -26,21 +26,13 @@ request); pages are shuffled and LAYERS layers' pages interleave (pitch = LAYERS
 """
 import sys
 
-
 import torch
 
-<<<<<<< HEAD
 from dsv4.bench.timing import median_ms
 from dsv4.ops import backend
 from dsv4.ops.attention import sparse_attention as dispatch
+from dsv4.ops.paged import PagedRows
 from dsv4.ops.triton import attention as tri
-=======
-from dsv4.perf.timing import median_ms  # noqa: E402
-from dsv4.ops import backend  # noqa: E402
-from dsv4.ops.attention import sparse_attention as dispatch  # noqa: E402
-from dsv4.ops.paged import PagedRows  # noqa: E402
-from dsv4.ops.triton import attention as tri  # noqa: E402
->>>>>>> paged-ops
 
 H, D, W, K = 64, 512, 128, 512
 HBM_BPS, PEAK_FLOPS = 4.2e12, 800e12

@@ -23,7 +23,6 @@ bit-identical (the dense kernel is checked against the reference in the first ta
 """
 import sys
 
-
 import torch
 
 from dsv4.bench.timing import median_ms
