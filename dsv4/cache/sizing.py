@@ -2,10 +2,19 @@
 report the engine logs at start (docs/architecture.md, "Cache")."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..config import EngineConfig
 from .layout import PAGE_TOKENS, CacheLayout, CachePlan, dtype_bytes
+from .storage import storage_shapes
+
+# storage kinds (cache/storage.py) -> the component a report names
+COMPONENTS = {"swa": "sliding-window pages", "c4": "C4 entries (CSA)", "idx": "indexer keys (CSA)",
+              "c128": "C128 entries (HCA)", "ring_kv": "CSA compressor rings", "ring_gate": "CSA compressor rings",
+              "iring_kv": "CSA indexer rings", "iring_gate": "CSA indexer rings",
+              "hring_kv": "HCA compressor rings", "hring_gate": "HCA compressor rings"}
 
 
 def plan_cache(layout: CacheLayout, config: EngineConfig, dtype: torch.dtype) -> CachePlan:
@@ -25,16 +34,29 @@ def plan_cache(layout: CacheLayout, config: EngineConfig, dtype: torch.dtype) ->
     return layout.plan(budget, dtype_bytes(dtype), c.max_num_seqs, c.max_num_batched_tokens)
 
 
+def cache_components(layout: CacheLayout, plan: CachePlan, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes of each component of the storage KVStorage allocates for `plan` (scratch units
+    included): exactly the sum of its tensors' bytes."""
+    out: dict[str, int] = {}
+    for kind, shape in storage_shapes(layout, plan).items():
+        out[COMPONENTS[kind]] = out.get(COMPONENTS[kind], 0) + math.prod(shape) * dtype_bytes(dtype)
+    return out
+
+
 def cache_bytes(layout: CacheLayout, plan: CachePlan, dtype: torch.dtype) -> int:
-    elem = dtype_bytes(dtype)
-    return (plan.num_pages * layout.page_bytes(elem) + plan.num_swa_pages * layout.swa_page_bytes(elem)
-            + plan.max_num_seqs * layout.ring_bytes(elem))
+    return sum(cache_components(layout, plan, dtype).values())
+
+
+def requests_that_fit(plan: CachePlan, tokens: int) -> int:
+    """Requests of `tokens` tokens the cache holds at once (pages and state slots both bound it)."""
+    return min(plan.num_pages // max(-(-tokens // PAGE_TOKENS), 1), plan.max_num_seqs)
 
 
 def memory_report(layout: CacheLayout, plan: CachePlan, dtype: torch.dtype, max_model_len: int) -> str:
-    per_request = -(-max_model_len // PAGE_TOKENS)
-    fit = min(plan.num_pages // max(per_request, 1), plan.max_num_seqs)   # pages and state slots both bound it
+    fit = requests_that_fit(plan, max_model_len)
+    parts = cache_components(layout, plan, dtype)
+    detail = ", ".join(f"{name} {nbytes / 2**20:.1f}" for name, nbytes in parts.items())
     return (f"KV cache: {plan.num_pages} history pages x {PAGE_TOKENS} tokens = {plan.max_tokens} tokens, "
             f"{plan.num_swa_pages} sliding-window pages, {plan.max_num_seqs} request slots, "
-            f"{cache_bytes(layout, plan, dtype) / 2**20:.1f} MiB; {fit} request(s) of "
+            f"{sum(parts.values()) / 2**20:.1f} MiB ({detail} MiB); {fit} request(s) of "
             f"max_model_len {max_model_len} fit at once")

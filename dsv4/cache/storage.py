@@ -23,29 +23,31 @@ from ..model.kv import LayerKV
 from .layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout, CachePlan
 
 
+def storage_shapes(layout: CacheLayout, plan: CachePlan) -> dict[str, tuple[int, int, int, int]]:
+    """Every storage tensor's shape [units (+1 scratch), layers of the kind, rows per unit, C]:
+    what KVStorage allocates and what the planner (cache/sizing.py) counts."""
+    c, csa, hca = layout.cfg, len(layout.csa_layers), len(layout.hca_layers)
+    D, Di = c.head_dim, c.index_head_dim
+    pages, swa_pages, slots = plan.num_pages + 1, plan.num_swa_pages + 1, plan.max_num_seqs + 1
+    shapes = {"swa": (swa_pages, layout.num_swa_layers, SWA_PAGE_TOKENS, D),
+              "c4": (pages, csa, PAGE_TOKENS // CSA_RATIO, D),
+              "idx": (pages, csa, PAGE_TOKENS // CSA_RATIO, Di),
+              "c128": (pages, hca, PAGE_TOKENS // HCA_RATIO, D)}
+    for name, layers, ring, width in (("ring", csa, layout.csa_ring, 2 * D), ("iring", csa, layout.csa_ring, 2 * Di),
+                                      ("hring", hca, layout.hca_ring, D)):
+        shapes[f"{name}_kv"] = shapes[f"{name}_gate"] = (slots, layers, ring, width)
+    return shapes
+
+
 class KVStorage:
     def __init__(self, layout: CacheLayout, plan: CachePlan, dtype: torch.dtype, device):
         self.layout, self.plan = layout, plan
         self.scratch_page, self.scratch_swa_page, self.scratch_slot = (plan.num_pages, plan.num_swa_pages,
                                                                        plan.max_num_seqs)
         self.ring_slots = plan.max_num_seqs + 1
-        c, csa, hca = layout.cfg, layout.csa_layers, layout.hca_layers
-        D, Di = c.head_dim, c.index_head_dim
-        pages, swa_pages = plan.num_pages + 1, plan.num_swa_pages + 1
-
-        def blocks(units, layers, rows, dim):
-            return torch.zeros(units, len(layers), rows, dim, dtype=dtype, device=device)
-
-        swa_layers = range(layout.num_swa_layers)
-        self.kinds = {"swa": blocks(swa_pages, swa_layers, SWA_PAGE_TOKENS, D),
-                      "c4": blocks(pages, csa, PAGE_TOKENS // CSA_RATIO, D),
-                      "idx": blocks(pages, csa, PAGE_TOKENS // CSA_RATIO, Di),
-                      "c128": blocks(pages, hca, PAGE_TOKENS // HCA_RATIO, D)}
-        for name, layers, ring, width in (("ring", csa, layout.csa_ring, 2 * D), ("iring", csa, layout.csa_ring, 2 * Di),
-                                          ("hring", hca, layout.hca_ring, D)):
-            self.kinds[f"{name}_kv"] = blocks(self.ring_slots, layers, ring, width)
-            self.kinds[f"{name}_gate"] = blocks(self.ring_slots, layers, ring, width)
-        self.layers = [self._layer_views(layer) for layer in swa_layers]
+        self.kinds = {name: torch.zeros(shape, dtype=dtype, device=device)
+                      for name, shape in storage_shapes(layout, plan).items()}
+        self.layers = [self._layer_views(layer) for layer in range(layout.num_swa_layers)]
 
     def _layer_views(self, layer: int) -> LayerKV:
         lay, k = self.layout, self.kinds

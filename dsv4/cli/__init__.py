@@ -12,6 +12,7 @@ SUBCOMMAND_MODULES = (
     "dsv4.cli.init_random",
     "dsv4.cli.convert",
     "dsv4.cli.bench",
+    "dsv4.cli.plan",
     "dsv4.cli.generate",
     "dsv4.cli.serve",
 )

@@ -1,0 +1,88 @@
+"""`dsv4 plan --model M [engine flags] [--request-tokens N]`: where the memory goes, before
+loading anything — weights by kind, the KV cache by component (what KVStorage allocates), and
+how many tokens and requests fit."""
+from __future__ import annotations
+
+import torch
+
+from .args import positive_int
+from .engine_args import add_engine_args, engine_config
+
+GIB = 2**30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="memory plan: weights, KV cache components, what fits")
+    p.add_argument("--model", required=True, help="checkpoint folder or random:PRESET[:LAYERS][:k=v,...]")
+    p.add_argument("--request-tokens", type=positive_int, default=None,
+                   help="length of the requests to count (default: max_model_len)")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from ..cache.layout import CacheLayout
+    from ..cache.sizing import cache_components, plan_cache, requests_that_fit
+    config = engine_config(args)
+    cfg = _model_config(args.model)
+    dtype = DTYPES[config.dtype]
+    layout = CacheLayout(cfg, spec_slots=config.spec_slots)
+    try:
+        plan = plan_cache(layout, config, dtype)
+    except ValueError as e:
+        raise SystemExit(f"--cache-memory-gb: {e}") from None
+    tokens = args.request_tokens or min(config.max_model_len or cfg.max_position_embeddings, plan.max_tokens)
+    kinds = {0: "sliding", 4: "CSA", 128: "HCA"}
+    mix = ", ".join(f"{cfg.compress_ratios.count(r)} {name}" for r, name in kinds.items() if r in cfg.compress_ratios)
+    print(f"{args.model}: {cfg.num_hidden_layers} layers ({mix}), {config.dtype}")
+    _section("weights", _weights(cfg, dtype, config))
+    _section("KV cache (as allocated, scratch units included)", cache_components(layout, plan, dtype))
+    fit = requests_that_fit(plan, tokens)
+    bound = "request slots" if fit == plan.max_num_seqs else "history pages"
+    print(f"fits: {plan.max_tokens} tokens of history ({plan.num_pages} pages of 256); "
+          f"{fit} request(s) of {tokens} tokens at once (bounded by {bound})")
+    if fit == 0:
+        raise SystemExit(f"--request-tokens: a request of {tokens} tokens does not fit this cache; "
+                         f"raise --cache-memory-gb or --num-pages")
+    return 0
+
+
+def _model_config(spec: str):
+    from ..config import ModelConfig
+    from ..model.random_model import is_random_spec, parse_spec
+    if is_random_spec(spec):
+        return parse_spec(spec)
+    try:
+        return ModelConfig.from_dir(spec)
+    except FileNotFoundError as e:
+        raise SystemExit(f"--model: {e}") from None
+
+
+def _weights(cfg, dtype: torch.dtype, config) -> dict[str, int]:
+    """Bytes by kind at the loaded precision: the model dtype, routed experts FP8 (1 byte + a
+    fp32 scale per 128x128 block) or MXFP4 (half a byte + a byte per 32) when kept quantised."""
+    from ..bench.params import model_params
+    p, elem = model_params(cfg), torch.empty((), dtype=dtype).element_size()
+    routed = sum(layer.routed_expert for layer in p.layers) * p.n_routed_experts
+    routed_bytes = (routed * (0.5 + 1 / 32) if config.keep_mxfp4 else routed * (1 + 4 / 128**2) if config.keep_fp8
+                    else routed * elem)
+    return {
+        "attention projections": sum(layer.attention for layer in p.layers) * elem,
+        "compressors and indexers": sum(layer.compressor + layer.indexer_query + layer.indexer_aux
+                                        for layer in p.layers) * elem,
+        "mHC": (sum(layer.hyper_connections for layer in p.layers) + p.hc_head) * 4,
+        "routers": sum(layer.gate for layer in p.layers) * elem,
+        "shared experts": sum(layer.shared_expert for layer in p.layers) * elem,
+        f"routed experts ({p.n_routed_experts} per layer)": int(routed_bytes),
+        "embedding and head": (p.embed + p.head) * elem,
+    }
+
+
+def _section(title: str, parts: dict[str, int]) -> None:
+    width = max(len(k) for k in parts) + 2
+    unit, scale = ("GiB", GIB) if sum(parts.values()) >= GIB else ("MiB", 2**20)
+    print(f"{title}:")
+    for name, nbytes in parts.items():
+        print(f"  {name:<{width}} {nbytes / scale:10.3f} {unit}")
+    print(f"  {'total':<{width}} {sum(parts.values()) / scale:10.3f} {unit}")
