@@ -104,7 +104,8 @@ def paged_table(gen, scale) -> int:
     failures = 0
     for kind, T in CASES:
         q, sinks, window, c4_source, history = make_paged_case(kind, T, gen)
-        for layer, paged in (("CSA", [window, c4_source]), ("HCA", [window, history])):
+        one_item = (history[0], history[1].one_item_pages())
+        for layer, paged in (("CSA", [window, c4_source]), ("HCA", [window, history]), ("HCA/1", [window, one_item])):
             dense = [(kv, idx.dense() if isinstance(idx, PagedRows) else idx) for kv, idx in paged]
             out = tri.sparse_attention(q, paged, sinks, scale)
             same = torch.equal(out, tri.sparse_attention(q, dense, sinks, scale))
@@ -117,7 +118,7 @@ def paged_table(gen, scale) -> int:
             print(f"{kind + ' T=' + str(T):>14} {layer:>5} {dense_ms:9.4f} {paged_ms:9.4f} "
                   f"{paged_ms / dense_ms:11.2f} {'yes' if same else 'NO':>7}{'' if ok else '  MISMATCH'}")
             del dense, out, want
-        del q, window, c4_source, history
+        del q, window, c4_source, history, one_item
         torch.cuda.empty_cache()
     return failures
 

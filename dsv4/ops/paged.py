@@ -58,6 +58,16 @@ def index_width(idx: torch.Tensor | PagedRows) -> int:
     return idx.width if isinstance(idx, PagedRows) else int(idx.shape[1])
 
 
+    def one_item_pages(self) -> "PagedRows":
+        """The same rows with one item per page: the table holds each item's row (pitch 1).
+        O(pages x per_page) to build; for small pages (HCA's 2 entries) the kernels then read
+        the table contiguously instead of once per pair."""
+        e = torch.arange(self.pages.shape[1] * self.per_page, device=self.pages.device)
+        phys = self.pages[:, e // self.per_page]
+        table = torch.where(phys >= 0, phys * self.pitch + e % self.per_page, -1)
+        return PagedRows(table, self.req, self.lo, self.hi, 1, 1, self.width)
+
+
 def dense_index(idx: torch.Tensor | PagedRows, start: int = 0, stop: int | None = None) -> torch.Tensor:
     """Rows [start, stop) of a dense index table, or of a PagedRows' dense form."""
     if isinstance(idx, PagedRows):

@@ -110,3 +110,11 @@ def test_indexer_zero_width():
     with backend.forced("reference"):
         got = indexer_ops.indexer_topk(q, weights, keys, empty, 8)
     assert got.shape == (5, 0) and got.dtype == torch.long
+
+
+@pytest.mark.parametrize("per_page, pitch", [(2, 8), (64, 64 * 3)])
+def test_one_item_pages_address_the_same_rows(per_page, pitch):
+    paged, _ = random_paged(40, 150, per_page=per_page, pitch=pitch, seed=5)
+    flat = paged.one_item_pages()
+    assert (flat.per_page, flat.pitch) == (1, 1)
+    assert torch.equal(flat.dense(), paged.dense()) and (flat.dense() >= 0).any()
