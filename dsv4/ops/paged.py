@@ -52,12 +52,6 @@ class PagedRows:
         k = torch.arange(self.width, device=self.req.device)[None, :]
         return self.rows_at(k, start, stop)
 
-
-def index_width(idx: torch.Tensor | PagedRows) -> int:
-    """Slots per token: a dense table's K, a PagedRows' width."""
-    return idx.width if isinstance(idx, PagedRows) else int(idx.shape[1])
-
-
     def one_item_pages(self) -> "PagedRows":
         """The same rows with one item per page: the table holds each item's row (pitch 1).
         O(pages x per_page) to build; for small pages (HCA's 2 entries) the kernels then read
@@ -66,6 +60,11 @@ def index_width(idx: torch.Tensor | PagedRows) -> int:
         phys = self.pages[:, e // self.per_page]
         table = torch.where(phys >= 0, phys * self.pitch + e % self.per_page, -1)
         return PagedRows(table, self.req, self.lo, self.hi, 1, 1, self.width)
+
+
+def index_width(idx: torch.Tensor | PagedRows) -> int:
+    """Slots per token: a dense table's K, a PagedRows' width."""
+    return idx.width if isinstance(idx, PagedRows) else int(idx.shape[1])
 
 
 def dense_index(idx: torch.Tensor | PagedRows, start: int = 0, stop: int | None = None) -> torch.Tensor:
