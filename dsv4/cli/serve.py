@@ -20,6 +20,16 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=os.environ.get("DSV4_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $DSV4_API_KEY)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    limits = p.add_argument_group("request limits and shutdown")
+    limits.add_argument("--max-request-body-mb", type=float, default=32.0, metavar="MB",
+                        help="larger request bodies get 413 (default: 32)")
+    limits.add_argument("--max-batch-requests", type=int, default=256, metavar="N",
+                        help="most generations one request may ask for, prompts x n (default: 256)")
+    limits.add_argument("--strict-api", action="store_true",
+                        help="reject unknown request fields with 400 (default: ignore them, name them in the "
+                             "X-Ignored-Fields header and warn once in the log)")
+    limits.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                        help="on SIGTERM/SIGINT, seconds running requests get to finish (default: 30)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -30,11 +40,12 @@ def run(args) -> int:
     from ..serve.http.server import APIServer, ServeSettings
 
     config = engine_config(args)
+    limits = _limits(args)
     model_dir = args.model or demo_model_dir()
     _check_model_dir(model_dir)
     names = args.served_model_name or [args.model or DEMO_NAME]
     settings = ServeSettings(model_dir=model_dir, model_names=names, engine=config, host=args.host,
-                             port=args.port, api_key=args.api_key, log_level=args.log_level)
+                             port=args.port, api_key=args.api_key, log_level=args.log_level, limits=limits)
     try:
         server = APIServer(settings)
     except OSError as e:
@@ -50,6 +61,18 @@ def run(args) -> int:
               f"{info.max_model_len})", flush=True)
 
     return server.serve(on_ready=ready)
+
+
+def _limits(args):
+    from ..serve.http.limits import MB, ServerLimits
+    if not args.max_request_body_mb > 0:
+        raise SystemExit(f"dsv4 serve: --max-request-body-mb must be > 0, got {args.max_request_body_mb}")
+    if args.max_batch_requests < 1:
+        raise SystemExit(f"dsv4 serve: --max-batch-requests must be >= 1, got {args.max_batch_requests}")
+    if not args.shutdown_timeout >= 0:
+        raise SystemExit(f"dsv4 serve: --shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    return ServerLimits(max_body_bytes=int(args.max_request_body_mb * MB), max_batch_requests=args.max_batch_requests,
+                        strict_api=args.strict_api, shutdown_timeout=args.shutdown_timeout)
 
 
 def _check_model_dir(model_dir: str) -> None:

@@ -57,6 +57,11 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token stands for in any text: the longest
+        vocabulary entry (byte-level BPE spells each byte as one character)."""
+        return max((len(t) for t in self._hf.get_vocab(with_added_tokens=True)), default=0)
+
     def token_to_id(self, token: str) -> int | None:
         return self._hf.token_to_id(token)
 

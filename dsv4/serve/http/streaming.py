@@ -67,12 +67,14 @@ def guarded(group: RequestGroup, tracker: RequestTracker):
 
 
 async def respond_whole(group: RequestGroup, tracker: RequestTracker, head: dict, choices: list, usage,
-                        extra: dict | None = None):
-    """Non-streaming answer: feed every output to its choice, then one JSON body."""
+                        extra: dict | Callable[[], dict] | None = None):
+    """Non-streaming answer: feed every output to its choice, then one JSON body (with
+    `extra`'s fields; a callable is asked once every output is in)."""
     from fastapi.responses import JSONResponse
     with guarded(group, tracker):
         async for index, out in outputs(group, tracker):
             choices[index].update(out)
+    extra = extra() if callable(extra) else extra
     body = {**head, **(extra or {}), "choices": [c.whole() for c in choices], "usage": usage.to_dict()}
     return JSONResponse(body, headers={"X-Request-Id": head["id"]})
 
@@ -86,7 +88,7 @@ def _check(item) -> None:
     if isinstance(item, RequestFailed):
         raise RequestError(item.status, item.message)
     if isinstance(item, EngineDead):
-        raise RequestError(500, "the engine core died; the server is shutting down")
+        raise RequestError(500, item.message)
 
 
 def sse(data: dict) -> str:
