@@ -175,6 +175,8 @@ def run_engine_core(model_dir: str, config, addresses: Addresses, parent_pid: in
         serve_loop(EngineCore(engine), inbox, outbox, parent_pid)
     finally:
         ctx.destroy(linger=0)
+        if not parent_alive(parent_pid):
+            addresses.remove()     # the API process died without cleaning up: its IPC folder
 
 
 def _load_engine(model_dir: str, config):
