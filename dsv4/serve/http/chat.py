@@ -28,7 +28,8 @@ from .fields import with_header
 from .limits import check_batch
 from .protocol import ChatCompletionRequest, parse_body
 from .state import ServerState
-from .streaming import DONE, RequestError, Usage, answer, guarded, outputs, respond_whole, sse, sse_error
+from .streaming import (DONE, RequestError, Usage, answer, guarded, internal_error, outputs, respond_whole, sse,
+                        sse_error)
 from .textstream import TextStream, TokenTexts, chat_logprobs, vllm_prompt_logprobs
 
 
@@ -157,4 +158,6 @@ async def _stream(group, tracker, head: dict, choices: list[ChatChoice], usage: 
                 yield sse({**head, "choices": [], "usage": usage.to_dict()})
     except RequestError as e:
         yield sse_error(e)
+    except Exception as e:  # noqa: BLE001 - a bug ends this stream with an error event, nothing else
+        yield sse_error(internal_error(e))
     yield DONE

@@ -26,7 +26,8 @@ from .fields import with_header
 from .limits import check_batch
 from .protocol import CompletionRequest, check_model, parse_body, resolve_max_tokens, sampling_params
 from .state import ServerState
-from .streaming import DONE, RequestError, Usage, answer, guarded, outputs, respond_whole, sse, sse_error
+from .streaming import (DONE, RequestError, Usage, answer, guarded, internal_error, outputs, respond_whole, sse,
+                        sse_error)
 from .textstream import LegacyLogprobs, TextStream, TokenTexts, prompt_offsets, vllm_prompt_logprobs
 
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default for completions
@@ -197,4 +198,6 @@ async def _stream(group, tracker, head: dict, choices: list[CompletionChoice], u
                 yield sse({**head, "choices": [], "usage": usage.to_dict()})
     except RequestError as e:
         yield sse_error(e)
+    except Exception as e:  # noqa: BLE001 - a bug ends this stream with an error event, nothing else
+        yield sse_error(internal_error(e))
     yield DONE

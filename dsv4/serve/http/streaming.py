@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
@@ -16,6 +17,7 @@ from .errors import APIError, error_body
 from ...engine.ipc import RequestFailed, TokenOutput
 from .metrics import RequestTracker
 
+log = logging.getLogger("dsv4.serve")
 DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED = 499   # nginx's code for "client closed request"; the client never sees it
 
@@ -93,6 +95,12 @@ def _check(item) -> None:
 
 def sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def internal_error(error: Exception) -> APIError:
+    """A 500 for an exception nobody expected (logged with its traceback)."""
+    log.error("a response failed", exc_info=error)
+    return APIError(500, f"internal error: {type(error).__name__}")
 
 
 def sse_error(error: APIError) -> str:
