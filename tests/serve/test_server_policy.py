@@ -69,10 +69,11 @@ def test_unsupported_fields_are_a_400_even_without_strict_api(fake_server, path,
 
 def test_header_names_are_ascii_and_bounded(fake_server):
     with _http(fake_server) as http:
-        body = {"messages": user("[[plain]]"), "naïve\r\nX-Evil: 1": 1, **{f"f{i}": i for i in range(40)}}
+        body = {"messages": user("[[plain]]"), "naïve\r\nX-Evil: 1": 1, " ": 2, **{f"f{i}": i for i in range(40)}}
         r = http.post(CHAT, json=body)
         header = r.headers["X-Ignored-Fields"]
-        assert r.status_code == 200 and header.isascii() and "\n" not in header and header.endswith(", ...")
+        assert r.status_code == 200 and header.endswith(", ...") and len(header.split(", ")) == 33
+        assert header.startswith("na%C3%AFve%0D%0AX-Evil%3A%201, %20, f0, ")
         assert "X-Evil" not in r.headers
 
 

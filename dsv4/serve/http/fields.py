@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from urllib.parse import quote
 
 from pydantic import BaseModel
 
@@ -83,5 +84,6 @@ def with_header(response, ignored: list[str]):
 
 
 def _header_safe(name: str) -> str:
-    text = name[:100].encode("ascii", "backslashreplace").decode("ascii")
-    return "".join(c if c.isprintable() and c != "," else "?" for c in text)
+    """Percent-encoded (RFC 3986) past letters, digits and `._-~`: any name is a valid,
+    unambiguous header token."""
+    return quote(name[:100], safe="._-~")
