@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from .engine_args import add_engine_args, engine_config
@@ -51,10 +52,15 @@ def run(args) -> int:
     except OSError as e:
         return _fail(f"--host/--port: cannot listen on {args.host}:{args.port}: {e.strerror or e}")
     print(f"dsv4 serve: loading {model_dir} ...", flush=True)
+    previous = signal.signal(signal.SIGTERM, _interrupt)   # while loading, SIGTERM stops us as Ctrl-C does
     try:
         info = server.start_engine()
     except EngineStartError as e:
         return _fail(f"the engine could not start: {e}")
+    except KeyboardInterrupt:
+        return _fail("interrupted while loading the model", code=130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
     def ready() -> None:
         print(f"dsv4 serve: ready at {server.url} (model {', '.join(names)}, max_model_len "
@@ -83,6 +89,10 @@ def _check_model_dir(model_dir: str) -> None:
                          f"checkpoint's tokenizer)")
 
 
-def _fail(message: str) -> int:
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _fail(message: str, code: int = 1) -> int:
     print(f"dsv4 serve: {message}", file=sys.stderr, flush=True)
-    return 1
+    return code

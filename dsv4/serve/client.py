@@ -228,7 +228,7 @@ class EngineClient:
                 self._push.send(encode(Shutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            self.process.join(timeout)
+            self.process.join(timeout if self.info is not None else 0)   # still loading: no waiting
             if self.process.is_alive():
                 self.process.kill()     # the engine core ignores SIGTERM and SIGINT (ours to handle)
                 self.process.join(timeout)
