@@ -184,3 +184,43 @@ def test_a_request_that_cannot_be_encoded_fails_alone(fake_server):
     with _http(fake_server) as http:
         assert http.post(CHAT, json={"messages": user("[[plain]]")}).status_code == 200
         assert http.get("/health").status_code == 200
+
+
+# ---- any other failure -----------------------------------------------------------------------
+def test_an_unexpected_failure_is_a_500_in_openai_shape():
+    """A handler that raises something nobody expected (here: the tokenizer) answers a 500
+    error body, not Starlette's plain-text page; the next request is served."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from dsv4.engine.ipc import Ready
+    from dsv4.serve.http.api import build_app
+    from dsv4.serve.http.metrics import ServerMetrics
+    from dsv4.serve.http.state import ServerState
+    from dsv4.text.tokenizer import TEST_TOKENIZER_DIR, Tokenizer
+
+    class BrokenTokenizer(Tokenizer):
+        def encode(self, text):
+            raise RuntimeError("tokenizer exploded")
+
+    tok = Tokenizer.from_dir(TEST_TOKENIZER_DIR)
+    broken = BrokenTokenizer(tok._hf)
+    info = Ready(max_model_len=64, vocab_size=tok.vocab_size, eos_token_id=1, num_pages=4, max_num_seqs=4,
+                 max_request_tokens=64, memory_report="")
+    state = ServerState(client=SimpleNamespace(alive=True, on_stats=None, run=lambda: None), info=info,
+                        tokenizer=broken, model_dir=str(TEST_TOKENIZER_DIR), model_names=["m"], release="preview",
+                        add_bos=False, metrics=ServerMetrics("m", 4))
+
+    async def probe():
+        transport = httpx.ASGITransport(app=build_app(state), raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            return [await http.post(CHAT, json={"messages": user("hi")}),
+                    await http.post("/v1/completions", json={"prompt": "hi"}),
+                    await http.post("/tokenize", json={"prompt": "hi"}),
+                    await http.post("/detokenize", json={"tokens": [1, 2]})]
+
+    chat, completion, tokenize, detokenize = asyncio.run(probe())
+    for r in (chat, completion, tokenize):
+        error = _error(r, 500, None)
+        assert error["type"] == "server_error" and "RuntimeError" in error["message"]
+    assert detokenize.status_code == 200
