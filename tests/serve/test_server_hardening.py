@@ -215,3 +215,29 @@ def test_huge_prompts_do_not_stall_other_streams(http, real_server):
     assert health.status_code == 200
     bound = max(10 * normal, 1.0)
     assert max(clock.gaps(start, end)) < bound, (normal, max(clock.gaps(start, end)), end - start)
+
+
+# ---- through the official client -------------------------------------------------------------
+def test_the_openai_client_sees_clean_errors_and_the_new_features(real_server):
+    import openai
+
+    from serve.server_fixtures import API_KEY
+    with openai.OpenAI(base_url=real_server.base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=60,
+                       http_client=httpx.Client(trust_env=False)) as client:
+        for fields, param in (({"seed": 1 << 64}, "seed"), ({"top_p": 1e-46}, "top_p"),
+                              ({"top_k": 10 ** 30}, "top_k")):
+            with pytest.raises(openai.BadRequestError) as error:
+                client.completions.create(model="dsv4-test", prompt="def", max_tokens=2, extra_body=fields)
+            assert error.value.body["param"] == param
+        assert client.models.retrieve("dsv4-alias").id == "dsv4-alias"
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("gpt-4")
+        scored = client.completions.create(model="dsv4-test", prompt="def add(a, b):", max_tokens=0, echo=True,
+                                           logprobs=1)
+        assert scored.choices[0].text == "def add(a, b):" and scored.usage.completion_tokens == 0
+        r = client.chat.completions.create(model="dsv4-test", messages=USER, max_tokens=2,
+                                           extra_body={"thinking": {"type": "enabled"}, "frobnicate": 1})
+        assert r.choices[0].finish_reason == "length"
+        raw = client.chat.completions.with_raw_response.create(model="dsv4-test", messages=USER, max_tokens=1,
+                                                              extra_body={"frobnicate": 1})
+        assert raw.headers["x-ignored-fields"] == "frobnicate"
