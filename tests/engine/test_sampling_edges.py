@@ -51,7 +51,7 @@ def test_validate_keeps_values_on_the_wire(field, value):
     SamplingParams(seed=-(1 << 63)), SamplingParams(seed=(1 << 64) - 1), SamplingParams(top_k=(1 << 63) - 1),
     SamplingParams(temperature=3e38, top_p=1.2e-38, repetition_penalty=0.01),
     SamplingParams(logit_bias={0: -100.0, VOCAB - 1: 100}, stop=["naïve", "😀"]),
-], ids=str)
+], ids=["seed min", "seed max", "top_k max", "float32 edges", "bias and unicode stops"])
 def test_valid_edge_values_cross_the_wire(params):
     params.validate(VOCAB)
     frame = encode(AddRequest("r", [1, 2], params))

@@ -13,7 +13,7 @@ from schemathesis import GenerationMode
 
 pytest_plugins = ["serve.server_fixtures"]
 
-MAX_EXAMPLES = 200
+MAX_EXAMPLES = 100
 
 
 def test_no_request_gets_a_5xx(fake_server):

@@ -206,14 +206,14 @@ def test_huge_prompts_do_not_stall_other_streams(http, real_server):
     normal = sorted(clock.gaps(0, float("inf")))[len(clock.times) // 2 - 1]
     start = time.perf_counter()
     ten_mb = http.post(COMPLETIONS, json={"prompt": "def f(x):\n    return x\n" * 400_000})
-    one_mb = http.post(CHAT, json={"messages": [{"role": "user", "content": "x = [1, 2, 3]\n" * 75_000}]})
+    big_chat = http.post(CHAT, json={"messages": [{"role": "user", "content": "x = [1, 2, 3]\n" * 45_000}]})
     health = http.get("/health")
     end = time.perf_counter()
     clock.done.set()
     _error(ten_mb, 400, "prompt")
-    _error(one_mb, 400, "messages")
+    _error(big_chat, 400, "messages")
     assert health.status_code == 200
-    bound = max(10 * normal, 1.0)
+    bound = max(10 * normal, 0.5)     # tokenising that chat prompt holding the GIL stalls > 1.3 s
     assert max(clock.gaps(start, end)) < bound, (normal, max(clock.gaps(start, end)), end - start)
 
 
