@@ -99,6 +99,8 @@ class EngineClient:
 
     # ---- startup (before the event loop) -----------------------------------------------
     def start(self, timeout: float | None = None) -> Ready:
+        """Spawn the engine core and wait for its Ready; on failure everything is closed
+        (the process, the sockets, the IPC folder) and EngineStartError says why."""
         ctx = multiprocessing.get_context("spawn")
         self.process = ctx.Process(target=self.target, name="dsv4-engine-core",
                                    args=(self.model_dir, self.config, self.addresses, os.getpid()))
@@ -106,6 +108,7 @@ class EngineClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._pull.poll(100):
             if not self.process.is_alive():
+                self.close()
                 raise EngineStartError(f"the engine core exited with code {self.process.exitcode} "
                                        f"while loading {self.model_dir!r} (see its log above)")
             if deadline is not None and time.monotonic() > deadline:
@@ -114,6 +117,7 @@ class EngineClient:
         message = decode_output(self._pull.recv())
         if isinstance(message, StartupFailed):
             self.process.join(5)
+            self.close()
             raise EngineStartError(message.message)
         self.info = message
         return message
