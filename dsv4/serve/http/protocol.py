@@ -1,6 +1,7 @@
 """OpenAI request bodies: pydantic models (strict types; unknown fields collected by
-`fields.take_unknown`) and the checks pydantic cannot express. Everything here runs in the API process before the engine
-sees anything, and raises `APIError` (400) naming the offending field.
+`fields.take_unknown`) and the checks pydantic cannot express. Everything here runs in the
+API process before the engine sees anything, and raises `APIError` (400) naming the
+offending field.
 
 Sampling fields keep OpenAI's names; `sampling_params` maps them onto the engine's
 `SamplingParams` and validates the values with its own rules (vLLM extensions included:
@@ -9,7 +10,6 @@ include_stop_str_in_output, skip_special_tokens).
 """
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Literal
 
@@ -26,6 +26,11 @@ IMAGE_PARTS = ("image_url", "input_image", "image")
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)   # extras: see fields.take_unknown
+    _ignored: list[str] = PrivateAttr(default_factory=list)   # the unknown fields, removed
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return self._ignored
 
     @model_validator(mode="before")
     @classmethod
@@ -60,11 +65,6 @@ class SamplingFields(_Model):
     logit_bias: dict[str, float] | None = None      # token id (as a JSON key) -> bias in [-100, 100]
     prompt_logprobs: int | None = None              # vLLM's: logprobs of the prompt tokens
     user: str | None = None
-    _ignored: list[str] = PrivateAttr(default_factory=list)   # unknown fields, ignored
-
-    @property
-    def ignored_fields(self) -> list[str]:
-        return self._ignored
 
     @property
     def include_usage(self) -> bool:
