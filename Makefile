@@ -1,4 +1,4 @@
-# `make test` and `make serve` do all set-up on a fresh machine.
+# `make test` and `make serve` do all set-up on a fresh machine; `make serve ARGS="--port 8080"` passes flags.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -18,7 +18,7 @@ test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 serve: $(STAMP)
-	$(VENV)/bin/dsv4 serve
+	$(VENV)/bin/dsv4 serve $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

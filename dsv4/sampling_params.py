@@ -14,6 +14,14 @@ from dataclasses import dataclass
 GREEDY_TEMPERATURE_EPS = 1e-5
 # Most alternatives a request may ask for per position (`logprobs`, `prompt_logprobs`).
 MAX_LOGPROBS = 20
+# logit_bias: at most this many tokens, each biased by a value in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX].
+MAX_LOGIT_BIAS_TOKENS = 1024
+LOGIT_BIAS_MAX = 100.0
+# The sampler works in float32: a nonzero value must stay a normal float32 number.
+F32_MAX, F32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+SEED_MAX = (1 << 64) - 1   # torch.Generator.manual_seed takes [INT64_MIN, 2**64 - 1]
+REPETITION_PENALTY_RANGE = (0.01, 100.0)   # it divides logits: a tiny one overflows float32
 
 
 @dataclass
@@ -36,6 +44,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same, per prompt position
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -45,6 +54,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
 
     @property
     def is_greedy(self) -> bool:
@@ -64,17 +75,18 @@ class SamplingParams:
         return ids
 
     def validate(self, vocab_size: int, max_model_len: int | None = None) -> None:
-        """Raise ValueError naming the first field with a bad value."""
+        """Raise ValueError naming the first field with a bad value. Every value that passes
+        fits the engine wire (msgpack: 64-bit integers, UTF-8 strings) and float32 math."""
         _check_int(self, "n", low=1)
         _check_float(self, "temperature", low=0.0)
         _check_float(self, "top_p", low=0.0, low_inclusive=False, high=1.0)
         _check_int(self, "top_k", low=-1)
         _check_float(self, "min_p", low=0.0, high=1.0)
         if self.seed is not None:
-            _check_int(self, "seed")
+            _check_int(self, "seed", low=INT64_MIN, high=SEED_MAX)
         for name in ("presence_penalty", "frequency_penalty"):
             _check_float(self, name, low=-2.0, high=2.0)
-        _check_float(self, "repetition_penalty", low=0.0, low_inclusive=False)
+        _check_float(self, "repetition_penalty", *REPETITION_PENALTY_RANGE)
         _check_int(self, "max_tokens", low=1, high=max_model_len)
         _check_int(self, "min_tokens", low=0, high=self.max_tokens)
         for name in ("logprobs", "prompt_logprobs"):
@@ -83,33 +95,76 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop: every stop string must be a non-empty str, got {s!r}")
+            if not _is_utf8(s):
+                raise ValueError(f"stop: {_show(s)} is not valid Unicode (a lone surrogate)")
         for t in self.stop_token_ids:
             if not _is_int(t) or not 0 <= t < vocab_size:
-                raise ValueError(f"stop_token_ids: {t!r} is not a token id in [0, {vocab_size})")
+                raise ValueError(f"stop_token_ids: {_show(t)} is not a token id in [0, {vocab_size})")
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias, vocab_size)
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_logit_bias(bias: dict, vocab_size: int) -> None:
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}")
+    for t, v in bias.items():
+        if not _is_int(t) or not 0 <= t < vocab_size:
+            raise ValueError(f"logit_bias: {_show(t)} is not a token id in [0, {vocab_size})")
+        if not _is_number(v) or not -LOGIT_BIAS_MAX <= v <= LOGIT_BIAS_MAX:
+            raise ValueError(f"logit_bias: the bias of token {t} must be a number in "
+                             f"[-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], got {_show(v)}")
+
+
 def _check_int(params: SamplingParams, name: str, low: int | None = None,
                high: int | None = None) -> None:
     value = getattr(params, name)
     if not _is_int(value):
-        raise ValueError(f"{name}: must be an int, got {value!r}")
+        raise ValueError(f"{name}: must be an int, got {_show(value)}")
     if (low is not None and value < low) or (high is not None and value > high):
-        raise ValueError(f"{name}: must be {_range_text(low, high, True)}, got {value}")
+        raise ValueError(f"{name}: must be {_range_text(low, high, True)}, got {_show(value)}")
+    if not INT64_MIN <= value <= max(INT64_MAX, high or 0):
+        raise ValueError(f"{name}: must fit a signed 64-bit integer, got {_show(value)}")
 
 
 def _check_float(params: SamplingParams, name: str, low: float | None = None,
                  high: float | None = None, low_inclusive: bool = True) -> None:
     value = getattr(params, name)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+    if not _is_number(value) or not math.isfinite(value) or abs(value) > F32_MAX:
+        raise ValueError(f"{name}: must be a finite number (float32), got {_show(value)}")
+    if value != 0 and abs(value) < F32_TINY:
+        raise ValueError(f"{name}: {value!r} underflows float32 (the sampler's precision); use 0 "
+                         f"or a value of magnitude >= {F32_TINY:.3g}")
     too_low = low is not None and (value < low if low_inclusive else value <= low)
     if too_low or (high is not None and value > high):
         raise ValueError(f"{name}: must be {_range_text(low, high, low_inclusive)}, "
-                         f"got {value}")
+                         f"got {_show(value)}")
+
+
+def _show(value: object, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _is_number(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def _range_text(low: float | None, high: float | None, low_inclusive: bool) -> str:

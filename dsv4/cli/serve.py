@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from .engine_args import add_engine_args, engine_config
@@ -20,6 +21,16 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=os.environ.get("DSV4_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $DSV4_API_KEY)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    limits = p.add_argument_group("request limits and shutdown")
+    limits.add_argument("--max-request-body-mb", type=float, default=32.0, metavar="MB",
+                        help="larger request bodies get 413 (default: 32)")
+    limits.add_argument("--max-batch-requests", type=int, default=256, metavar="N",
+                        help="most generations one request may ask for, prompts x n (default: 256)")
+    limits.add_argument("--strict-api", action="store_true",
+                        help="reject unknown request fields with 400 (default: ignore them, name them in the "
+                             "X-Ignored-Fields header and warn once in the log)")
+    limits.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                        help="on SIGTERM/SIGINT, seconds running requests get to finish (default: 30)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -30,26 +41,44 @@ def run(args) -> int:
     from ..serve.http.server import APIServer, ServeSettings
 
     config = engine_config(args)
+    limits = _limits(args)
     model_dir = args.model or demo_model_dir()
     _check_model_dir(model_dir)
     names = args.served_model_name or [args.model or DEMO_NAME]
     settings = ServeSettings(model_dir=model_dir, model_names=names, engine=config, host=args.host,
-                             port=args.port, api_key=args.api_key, log_level=args.log_level)
+                             port=args.port, api_key=args.api_key, log_level=args.log_level, limits=limits)
     try:
         server = APIServer(settings)
     except OSError as e:
         return _fail(f"--host/--port: cannot listen on {args.host}:{args.port}: {e.strerror or e}")
     print(f"dsv4 serve: loading {model_dir} ...", flush=True)
+    previous = signal.signal(signal.SIGTERM, _interrupt)   # while loading, SIGTERM stops us as Ctrl-C does
     try:
         info = server.start_engine()
     except EngineStartError as e:
         return _fail(f"the engine could not start: {e}")
+    except KeyboardInterrupt:
+        return _fail("interrupted while loading the model", code=130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
     def ready() -> None:
         print(f"dsv4 serve: ready at {server.url} (model {', '.join(names)}, max_model_len "
               f"{info.max_model_len})", flush=True)
 
     return server.serve(on_ready=ready)
+
+
+def _limits(args):
+    from ..serve.http.limits import MB, ServerLimits
+    if not args.max_request_body_mb > 0:
+        raise SystemExit(f"dsv4 serve: --max-request-body-mb must be > 0, got {args.max_request_body_mb}")
+    if args.max_batch_requests < 1:
+        raise SystemExit(f"dsv4 serve: --max-batch-requests must be >= 1, got {args.max_batch_requests}")
+    if not args.shutdown_timeout >= 0:
+        raise SystemExit(f"dsv4 serve: --shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    return ServerLimits(max_body_bytes=int(args.max_request_body_mb * MB), max_batch_requests=args.max_batch_requests,
+                        strict_api=args.strict_api, shutdown_timeout=args.shutdown_timeout)
 
 
 def _check_model_dir(model_dir: str) -> None:
@@ -60,6 +89,10 @@ def _check_model_dir(model_dir: str) -> None:
                          f"checkpoint's tokenizer)")
 
 
-def _fail(message: str) -> int:
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _fail(message: str, code: int = 1) -> int:
     print(f"dsv4 serve: {message}", file=sys.stderr, flush=True)
-    return 1
+    return code

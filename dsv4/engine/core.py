@@ -19,6 +19,9 @@ import logging
 import signal
 import sys
 from collections import deque
+from collections.abc import Callable
+
+import msgspec
 
 from .ipc import (AbortRequests, AddRequest, Addresses, EngineStats, Ready, RequestFailed, Shutdown,
                   StartupFailed, StepOutputs, TokenOutput, decode_input, encode, engine_sockets,
@@ -126,6 +129,10 @@ class EngineCore:
         return new
 
     # ---- reporting ---------------------------------------------------------------------
+    def reject(self, request_id: str, reason: str) -> None:
+        """Fail a request that never reached the engine (400)."""
+        self._failures.append(RequestFailed(request_id, 400, reason))
+
     def take_failures(self) -> list[RequestFailed]:
         failures, self._failures = self._failures, []
         return failures
@@ -150,7 +157,10 @@ def ready_message(engine) -> Ready:
 def run_engine_core(model_dir: str, config, addresses: Addresses, parent_pid: int) -> None:
     """Process entry: load, report, loop. Exit code 1 when the engine could not start."""
     import zmq
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is the API process's to handle
+    # Ctrl-C and SIGTERM (also when sent to the whole process group) are the API process's to
+    # handle: it drains its requests, then sends Shutdown (and kills us only if we hang).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
     ctx = zmq.Context()
     inbox, outbox = engine_sockets(ctx, addresses)
@@ -165,6 +175,8 @@ def run_engine_core(model_dir: str, config, addresses: Addresses, parent_pid: in
         serve_loop(EngineCore(engine), inbox, outbox, parent_pid)
     finally:
         ctx.destroy(linger=0)
+        if not parent_alive(parent_pid):
+            addresses.remove()     # the API process died without cleaning up: its IPC folder
 
 
 def _load_engine(model_dir: str, config):
@@ -181,7 +193,7 @@ def _startup_message(model_dir: str, error: BaseException) -> str:
 
 def serve_loop(core: EngineCore, inbox, outbox, parent_pid: int) -> None:
     while parent_alive(parent_pid):
-        messages = _drain(inbox, wait_ms=0 if core.has_work else IDLE_POLL_MS)
+        messages = _drain(inbox, wait_ms=0 if core.has_work else IDLE_POLL_MS, reject=core.reject)
         if any(isinstance(m, Shutdown) for m in messages):
             return
         for m in messages:
@@ -192,9 +204,27 @@ def serve_loop(core: EngineCore, inbox, outbox, parent_pid: int) -> None:
             outbox.send(encode(StepOutputs(outputs, failures, core.stats())))
 
 
-def _drain(inbox, wait_ms: int) -> list:
+def _drain(inbox, wait_ms: int, reject: Callable[[str, str], None] | None = None) -> list:
+    """Every waiting input. A frame that does not decode is dropped (logged); when it names
+    a request, `reject(request_id, reason)` fails that request."""
     messages = []
     while inbox.poll(wait_ms):
-        messages.append(decode_input(inbox.recv()))
+        frame = inbox.recv()
         wait_ms = 0
+        try:
+            messages.append(decode_input(frame))
+        except (msgspec.DecodeError, ValueError) as e:
+            log.error("dropped an input frame that does not decode: %s", e)
+            rid = _request_id_of(frame)
+            if rid is not None and reject is not None:
+                reject(rid, f"the engine could not decode the request: {e}")
     return messages
+
+
+def _request_id_of(frame: bytes) -> str | None:
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except (msgspec.DecodeError, ValueError):
+        return None
+    rid = raw.get("request_id") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, str) else None

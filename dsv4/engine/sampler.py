@@ -2,7 +2,8 @@
 
 Shapes: B rows (one per sequence being sampled this step), V vocabulary entries.
 Per row, on fp32 logits:
-  min_tokens mask (finishing tokens -> -inf while too few tokens were generated)
+  logit_bias (added to the listed tokens' logits)
+  -> min_tokens mask (finishing tokens -> -inf while too few tokens were generated)
   -> penalties (repetition over prompt + output, then frequency and presence over output)
   -> greedy rows: argmax; other rows: temperature -> top-k -> top-p -> min-p -> sample.
 Min-p keeps tokens whose probability is at least min_p times the top probability; that
@@ -71,6 +72,7 @@ class SamplingBatch:
     min_p: torch.Tensor | None  # [B] f32 in [0, 1], 0.0 = off; None: no row uses min-p
     penalties: Penalties | None  # None: no row uses a penalty
     banned: tuple[torch.Tensor, torch.Tensor] | None  # ([N] rows, [N] token ids) -> -inf
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # ([M] rows, [M] ids, [M] f32) added
     random_rows: list[int]  # rows that sample (not greedy); empty: all greedy
     shared_noise_rows: torch.Tensor | None  # [M] long: random rows without own generator
     seeded_rows: list[tuple[int, torch.Generator]]  # random rows with their own generator
@@ -93,6 +95,7 @@ class SamplingBatch:
             top_k=top_k, top_p=top_p, min_p=min_p,
             penalties=_build_penalties(rows, vocab_size, device),
             banned=_build_min_tokens_ban(rows, eos_token_id, device),
+            bias=_build_logit_bias(params, device),
             random_rows=random_rows,
             shared_noise_rows=_tensor(shared, torch.long, device) if shared else None,
             seeded_rows=[(i, rows[i].generator) for i in random_rows
@@ -171,6 +174,18 @@ def _build_min_tokens_ban(rows: Sequence[SamplingRow], eos_token_id: int | None,
     return _tensor(list(ban_rows), torch.long, device), _tensor(list(ban_tokens), torch.long, device)
 
 
+def _build_logit_bias(params: list[SamplingParams], device: torch.device | str
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids, biases) of every row's logit_bias; None when no row has one."""
+    triples = [(i, token, bias) for i, p in enumerate(params) if p.logit_bias
+               for token, bias in p.logit_bias.items()]
+    if not triples:
+        return None
+    rows, tokens, biases = zip(*triples)
+    return (_tensor(list(rows), torch.long, device), _tensor(list(tokens), torch.long, device),
+            _tensor(list(biases), torch.float32, device))
+
+
 def count_pending(penalties: Penalties, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
     """Add tokens known only on the device to the output counts: row rows[i] generated
     token_ids[i] ([P] long each, on the counts' device)."""
@@ -240,10 +255,14 @@ class Sampler:
 
     @staticmethod
     def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """fp32 [B, V] logits with the min_tokens mask and penalties applied (a new tensor
+        """fp32 [B, V] logits with logit_bias, the min_tokens mask and penalties applied (a new tensor
         whenever anything is applied; the input is never written): what greedy rows take the
         argmax of."""
-        logits = logits.to(torch.float32, copy=batch.banned is not None)   # never written otherwise
+        written = batch.banned is not None or batch.bias is not None
+        logits = logits.to(torch.float32, copy=written)   # never written otherwise
+        if batch.bias is not None:
+            rows, tokens, biases = batch.bias
+            logits.index_put_((rows, tokens), biases, accumulate=True)
         if batch.banned is not None:
             logits[batch.banned] = NEG_INF          # a scalar fill: no host-to-device copy
         if batch.penalties is not None:

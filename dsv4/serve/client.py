@@ -5,8 +5,14 @@ raises `EngineStartError` with the engine's reason when it cannot start. Then, i
 event loop, `run()` starts one sender task and one receiver task; `submit()` sends the
 requests of one HTTP request and returns a `RequestGroup` whose queue the receiver feeds;
 `abort()` is safe from anywhere (also from a cancelled task's `finally`). When the engine
-process dies, every open group gets an `EngineDead` item, `alive` turns False and
-`on_death` is called (the server shuts down).
+process dies (or its sockets fail, or it sends a frame that cannot be decoded), every open
+group gets an `EngineDead` item saying which, `alive` turns False and `on_death` is called
+(the server shuts down).
+
+Failure rules: `submit` encodes every request before queueing any, so a request the wire
+cannot carry fails alone (`NotEncodable`, a 400) and never reaches the send task; the send
+task fails the one request whose frame it could not send and goes on. At shutdown
+`fail_all` ends every open group with a 503 and refuses new submissions.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import os
 import time
 from collections.abc import Callable
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -28,12 +35,26 @@ from ..engine.ipc import (AbortRequests, AddRequest, Addresses, EngineStats, Rea
 log = logging.getLogger("dsv4.serve")
 
 
+def _encode_request(message: AddRequest) -> bytes:
+    try:
+        return encode(message)
+    except (msgspec.EncodeError, OverflowError, TypeError, ValueError) as e:
+        raise NotEncodable(f"the request cannot be sent to the engine: {e}") from None
+
+
 class EngineStartError(RuntimeError):
     pass
 
 
+class NotEncodable(ValueError):
+    """A request the engine wire (msgpack) cannot carry."""
+
+
 class EngineDead:
-    """Queue item: the engine core is gone."""
+    """Queue item: the engine core is gone (`message` says how)."""
+
+    def __init__(self, message: str = "the engine core died; the server is shutting down"):
+        self.message = message
 
 
 class RequestGroup:
@@ -69,14 +90,17 @@ class EngineClient:
         self.info: Ready | None = None
         self.stats = EngineStats()
         self.groups: dict[str, RequestGroup] = {}
-        self.on_death: Callable[[], None] | None = None
+        self.on_death: Callable[[str], None] | None = None      # called with the reason
         self.on_stats: Callable[[EngineStats], None] | None = None
         self._outbox: asyncio.Queue | None = None
         self._tasks: list[asyncio.Task] = []
         self._dead = False
+        self._closing: str | None = None       # set by fail_all: why new requests are refused
 
     # ---- startup (before the event loop) -----------------------------------------------
     def start(self, timeout: float | None = None) -> Ready:
+        """Spawn the engine core and wait for its Ready; on failure everything is closed
+        (the process, the sockets, the IPC folder) and EngineStartError says why."""
         ctx = multiprocessing.get_context("spawn")
         self.process = ctx.Process(target=self.target, name="dsv4-engine-core",
                                    args=(self.model_dir, self.config, self.addresses, os.getpid()))
@@ -84,6 +108,7 @@ class EngineClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._pull.poll(100):
             if not self.process.is_alive():
+                self.close()
                 raise EngineStartError(f"the engine core exited with code {self.process.exitcode} "
                                        f"while loading {self.model_dir!r} (see its log above)")
             if deadline is not None and time.monotonic() > deadline:
@@ -92,6 +117,7 @@ class EngineClient:
         message = decode_output(self._pull.recv())
         if isinstance(message, StartupFailed):
             self.process.join(5)
+            self.close()
             raise EngineStartError(message.message)
         self.info = message
         return message
@@ -107,37 +133,62 @@ class EngineClient:
         loop.add_reader(self.process.sentinel, self._engine_died)
 
     def _task_done(self, task: asyncio.Task) -> None:
-        """A socket task that fails leaves no way to reach the engine: treat it as dead."""
+        """A socket task that fails leaves no way to reach the engine: shut down."""
         if not task.cancelled() and task.exception() is not None:
-            log.error("lost the engine core's sockets", exc_info=task.exception())
-            self._engine_died()
+            error = task.exception()
+            log.error("lost the engine core's sockets", exc_info=error)
+            what = ("the engine core sent a message that cannot be decoded" if isinstance(error, msgspec.DecodeError)
+                    else f"lost the connection to the engine core ({type(error).__name__})")
+            self._engine_died(f"{what}; the server is shutting down")
 
     @property
     def alive(self) -> bool:
         return not self._dead and self.process is not None and self.process.is_alive()
 
     def submit(self, prompts: list[list[int]], params: list[SamplingParams], base_id: str) -> RequestGroup:
+        """Queue one engine request per prompt; raises NotEncodable (nothing queued) when
+        one of them cannot be encoded."""
         ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        frames = [_encode_request(AddRequest(rid, prompt, p)) for rid, prompt, p in zip(ids, prompts, params)]
         group = RequestGroup(self, ids)
-        if self._dead:
+        if self._dead or self._closing:
             for rid in ids:
-                group.put(rid, EngineDead())
+                group.put(rid, EngineDead() if self._dead else RequestFailed(rid, 503, self._closing))
             return group
-        for rid, prompt, p in zip(ids, prompts, params):
+        for rid, frame in zip(ids, frames):
             self.groups[rid] = group
-            self._outbox.put_nowait(AddRequest(rid, prompt, p))
+            self._outbox.put_nowait((rid, frame))
         return group
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.groups.pop(rid, None)
         if request_ids and not self._dead and self._outbox is not None:
-            self._outbox.put_nowait(AbortRequests(list(request_ids)))
+            self._outbox.put_nowait((None, encode(AbortRequests(list(request_ids)))))
+
+    def fail_all(self, message: str = "the server is shutting down") -> None:
+        """End every open group with a 503 (their engine requests are aborted) and refuse
+        new submissions from now on."""
+        self._closing = message
+        open_ids = list(self.groups)
+        for rid in open_ids:
+            self.groups[rid].put(rid, RequestFailed(rid, 503, message))
+        self.abort(open_ids)
 
     async def _send_loop(self, sock: zmq.asyncio.Socket) -> None:
+        """Frames are encoded already; a socket error ends the loop (`_task_done`), any
+        other failure to send fails that frame's request alone."""
         while True:
-            message = await self._outbox.get()
-            await sock.send(encode(message))
+            rid, frame = await self._outbox.get()
+            try:
+                await sock.send(frame)
+            except (zmq.ZMQError, asyncio.CancelledError):
+                raise
+            except Exception as e:  # noqa: BLE001 - one frame, one request
+                log.exception("could not send a message to the engine core")
+                group = self.groups.pop(rid, None) if rid is not None else None
+                if group is not None:
+                    group.put(rid, RequestFailed(rid, 500, f"could not send the request to the engine: {e}"))
 
     async def _receive_loop(self, sock: zmq.asyncio.Socket) -> None:
         while True:
@@ -159,18 +210,18 @@ class EngineClient:
         if self.on_stats is not None:
             self.on_stats(message.stats)
 
-    def _engine_died(self) -> None:
+    def _engine_died(self, message: str | None = None) -> None:
         if self._dead:
             return
         self._dead = True
         asyncio.get_running_loop().remove_reader(self.process.sentinel)
-        log.error("the engine core is gone (exit code %s); failing %d request(s) in flight",
-                  self.process.exitcode, len(self.groups))
+        log.error("%s (engine core exit code %s); failing %d request(s) in flight",
+                  message or "the engine core is gone", self.process.exitcode, len(self.groups))
         for rid, group in list(self.groups.items()):
-            group.put(rid, EngineDead())
+            group.put(rid, EngineDead(message) if message else EngineDead())
         self.groups.clear()
         if self.on_death is not None:
-            self.on_death()
+            self.on_death(message or f"the engine core died (exit code {self.process.exitcode})")
 
     # ---- shutdown ----------------------------------------------------------------------
     def close(self, timeout: float = 5.0) -> None:
@@ -181,9 +232,9 @@ class EngineClient:
                 self._push.send(encode(Shutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            self.process.join(timeout)
+            self.process.join(timeout if self.info is not None else 0)   # still loading: no waiting
             if self.process.is_alive():
-                self.process.terminate()
+                self.process.kill()     # the engine core ignores SIGTERM and SIGINT (ours to handle)
                 self.process.join(timeout)
         self.ctx.destroy(linger=0)
         self.addresses.remove()

@@ -21,6 +21,9 @@ from dsv4.text.tokens import BOS, EOS, SPECIAL_TOKENS
 __all__ = ["SPECIAL_TOKENS", "Tokenizer", "train_test_tokenizer", "build_test_tokenizer",
            "TEST_TOKENIZER_DIR"]
 
+# Texts at least this long are encoded through `encode_batch` (see `Tokenizer.encode`).
+ENCODE_BATCH_FROM = 4096
+
 # The tokenizer shipped with the package for tests (built by `build_test_tokenizer`).
 TEST_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "test_tokenizer"
 
@@ -52,10 +55,19 @@ class Tokenizer:
         return self._hf.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self._hf.encode(text, add_special_tokens=False).ids
+        if len(text) < ENCODE_BATCH_FROM:
+            return self._hf.encode(text, add_special_tokens=False).ids
+        # `encode` may hold the GIL for the whole call (seconds for megabytes), stalling every
+        # other thread of the process (the server's event loop); `encode_batch` releases it.
+        return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token stands for in any text: the longest
+        vocabulary entry (byte-level BPE spells each byte as one character)."""
+        return max((len(t) for t in self._hf.get_vocab(with_added_tokens=True)), default=0)
 
     def token_to_id(self, token: str) -> int | None:
         return self._hf.token_to_id(token)

@@ -127,10 +127,11 @@ def silent_engine_core(*args) -> None:
 class ThreadServer:
     """An APIServer running in a thread of this process."""
 
-    def __init__(self, model_dir: str, engine_target, api_key: str | None = None):
+    def __init__(self, model_dir: str, engine_target, api_key: str | None = None, limits=None):
+        from dsv4.serve.http.limits import ServerLimits
         from dsv4.serve.http.server import APIServer, ServeSettings
         settings = ServeSettings(model_dir=model_dir, model_names=list(MODEL_NAMES), port=0, api_key=api_key,
-                                 log_level="warning")
+                                 log_level="warning", limits=limits or ServerLimits())
         self.server = APIServer(settings, engine_target)
         self.server.start_engine(timeout=60)
         self.base_url = self.server.url
@@ -148,9 +149,9 @@ class ThreadServer:
         self.thread.join(30)
 
 
-def start_fake_server() -> ThreadServer:
+def start_fake_server(limits=None) -> ThreadServer:
     from dsv4.text.tokenizer import TEST_TOKENIZER_DIR
-    return ThreadServer(str(TEST_TOKENIZER_DIR), fake_engine_core)
+    return ThreadServer(str(TEST_TOKENIZER_DIR), fake_engine_core, limits=limits)
 
 
 @pytest.fixture(scope="session")
@@ -162,9 +163,9 @@ def fake_server():
 
 @pytest.fixture
 def fake_server_factory():
-    """start() -> a fresh fake server of its own (stopped after the test)."""
+    """start(limits=None) -> a fresh fake server of its own (stopped after the test)."""
     started = []
-    yield lambda: started.append(start_fake_server()) or started[-1]
+    yield lambda limits=None: started.append(start_fake_server(limits)) or started[-1]
     for server in started:
         server.stop()
 

@@ -54,12 +54,14 @@ def test_engine_client_reports_an_engine_that_dies_or_hangs_at_start_up():
     from serve.server_fixtures import exiting_engine_core, silent_engine_core
 
     from dsv4.serve.client import EngineClient, EngineStartError
+    exiting = EngineClient("m", None, exiting_engine_core)
     with pytest.raises(EngineStartError, match="exited with code 2 while loading 'm'"):
-        EngineClient("m", None, exiting_engine_core).start()
+        exiting.start()
     client = EngineClient("m", None, silent_engine_core)
     with pytest.raises(EngineStartError, match="did not get ready within 1 s"):
         client.start(timeout=1)
     assert not client.process.is_alive()
+    assert not any(os.path.exists(c.addresses.folder) for c in (exiting, client))   # IPC folders removed
 
 
 def _children(pid: int) -> list[int]:

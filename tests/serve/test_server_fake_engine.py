@@ -182,7 +182,7 @@ def test_an_undecodable_engine_message_is_treated_as_engine_death(fake_server_fa
     server = fake_server_factory()
     with httpx.Client(base_url=server.base_url, trust_env=False, timeout=30) as http:
         r = http.post("/v1/chat/completions", json={"messages": user("[[garbage]]")})
-        assert r.status_code == 500 and "engine core died" in r.json()["error"]["message"]
+        assert r.status_code == 500 and "cannot be decoded" in r.json()["error"]["message"]
     server.thread.join(30)
     assert server.exit_code == 1
 

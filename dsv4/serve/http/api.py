@@ -1,24 +1,29 @@
-"""The FastAPI app of the API process: routes, bearer-token check, error bodies.
+"""The FastAPI app of the API process: routes, bearer-token check, body-size limit, error
+bodies, the OpenAPI schema.
 
 `build_app(state)` needs a started `EngineClient` (inside `state`); the app's lifespan
-starts the client's socket tasks in the server's event loop and shuts the engine down at
-exit. With an API key, every `/v1/*` route needs `Authorization: Bearer KEY` (401
-otherwise); `/health` and `/metrics` stay open, as in vLLM.
+starts the client's socket tasks in the server's event loop. With an API key, every
+`/v1/*` route and `/tokenize`, `/detokenize` need `Authorization: Bearer KEY` (401
+otherwise); `/health`, `/metrics`, `/version` and `/openapi.json` stay open, as in vLLM.
 """
 from __future__ import annotations
 
 import contextlib
 import hmac
-import time
+import json
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
 
-from . import errors
+from . import errors, openapi, utility
 from .chat import create_chat_completion
 from .completions import create_completion
+from .limits import BodySizeLimit
 from .metrics import CONTENT_TYPE
 from .state import ServerState
+
+PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 
 
 def build_app(state: ServerState, on_ready=None) -> FastAPI:
@@ -30,28 +35,26 @@ def build_app(state: ServerState, on_ready=None) -> FastAPI:
             on_ready()
         yield
 
-    app = FastAPI(title="dsv4", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="dsv4", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.dsv4 = state
     errors.install(app)
-    _add_auth(app, state.api_key)
+    app.add_middleware(BodySizeLimit, max_bytes=state.limits.max_body_bytes)
+    if state.api_key:
+        app.add_middleware(BearerAuth, api_key=state.api_key)
     _add_routes(app, state)
+    openapi.install(app, utility.version()["version"])
     return app
-
-
-def _add_auth(app: FastAPI, api_key: str | None) -> None:
-    if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)
 
 
 class BearerAuth:
     """Pure ASGI middleware (it never wraps a response, so streams and disconnects pass
-    through untouched): `/v1/*` without the right bearer token gets a 401."""
+    through untouched): a protected route without the right bearer token gets a 401."""
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 error = errors.APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY'",
@@ -74,10 +77,23 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        created = int(time.time())
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": created, "owned_by": "dsv4", "root": state.model_dir,
-             "max_model_len": state.info.max_model_len} for name in state.model_names]}
+        return utility.list_models(state)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        return utility.get_model(model_id, state)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await _in_thread(utility.tokenize, await request.body(), state)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await _in_thread(utility.detokenize, await request.body(), state)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return utility.version()
 
     @app.get("/health")
     async def health() -> Response:
@@ -88,6 +104,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def _in_thread(handler, raw: bytes, state: ServerState) -> Response:
+    """handler(raw, state) -> dict, run and JSON-encoded in a worker thread (a million
+    token ids take a while either way)."""
+    def run() -> bytes:
+        return json.dumps(handler(raw, state), ensure_ascii=False, separators=(",", ":")).encode()
+    return Response(await run_in_threadpool(run), media_type="application/json")
 
 
 def _require_engine(state: ServerState) -> None:

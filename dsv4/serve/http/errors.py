@@ -1,7 +1,7 @@
 """OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx.
 
-Handlers raise `APIError`; `install(app)` turns it, request-validation problems and
-Starlette's own 404/405 into that body. `validation_error` converts a pydantic
+Handlers raise `APIError`; `install(app)` turns it, request-validation problems,
+Starlette's own 404/405 and any other exception (a 500, logged) into that body. `validation_error` converts a pydantic
 ValidationError into a 400 naming the first offending field.
 """
 from __future__ import annotations
@@ -75,3 +75,9 @@ def install(app: FastAPI) -> None:
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        """Anything else (a bug, a resource limit): a 500 for this request; Starlette
+        re-raises it afterwards, so uvicorn logs the traceback; the server goes on."""
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"), status_code=500)

@@ -1,6 +1,7 @@
-"""OpenAI request bodies: pydantic models (strict types, unknown fields ignored) and the
-checks pydantic cannot express. Everything here runs in the API process before the engine
-sees anything, and raises `APIError` (400) naming the offending field.
+"""OpenAI request bodies: pydantic models (strict types; unknown fields collected by
+`fields.take_unknown`) and the checks pydantic cannot express. Everything here runs in the
+API process before the engine sees anything, and raises `APIError` (400) naming the
+offending field.
 
 Sampling fields keep OpenAI's names; `sampling_params` maps them onto the engine's
 `SamplingParams` and validates the values with its own rules (vLLM extensions included:
@@ -9,21 +10,27 @@ include_stop_str_in_output, skip_special_tokens).
 """
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
-from ...sampling_params import SamplingParams
+from ...sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from .body import read_json
 from .errors import APIError, bad_request, from_value_error, validation_error
+from .fields import take_unknown
 
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 IMAGE_PARTS = ("image_url", "input_image", "image")
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True)   # extras: see fields.take_unknown
+    _ignored: list[str] = PrivateAttr(default_factory=list)   # the unknown fields, removed
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return self._ignored
 
     @model_validator(mode="before")
     @classmethod
@@ -41,7 +48,7 @@ class SamplingFields(_Model):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -55,6 +62,8 @@ class SamplingFields(_Model):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None      # token id (as a JSON key) -> bias in [-100, 100]
+    prompt_logprobs: int | None = None              # vLLM's: logprobs of the prompt tokens
     user: str | None = None
 
     @property
@@ -110,6 +119,11 @@ class ResponseFormat(_Model):
     json_schema: dict[str, Any] | None = None
 
 
+class Thinking(_Model):
+    """DeepSeek's API field: `"thinking": {"type": "enabled"}`."""
+    type: Literal["enabled", "disabled"]
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
@@ -124,13 +138,27 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False       # vLLM's names for prefix continuation
     add_generation_prompt: bool | None = None  # None: true unless continuing
 
+    thinking_field: Thinking | None = Field(None, alias="thinking")
+    include_reasoning: bool = True        # false: reasoning is generated but not returned
+
     @property
     def thinking(self) -> bool:
+        """Whether to think: DeepSeek's `thinking` field or chat_template_kwargs' `thinking`
+        (`enable_thinking`) when given (a 400 when they disagree), else on exactly when a
+        reasoning_effort other than "none" is given, as in DeepSeek's API."""
         kwargs = self.chat_template_kwargs or {}
-        value = kwargs.get("thinking", kwargs.get("enable_thinking", False))
-        if not isinstance(value, bool):
+        value = kwargs.get("thinking", kwargs.get("enable_thinking"))
+        if value is not None and not isinstance(value, bool):
             raise bad_request("chat_template_kwargs.thinking: must be true or false", "chat_template_kwargs")
-        return value
+        if self.thinking_field is not None:
+            enabled = self.thinking_field.type == "enabled"
+            if value is not None and value != enabled:
+                raise bad_request(f"thinking: {self.thinking_field.type!r} contradicts "
+                                  f"chat_template_kwargs.thinking={str(value).lower()}", "thinking")
+            return enabled
+        if value is not None:
+            return value
+        return self.reasoning_effort is not None and self.reasoning_effort != "none"
 
     def tool_choice_mode(self) -> str:
         """"none", "auto", "required" or "named" (checked against the tools)."""
@@ -153,20 +181,27 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    best_of: int | None = None           # only 1 (= n) is supported
+    suffix: str | None = None            # not supported (no fill-in-the-middle)
 
 
 # ---- parsing and checks --------------------------------------------------------------------
-def parse_body(raw: bytes, model: type[_Model]) -> Any:
+def parse_body(raw: bytes, model: type[_Model], strict: bool = False) -> Any:
+    """The validated request; unknown fields are removed and listed in `ignored_fields`
+    (with `strict`, the first one is a 400)."""
+    return parse_data(read_json(raw), model, strict)
+
+
+def parse_data(data: dict, model: type[_Model], strict: bool = False) -> Any:
+    """`parse_body` of a body already read by `body.read_json`."""
     try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object")
-    try:
-        return model.model_validate(data)
+        req = model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
+    except RecursionError:
+        raise bad_request("the request body nests too deeply") from None
+    req._ignored = take_unknown(req, strict)
+    return req
 
 
 def check_messages(req: ChatCompletionRequest, vision: bool = False) -> None:
@@ -221,7 +256,7 @@ def sampling_params(req: SamplingFields, vocab_size: int, max_tokens: int, **ext
     params = SamplingParams(
         n=req.n, seed=req.seed, stop=req.stop, max_tokens=max_tokens, min_tokens=req.min_tokens,
         ignore_eos=req.ignore_eos, stop_token_ids=req.stop_token_ids,
-        include_stop_str_in_output=req.include_stop_str_in_output,
+        include_stop_str_in_output=req.include_stop_str_in_output, logit_bias=_logit_bias(req.logit_bias),
         **{k: (getattr(defaults, k) if v is None else v) for k, v in values.items()}, **extra)
     try:
         params.validate(vocab_size)
@@ -229,6 +264,18 @@ def sampling_params(req: SamplingFields, vocab_size: int, max_tokens: int, **ext
         raise from_value_error(e, rename={"logprobs": "top_logprobs" if isinstance(req, ChatCompletionRequest)
                                           else "logprobs"}) from None
     return params
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's JSON keys are token ids written as strings."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 19):
+            raise bad_request(f"logit_bias: key {key[:40]!r} is not a token id", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, max_request_tokens: int,

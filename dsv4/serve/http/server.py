@@ -2,9 +2,10 @@
 
 `APIServer` binds the listening socket first (a busy port fails before any model loads),
 then spawns the engine core and waits until it is ready, then runs uvicorn on that socket
-in the calling thread. When the engine core dies the server stops (exit code 1); when the
-server stops it shuts the engine core down (which also exits by itself if this process
-dies).
+in the calling thread. When the engine core dies the server stops (exit code 1); on
+SIGTERM, SIGINT or `stop()` it shuts down gracefully (`shutdown.py`) and exits 0; either way
+it then stops the engine core (which also exits by itself if this process dies) and
+removes the IPC folder.
 """
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from .api import build_app
 from ..client import EngineClient
 from ...engine.core import run_engine_core
 from ...engine.ipc import Ready
+from .limits import ServerLimits
+from .shutdown import GracefulServer
 from .state import ServerState
-
-GRACEFUL_SHUTDOWN_S = 5
 
 
 @dataclass
@@ -34,6 +35,7 @@ class ServeSettings:
     port: int = 8000
     api_key: str | None = None
     log_level: str = "info"
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -56,7 +58,7 @@ class APIServer:
         self.sock = listen_socket(settings.host, settings.port)
         self.port = self.sock.getsockname()[1]
         self.client = EngineClient(settings.model_dir, settings.engine, engine_target)
-        self.uvicorn: uvicorn.Server | None = None
+        self.uvicorn: GracefulServer | None = None
         self.engine_died = False
 
     @property
@@ -73,17 +75,16 @@ class APIServer:
             raise
 
     def serve(self, on_ready: Callable[[], None] | None = None) -> int:
-        """Run until stopped (Ctrl-C, `stop()`) or the engine dies; 1 when it died."""
+        """Run until stopped (SIGTERM, Ctrl-C, `stop()`) or the engine dies; 1 when it died."""
         s = self.settings
         try:
-            state = ServerState.create(self.client, s.model_dir, s.model_names, s.api_key)
+            state = ServerState.create(self.client, s.model_dir, s.model_names, s.api_key, s.limits)
             self.client.on_death = self._engine_died
-            config = uvicorn.Config(build_app(state, on_ready), log_level=s.log_level,
-                                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-            self.uvicorn = uvicorn.Server(config)
+            config = uvicorn.Config(build_app(state, on_ready), log_level=s.log_level)
+            self.uvicorn = GracefulServer(config, s.limits.shutdown_timeout, self.client.fail_all)
             self.uvicorn.run(sockets=[self.sock])
         except KeyboardInterrupt:
-            pass   # uvicorn re-raises Ctrl-C after its graceful shutdown
+            pass   # a Ctrl-C before uvicorn took over the signals
         finally:
             self.close()
         return 1 if self.engine_died else 0
@@ -92,10 +93,9 @@ class APIServer:
         if self.uvicorn is not None:
             self.uvicorn.should_exit = True
 
-    def _engine_died(self) -> None:
+    def _engine_died(self, reason: str) -> None:
         self.engine_died = True
-        print(f"dsv4 serve: the engine core died (exit code {self.client.process.exitcode}); "
-              f"shutting down", file=sys.stderr, flush=True)
+        print(f"dsv4 serve: {reason.split(';')[0]}; shutting down", file=sys.stderr, flush=True)
         self.stop()
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ..client import EngineClient
 from ...engine.ipc import Ready
+from .limits import ServerLimits
 from .metrics import ServerMetrics
 from ..chat_format.release import detect_release
 from ...text.tokenizer import Tokenizer
@@ -23,14 +24,23 @@ class ServerState:
     add_bos: bool                 # prepend BOS to text prompts of /v1/completions
     metrics: ServerMetrics
     api_key: str | None = None
+    limits: ServerLimits = ServerLimits()
+    max_token_chars: int = 0      # no token decodes to more characters (0: unknown)
 
     @classmethod
     def create(cls, client: EngineClient, model_dir: str, model_names: list[str],
-               api_key: str | None = None) -> "ServerState":
-        return cls(client=client, info=client.info, tokenizer=Tokenizer.from_dir(model_dir),
+               api_key: str | None = None, limits: ServerLimits = ServerLimits()) -> "ServerState":
+        tokenizer = Tokenizer.from_dir(model_dir)
+        return cls(client=client, info=client.info, tokenizer=tokenizer,
                    model_dir=model_dir, model_names=list(model_names), release=detect_release(model_dir),
                    add_bos=_adds_bos(model_dir), metrics=ServerMetrics(model_names[0], client.info.num_pages),
-                   api_key=api_key)
+                   api_key=api_key, limits=limits, max_token_chars=tokenizer.max_token_chars())
+
+    def surely_too_long(self, text: str) -> bool:
+        """True when `text` must encode to more tokens than any request may hold (decided
+        from its length alone: a token never stands for more than `max_token_chars`)."""
+        limit = min(self.info.max_model_len, self.info.max_request_tokens)
+        return self.max_token_chars > 0 and len(text) > limit * self.max_token_chars
 
 
 def _adds_bos(model_dir: str) -> bool:

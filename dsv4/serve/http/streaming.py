@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
@@ -16,6 +17,7 @@ from .errors import APIError, error_body
 from ...engine.ipc import RequestFailed, TokenOutput
 from .metrics import RequestTracker
 
+log = logging.getLogger("dsv4.serve")
 DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED = 499   # nginx's code for "client closed request"; the client never sees it
 
@@ -67,12 +69,14 @@ def guarded(group: RequestGroup, tracker: RequestTracker):
 
 
 async def respond_whole(group: RequestGroup, tracker: RequestTracker, head: dict, choices: list, usage,
-                        extra: dict | None = None):
-    """Non-streaming answer: feed every output to its choice, then one JSON body."""
+                        extra: dict | Callable[[], dict] | None = None):
+    """Non-streaming answer: feed every output to its choice, then one JSON body (with
+    `extra`'s fields; a callable is asked once every output is in)."""
     from fastapi.responses import JSONResponse
     with guarded(group, tracker):
         async for index, out in outputs(group, tracker):
             choices[index].update(out)
+    extra = extra() if callable(extra) else extra
     body = {**head, **(extra or {}), "choices": [c.whole() for c in choices], "usage": usage.to_dict()}
     return JSONResponse(body, headers={"X-Request-Id": head["id"]})
 
@@ -86,11 +90,17 @@ def _check(item) -> None:
     if isinstance(item, RequestFailed):
         raise RequestError(item.status, item.message)
     if isinstance(item, EngineDead):
-        raise RequestError(500, "the engine core died; the server is shutting down")
+        raise RequestError(500, item.message)
 
 
 def sse(data: dict) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def internal_error(error: Exception) -> APIError:
+    """A 500 for an exception nobody expected (logged with its traceback)."""
+    log.error("a response failed", exc_info=error)
+    return APIError(500, f"internal error: {type(error).__name__}")
 
 
 def sse_error(error: APIError) -> str:

@@ -77,12 +77,15 @@ class LegacyLogprobs:
     def __init__(self, top: int, texts: TokenTexts, offset: int = 0):
         self.top, self.texts, self.offset = top, texts, offset
 
-    def build(self, token_ids: list[int], entries: list[LogprobEntry | None]) -> dict:
+    def build(self, token_ids: list[int], entries: list[LogprobEntry | None],
+              offsets: list[int] | None = None) -> dict:
+        """`offsets`: each token's place in the returned text (default: running on from
+        `self.offset` by the token's own text)."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tid, entry in zip(token_ids, entries):
+        for i, (tid, entry) in enumerate(zip(token_ids, entries)):
             text = self.texts(tid)
             out["tokens"].append(text)
-            out["text_offset"].append(self.offset)
+            out["text_offset"].append(self.offset if offsets is None else offsets[i])
             self.offset += len(text)
             if entry is None:
                 out["token_logprobs"].append(None)
@@ -93,6 +96,39 @@ class LegacyLogprobs:
             best = sorted(entry, key=lambda pair: -pair[1])[:self.top]
             out["top_logprobs"].append({self.texts(t): _finite(v) for t, v in best})
         return out
+
+
+def prompt_offsets(tokenizer, ids: list[int], skip_special_tokens: bool, skip_first: bool, text_len: int) -> list[int]:
+    """Where each prompt token starts in the echoed prompt text (`text_len` characters):
+    the length of what the tokens before it decode to (a prepended BOS, `skip_first`, adds
+    nothing), never past the text, never decreasing."""
+    detok = tokenizer.detokenizer([], skip_special_tokens=skip_special_tokens)
+    offsets, done = [], 0
+    for i, tid in enumerate(ids):
+        offsets.append(min(done, text_len))
+        if not (skip_first and i == 0):
+            done += len(detok.push(tid))
+    return offsets
+
+
+def vllm_prompt_logprobs(entries: list[LogprobEntry | None], top: int, texts: TokenTexts) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id:
+    {logprob, rank, decoded_token}} for the actual token (an entry's first pair) and the
+    `top` best. Ranks count the listed tokens that are more likely, so they are exact for
+    the best `top`; the actual token, when it is not among them, has rank null (unknown)."""
+    out: list[dict | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        actual_in_top = len(entry) == top
+        shown = {}
+        for i, (tid, lp) in enumerate(entry):
+            rank = 1 + sum(1 for _, other in entry if other > lp)
+            shown[str(tid)] = {"logprob": _finite(lp), "rank": rank if i > 0 or actual_in_top else None,
+                               "decoded_token": texts(tid)}
+        out.append(shown)
+    return out
 
 
 def _finite(value: float) -> float:
