@@ -17,7 +17,6 @@ from tqdm import tqdm
 
 from ..config import EngineConfig
 from ..engine.engine import LLMEngine
-from ..engine.request import Status
 from ..sampling_params import SamplingParams
 from .roofline import H200, StepCost, decode_step_cost, prefill_cost, roofline
 
@@ -42,12 +41,10 @@ def _add_batch(engine: LLMEngine, batch: int, input_len: int, output_len: int, s
         ids = torch.randint(100, engine.cfg.vocab_size, (input_len,), generator=gen).tolist()
         req = engine.add_request(f"{tag}-{i}", ids, params)
         if synthetic:
-            engine.scheduler.waiting.remove(req)
             req.num_computed = input_len - 1           # cache "holds" all but the last prompt token
             if not engine.cache.reserve(req, 0):
                 raise RuntimeError("--synthetic-context: the cache cannot hold the batch")
-            req.status = Status.RUNNING
-            engine.scheduler.running.append(req)
+            engine.scheduler.run_now(req)
         reqs.append(req)
     return reqs
 

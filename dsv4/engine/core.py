@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from collections import deque
 from collections.abc import Callable
 
 import msgspec
@@ -78,7 +77,7 @@ class EngineCore:
         """Run each request the failed step may have touched (the running ones and the next
         to admit) alone for one step; abort those that fail on their own."""
         sched = self.engine.scheduler
-        suspects = list(sched.running) + list(sched.waiting)[:1]
+        suspects = list(sched.running) + list(sched.waiting)[:1]       # the step's requests and the next to admit
         outs, culprits = [], []
         for req in suspects:
             try:
@@ -94,20 +93,8 @@ class EngineCore:
 
     def _solo_step(self, req) -> list:
         """One engine step with `req` as the only request the scheduler can see."""
-        sched = self.engine.scheduler
-        running, waiting = sched.running, sched.waiting
-        was_waiting = req in waiting
-        sched.running, sched.waiting = ([], deque([req])) if was_waiting else ([req], deque())
-        try:
+        with self.engine.scheduler.only(req):
             return self.engine.step()
-        finally:
-            solo_running, solo_waiting = sched.running, sched.waiting
-            sched.running, sched.waiting = running, waiting
-            (waiting if was_waiting else running).remove(req)
-            if req in solo_running:
-                running.append(req)
-            elif req in solo_waiting:
-                waiting.appendleft(req)      # not admitted, or preempted
 
     def _forward(self, out) -> TokenOutput:
         """Everything of `out` not forwarded before (a step that raised may have appended
@@ -138,9 +125,9 @@ class EngineCore:
         return failures
 
     def stats(self) -> EngineStats:
-        sched, usage = self.engine.scheduler, self.engine.cache.usage()
-        return EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
-                           pages_used=usage["pages_used"], pages_free=self.engine.cache.pages.num_free,
+        (running, waiting), usage = self.engine.scheduler.counts(), self.engine.cache.usage()
+        return EngineStats(num_running=running, num_waiting=waiting,
+                           pages_used=usage["pages_used"], pages_free=usage["pages_total"] - usage["pages_used"],
                            swa_pages_used=usage["swa_pages_used"], slots_used=usage["slots_used"],
                            steps=self._steps, generated_tokens=self._generated)
 

@@ -9,6 +9,7 @@ running request cannot get pages, the newest running request is preempted by rec
 from __future__ import annotations
 
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ..cache.manager import CacheManager
@@ -94,3 +95,31 @@ class Scheduler:
             self.waiting.remove(req)
         self.cache.release(req)
         req.status = status
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests."""
+        return len(self.running), len(self.waiting)
+
+    def run_now(self, req: Request) -> None:
+        """Move a waiting request whose cache the caller has reserved straight to running."""
+        self.waiting.remove(req)
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    @contextmanager
+    def only(self, req: Request):
+        """Inside: the scheduler sees `req` alone, running or waiting as it was. After: the
+        others are back, and `req` is wherever the steps inside left it."""
+        running, waiting = self.running, self.waiting
+        was_waiting = req in waiting
+        self.running, self.waiting = ([], deque([req])) if was_waiting else ([req], deque())
+        try:
+            yield
+        finally:
+            solo_running, solo_waiting = self.running, self.waiting
+            self.running, self.waiting = running, waiting
+            (waiting if was_waiting else running).remove(req)
+            if req in solo_running:
+                running.append(req)
+            elif req in solo_waiting:
+                waiting.appendleft(req)      # not admitted, or preempted
