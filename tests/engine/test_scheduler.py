@@ -163,3 +163,18 @@ def test_an_older_prefill_preempts_a_newer_decode_already_scheduled_in_the_step(
     assert step(sched) == [("old", 299)]                     # old needs 2 more pages: new goes
     assert new.status is Status.WAITING and holds_nothing(sched, new) and new.num_computed == 0
     assert old.num_computed == 555 and len(sched.cache.seq(old).pages) == 3
+
+
+def test_only_shows_one_request_and_puts_the_others_back():
+    """`only(req)` (the engine core's one-request retry): inside, the scheduler schedules `req`
+    alone; after, the others are back in order and `req` is where the step left it."""
+    sched = make(budget=64)
+    a, b = add(sched, "a", 10), add(sched, "b", 10)
+    step(sched)                                              # a and b run
+    c, d = add(sched, "c", 10), add(sched, "d", 10)
+    with sched.only(b):
+        assert sched.counts() == (1, 0) and step(sched) == [("b", 1)]
+    assert sched.running == [a, b] and list(sched.waiting) == [c, d]
+    with sched.only(d):                                      # a waiting request is admitted alone
+        assert step(sched) == [("d", 10)]
+    assert sched.running == [a, b, d] and list(sched.waiting) == [c] and sched.counts() == (3, 1)
