@@ -28,8 +28,7 @@ from .fields import with_header
 from .limits import check_batch
 from .protocol import ChatCompletionRequest, parse_body
 from .state import ServerState
-from .streaming import (DONE, RequestError, Usage, answer, guarded, internal_error, outputs, respond_whole, sse,
-                        sse_error)
+from .streaming import Usage, answer, guarded, outputs, respond_whole, sse, sse_events
 from .textstream import TextStream, TokenTexts, chat_logprobs, vllm_prompt_logprobs
 
 
@@ -142,10 +141,11 @@ def _whole_fields(prompt_top: int | None, first: ChatChoice, texts: TokenTexts):
     return fields
 
 
-async def _stream(group, tracker, head: dict, choices: list[ChatChoice], usage: Usage, include_usage: bool):
+def _stream(group, tracker, head: dict, choices: list[ChatChoice], usage: Usage, include_usage: bool):
     head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if include_usage else {}
-    try:
+
+    async def events():
         with guarded(group, tracker):
             for c in choices:
                 yield sse({**head, "choices": [c.role_choice()], **extra})
@@ -156,8 +156,4 @@ async def _stream(group, tracker, head: dict, choices: list[ChatChoice], usage: 
                     yield sse({**head, "choices": [choice], **extra})
             if include_usage:
                 yield sse({**head, "choices": [], "usage": usage.to_dict()})
-    except RequestError as e:
-        yield sse_error(e)
-    except Exception as e:  # noqa: BLE001 - a bug ends this stream with an error event, nothing else
-        yield sse_error(internal_error(e))
-    yield DONE
+    return sse_events(events())

@@ -26,8 +26,7 @@ from .fields import with_header
 from .limits import check_batch
 from .protocol import CompletionRequest, check_model, parse_body, resolve_max_tokens, sampling_params
 from .state import ServerState
-from .streaming import (DONE, RequestError, Usage, answer, guarded, internal_error, outputs, respond_whole, sse,
-                        sse_error)
+from .streaming import Usage, answer, guarded, outputs, respond_whole, sse, sse_events
 from .textstream import LegacyLogprobs, TextStream, TokenTexts, prompt_offsets, vllm_prompt_logprobs
 
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default for completions
@@ -188,16 +187,13 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     return with_header(response, req.ignored_fields)
 
 
-async def _stream(group, tracker, head: dict, choices: list[CompletionChoice], usage: Usage, include_usage: bool):
+def _stream(group, tracker, head: dict, choices: list[CompletionChoice], usage: Usage, include_usage: bool):
     extra = {"usage": None} if include_usage else {}
-    try:
+
+    async def events():
         with guarded(group, tracker):
             async for index, out in outputs(group, tracker):
                 yield sse({**head, "choices": [choices[index].update(out)], **extra})
             if include_usage:
                 yield sse({**head, "choices": [], "usage": usage.to_dict()})
-    except RequestError as e:
-        yield sse_error(e)
-    except Exception as e:  # noqa: BLE001 - a bug ends this stream with an error event, nothing else
-        yield sse_error(internal_error(e))
-    yield DONE
+    return sse_events(events())

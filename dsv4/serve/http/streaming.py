@@ -107,6 +107,19 @@ def sse_error(error: APIError) -> str:
     return sse(error_body(error.status, error.message, error.param, error.code))
 
 
+async def sse_events(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """One stream's events, then `[DONE]`; a RequestError (or any bug) ends it with an error
+    event first, and touches nothing else."""
+    try:
+        async for event in events:
+            yield event
+    except RequestError as e:
+        yield sse_error(e)
+    except Exception as e:  # noqa: BLE001 - a bug ends this stream with an error event, nothing else
+        yield sse_error(internal_error(e))
+    yield DONE
+
+
 async def until_disconnected(request: Request, work: Awaitable):
     """Await `work` unless the client disconnects first; then cancel it (its `finally`
     blocks abort the engine requests) and return a 499 response nobody will read."""
