@@ -33,8 +33,13 @@ class Attention(nn.Module):
         self.compressor = make_compressor(cfg, ratio, dtype)
         # a shared ("S") layer keeps its indexer's weights (the checkpoint has them) but never runs it
         self.indexer = Indexer(cfg, dtype) if ratio == CSA_RATIO else None
-        self.index_role = cfg.index_topk_role(layer)
-        self.feeds_shared = feeds_shared(cfg, layer)
+        self.configure_index_topk(cfg)
+
+    def configure_index_topk(self, cfg: ModelConfig) -> None:
+        """IndexCache role from cfg.index_topk_pattern: "F" (runs its indexer; `feeds_shared`:
+        hands the top-k to the shared layers after it), "S" (reuses it) or "" (no indexer)."""
+        self.index_role = cfg.index_topk_role(self.layer)
+        self.feeds_shared = feeds_shared(cfg, self.layer)
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch, kv: LayerKV, rope: "RopeTables",
                 topk: "SharedTopk | None" = None) -> torch.Tensor:

@@ -79,6 +79,15 @@ class DeepseekV4(nn.Module):
             h = block(h, fb, kv[i], rope, topk)
         return h
 
+    def set_index_topk_pattern(self, pattern: str) -> None:
+        """Switch IndexCache on a built model (it changes no weight; the config check applies):
+        only between engines, since a cache written under one pattern lacks indexer keys
+        another reads (`ModelConfig.index_topk_producers`)."""
+        self.cfg = self.cfg.replace(index_topk_pattern=pattern)
+        for block in [*self.layers, *self.mtp]:
+            block.cfg = self.cfg
+            block.attn.configure_index_topk(self.cfg)
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams [L, N, hidden] -> fp32 logits [L, vocab]."""
         return self.head_logits(self.head_input(h))

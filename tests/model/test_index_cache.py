@@ -217,3 +217,17 @@ def test_mtp_block_is_untouched(ckpt, ids):
         with torch.no_grad():
             drafts.append(mtp.logits(model, mtp.draft(model, h, fb, one.storage.layers)))
     assert torch.equal(drafts[0], drafts[1])
+
+
+def test_switching_a_built_model(ckpt, ids):
+    """set_index_topk_pattern gives the model loaded with that setting, bit for bit, and back."""
+    from dsv4.config import ConfigError
+    model = load_model(ckpt.path)
+    plain = full_logits(model, ids)
+    model.set_index_topk_pattern("FSSS")
+    assert model.cfg == model_at(ckpt, 4).cfg
+    assert torch.equal(full_logits(model, ids), full_logits(model_at(ckpt, 4), ids))
+    model.set_index_topk_pattern("")
+    assert torch.equal(full_logits(model, ids), plain)
+    with pytest.raises(ConfigError, match="index_topk_pattern"):
+        model.set_index_topk_pattern("SFFF")
