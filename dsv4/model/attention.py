@@ -83,7 +83,7 @@ class Attention(nn.Module):
             return translate_topk(fb.c4, topk.offsets)
         i_weights, i_kv, i_gate = rest[2:]
         self.indexer.compressor(i_kv, i_gate, fb.csa, kv.iring_kv, kv.iring_gate, kv.idx, entries)
-        if not self.feeds_shared:
+        if not self.feeds_shared or topk is None:
             return self.indexer.select(i_weights, q_res, fb.c4, kv.idx, cos, sin)
         rows, topk.offsets = self.indexer.select_offsets(i_weights, q_res, fb.c4, kv.idx, cos, sin)
         return rows
