@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config_parse import (CSA_RATIO, HCA_RATIO, LAYER_TYPE_OF_RATIO, MLP_TYPES,  # noqa: F401 (re-exported)
-                           RATIO_OF_LAYER_TYPE, ConfigError, YarnScaling, parse_model_config)
+                           RATIO_OF_LAYER_TYPE, ConfigError, YarnScaling, apply_overrides, check_index_topk_pattern,
+                           normal_index_topk_pattern, parse_model_config)
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class ModelConfig:
     index_n_heads: int = 64
     index_head_dim: int = 128
     index_topk: int = 512
+    # IndexCache: one letter per CSA layer of the main model, "F" computes the indexer top-k,
+    # "S" reuses the last F layer's; "" = all F (config.json's index_topk_freq /
+    # index_topk_pattern, normalised: equal settings give equal configs)
+    index_topk_pattern: str = ""
     sliding_window: int = 128
     hc_mult: int = 4
     hc_sinkhorn_iters: int = 20
@@ -66,7 +71,33 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
+    def __post_init__(self):
+        check_index_topk_pattern(self.index_topk_pattern or "F" * self.num_csa_layers, self.num_csa_layers)
+        object.__setattr__(self, "index_topk_pattern", normal_index_topk_pattern(self.index_topk_pattern))
+
     # ---- derived ---------------------------------------------------------------
+    @property
+    def num_csa_layers(self) -> int:
+        return sum(r == CSA_RATIO for r in self.compress_ratios)
+
+    def index_topk_role(self, layer: int) -> str:
+        """IndexCache role of layer `layer`: "F" (computes the indexer top-k), "S" (reuses the
+        last F layer's) or "" (not a CSA layer). An MTP layer (layer >= num_hidden_layers) runs
+        in a forward of its own, with no CSA layer before it: when it is CSA it is always F."""
+        if layer >= len(self.compress_ratios):
+            return "F" if self.mtp_compress_ratio == CSA_RATIO else ""
+        if self.compress_ratios[layer] != CSA_RATIO:
+            return ""
+        j = sum(r == CSA_RATIO for r in self.compress_ratios[:layer])
+        return self.index_topk_pattern[j] if self.index_topk_pattern else "F"
+
+    @property
+    def index_topk_producers(self) -> tuple[int, ...]:
+        """Main layers whose indexer runs (and whose indexer-key cache is written): every CSA
+        layer without IndexCache. Part of the cache layout: state written under another set
+        lacks the indexer keys of some layer."""
+        return tuple(i for i in range(len(self.compress_ratios)) if self.index_topk_role(i) == "F")
+
     @property
     def layer_types(self) -> tuple[str, ...]:
         return tuple(LAYER_TYPE_OF_RATIO[r] for r in self.compress_ratios)
@@ -80,16 +111,18 @@ class ModelConfig:
 
     # ---- construction ----------------------------------------------------------
     @classmethod
-    def from_dir(cls, path: str) -> "ModelConfig":
+    def from_dir(cls, path: str, overrides: dict[str, Any] | None = None) -> "ModelConfig":
+        """config.json of the checkpoint at `path`, with `overrides` (config.json keys, e.g.
+        the engine's `--hf-overrides`) applied before parsing."""
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"no config.json in checkpoint folder {path!r}")
         with open(cfg_path) as f:
-            return cls.from_dict(json.load(f))
+            return cls.from_dict(json.load(f), overrides)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        return parse_model_config(dict(d), cls)
+    def from_dict(cls, d: dict[str, Any], overrides: dict[str, Any] | None = None) -> "ModelConfig":
+        return parse_model_config(apply_overrides(d, overrides or {}), cls)
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
@@ -106,6 +139,8 @@ class ModelConfig:
             d["rope_scaling"] = {"type": "yarn", **dataclasses.asdict(self.yarn)}
         if self.expert_dtype:
             d["expert_dtype"] = self.expert_dtype
+        if self.index_topk_pattern:
+            d["index_topk_pattern"] = self.index_topk_pattern
         if self.quant_method:
             d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                         "activation_scheme": "dynamic",
@@ -161,6 +196,9 @@ class EngineConfig:
     async_scheduling: str = "auto"         # on: launch step k+1 before reading step k's tokens; auto: on CUDA
     keep_fp8: bool = False                 # FP8 expert weights stay FP8 (dequantised in the MoE kernels)
     keep_mxfp4: bool = False               # MXFP4 routed expert weights stay MXFP4 (likewise)
+    index_topk_freq: int | None = None     # IndexCache over config.json: every f-th CSA layer computes the top-k
+    index_topk_pattern: str | None = None  # IndexCache over config.json: "F"/"S" per CSA layer
+    hf_overrides: str | None = None        # JSON object of config.json keys applied over the checkpoint's
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_bs"):
@@ -178,3 +216,38 @@ class EngineConfig:
             raise ConfigError("async_scheduling", f"expected 'auto', 'on' or 'off', got {self.async_scheduling!r}")
         if self.ops_backend not in ("auto", "reference"):
             raise ConfigError("ops_backend", f"expected 'auto' or 'reference', got {self.ops_backend!r}")
+        f = self.index_topk_freq
+        if f is not None and (isinstance(f, bool) or not isinstance(f, int) or f < 1):
+            raise ConfigError("index_topk_freq", f"expected a positive integer, got {f!r}")
+        p = self.index_topk_pattern
+        if p is not None and (not isinstance(p, str) or not p or set(p) - {"F", "S"}):
+            raise ConfigError("index_topk_pattern", f"expected a string of 'F' and 'S' letters, got {p!r}")
+        self._hf_overrides()
+
+    def _hf_overrides(self) -> dict[str, Any]:
+        if self.hf_overrides is None:
+            return {}
+        try:
+            d = json.loads(self.hf_overrides)
+        except (TypeError, ValueError) as e:
+            raise ConfigError("hf_overrides", f"expected a JSON object, got {self.hf_overrides!r} ({e})") from None
+        if not isinstance(d, dict):
+            raise ConfigError("hf_overrides", f"expected a JSON object, got {self.hf_overrides!r}")
+        return d
+
+    def check_no_model_overrides(self) -> None:
+        """For a model built elsewhere (not loaded by the engine): the overrides cannot be applied
+        to it, so there must be none."""
+        given = [n for n in ("index_topk_freq", "index_topk_pattern", "hf_overrides") if getattr(self, n) is not None]
+        if given:
+            raise ConfigError(given[0], "model overrides apply when the engine loads the model; this engine was "
+                                        "given a built model: build it with them (load_model(overrides=...))")
+
+    def model_overrides(self) -> dict[str, Any]:
+        """config.json keys the engine applies over the checkpoint's (`ModelConfig.from_dir`):
+        hf_overrides, then the IndexCache flags."""
+        d = self._hf_overrides()
+        for name in ("index_topk_freq", "index_topk_pattern"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
+        return d

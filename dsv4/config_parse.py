@@ -77,7 +77,8 @@ def parse_model_config(d: dict[str, Any], model_config: type):
         raise ConfigError("torch_dtype", f"expected bfloat16, float16 or float32, got {dtype!r}")
     kw["torch_dtype"] = dtype
     _parse_quant(d, kw)
-    known = set(model_config.__dataclass_fields__)
+    kw["index_topk_pattern"] = parse_index_topk(d, kw["compress_ratios"])
+    known = set(model_config.__dataclass_fields__) | {"index_topk_freq"}
     kw["extra"] = {k: v for k, v in d.items() if k not in known}
     cfg = model_config(**kw)
     _validate(cfg)
@@ -244,6 +245,59 @@ def _parse_quant(d, kw):
         raise ConfigError("quantization_config.weight_block_size", f"expected [rows, cols], got {block!r}")
     kw["quant_method"] = "fp8"
     kw["quant_block"] = tuple(block)
+
+
+def parse_index_topk(d, ratios: tuple[int, ...]) -> str:
+    """IndexCache: which CSA layers compute the indexer top-k ("F", producers) and which reuse
+    the last producer's ("S", shared), as one letter per CSA layer of the main model, in
+    order; "" when every CSA layer is a producer (no IndexCache).
+
+    `index_topk_freq` f (null -> 1): the CSA layer j (0-based among CSA layers) is F iff
+    j % f == 0. `index_topk_pattern`: the F/S string itself (it wins over a default freq; a
+    freq that gives another pattern contradicts it)."""
+    freq = d.get("index_topk_freq")
+    if freq is None:
+        freq = 1
+    elif isinstance(freq, bool) or not isinstance(freq, int) or freq < 1:
+        raise ConfigError("index_topk_freq", f"expected a positive integer (or null for 1), got {freq!r}")
+    n_csa = sum(r == CSA_RATIO for r in ratios)
+    from_freq = "".join("F" if j % freq == 0 else "S" for j in range(n_csa))
+    pattern = d.get("index_topk_pattern")
+    if pattern is None:
+        return normal_index_topk_pattern(from_freq)
+    check_index_topk_pattern(pattern, n_csa)
+    if freq != 1 and pattern != from_freq:
+        raise ConfigError("index_topk_pattern", f"contradicts index_topk_freq={freq} (which gives "
+                                                f"{from_freq!r}); give one of the two")
+    return normal_index_topk_pattern(pattern)
+
+
+def check_index_topk_pattern(pattern, n_csa: int) -> None:
+    """An explicit pattern: one F or S per CSA layer, the first one F (a shared layer needs a
+    producer before it)."""
+    if not isinstance(pattern, str) or set(pattern) - {"F", "S"}:
+        raise ConfigError("index_topk_pattern", f"expected a string of 'F' (producer) and 'S' (shared) "
+                                                f"letters, got {pattern!r}")
+    if len(pattern) != n_csa:
+        raise ConfigError("index_topk_pattern", f"expected one letter per CSA layer ({n_csa} in "
+                                                f"compress_ratios), got {len(pattern)} ({pattern!r})")
+    if pattern and pattern[0] != "F":
+        raise ConfigError("index_topk_pattern", f"the first CSA layer must be 'F' (a producer), got {pattern!r}")
+
+
+def normal_index_topk_pattern(pattern: str) -> str:
+    """"" for a pattern of only producers: every such config is the same model."""
+    return "" if "S" not in pattern else pattern
+
+
+def apply_overrides(d: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """config.json with engine overrides on top (each key replaced). index_topk_freq and
+    index_topk_pattern are one setting: overriding one drops the other from config.json."""
+    out = {**d, **overrides}
+    for name, other in (("index_topk_freq", "index_topk_pattern"), ("index_topk_pattern", "index_topk_freq")):
+        if name in overrides and other not in overrides:
+            out.pop(other, None)
+    return out
 
 
 def _validate(c):

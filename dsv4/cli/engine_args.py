@@ -26,7 +26,15 @@ HELP = {
     "keep_mxfp4": "keep MXFP4 routed expert weights (e2m1 pairs + an E8M0 scale per 32 inputs, the released V4 "
                   "format) packed on the device, dequantised inside the MoE kernels (W4A16); the shared expert and "
                   "other weights are dequantised at load",
+    "index_topk_freq": "IndexCache: every N-th CSA layer computes the indexer top-k and the CSA layers after it reuse "
+                       "it (1: every layer computes its own; overrides config.json's index_topk_freq / _pattern)",
+    "index_topk_pattern": "IndexCache: one letter per CSA layer, F computes the indexer top-k, S reuses the last F "
+                          "layer's; the first must be F (overrides config.json's index_topk_pattern / _freq)",
+    "hf_overrides": "JSON object of config.json keys applied over the checkpoint's, e.g. "
+                    "'{\"index_topk_freq\": 4}'",
 }
+# config.json keys that have a flag of their own (the rest of an override comes from --hf-overrides)
+OVERRIDE_FLAGS = ("index_topk_freq", "index_topk_pattern")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +52,33 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
     try:
-        return EngineConfig(**values)
+        config = EngineConfig(**values)
     except ConfigError as e:
-        raise SystemExit(f"--{e.field.replace('_', '-')}: {e}") from None
+        raise SystemExit(_flag(e.field) + f": {e}") from None
+    check_model_overrides(config, getattr(args, "model", None))
+    return config
+
+
+def check_model_overrides(config: EngineConfig, model: str | None) -> None:
+    """The model's config.json with the engine's overrides must parse: an override it rejects
+    exits naming its flag (a checkpoint whose own config is invalid is left to the loader)."""
+    from ..model.weights import model_config
+    overrides = config.model_overrides()
+    if not overrides:
+        return
+    if model is None:
+        from ..assets import demo_model_dir
+        model = demo_model_dir()
+    try:
+        model_config(model)
+    except (ConfigError, OSError, ValueError):
+        return
+    try:
+        model_config(model, overrides)
+    except ConfigError as e:
+        given = e.field in OVERRIDE_FLAGS and getattr(config, e.field) is not None
+        raise SystemExit(_flag(e.field if given else "hf_overrides") + f": {e}") from None
+
+
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")

@@ -33,8 +33,11 @@ class LLMEngine:
         from ..ops.backend import set_backend
         self.config = config
         set_backend(config.ops_backend)
+        if model is not None:
+            config.check_no_model_overrides()
         self.model = model if model is not None else load_model(model_dir, config.device, DTYPES[config.dtype],
-                                                                keep_fp8=config.keep_fp8, keep_mxfp4=config.keep_mxfp4)
+                                                                keep_fp8=config.keep_fp8, keep_mxfp4=config.keep_mxfp4,
+                                                                overrides=config.model_overrides())
         self.cfg = self.model.cfg
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_dir)
         self.layout = CacheLayout(self.cfg, spec_slots=config.spec_slots)

@@ -9,6 +9,7 @@ from torch import nn
 from ..config import CSA_RATIO, HCA_RATIO, ModelConfig
 from ..ops.attention import sparse_attention
 from ..ops.rope import apply_rope, norm_rope, rope_cos_sin
+from ..ops.translate import translate_topk
 from .compressor import Indexer, make_compressor
 from .forward_batch import CompressPlan, ForwardBatch
 from .kv import LayerKV
@@ -30,10 +31,21 @@ class Attention(nn.Module):
         self.wo_b = Linear(self.groups * cfg.o_lora_rank, cfg.hidden_size, dtype)
         self.attn_sink = param(self.heads, dtype=torch.float32)
         self.compressor = make_compressor(cfg, ratio, dtype)
+        # a shared ("S") layer keeps its indexer's weights (the checkpoint has them) but never runs it
         self.indexer = Indexer(cfg, dtype) if ratio == CSA_RATIO else None
+        self.configure_index_topk(cfg)
 
-    def forward(self, x: torch.Tensor, fb: ForwardBatch, kv: LayerKV, rope: "RopeTables") -> torch.Tensor:
-        """x [T, hidden] (normed block input) -> [T, hidden]; reads and writes this layer's cache views."""
+    def configure_index_topk(self, cfg: ModelConfig) -> None:
+        """IndexCache role from cfg.index_topk_pattern: "F" (runs its indexer; `feeds_shared`:
+        hands the top-k to the shared layers after it), "S" (reuses it) or "" (no indexer)."""
+        self.index_role = cfg.index_topk_role(self.layer)
+        self.feeds_shared = feeds_shared(cfg, self.layer)
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch, kv: LayerKV, rope: "RopeTables",
+                topk: "SharedTopk | None" = None) -> torch.Tensor:
+        """x [T, hidden] (normed block input) -> [T, hidden]; reads and writes this layer's cache
+        views. topk: this forward's IndexCache hand-over (a producer layer writes it, a shared
+        layer reads it)."""
         cos, sin = rope.for_ratio(self.ratio)
         q_a, kv_proj, *rest = fused_linear(x, self._input_linears())   # column slices of one GEMM
         q_res = self.q_norm(q_a)
@@ -41,7 +53,7 @@ class Attention(nn.Module):
         norm_rope(kv_proj, self.kv_norm.weight, self.kv_norm.eps, cos, sin, out=kv.swa, rows=fb.swa_write)
         sources = [(kv.swa, fb.swa)]
         if self.ratio == CSA_RATIO:
-            sources.append((kv.c4, self._select(rest, q_res, fb, kv, rope, cos, sin)))
+            sources.append((kv.c4, self._select(rest, q_res, fb, kv, rope, cos, sin, topk)))
         elif self.ratio == HCA_RATIO:
             self.compressor(*rest, fb.hca, kv.ring_kv, kv.ring_gate, kv.c128, rope.entries(fb.hca))
             sources.append((kv.c128, fb.c128))
@@ -54,22 +66,52 @@ class Attention(nn.Module):
         linears = [self.wq_a, self.wkv]
         if self.compressor is not None:
             linears += [self.compressor.wkv, self.compressor.wgate]
-        if self.indexer is not None:
+        if self.indexer is not None and self.index_role != "S":
             linears += [self.indexer.weights_proj, self.indexer.compressor.wkv, self.indexer.compressor.wgate]
         return linears
 
-    def _select(self, rest, q_res, fb: ForwardBatch, kv: LayerKV, rope, cos, sin):
-        c_kv, c_gate, i_weights, i_kv, i_gate = rest
+    def _select(self, rest, q_res, fb: ForwardBatch, kv: LayerKV, rope, cos, sin, topk: "SharedTopk | None"):
+        """This step's C4 entries into the pool, then the rows of the chosen ones [T, k]: the
+        indexer's top-k, or (a shared layer, which skips its indexer altogether: compressor,
+        projections, scores and top-k) the last producer's, at this layer's rows."""
         entries = rope.entries(fb.csa)
-        self.compressor(c_kv, c_gate, fb.csa, kv.ring_kv, kv.ring_gate, kv.c4, entries)
+        self.compressor(rest[0], rest[1], fb.csa, kv.ring_kv, kv.ring_gate, kv.c4, entries)
+        if self.index_role == "S":
+            if topk is None or topk.offsets is None:
+                raise RuntimeError(f"layer {self.layer}: a shared CSA layer needs its producer's top-k in the "
+                                   f"same forward (SharedTopk)")
+            return translate_topk(fb.c4, topk.offsets)
+        i_weights, i_kv, i_gate = rest[2:]
         self.indexer.compressor(i_kv, i_gate, fb.csa, kv.iring_kv, kv.iring_gate, kv.idx, entries)
-        return self.indexer.select(i_weights, q_res, fb.c4, kv.idx, cos, sin)
+        if not self.feeds_shared or topk is None:
+            return self.indexer.select(i_weights, q_res, fb.c4, kv.idx, cos, sin)
+        rows, topk.offsets = self.indexer.select_offsets(i_weights, q_res, fb.c4, kv.idx, cos, sin)
+        return rows
 
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
         """out [T, H, D] -> [T, G * o_lora]: each group of heads has its own projection."""
         grouped = out.flatten(1).unflatten(-1, (self.groups, -1))              # [T, G, H*D/G]
         w = self.wo_a.weight.unflatten(0, (self.groups, -1))                     # [G, o_lora, H*D/G]
         return torch.einsum("tgi,goi->tgo", grouped, w).flatten(1)
+
+
+class SharedTopk:
+    """IndexCache inside one forward: `offsets` [T, k] long, the indexer top-k of the last
+    producer CSA layer that feeds shared ones, as offsets into each token's `fb.c4` range
+    (= logical C4 entries, -1 = none). DeepseekV4.forward makes one per forward and hands it
+    to the blocks in order, so nothing outlives the forward (under a CUDA graph it is a tensor
+    of the graph's pool, written whole by the producer before any shared layer reads it)."""
+
+    def __init__(self):
+        self.offsets: torch.Tensor | None = None
+
+
+def feeds_shared(cfg: ModelConfig, layer: int) -> bool:
+    """Whether producer layer `layer` must hand its top-k over: the next CSA layer is shared."""
+    if cfg.index_topk_role(layer) != "F" or layer >= cfg.num_hidden_layers:
+        return False
+    later = [cfg.index_topk_role(i) for i in range(layer + 1, cfg.num_hidden_layers)]
+    return next((r for r in later if r), "") == "S"
 
 
 class RopeTables:

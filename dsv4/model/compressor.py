@@ -6,7 +6,7 @@ from torch import nn
 
 from ..config import CSA_RATIO, HCA_RATIO, ModelConfig
 from ..ops.compress import close_groups, ring_write
-from ..ops.indexer import indexer_topk
+from ..ops.indexer import indexer_topk, indexer_topk_offsets
 from ..ops.rope import apply_rope
 from ..ops.paged import PagedRows
 from .forward_batch import CompressPlan
@@ -58,6 +58,13 @@ class Indexer(nn.Module):
         -> [T, min(topk, E4)] rows of the chosen entries (-1 where fewer are causal)."""
         q = apply_rope(self.wq_b(q_res).unflatten(-1, (self.heads, self.dim)), cos, sin)
         return indexer_topk(q, weights, keys, cand, self.topk, self.heads ** -0.5)
+
+    def select_offsets(self, weights: torch.Tensor, q_res: torch.Tensor, cand: PagedRows, keys: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`select`, also returning the offsets of the chosen entries in each token's range
+        (the logical C4 entries IndexCache's shared layers reuse): (rows, offsets) [T, k]."""
+        q = apply_rope(self.wq_b(q_res).unflatten(-1, (self.heads, self.dim)), cos, sin)
+        return indexer_topk_offsets(q, weights, keys, cand, self.topk, self.heads ** -0.5)
 
 
 def make_compressor(cfg: ModelConfig, ratio: int, dtype: torch.dtype) -> Compressor | None:

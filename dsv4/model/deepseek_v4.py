@@ -11,7 +11,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.mhc import hc_head, hc_post, hc_pre
-from .attention import Attention, RopeTables
+from .attention import Attention, RopeTables, SharedTopk
 from .forward_batch import ForwardBatch
 from .kv import LayerKV
 from .layers import RMSNorm, param
@@ -34,9 +34,10 @@ class Block(nn.Module):
             setattr(self, f"hc_{site}_base", param((2 + n) * n, dtype=torch.float32))
             setattr(self, f"hc_{site}_scale", param(3, dtype=torch.float32))
 
-    def forward(self, h: torch.Tensor, fb: ForwardBatch, kv: LayerKV, rope: RopeTables) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, fb: ForwardBatch, kv: LayerKV, rope: RopeTables,
+                topk: SharedTopk | None = None) -> torch.Tensor:
         x, post, comb = self._pre(h, "attn")
-        h = hc_post(self.attn(self.attn_norm(x), fb, kv, rope), h, post, comb)
+        h = hc_post(self.attn(self.attn_norm(x), fb, kv, rope, topk), h, post, comb)
         x, post, comb = self._pre(h, "ffn")
         return hc_post(self.ffn(self.ffn_norm(x), fb.token_ids), h, post, comb)
 
@@ -72,11 +73,20 @@ class DeepseekV4(nn.Module):
     def forward(self, fb: ForwardBatch, kv: list[LayerKV]) -> torch.Tensor:
         """One step over the batch -> final residual streams [T, N, hidden]. kv[l]: layer l's
         cache views (KVStorage.layers)."""
-        rope = RopeTables(fb, self.main_freq, self.compress_freq)
+        rope, topk = RopeTables(fb, self.main_freq, self.compress_freq), SharedTopk()
         h = self.embed(fb.token_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, block in enumerate(self.layers):
-            h = block(h, fb, kv[i], rope)
+            h = block(h, fb, kv[i], rope, topk)
         return h
+
+    def set_index_topk_pattern(self, pattern: str) -> None:
+        """Switch IndexCache on a built model (it changes no weight; the config check applies):
+        only between engines, since a cache written under one pattern lacks indexer keys
+        another reads (`ModelConfig.index_topk_producers`)."""
+        self.cfg = self.cfg.replace(index_topk_pattern=pattern)
+        for block in [*self.layers, *self.mtp]:
+            block.cfg = self.cfg
+            block.attn.configure_index_topk(self.cfg)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Streams [L, N, hidden] -> fp32 logits [L, vocab]."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig, apply_overrides
 from .deepseek_v4 import DeepseekV4
 from ..ops.quant import quant_fp8_stacked, quant_mxfp4_stacked, unpacked_shape
 from .random_init import _random_tensor, preset_config
@@ -24,17 +24,31 @@ def is_random_spec(spec: str | None) -> bool:
     return bool(spec) and spec.startswith(PREFIX)
 
 
-def parse_spec(spec: str) -> ModelConfig:
+def parse_spec(spec: str, overrides: dict | None = None) -> ModelConfig:
+    """The spec's config; `overrides` (config.json keys, as `ModelConfig.from_dir` takes them)
+    go over the spec's own key=value items."""
     parts = spec[len(PREFIX):].split(":")
     layers = int(parts[1]) if len(parts) > 1 and parts[1] else None
-    overrides = {}
+    items = {}
     for item in (parts[2].split(",") if len(parts) > 2 and parts[2] else []):
         key, _, value = item.partition("=")
-        overrides[key] = int(value) if value.lstrip("-").isdigit() else float(value)
+        items[key] = _spec_value(value)
     try:
-        return preset_config(parts[0], layers, **overrides)
+        return preset_config(parts[0], layers, **apply_overrides(items, overrides or {}))
+    except ConfigError:
+        raise
     except ValueError as e:
         raise ValueError(f"--model {spec!r}: {e}") from None
+
+
+def _spec_value(value: str) -> int | float | str:
+    """An item's value: an integer, else a number, else the text (e.g. an F/S pattern)."""
+    if value.lstrip("-").isdigit():
+        return int(value)
+    try:
+        return float(value)
+    except ValueError:
+        return value
 
 
 # kept weight dtype -> quantiser of a stack of matrices (-> codes, scales as the model holds them)
@@ -43,12 +57,12 @@ QUANTISERS = {torch.float8_e4m3fn: quant_fp8_stacked, torch.uint8: quant_mxfp4_s
 
 @torch.no_grad()
 def build_random_model(spec: str, device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
-                       keep_fp8: bool = False, keep_mxfp4: bool = False) -> DeepseekV4:
+                       keep_fp8: bool = False, keep_mxfp4: bool = False, overrides: dict | None = None) -> DeepseekV4:
     """Same weights for the same spec and seed (generated parameter by parameter on `device`;
     with keep_fp8 / keep_mxfp4 the same draws, quantised). keep_mxfp4: the routed experts MXFP4
     and the shared expert unquantised, as `load_model(keep_mxfp4=True)` (with or without
     keep_fp8) gives for the released V4 checkpoints."""
-    cfg = parse_spec(spec)
+    cfg = parse_spec(spec, overrides)
     fp8 = keep_fp8 and not keep_mxfp4
     with torch.device(device):
         model = DeepseekV4(cfg, dtype, (fp8, fp8), keep_mxfp4)

@@ -145,21 +145,30 @@ def mxfp4_experts(path: str) -> bool:
     return _expert_dtypes(path)[0] == {"I8"}
 
 
+def model_config(path: str, overrides: dict | None = None):
+    """The ModelConfig `load_model(path, overrides=overrides)` builds (a checkpoint folder or
+    a `random:` spec), reading no weights; ConfigError names the field."""
+    from ..config import ModelConfig
+    from .random_model import is_random_spec, parse_spec
+    return parse_spec(path, overrides) if is_random_spec(path) else ModelConfig.from_dir(path, overrides)
+
+
 def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32, keep_fp8: bool = False,
-               keep_mxfp4: bool = False):
+               keep_mxfp4: bool = False, overrides: dict | None = None):
     """Build a `DeepseekV4` for the checkpoint at `path` (with its MTP blocks when the
     checkpoint has them) and load its weights. keep_fp8: FP8 expert weights stay FP8 (see
     `fp8_experts`; a random spec is built with FP8 experts, see `build_random_model`);
     keep_mxfp4: MXFP4 routed experts stay MXFP4 (see `mxfp4_experts`; a random spec is built
-    with MXFP4 routed experts)."""
+    with MXFP4 routed experts); overrides: config.json keys applied over the checkpoint's
+    (`model_config`)."""
     from ..config import ModelConfig
     from .deepseek_v4 import DeepseekV4
     from .mtp import attach_mtp
     from .random_model import build_random_model, is_random_spec
 
     if is_random_spec(path):
-        return build_random_model(path, device, dtype, keep_fp8=keep_fp8, keep_mxfp4=keep_mxfp4)
-    cfg = ModelConfig.from_dir(path)
+        return build_random_model(path, device, dtype, keep_fp8=keep_fp8, keep_mxfp4=keep_mxfp4, overrides=overrides)
+    cfg = ModelConfig.from_dir(path, overrides)
     has_mtp = any(k.startswith("mtp.") for k in checkpoint_keys(path))
     fp8 = fp8_experts(path, cfg.quant_block) if keep_fp8 else (False, False)
     mxfp4 = keep_mxfp4 and mxfp4_experts(path)

@@ -11,7 +11,8 @@ cand may be a PagedRows (dsv4/ops/paged.py; E = its width): the kernel then comp
 from the page table (PER_PAGE constexpr: a shift and a mask for a power of two), and one more
 kernel turns the chosen positions into rows (PagedRows.rows_at where the score is finite, in one
 pass instead of a dozen torch ops), so scores and selection are bit-identical to those of its
-dense form.
+dense form. `indexer_topk_offsets` has the same kernel also write the chosen positions
+(offsets into each token's range, IndexCache's raw top-k: dsv4/ops/translate.py).
 """
 import os
 
@@ -76,31 +77,37 @@ def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, ou
 
 
 @triton.jit
-def _chosen_rows_kernel(pos_ptr, val_ptr, pages_ptr, req_ptr, lo_ptr, out_ptr, K, n_kblk, pitch,
-                        stride_pr, stride_pc, PER_PAGE: tl.constexpr, BLOCK: tl.constexpr):
-    # positions/scores/out [T, K] contiguous: out = the pool row of item lo[t] + pos where the
-    # score is finite (so pos < hi - lo: the rest scored -inf), else -1.
+def _chosen_rows_kernel(pos_ptr, val_ptr, pages_ptr, req_ptr, lo_ptr, out_ptr, off_ptr, K, n_kblk, pitch,
+                        stride_pr, stride_pc, PER_PAGE: tl.constexpr, BLOCK: tl.constexpr,
+                        WRITE_OFFSETS: tl.constexpr):
+    # positions/scores/out/offsets [T, K] contiguous: out = the pool row of item lo[t] + pos where
+    # the score is finite (so pos < hi - lo: the rest scored -inf), else -1; offsets (when
+    # WRITE_OFFSETS) = pos where the score is finite, else -1.
     pid = tl.program_id(0).to(tl.int64)
     t = pid // n_kblk
     offs = t * K + (pid % n_kblk) * BLOCK + tl.arange(0, BLOCK)
     ok = (pid % n_kblk) * BLOCK + tl.arange(0, BLOCK) < K
     chosen = ok & (tl.load(val_ptr + offs, mask=ok, other=float("-inf")) > float("-inf"))
-    item = tl.load(lo_ptr + t).to(tl.int32) + tl.load(pos_ptr + offs, mask=chosen, other=0).to(tl.int32)
+    pos = tl.load(pos_ptr + offs, mask=chosen, other=0)
+    item = tl.load(lo_ptr + t).to(tl.int32) + pos.to(tl.int32)
     page = tl.load(pages_ptr + tl.load(req_ptr + t).to(tl.int64) * stride_pr + (item // PER_PAGE) * stride_pc,
                    mask=chosen, other=-1).to(tl.int64)
     tl.store(out_ptr + offs, tl.where(chosen, page * pitch + item % PER_PAGE, -1), mask=ok)
+    if WRITE_OFFSETS:
+        tl.store(off_ptr + offs, tl.where(chosen, pos.to(tl.int64), -1), mask=ok)
 
 
-def _chosen_rows(cand: PagedRows, top) -> torch.Tensor:
-    """torch.where(top.values > -inf, cand.rows_at(top.indices), -1) in one kernel."""
+def _chosen_rows(cand: PagedRows, top, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """torch.where(top.values > -inf, cand.rows_at(top.indices), -1) in one kernel; with
+    `offsets` ([T, k] long) also torch.where(top.values > -inf, top.indices, -1) into it."""
     T, k = top.indices.shape
     out = torch.empty((T, k), dtype=torch.long, device=top.indices.device)
     block = min(ROWS_BLOCK, triton.next_power_of_2(k))
     n_kblk = triton.cdiv(k, block)
     _chosen_rows_kernel[(T * n_kblk,)](
         top.indices.contiguous(), top.values.contiguous(), cand.pages, cand.req.contiguous(),
-        cand.lo.contiguous(), out, k, n_kblk, cand.pitch, cand.pages.stride(0), cand.pages.stride(1),
-        PER_PAGE=cand.per_page, BLOCK=block, num_warps=4)
+        cand.lo.contiguous(), out, out if offsets is None else offsets, k, n_kblk, cand.pitch, cand.pages.stride(0),
+        cand.pages.stride(1), PER_PAGE=cand.per_page, BLOCK=block, WRITE_OFFSETS=offsets is not None, num_warps=4)
     return out
 
 
@@ -152,3 +159,16 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, can
     if paged:
         return _chosen_rows(cand, top)
     return torch.where(top.values > float("-inf"), cand.gather(1, top.indices), -1)
+
+
+def indexer_topk_offsets(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: PagedRows, topk: int,
+                         weight_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as dsv4.ops.indexer.indexer_topk_offsets: (rows, offsets) [T, min(topk, E)]
+    long, from one scores kernel, one top-k and one kernel writing both."""
+    T, k = q.shape[0], min(topk, cand.width)
+    if T == 0 or k == 0:
+        return (torch.full((T, k), -1, dtype=torch.long, device=q.device),
+                torch.full((T, k), -1, dtype=torch.long, device=q.device))
+    offsets = torch.empty((T, k), dtype=torch.long, device=q.device)     # every element written below
+    top = indexer_scores(q, weights, keys, cand, weight_scale=weight_scale).topk(k, dim=-1)
+    return _chosen_rows(cand, top, offsets), offsets
