@@ -84,7 +84,8 @@ def build_step(chunks: list[SeqChunk], layout: CacheLayout, ring_slots: int, sha
         swa=_ranges(swa, s, T, np.maximum(pos - W + 1, 0) - shift, pos + 1 - shift, SWA_PAGE_TOKENS,
                     layout.swa_pitch, W),
         c4=_ranges(pages, s, T, 0, (pos + 1) // CSA_RATIO, PAGE_TOKENS // CSA_RATIO, layout.c4_pitch, e4),
-        c128=_ranges(pages, s, T, 0, (pos + 1) // HCA_RATIO, PAGE_TOKENS // HCA_RATIO, layout.c128_pitch, e128),
+        c128=_ranges(_one_item_pages(pages, PAGE_TOKENS // HCA_RATIO, layout.c128_pitch), s, T, 0,
+                     (pos + 1) // HCA_RATIO, 1, 1, e128),
         csa=_plan(pages, s, CSA_RATIO, True, layout.csa_ring, layout.csa_ring_pitch, ring_slots, layout.c4_pitch,
                   T if shape is not None else None, scratch),
         hca=_plan(pages, s, HCA_RATIO, False, layout.hca_ring, layout.hca_ring_pitch, ring_slots,
@@ -128,6 +129,16 @@ def _table(tables: list[list[int]], columns: int, rows: int) -> np.ndarray:
         n = min(len(t), columns)
         out[i, :n] = t[:n]
     return out
+
+
+def _one_item_pages(pages: np.ndarray, per_page: int, pitch: int) -> np.ndarray:
+    """[R, columns * per_page]: the row of every item of the table's pages (-1 where the page
+    is). HCA's 2-entry pages are read this way: the kernels then load one contiguous table row
+    per block instead of a page id per pair of entries (measured faster on the H200,
+    docs/benchmarks.md)."""
+    e = np.arange(pages.shape[1] * per_page)
+    phys = pages[:, e // per_page]
+    return np.where(phys >= 0, phys * pitch + e % per_page, -1)
 
 
 def _check_held(s: _Seqs, pages: np.ndarray, swa: np.ndarray, swa_base: np.ndarray, W: int) -> None:
