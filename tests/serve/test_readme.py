@@ -5,9 +5,10 @@
   every Python block that talks to it must succeed (exit 0, no OpenAI error body, no failed
   benchmark request);
 * the offline Python block runs;
-* the other `dsv4 ...` lines (a random checkpoint, the oracle check, benchmarks: a minute of
-  CPU together) are checked against the CLI's parser, and `make serve ARGS=...` must pass
-  ARGS to `dsv4 serve`;
+* the other `dsv4 ...` lines on the random checkpoint the README writes (`/tmp/tiny`, here a
+  fresh folder) or on a `random:` spec run in order and must succeed; the lines that name a
+  released checkpoint the tests cannot have (`dsv4 convert V4-Flash ...`) are checked against
+  the CLI's parser; `make serve ARGS=...` must pass ARGS to `dsv4 serve`;
 * last, SIGTERM during a stream: the stream still ends complete, new connections are refused,
   the server exits 0, its engine core is gone and its IPC folder removed.
 """
@@ -106,13 +107,25 @@ def test_python_blocks_run_as_written(served):
         assert r.stdout.strip(), block
 
 
+OTHERS = [ln.split(" #")[0].strip() for b in blocks("bash") for ln in lines(b)
+          if ln.startswith("dsv4 ") and ln not in CLIENT_LINES and ln != SERVE_LINE]
+RUNNABLE = [ln for ln in OTHERS if "/tmp/tiny" in ln or "random:" in ln]
+
+
+def test_commands_on_the_random_checkpoint_run_as_written(tmp_path):
+    assert RUNNABLE[0].startswith("dsv4 init-random /tmp/tiny") and len(RUNNABLE) >= 4
+    for line in RUNNABLE:
+        command = [sys.executable, "-m", "dsv4.cli", *shlex.split(line.replace("/tmp/tiny", str(tmp_path / "tiny")))[1:]]
+        r = subprocess.run(command, capture_output=True, text=True, env=_env(tmp_path), cwd=ROOT, timeout=300)
+        assert r.returncode == 0, (line, r.stdout, r.stderr)
+
+
 def test_other_commands_parse():
     from dsv4.cli import build_parser
     parser = build_parser()
-    others = [ln for b in blocks("bash") for ln in lines(b) if ln.startswith("dsv4 ") and ln not in CLIENT_LINES]
-    assert any("init-random" in ln for ln in others)
-    for line in others:
-        parser.parse_args(shlex.split(line.split(" #")[0])[1:])
+    assert any("convert" in ln for ln in OTHERS)
+    for line in OTHERS:
+        parser.parse_args(shlex.split(line)[1:])
     assert 'make serve ARGS="--port 8080"' in README
     r = subprocess.run(["make", "-n", "serve", "ARGS=--port 8080"], capture_output=True, text=True, cwd=ROOT)
     assert "dsv4 serve --port 8080" in r.stdout, r.stdout + r.stderr
