@@ -161,6 +161,9 @@ class EngineConfig:
     async_scheduling: str = "auto"         # on: launch step k+1 before reading step k's tokens; auto: on CUDA
     keep_fp8: bool = False                 # FP8 expert weights stay FP8 (dequantised in the MoE kernels)
     keep_mxfp4: bool = False               # MXFP4 routed expert weights stay MXFP4 (likewise)
+    enable_prefix_caching: bool = True     # share the history pages of resent prefixes (cache/prefix.py)
+    num_checkpoints: int | None = None     # prefix-cache checkpoints; None: one per 16 history pages, >= 2 per slot
+    tokenizer: str | None = None           # tokenizer folder; None: the model folder's
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_bs"):
@@ -172,6 +175,8 @@ class EngineConfig:
             raise ConfigError("max_model_len", f"expected a positive integer, got {self.max_model_len}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ConfigError("num_pages", f"expected a positive integer, got {self.num_pages}")
+        if self.num_checkpoints is not None and self.num_checkpoints < 0:
+            raise ConfigError("num_checkpoints", f"expected >= 0, got {self.num_checkpoints}")
         if self.spec_slots < 0:
             raise ConfigError("spec_slots", f"expected >= 0, got {self.spec_slots}")
         if self.async_scheduling not in ("auto", "on", "off"):

@@ -103,16 +103,38 @@ class CacheLayout:
         per_seq = -(-self.swa_keep // SWA_PAGE_TOKENS) + 2
         return max_num_seqs * per_seq + -(-max_batched_tokens // SWA_PAGE_TOKENS)
 
-    def plan(self, budget_bytes: int, elem: int, max_num_seqs: int, max_chunk: int) -> "CachePlan":
-        """Split a memory budget: rings and SWA pages for `max_num_seqs`, the rest history pages."""
+    def plan(self, budget_bytes: int, elem: int, max_num_seqs: int, max_chunk: int, checkpoint_bytes: int = 0,
+             num_checkpoints: int | None = None) -> "CachePlan":
+        """Split a memory budget: rings and SWA pages for `max_num_seqs`, prefix-cache checkpoints
+        of `checkpoint_bytes` each (none when 0; `num_checkpoints`, or `default_checkpoints`), the
+        rest history pages."""
         swa_pages = self.swa_pages_needed(max_num_seqs, max_chunk)
         fixed = max_num_seqs * self.ring_bytes(elem) + swa_pages * self.swa_page_bytes(elem)
-        pages = (budget_bytes - fixed) // max(self.page_bytes(elem), 1)
+        page = max(self.page_bytes(elem), 1)
+        if not checkpoint_bytes:
+            checkpoints = 0
+        elif num_checkpoints is not None:
+            checkpoints = num_checkpoints
+        else:    # as many as default_checkpoints gives for the pages that are left
+            checkpoints = max(2 * max_num_seqs, (budget_bytes - fixed) // (CHECKPOINT_EVERY * page + checkpoint_bytes))
+        fixed += checkpoints * checkpoint_bytes
+        pages = (budget_bytes - fixed) // page
         if pages < 1:
             raise ValueError(f"cache memory budget of {budget_bytes / 2**20:.1f} MiB is too small: "
                              f"{fixed / 2**20:.1f} MiB go to rings and sliding-window pages of "
-                             f"{max_num_seqs} requests; lower max_num_seqs or raise the budget")
-        return CachePlan(num_pages=int(pages), num_swa_pages=swa_pages, max_num_seqs=max_num_seqs)
+                             f"{max_num_seqs} requests and {checkpoints} prefix-cache checkpoints; lower "
+                             f"max_num_seqs or raise the budget")
+        return CachePlan(num_pages=int(pages), num_swa_pages=swa_pages, max_num_seqs=max_num_seqs,
+                         num_checkpoints=int(checkpoints))
+
+
+CHECKPOINT_EVERY = 16    # by default one prefix-cache checkpoint per 16 history pages (4096 tokens)
+
+
+def default_checkpoints(num_pages: int, max_num_seqs: int) -> int:
+    """Checkpoints of the prefix cache when not given: one per CHECKPOINT_EVERY history pages,
+    and at least two per request slot (a request's prompt end and its latest decode boundary)."""
+    return max(2 * max_num_seqs, num_pages // CHECKPOINT_EVERY)
 
 
 @dataclass(frozen=True)
@@ -120,6 +142,7 @@ class CachePlan:
     num_pages: int       # 256-token compressed-history pages
     num_swa_pages: int   # 128-slot sliding-window pages
     max_num_seqs: int    # ring rows (request state slots)
+    num_checkpoints: int = 0   # prefix-cache checkpoints (checkpoint.py); 0: no prefix cache
 
     @property
     def max_tokens(self) -> int:

@@ -8,6 +8,9 @@ One tensor per kind, [units, layers of the kind, rows per unit, C]:
   csa rings  [slots + 1, L_csa, 8 + S, 2D | 2Di]   CSA compressor / indexer continuation (kv, gate)
   hca rings  [slots + 1, L_hca, 128 + S, D]        HCA compressor continuation (kv, gate)
 
+and, with a prefix cache, `checkpoints` [num_checkpoints, numel]: one flat checkpoint a row
+(checkpoint.py: the private rows a request resumes from at a page boundary),
+
 so one page of one kind (or one request's ring rows) is a contiguous block that can be copied,
 packed and sent as a unit (`page`). Each layer sees its rows as a 2-D view starting at its
 offset in a page (layout.py gives the row arithmetic); the views of all layers of a kind have
@@ -20,6 +23,7 @@ import torch
 
 from ..config import CSA_RATIO, HCA_RATIO
 from ..model.kv import LayerKV
+from .checkpoint import CheckpointFormat
 from .layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout, CachePlan
 
 
@@ -46,6 +50,9 @@ class KVStorage:
             self.kinds[f"{name}_kv"] = blocks(self.ring_slots, layers, ring, width)
             self.kinds[f"{name}_gate"] = blocks(self.ring_slots, layers, ring, width)
         self.layers = [self._layer_views(layer) for layer in swa_layers]
+        self.checkpoint_format = CheckpointFormat(layout, dtype) if plan.num_checkpoints else None
+        numel = self.checkpoint_format.numel if self.checkpoint_format else 0
+        self.checkpoints = torch.zeros(plan.num_checkpoints, numel, dtype=dtype, device=device)
 
     def _layer_views(self, layer: int) -> LayerKV:
         lay, k = self.layout, self.kinds
@@ -66,7 +73,7 @@ class KVStorage:
         return self.kinds[kind][unit]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kinds.values())
+        return sum(t.numel() * t.element_size() for t in [*self.kinds.values(), self.checkpoints])
 
 
 def _layer_view(blocks: torch.Tensor, i: int) -> torch.Tensor:

@@ -26,6 +26,11 @@ HELP = {
     "keep_mxfp4": "keep MXFP4 routed expert weights (e2m1 pairs + an E8M0 scale per 32 inputs, the released V4 "
                   "format) packed on the device, dequantised inside the MoE kernels (W4A16); the shared expert and "
                   "other weights are dequantised at load",
+    "enable_prefix_caching": "reuse the cached history of resent prompt prefixes (256-token pages resumed from "
+                             "checkpoints); --no-enable-prefix-caching turns it off",
+    "num_checkpoints": "prefix-cache checkpoints (the private state at a page boundary; default: one per 16 "
+                       "history pages, at least two per request slot)",
+    "tokenizer": "tokenizer folder (default: the model folder; needed for a random:... model spec)",
 }
 
 
@@ -35,7 +40,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         kind = hints[f.name]
         if kind is bool:
-            group.add_argument("--" + f.name.replace("_", "-"), action="store_true", help=HELP.get(f.name))
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            group.add_argument("--" + f.name.replace("_", "-"), action=action, default=f.default,
+                               help=HELP.get(f.name))
             continue
         conv = int if kind in (int, int | None) else float if kind in (float, float | None) else str
         group.add_argument("--" + f.name.replace("_", "-"), type=conv, default=f.default, help=HELP.get(f.name))

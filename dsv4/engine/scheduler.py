@@ -5,12 +5,21 @@ waiting ones in arrival order, under `max_num_batched_tokens` and `max_num_seqs`
 request is scheduled only once the cache manager has reserved what its chunk needs. When a
 running request cannot get pages, the newest running request is preempted by recompute
 (everything it held is freed; it re-enters the front of the waiting queue) until it fits.
+
+With a prefix cache (docs/architecture.md, "Cache"):
+  * admission first looks for a hit: the request resumes at the hit's page boundary, its
+    matched pages cost no new pages, and its chunk is what is left after them;
+  * a prefill chunk that crosses a page boundary ends at the last one it crosses, so that the
+    request's private state at that boundary can be checkpointed after the step;
+  * a waiting request whose prompt another running request is still prefilling waits for it
+    (n > 1 and parallel copies of one prompt then share its pages and checkpoint).
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
+from ..cache.layout import PAGE_TOKENS
 from ..cache.manager import CacheManager
 from .request import Request, Status
 
@@ -36,6 +45,8 @@ class Scheduler:
         self.max_tokens, self.max_seqs = max_num_batched_tokens, max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefix_queries = 0      # tokens of admitted requests looked up in the prefix cache
+        self.prefix_hits = 0         # of them, tokens resumed from it
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -50,21 +61,57 @@ class Scheduler:
             budget = self.max_tokens - sum(c.num_tokens for c in chunks)
             if budget == 0 or req.status is not Status.RUNNING:
                 continue
-            n = min(req.num_remaining, budget)
+            n = self._chunk(req.num_computed, min(req.num_remaining, budget))
             if self._reserve_or_preempt(req, n, chunks):
                 chunks.append(ScheduledChunk(req, n))
         budget = self.max_tokens - sum(c.num_tokens for c in chunks)
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
-            req = self.waiting[0]
-            n = min(req.num_remaining, budget)
-            if not self.cache.reserve(req, n):
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_seqs:
+            req = self.waiting[i]
+            if self._waits_for_twin(req):
+                i += 1
+                continue
+            n = self._admit(req, budget)
+            if not n:
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             req.status = Status.RUNNING
             self.running.append(req)
             chunks.append(ScheduledChunk(req, n))
             budget -= n
         return chunks
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Reserve the first chunk of a waiting request, resuming from a prefix hit when there
+        is one; its size, or 0 when it does not fit."""
+        hit = self.cache.match(req)
+        start = hit.length if hit is not None else 0
+        n = self._chunk(start, min(req.num_tokens - start, budget))
+        if not (self.cache.admit(req, hit, n) if hit is not None else self.cache.reserve(req, n)):
+            return 0
+        if self.cache.prefix is not None:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += start
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = start
+        return n
+
+    def _chunk(self, start: int, n: int) -> int:
+        """With a prefix cache, a chunk of several tokens from `start` ends at the last page
+        boundary it crosses (the checkpoint there can be taken after the step)."""
+        if self.cache.prefix is None or n <= 1:
+            return n
+        boundary = (start + n) // PAGE_TOKENS * PAGE_TOKENS
+        return boundary - start if boundary > start else n
+
+    def _waits_for_twin(self, req: Request) -> bool:
+        """Another running request with the same prompt has not yet reached the page boundary
+        this one would resume from: it waits, to share that prefill."""
+        if self.cache.prefix is None or req.num_computed or req.wants_prompt_logprobs:
+            return False
+        boundary = (len(req.prompt_token_ids) - 1) // PAGE_TOKENS * PAGE_TOKENS
+        return boundary > 0 and any(r.num_computed < boundary and r.prompt_token_ids == req.prompt_token_ids
+                                    for r in self.running)
 
     def _reserve_or_preempt(self, req: Request, n: int, scheduled: list[ScheduledChunk]) -> bool:
         """Reserve for `req`, preempting the newest running request (even one already scheduled
