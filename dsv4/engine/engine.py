@@ -175,16 +175,8 @@ class LLMEngine:
             chunks[i].request.num_pending += 1
             chunks[i].request.pending_row = row
         for c in chunks:
-            self.advance(c.request, c.num_tokens)
+            self.scheduler.advance(c.request, c.num_tokens)
         return StepInFlight(chunks, sampled, tokens, values, lps)
-
-    def advance(self, req: Request, num_tokens: int) -> None:
-        """After a step wrote `num_tokens` more positions of `req`: share what it completed with
-        the prefix cache (checkpointing the page boundary it reached), then free SWA pages
-        behind its window."""
-        req.num_computed += num_tokens
-        self.cache.commit(req)
-        self.cache.trim(req)
 
     def _complete(self, step: StepInFlight) -> list[RequestOutput]:
         for rows in step.prompt_logprobs:

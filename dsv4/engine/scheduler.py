@@ -126,6 +126,14 @@ class Scheduler:
                 return False
         return True
 
+    def advance(self, req: Request, num_tokens: int) -> None:
+        """After a step wrote `num_tokens` more positions of `req`: share what it completed with
+        the prefix cache (checkpointing the page boundary it reached), then free SWA pages
+        behind its window."""
+        req.num_computed += num_tokens
+        self.cache.commit(req)
+        self.cache.trim(req)
+
     def preempt(self, req: Request) -> None:
         self.cache.release(req)
         self.running.remove(req)

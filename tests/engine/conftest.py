@@ -274,7 +274,7 @@ class TeacherForcer:
                 for k, p in enumerate(positions):
                     logits[req.request_id][p] = out.logits[out.first_row[i] + k].clone()
                 completes = c.completes
-                engine.advance(req, n)
+                engine.scheduler.advance(req, n)
                 if completes:
                     cont, k = by_id[req.request_id].continuation, len(req.output_token_ids)
                     if k < len(cont):
