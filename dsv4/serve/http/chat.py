@@ -83,7 +83,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     choices = [ChatChoice(i, plan, state, texts) for i in range(req.n)]
     group = state.client.submit([plan.prompt_ids] * req.n, plan.params, uuid.uuid4().hex)
     tracker = state.metrics.track(req.n, len(plan.prompt_ids))
-    usage = Usage(len(plan.prompt_ids), choices)
+    usage = Usage(len(plan.prompt_ids), choices, group)
     return await answer(request, group, tracker, rid, lambda: respond_whole(group, tracker, head, choices, usage,
                                                                   {"object": "chat.completion"}),
                         (lambda: _stream(group, tracker, head, choices, usage, req.include_usage))

@@ -110,7 +110,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
     group = state.client.submit([c.prompt.ids for c in choices], children, uuid.uuid4().hex)
     tracker = state.metrics.track(len(choices), sum(len(p.ids) for p in prompts))
-    usage = Usage(sum(len(p.ids) for p in prompts), choices)
+    usage = Usage(sum(len(p.ids) for p in prompts), choices, group,
+                  [next(i for i, p in enumerate(prompts) if p is c.prompt) for c in choices])
     return await answer(request, group, tracker, rid, lambda: respond_whole(group, tracker, head, choices, usage),
                         (lambda: _stream(group, tracker, head, choices, usage, req.include_usage))
                         if req.stream else None)

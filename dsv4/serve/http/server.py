@@ -76,7 +76,7 @@ class APIServer:
         """Run until stopped (Ctrl-C, `stop()`) or the engine dies; 1 when it died."""
         s = self.settings
         try:
-            state = ServerState.create(self.client, s.model_dir, s.model_names, s.api_key)
+            state = ServerState.create(self.client, s.model_dir, s.model_names, s.api_key, s.engine.tokenizer)
             self.client.on_death = self._engine_died
             config = uvicorn.Config(build_app(state, on_ready), log_level=s.log_level,
                                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)

@@ -26,10 +26,12 @@ class ServerState:
 
     @classmethod
     def create(cls, client: EngineClient, model_dir: str, model_names: list[str],
-               api_key: str | None = None) -> "ServerState":
-        return cls(client=client, info=client.info, tokenizer=Tokenizer.from_dir(model_dir),
-                   model_dir=model_dir, model_names=list(model_names), release=detect_release(model_dir),
-                   add_bos=_adds_bos(model_dir), metrics=ServerMetrics(model_names[0], client.info.num_pages),
+               api_key: str | None = None, tokenizer_dir: str | None = None) -> "ServerState":
+        """`tokenizer_dir`: where the tokenizer (and the chat release) is read; the model folder when None."""
+        text_dir = tokenizer_dir or model_dir
+        return cls(client=client, info=client.info, tokenizer=Tokenizer.from_dir(text_dir),
+                   model_dir=model_dir, model_names=list(model_names), release=detect_release(text_dir),
+                   add_bos=_adds_bos(text_dir), metrics=ServerMetrics(model_names[0], client.info.num_pages),
                    api_key=api_key)
 
 
