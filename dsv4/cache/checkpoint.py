@@ -6,6 +6,8 @@ private rows a chunk starting at L reads (cache/addressing.py):
   * the CSA compressor's and the CSA indexer's ring rows (kv and gate) of positions
     [L - 4, L): the first group closing after L pools them as its overlap half;
   * nothing of the HCA compressor: its group closed at L (256 % 128 == 0).
+The overlap rows are read from the ring by position (`p % csa_ring`) when the chunk ended near
+L, or from the staging rows where a chunk that crossed L wrote them (layout.py).
 A checkpoint is those rows packed into one flat buffer of the cache dtype, sections in the
 order of `CheckpointFormat.sections`, each [layers, rows, width] row-major. Rows are indexed by
 position, not by ring row or SWA slot, so a checkpoint restores into any request's pages and
@@ -85,10 +87,12 @@ class CheckpointFormat:
         return self.numel * torch.empty((), dtype=self.kv_dtype).element_size()
 
     # ---- between the cache and a flat buffer ---------------------------------------------
-    def pack(self, storage, swa_table: list[int], slot: int, L: int, out: torch.Tensor) -> None:
-        """Copy the rows a resume at L needs from a request's SWA pages and ring slot into `out`."""
+    def pack(self, storage, swa_table: list[int], slot: int, L: int, out: torch.Tensor, staged: bool = False
+             ) -> None:
+        """Copy the rows a resume at L needs from a request's SWA pages and ring slot into `out`
+        (`staged`: its overlap rows from the slot's staging rows)."""
         for section, view in zip(self.sections, self._views(out)):
-            view.copy_(self._rows(storage, section, swa_table, slot, L))
+            view.copy_(self._rows(storage, section, swa_table, slot, L, staged))
 
     def unpack(self, storage, buf: torch.Tensor, swa_table: list[int], slot: int, L: int) -> None:
         """Write a checkpoint at L into a request's SWA pages and ring slot, at the same positions."""
@@ -117,13 +121,15 @@ class CheckpointFormat:
         device = storage.kinds["swa"].device
         return pages.to(device), (positions % SWA_PAGE_TOKENS).to(device)
 
-    def _rows(self, storage, section: Section, swa_table, slot, L) -> torch.Tensor:
+    def _rows(self, storage, section: Section, swa_table, slot, L, staged: bool) -> torch.Tensor:
         """[layers, rows, width] of `section` at positions [L - rows, L)."""
         positions, blocks = self._positions(section, L), storage.kinds[section.kind]
         if section.kind == "swa":
             pages, rows = self._swa_index(storage, swa_table, positions)
             return blocks[pages, :, rows].transpose(0, 1)         # [rows, layers, D] -> [layers, rows, D]
-        return blocks[slot][:, (positions % blocks.shape[2]).to(blocks.device)]
+        cap = storage.layout.csa_ring
+        rows = torch.arange(cap, cap + OVERLAP) if staged else positions % cap
+        return blocks[slot][:, rows.to(blocks.device)]
 
     def _put_rows(self, storage, section: Section, swa_table, slot, L, data: torch.Tensor) -> None:
         positions, blocks = self._positions(section, L), storage.kinds[section.kind]
@@ -131,7 +137,7 @@ class CheckpointFormat:
             pages, rows = self._swa_index(storage, swa_table, positions)
             blocks[pages, :, rows] = data.transpose(0, 1)
         else:
-            blocks[slot][:, (positions % blocks.shape[2]).to(blocks.device)] = data
+            blocks[slot][:, (positions % storage.layout.csa_ring).to(blocks.device)] = data
 
     # ---- a unit outside the cache --------------------------------------------------------
     def unit(self, buf: torch.Tensor, L: int) -> CheckpointUnit:

@@ -6,6 +6,9 @@
 * sliding-window keys: request-private 128-slot pages, logical page = pos // 128, every layer.
 * compressor continuation: request-private rings addressed by position, `span + S` rows
   per request (span 8 for CSA compressor and indexer, 128 for HCA), S = speculative slots.
+  The CSA rings have 4 more rows per request, never addressed by position: the staging rows
+  where a prefill chunk also writes the overlap rows [L - 4, L) of the last page boundary L
+  inside it, for the prefix cache's checkpoint at L (checkpoint.py).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from ..config import CSA_RATIO, HCA_RATIO, ModelConfig
 PAGE_TOKENS = 256
 SWA_PAGE_TOKENS = 128
 CSA_SPAN = 2 * CSA_RATIO  # open group + previous group (overlap)
+CSA_STAGING = CSA_RATIO   # rows of the overlap of a page boundary inside a chunk
 HCA_SPAN = HCA_RATIO
 
 
@@ -47,6 +51,11 @@ class CacheLayout:
         return CSA_SPAN + self.spec_slots
 
     @property
+    def csa_ring_rows(self) -> int:
+        """Rows of a request's CSA ring: `csa_ring` by position, then the staging rows."""
+        return self.csa_ring + CSA_STAGING
+
+    @property
     def hca_ring(self) -> int:
         return HCA_SPAN + self.spec_slots
 
@@ -67,7 +76,7 @@ class CacheLayout:
     @property
     def csa_ring_pitch(self) -> int:
         """Rows from one request slot to the next in the CSA compressor and indexer rings."""
-        return len(self.csa_layers) * self.csa_ring
+        return len(self.csa_layers) * self.csa_ring_rows
 
     @property
     def hca_ring_pitch(self) -> int:
@@ -92,7 +101,7 @@ class CacheLayout:
     def ring_bytes(self, elem: int) -> int:
         """Compressor rings of one request (kv + gate, all compressed layers)."""
         c = self.cfg
-        csa = self.csa_ring * 2 * 2 * (c.head_dim + c.index_head_dim)
+        csa = self.csa_ring_rows * 2 * 2 * (c.head_dim + c.index_head_dim)
         hca = self.hca_ring * 2 * c.head_dim
         return elem * (len(self.csa_layers) * csa + len(self.hca_layers) * hca)
 

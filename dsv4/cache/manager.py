@@ -14,9 +14,11 @@ With a prefix cache (prefix.py, checkpoint.py; `bind` gives the storage it packs
   * `match` finds the deepest checkpointed page boundary L of a waiting request's tokens and
     `admit` resumes it there: the hit's pages shared (one more reference each), the
     checkpoint copied into its own SWA pages and ring slot, num_computed = L;
-  * `commit`, after each step, inserts a request's pages up to the page boundary L its
-    computed tokens reached and checkpoints L, while the private rows of L are still in place
-    (the scheduler ends prefill chunks at page boundaries so that they are);
+  * `stage` marks the last page boundary L inside a chunk, whose overlap rows the step then
+    also writes to the request's staging ring rows (cache/addressing.py); `commit`, after the
+    step, inserts the request's pages up to the page boundary L its computed tokens reached and
+    checkpoints L: SWA keys from its SWA pages (not trimmed yet), overlap rows from the staging
+    rows, or from the ring by position while they are still there (decode steps);
   * pages only the tree holds count as available: `reserve` evicts them (LRU) when the free
     list runs short; `release` leaves the tree's references alone.
 """
@@ -36,6 +38,7 @@ class SeqCache:
     swa_pages: list[int] = field(default_factory=list)   # logical 128-token SWA page -> physical or -1
     slot: int | None = None                              # request state slot: its ring rows
     committed: int = 0                   # page boundaries up to here are in the prefix tree (or were tried)
+    staged: int = 0                      # the boundary whose overlap rows its staging ring rows hold
     node: Node | None = None             # the tree node at `committed`
     decode_node: Node | None = None      # the checkpoint it took past its prompt (replaced by the next one)
 
@@ -160,6 +163,16 @@ class CacheManager:
         fmt.unpack(self.storage, self.storage.checkpoints[hit.node.checkpoint], held.swa_pages, held.slot, L)
         return True
 
+    def stage(self, req, start: int, num_tokens: int) -> int:
+        """The page boundary whose overlap rows a chunk [start, start + num_tokens) should stage:
+        the last one inside it, when the chunk computes all of [L - 4, L); 0 for none."""
+        held = self.seqs.get(req.request_id)
+        L = (start + num_tokens) // PAGE_TOKENS * PAGE_TOKENS
+        if self.prefix is None or held is None or L - OVERLAP < start or L <= held.committed:
+            return 0
+        held.staged = L
+        return L
+
     def commit(self, req) -> None:
         """After a step: share the request's pages up to the last page boundary L its known,
         computed tokens reached, and checkpoint L while its private rows are still in place."""
@@ -171,14 +184,15 @@ class CacheManager:
         if L <= held.committed:
             return
         held.committed = L
-        if not self._rows_held(held, req.num_computed, L):
+        staged = held.staged == L
+        if not self._swa_held(held, L) or not (staged or self._ring_holds(req.num_computed, L)):
             return
         node = self._insert(held, req.known_tokens(0, L), L)
         slot = self.prefix.add_checkpoint(node)
         if slot is None:
             return
         fmt = self.storage.checkpoint_format
-        fmt.pack(self.storage, held.swa_pages, held.slot, L, self.storage.checkpoints[slot])
+        fmt.pack(self.storage, held.swa_pages, held.slot, L, self.storage.checkpoints[slot], staged)
         if L > len(req.prompt_token_ids):               # past the prompt: only the latest is kept
             old, held.decode_node = held.decode_node, node
             if old is not None and old.attached and old is not node:
@@ -192,11 +206,13 @@ class CacheManager:
             held.node = held.decode_node = None
         return self.prefix.clear()
 
-    def _rows_held(self, held: SeqCache, n: int, L: int) -> bool:
-        """Are the private rows of a resume at L still there when n positions are written? The
-        ring keeps the last csa_ring positions; SWA pages of [L - W, L) must not be trimmed."""
-        if n - (L - OVERLAP) > self.layout.csa_ring:
-            return False
+    def _ring_holds(self, n: int, L: int) -> bool:
+        """Does the ring still hold positions [L - 4, L) when n positions are written? It keeps
+        the last csa_ring."""
+        return n - (L - OVERLAP) <= self.layout.csa_ring
+
+    def _swa_held(self, held: SeqCache, L: int) -> bool:
+        """Are the SWA pages of [L - W, L) still held (not trimmed)?"""
         first, last = (L - self.layout.cfg.sliding_window) // SWA_PAGE_TOKENS, (L - 1) // SWA_PAGE_TOKENS
         return last < len(held.swa_pages) and all(held.swa_pages[p] >= 0 for p in range(first, last + 1))
 

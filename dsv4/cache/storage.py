@@ -5,7 +5,8 @@ One tensor per kind, [units, layers of the kind, rows per unit, C]:
   swa        [swa_pages + 1, L_swa, 128, D]        K=V vectors of recent positions
   c4, idx    [pages + 1, L_csa, 64, D | Di]        CSA entries and indexer keys
   c128       [pages + 1, L_hca, 2, D]              HCA entries
-  csa rings  [slots + 1, L_csa, 8 + S, 2D | 2Di]   CSA compressor / indexer continuation (kv, gate)
+  csa rings  [slots + 1, L_csa, 8 + S + 4, 2D | 2Di]  CSA compressor / indexer continuation (kv, gate),
+                                                    then the staging rows (layout.py)
   hca rings  [slots + 1, L_hca, 128 + S, D]        HCA compressor continuation (kv, gate)
 
 and, with a prefix cache, `checkpoints` [num_checkpoints, numel]: one flat checkpoint a row
@@ -45,7 +46,8 @@ class KVStorage:
                       "c4": blocks(pages, csa, PAGE_TOKENS // CSA_RATIO, D),
                       "idx": blocks(pages, csa, PAGE_TOKENS // CSA_RATIO, Di),
                       "c128": blocks(pages, hca, PAGE_TOKENS // HCA_RATIO, D)}
-        for name, layers, ring, width in (("ring", csa, layout.csa_ring, 2 * D), ("iring", csa, layout.csa_ring, 2 * Di),
+        for name, layers, ring, width in (("ring", csa, layout.csa_ring_rows, 2 * D),
+                                          ("iring", csa, layout.csa_ring_rows, 2 * Di),
                                           ("hring", hca, layout.hca_ring, D)):
             self.kinds[f"{name}_kv"] = blocks(self.ring_slots, layers, ring, width)
             self.kinds[f"{name}_gate"] = blocks(self.ring_slots, layers, ring, width)

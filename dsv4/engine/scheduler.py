@@ -9,8 +9,6 @@ running request cannot get pages, the newest running request is preempted by rec
 With a prefix cache (docs/architecture.md, "Cache"):
   * admission first looks for a hit: the request resumes at the hit's page boundary, its
     matched pages cost no new pages, and its chunk is what is left after them;
-  * a prefill chunk that crosses a page boundary ends at the last one it crosses, so that the
-    request's private state at that boundary can be checkpointed after the step;
   * a waiting request whose prompt another running request is still prefilling waits for it
     (n > 1 and parallel copies of one prompt then share its pages and checkpoint).
 """
@@ -61,7 +59,7 @@ class Scheduler:
             budget = self.max_tokens - sum(c.num_tokens for c in chunks)
             if budget == 0 or req.status is not Status.RUNNING:
                 continue
-            n = self._chunk(req.num_computed, min(req.num_remaining, budget))
+            n = min(req.num_remaining, budget)
             if self._reserve_or_preempt(req, n, chunks):
                 chunks.append(ScheduledChunk(req, n))
         budget = self.max_tokens - sum(c.num_tokens for c in chunks)
@@ -86,7 +84,7 @@ class Scheduler:
         is one; its size, or 0 when it does not fit."""
         hit = self.cache.match(req)
         start = hit.length if hit is not None else 0
-        n = self._chunk(start, min(req.num_tokens - start, budget))
+        n = min(req.num_tokens - start, budget)
         if not (self.cache.admit(req, hit, n) if hit is not None else self.cache.reserve(req, n)):
             return 0
         if self.cache.prefix is not None:
@@ -95,14 +93,6 @@ class Scheduler:
         if req.num_cached_tokens is None:
             req.num_cached_tokens = start
         return n
-
-    def _chunk(self, start: int, n: int) -> int:
-        """With a prefix cache, a chunk of several tokens from `start` ends at the last page
-        boundary it crosses (the checkpoint there can be taken after the step)."""
-        if self.cache.prefix is None or n <= 1:
-            return n
-        boundary = (start + n) // PAGE_TOKENS * PAGE_TOKENS
-        return boundary - start if boundary > start else n
 
     def _waits_for_twin(self, req: Request) -> bool:
         """Another running request with the same prompt has not yet reached the page boundary

@@ -48,11 +48,9 @@ def sequence(tiny):
 
 
 def test_teacher_forced_whole_prefill(tiny, h, forcer, sequence):
-    """All 440 tokens in one prefill chunk: every position's logits. (Without the prefix cache,
-    which would end the chunk at the page boundary 256.)"""
+    """All 440 tokens in one prefill chunk: every position's logits."""
     spec = h.Forced("whole", sequence)
-    run = forcer.run(tiny.engine(max_num_batched_tokens=512, max_num_seqs=2, num_pages=4,
-                                 enable_prefix_caching=False), [spec])
+    run = forcer.run(tiny.engine(max_num_batched_tokens=512, max_num_seqs=2, num_pages=4), [spec])
     assert run.steps == [[("whole", 0, TOTAL)]]
     compare_to_reference(tiny, h, run, spec, "whole prefill")
 
@@ -69,12 +67,10 @@ def test_teacher_forced_decode_after_whole_prefill(tiny, h, forcer, sequence):
 @pytest.mark.parametrize("chunk", [1, 3, 37, 129])
 def test_teacher_forced_chunked_prefill(tiny, h, forcer, sequence, chunk):
     """A 300-token prompt prefilled in chunks of `chunk` tokens (every alignment the chunk size
-    produces), then 140 forced decode steps. (Without the prefix cache, which would end a chunk
-    crossing 256 there.)"""
+    produces), then 140 forced decode steps."""
     prompt = 300
     spec = h.Forced("chunked", sequence[:prompt], sequence[prompt:])
-    run = forcer.run(tiny.engine(max_num_batched_tokens=chunk, max_num_seqs=2, num_pages=4,
-                                 enable_prefix_caching=False), [spec])
+    run = forcer.run(tiny.engine(max_num_batched_tokens=chunk, max_num_seqs=2, num_pages=4), [spec])
     prefill = [(start, n) for step in run.steps for _, start, n in step if start < prompt]
     want = [(a, min(chunk, prompt - a)) for a in range(0, prompt, chunk)]
     assert prefill == want, "the scheduler did not split the prompt into chunks of the budget"

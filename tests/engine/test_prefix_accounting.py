@@ -79,6 +79,7 @@ def run_workload(sched: Scheduler, num_requests: int, seed: int) -> dict:
             counts["aborted"] += 1
         for c in sched.schedule():
             req, completes = c.request, c.completes
+            sched.cache.stage(req, req.num_computed, c.num_tokens)     # as the runner does for the step
             sched.advance(req, c.num_tokens)
             if completes:
                 req.output_token_ids.append(rng.randrange(2, 500))
