@@ -118,9 +118,9 @@ def test_prompt_logprobs_are_computed_not_hit(tiny, h):
 
 
 def test_preemption_keeps_committed_pages_cached(tiny, h):
-    """Three requests that outgrow a 5-page cache as they decode past 256: the preempted one leaves its committed pages
-    in the prefix cache and resume from their own checkpoints when readmitted; all generate the
-    cold engine's tokens and every page comes back."""
+    """Three requests that outgrow a 5-page cache as they decode past 256: the preempted one
+    leaves its committed page in the prefix cache and resumes from its own checkpoint when
+    readmitted; all generate the cold engine's tokens and every page comes back."""
     prompts = {f"p{i}": tiny.tie_free_ids(200, seed=351 + i) for i in range(3)}
     eng = tiny.engine(max_num_batched_tokens=512, max_num_seqs=3, num_pages=5)
     for rid, p in prompts.items():
