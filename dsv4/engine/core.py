@@ -135,10 +135,11 @@ class EngineCore:
         return failures
 
     def stats(self) -> EngineStats:
-        sched, usage = self.engine.scheduler, self.engine.cache.usage()
+        sched, cache, usage = self.engine.scheduler, self.engine.cache, self.engine.cache.usage()
         queries, hits, cached = self.engine.prefix_stats()
+        free = cache.available_pages()          # pages only the prefix cache holds count as free
         return EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
-                           pages_used=usage["pages_used"], pages_free=self.engine.cache.pages.num_free,
+                           pages_used=usage["pages_total"] - free, pages_free=free,
                            swa_pages_used=usage["swa_pages_used"], slots_used=usage["slots_used"],
                            steps=self._steps, generated_tokens=self._generated, prefix_queries=queries,
                            prefix_hits=hits, prefix_pages=cached)
