@@ -165,25 +165,31 @@ class CacheManager:
 
     def stage(self, req, start: int, num_tokens: int) -> int:
         """The page boundary whose overlap rows a chunk [start, start + num_tokens) should stage:
-        the last one inside it, when the chunk computes all of [L - 4, L); 0 for none."""
+        the last one before its last token (a resend of a prompt ending on a boundary resumes
+        one page earlier; the boundary at the chunk's end is taken from the ring), when the
+        chunk computes all of [L - 4, L); 0 for none."""
         held = self.seqs.get(req.request_id)
-        L = (start + num_tokens) // PAGE_TOKENS * PAGE_TOKENS
+        L = (start + num_tokens - 1) // PAGE_TOKENS * PAGE_TOKENS
         if self.prefix is None or held is None or L - OVERLAP < start or L <= held.committed:
             return 0
         held.staged = L
         return L
 
     def commit(self, req) -> None:
-        """After a step: share the request's pages up to the last page boundary L its known,
-        computed tokens reached, and checkpoint L while its private rows are still in place."""
+        """After a step: share the request's pages up to the page boundaries its known, computed
+        tokens reached (the staged one and the last one) and checkpoint them while their private
+        rows are still in place."""
         held = self.seqs.get(req.request_id)
         if self.prefix is None or held is None:
             return
         known = len(req.prompt_token_ids) + len(req.output_token_ids)
-        L = min(req.num_computed, known) // PAGE_TOKENS * PAGE_TOKENS
-        if L <= held.committed:
-            return
-        held.committed = L
+        top = min(req.num_computed, known) // PAGE_TOKENS * PAGE_TOKENS
+        for L in sorted({held.staged, top}):
+            if held.committed < L <= top:
+                held.committed = L
+                self._checkpoint(req, held, L)
+
+    def _checkpoint(self, req, held: SeqCache, L: int) -> None:
         staged = held.staged == L
         if not self._swa_held(held, L) or not (staged or self._ring_holds(req.num_computed, L)):
             return

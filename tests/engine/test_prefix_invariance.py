@@ -112,12 +112,12 @@ def test_hits_admitted_while_other_requests_prefill(tiny, h, forcer):
 
 
 def test_eviction_then_re_prefill(tiny, h, forcer):
-    """On a cache of 5 pages, a request's cached pages are evicted by a later one that needs the
+    """On a cache of 4 pages, a request's cached pages are evicted by a later one that needs the
     room; the same prompt sent again is computed cold (no hit left) and matches the cold engine."""
     a, b = tiny.tie_free_ids(700, seed=231), tiny.tie_free_ids(1000, seed=232)
-    eng = tiny.engine(max_num_batched_tokens=512, max_num_seqs=2, num_pages=5)
+    eng = tiny.engine(max_num_batched_tokens=512, max_num_seqs=2, num_pages=4)
     forcer.run(eng, [h.Forced("a", a[:650], a[650:680], all_logits=False)])
-    assert checkpoint_ends(eng) == [512] and eng.cache.prefix.num_pages == 2
+    assert checkpoint_ends(eng) == [256, 512] and eng.cache.prefix.num_pages == 2
     forcer.run(eng, [h.Forced("b", b[:900], b[900:1000], all_logits=False)])
     assert not eng.cache.prefix.match(a[:650], 649), "a's pages were not evicted"
     run = forcer.run(eng, [h.Forced("a2", a[:650], a[650:680], all_logits=False)])

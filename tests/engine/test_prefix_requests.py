@@ -59,6 +59,20 @@ def test_resend_hits_and_generates_the_same(tiny, h):
     assert (queries, hits) == (1400, 512) and pages >= 2
 
 
+def test_a_prompt_ending_on_a_page_boundary(tiny, h):
+    """A 768-token prompt prefilled in one chunk: its resend resumes one page earlier (512, the
+    staged boundary; at least one token must be computed) and a longer prompt at 768 (taken
+    from the ring at the chunk's end); both generate the cold engine's tokens."""
+    prompt = tiny.tie_free_ids(808, seed=305)
+    eng = tiny.engine(**{**SETTINGS, "max_num_batched_tokens": 1024})
+    run(eng, {"a": prompt[:768]}, greedy(8), h)
+    resend = run(eng, {"b": prompt[:768]}, greedy(8), h)["b"]
+    longer = run(eng, {"c": prompt}, greedy(8), h)["c"]
+    assert (resend.num_cached_tokens, longer.num_cached_tokens) == (512, 768)
+    cold = cold_batch(tiny, {"b": prompt[:768], "c": prompt}, 8)
+    assert resend.token_ids == cold["b"] and longer.token_ids == cold["c"]
+
+
 def test_multi_turn_reuses_the_previous_prompt_and_answer(tiny, h):
     """Three turns, each prompt = the previous prompt + its answer + 80 new tokens: turn k + 1
     resumes at the last page boundary the previous turn's prompt and answer reached (turn 0's
