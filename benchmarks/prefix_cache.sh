@@ -7,14 +7,14 @@
 #    on vs off, on random:flash-slice:6 (demo tokenizer) and the demo model; table + JSON in OUT_DIR.
 # The device image lacks the server's packages: fetch their wheels once, here (into .whl/, which
 # .git/info/exclude ignores), then name .whl in the call's carry:
-#   bash benchmarks/prefix_cache.sh --fetch-wheels
+#   PYTHON=.venv/bin/python bash benchmarks/prefix_cache.sh --fetch-wheels   (any python with pip)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 SERVER_WHEELS="fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pyzmq==27.3.0 msgspec==0.23.0 pydantic==2.14.4
   pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 annotated-doc==0.0.7"
 if [ "${1:-}" = "--fetch-wheels" ]; then
   mkdir -p .whl
-  exec python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  exec ${PYTHON:-python3} -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl $SERVER_WHEELS
 fi
