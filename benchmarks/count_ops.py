@@ -86,7 +86,8 @@ def build_engine(spec: str, context: int):
     from dsv4.bench import offline as bo
     model = build_random_model(spec, "cpu", torch.bfloat16)
     eng = LLMEngine(spec, EngineConfig(dtype="bfloat16", max_num_seqs=1, max_num_batched_tokens=256,
-                                       max_model_len=context + 64, num_pages=context // 256 + 4),
+                                       max_model_len=context + 64, num_pages=context // 256 + 4,
+                                       enable_prefix_caching=False),
                     model=model)
     eng.runner.graphs = StepGraphs(model, eng.runner.storage, max_bs=1, capture=False)
     bo._add_batch(eng, 1, context, 8, True, "c")

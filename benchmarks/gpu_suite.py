@@ -76,7 +76,8 @@ MODES = {"reference": dict(ops_backend="reference", enforce_eager=True), "fast":
 def engine_for(spec, model, mode, **kw):
     from dsv4.config import EngineConfig
     from dsv4.engine.engine import LLMEngine
-    return LLMEngine(spec, EngineConfig(device=DEV, dtype="bfloat16", **MODES[mode], **kw), model=model)
+    return LLMEngine(spec, EngineConfig(device=DEV, dtype="bfloat16", enable_prefix_caching=False, **MODES[mode],
+                                        **kw), model=model)     # repeated prompts must be computed each time
 
 
 PRECISIONS = {None: BF16, "fp8": BF16_FP8_EXPERTS, "mxfp4": BF16_MXFP4_EXPERTS}

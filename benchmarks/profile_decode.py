@@ -31,7 +31,8 @@ def main() -> None:
     model = load_model(args.spec, "cuda", torch.bfloat16)
     eng = LLMEngine(args.spec, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=args.batch,
                                             max_num_batched_tokens=256, max_model_len=args.context + 200,
-                                            num_pages=args.batch * (args.context // 256 + 2) + 8), model=model)
+                                            num_pages=args.batch * (args.context // 256 + 2) + 8,
+                                            enable_prefix_caching=False), model=model)
     bo._add_batch(eng, args.batch, args.context, 3 * args.steps + 10, True, "p")
     for _ in range(5):                                           # capture and warm up
         eng.step()

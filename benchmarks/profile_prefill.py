@@ -34,7 +34,7 @@ def main() -> None:
     n = args.tokens
     model = load_model(args.spec, "cuda", torch.bfloat16)
     eng = LLMEngine(args.spec, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=1, max_num_batched_tokens=n,
-                                            num_pages=n // 256 + 4), model=model)
+                                            num_pages=n // 256 + 4, enable_prefix_caching=False), model=model)
     for impl in ("torch", "triton"):
         moe.GROUPED_GEMM = impl
         prefill_once(eng, n, f"warm-{impl}")

@@ -199,6 +199,9 @@ class EngineConfig:
     index_topk_freq: int | None = None     # IndexCache over config.json: every f-th CSA layer computes the top-k
     index_topk_pattern: str | None = None  # IndexCache over config.json: "F"/"S" per CSA layer
     hf_overrides: str | None = None        # JSON object of config.json keys applied over the checkpoint's
+    enable_prefix_caching: bool = True     # share the history pages of resent prefixes (cache/prefix.py)
+    num_checkpoints: int | None = None     # prefix-cache checkpoints; None: one per 16 history pages, >= 2 per slot
+    tokenizer: str | None = None           # tokenizer folder; None: the model folder's
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_bs"):
@@ -210,6 +213,8 @@ class EngineConfig:
             raise ConfigError("max_model_len", f"expected a positive integer, got {self.max_model_len}")
         if self.num_pages is not None and self.num_pages < 1:
             raise ConfigError("num_pages", f"expected a positive integer, got {self.num_pages}")
+        if self.num_checkpoints is not None and self.num_checkpoints < 0:
+            raise ConfigError("num_checkpoints", f"expected >= 0, got {self.num_checkpoints}")
         if self.spec_slots < 0:
             raise ConfigError("spec_slots", f"expected >= 0, got {self.spec_slots}")
         if self.async_scheduling not in ("auto", "on", "off"):

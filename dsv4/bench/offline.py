@@ -27,9 +27,10 @@ def _sync(device: str) -> None:
 
 
 def make_engine(model: str, device: str, dtype: str, batch: int, input_len: int, output_len: int) -> LLMEngine:
+    """Without the prefix cache: every run sends the same prompts, each must be computed."""
     cfg = EngineConfig(device=device, dtype=dtype, max_num_seqs=max(batch, 1),
                        max_num_batched_tokens=max(batch * input_len, 256),
-                       max_model_len=input_len + output_len + 8)
+                       max_model_len=input_len + output_len + 8, enable_prefix_caching=False)
     return LLMEngine(model, cfg)
 
 
@@ -106,7 +107,7 @@ def summarize(engine, runs, batch, input_len, output_len, synthetic, bandwidth, 
 def run_throughput(model: str, device: str, dtype: str, num_prompts: int, input_len: int, output_len: int,
                    max_num_seqs: int) -> dict:
     cfg = EngineConfig(device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-                       max_model_len=input_len + output_len + 8)
+                       max_model_len=input_len + output_len + 8, enable_prefix_caching=False)
     engine = LLMEngine(model, cfg)
     _add_batch(engine, num_prompts, input_len, output_len, False, "tp")
     _sync(device)

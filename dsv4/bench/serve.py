@@ -5,6 +5,9 @@ for exactly `output_len` tokens, at most `max_concurrency` in flight, arriving a
 process of `request_rate` per second (all at once when the rate is infinite), and reports
 what `vllm bench serve` reports (see `serve_metrics`). A failed request is counted, never
 raised. The HTTP client ignores proxy environment variables: a proxy would be measured too.
+`dataset="multiturn"`: `num_prompts` conversations of `num_turns` turns instead, each turn
+resending the whole history (see `multiturn`); the result adds TTFT and prefix-cache hit rate
+per turn.
 """
 from __future__ import annotations
 
@@ -25,11 +28,12 @@ from tqdm import tqdm
 
 from dsv4.bench.random_prompts import (DEEPSEEK_PLAIN_VOCAB, FIRST_PLAIN_TOKEN_ID, random_token_prompts,
                                      random_word_prompts)
+from dsv4.bench.multiturn import History, build_conversations, per_turn_summary, skipped_turn
 from dsv4.bench.serve_metrics import summarize
 from dsv4.bench.sse_client import (CHAT_COMPLETIONS, COMPLETIONS, ENDPOINTS, RequestOutcome, request_body,
                                   stream_request)
 
-DATASETS = ("random",)
+DATASETS = ("random", "multiturn")
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,8 @@ class ServeBenchConfig:
     api_key: str | None = None
     request_timeout: float = 3600.0     # seconds without progress before a request fails
     show_progress: bool = True
+    num_turns: int = 1                  # multiturn: turns per conversation
+    prefix_len: int = 0                 # multiturn: words of the system prompt every conversation shares
 
     def __post_init__(self):
         for name in ("input_len", "output_len", "num_prompts"):
@@ -66,6 +72,10 @@ class ServeBenchConfig:
                              f"got {self.vocab_size}")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
+        if self.num_turns < 1 or self.prefix_len < 0:
+            raise ValueError(f"num_turns must be >= 1 and prefix_len >= 0, got {self.num_turns}, {self.prefix_len}")
+        if self.dataset != "multiturn" and (self.num_turns != 1 or self.prefix_len):
+            raise ValueError("num_turns and prefix_len are settings of the multiturn dataset")
 
     @property
     def url(self) -> str:
@@ -81,10 +91,14 @@ def build_prompts(cfg: ServeBenchConfig) -> list[str | list[int]]:
 
 def run_serve_benchmark(cfg: ServeBenchConfig) -> dict[str, Any]:
     """Run the benchmark to completion; the result is JSON-serialisable."""
+    head = {"date": datetime.datetime.now().isoformat(timespec="seconds"), **_config_fields(cfg)}
+    if cfg.dataset == "multiturn":
+        conversations, duration = asyncio.run(_converse_all(cfg))
+        flat = [o for conv in conversations for o in conv]
+        return {**head, **summarize(flat, duration), **per_turn_summary(conversations, cfg.num_turns)}
     prompts = build_prompts(cfg)
     outcomes, duration = asyncio.run(_send_all(cfg, prompts))
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), **_config_fields(cfg),
-            **summarize(outcomes, duration)}
+    return {**head, **summarize(outcomes, duration)}
 
 
 def save_result(path: str, result: dict[str, Any]) -> None:
@@ -121,6 +135,44 @@ async def _send_all(cfg: ServeBenchConfig, prompts: list[str | list[int]]) -> tu
         duration = time.perf_counter() - start
     progress.close()
     return list(outcomes), duration
+
+
+async def _converse_all(cfg: ServeBenchConfig) -> tuple[list[list[RequestOutcome]], float]:
+    """Every conversation, turn after turn; outcomes per conversation and the wall time."""
+    conversations = build_conversations(cfg.num_prompts, cfg.num_turns, cfg.input_len, cfg.prefix_len, cfg.seed)
+    limit = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else contextlib.nullcontext()
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else None
+    arrivals = random.Random(cfg.seed + 1)
+    progress = tqdm(total=cfg.num_prompts * cfg.num_turns, desc="bench serve", unit="req", file=sys.stderr,
+                    disable=not cfg.show_progress)
+
+    async def one(client: httpx.AsyncClient, conv) -> list[RequestOutcome]:
+        history, outcomes = History(cfg.endpoint, conv.system), []
+        async with limit:
+            for user in conv.user_turns:
+                prompt = history.ask(user)
+                body = request_body(cfg.endpoint, cfg.model, prompt, cfg.output_len)
+                outcome = await stream_request(client, cfg.url, body, 0, headers)
+                outcomes.append(outcome)
+                progress.update(1)
+                if not outcome.success:
+                    break
+                history.answer(outcome.text)
+        skipped = cfg.num_turns - len(outcomes)
+        progress.update(skipped)
+        return outcomes + [skipped_turn() for _ in range(skipped)]
+
+    async with _client(cfg) as client:
+        start = time.perf_counter()
+        tasks = []
+        for i, conv in enumerate(conversations):
+            if i and math.isfinite(cfg.request_rate):
+                await asyncio.sleep(arrivals.expovariate(cfg.request_rate))
+            tasks.append(asyncio.create_task(one(client, conv)))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    progress.close()
+    return list(results), duration
 
 
 def _client(cfg: ServeBenchConfig) -> httpx.AsyncClient:

@@ -34,6 +34,7 @@ def summarize(outcomes: Sequence[RequestOutcome], duration: float) -> dict[str, 
     done = [o for o in outcomes if o.success]
     input_tokens = sum(o.prompt_tokens for o in done)
     output_tokens = sum(o.output_tokens for o in done)
+    cached_tokens = sum(o.cached_tokens for o in done)
     per_second = 1.0 / duration if duration > 0 else 0.0
     summary: dict[str, Any] = {
         "completed": len(done),
@@ -41,6 +42,8 @@ def summarize(outcomes: Sequence[RequestOutcome], duration: float) -> dict[str, 
         "duration": duration,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
+        "total_cached_tokens": cached_tokens,
+        "prefix_cache_hit_rate": cached_tokens / input_tokens if input_tokens else 0.0,
         "request_throughput": len(done) * per_second,
         "output_throughput": output_tokens * per_second,
         "total_token_throughput": (input_tokens + output_tokens) * per_second,
@@ -62,6 +65,7 @@ def format_table(summary: dict[str, Any]) -> str:
             ("Benchmark duration (s):", summary["duration"]),
             ("Total input tokens:", summary["total_input_tokens"]),
             ("Total generated tokens:", summary["total_output_tokens"]),
+            ("Prefix cache hit rate:", summary["prefix_cache_hit_rate"]),
             ("Request throughput (req/s):", summary["request_throughput"]),
             ("Output token throughput (tok/s):", summary["output_throughput"]),
             ("Total token throughput (tok/s):", summary["total_token_throughput"])]
@@ -69,6 +73,11 @@ def format_table(summary: dict[str, Any]) -> str:
     for metric, title, short in LATENCIES:
         lines.append(_rule(title, "-"))
         lines += [_row(f"{label} {short} (ms):", summary[f"{stat}_{metric}_ms"]) for stat, label in STATISTICS]
+    if "mean_ttft_ms_by_turn" in summary:
+        lines.append(_rule("Per turn", "-"))
+        lines += [_row(f"Turn {k + 1} mean TTFT (ms), hit rate:", f"{t:.2f}, {r:.2f}")
+                  for k, (t, r) in enumerate(zip(summary["mean_ttft_ms_by_turn"],
+                                                 summary["prefix_cache_hit_rate_by_turn"]))]
     lines.append("=" * 50)
     if summary["errors"]:
         lines.append("First errors:")

@@ -3,7 +3,9 @@
 The request asks for exactly `output_len` tokens (`max_tokens` + `ignore_eos`, a vLLM /
 SGLang extension) and for a final usage chunk (`stream_options.include_usage`). A chunk
 "has content" when it carries generated text: `text` (completions) or `delta.content` /
-`delta.reasoning_content` (chat). Times are `time.perf_counter()` seconds:
+`delta.reasoning_content` (chat); its text (`text` / `delta.content`) is kept, and so are the
+prompt tokens the server resumed from its prefix cache (`usage.prompt_tokens_details.cached_tokens`).
+Times are `time.perf_counter()` seconds:
   ttft    = first content chunk - request sent
   latency = end of stream - request sent  (>= ttft)
   itl     = gaps between successive content chunks (one per chunk, not per token)
@@ -31,6 +33,8 @@ class RequestOutcome:
     success: bool
     prompt_tokens: int = 0   # usage.prompt_tokens, else the prompt length as sent
     output_tokens: int = 0   # usage.completion_tokens, else the number of content chunks
+    cached_tokens: int = 0   # usage.prompt_tokens_details.cached_tokens (0 when absent)
+    text: str = ""           # the generated text (content, not reasoning)
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
@@ -44,12 +48,14 @@ class RequestOutcome:
         return (self.latency - self.ttft) / (self.output_tokens - 1)
 
 
-def request_body(endpoint: str, model: str, prompt: str | list[int], output_len: int) -> dict[str, Any]:
+def request_body(endpoint: str, model: str, prompt: str | list[int] | list[dict], output_len: int) -> dict[str, Any]:
+    """`prompt`: text or token ids (completions), text or a list of messages (chat)."""
     body: dict[str, Any] = {"model": model, "max_tokens": output_len, "ignore_eos": True,
                             "temperature": 0.0, "stream": True,
                             "stream_options": {"include_usage": True}}
     if endpoint == CHAT_COMPLETIONS:
-        body["messages"] = [{"role": "user", "content": prompt}]
+        chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+        body["messages"] = prompt if chat else [{"role": "user", "content": prompt}]
     elif endpoint == COMPLETIONS:
         body["prompt"] = prompt
     else:
@@ -77,6 +83,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
 async def _read_stream(response: httpx.Response, sent: float, prompt_len: int) -> RequestOutcome:
     arrivals: list[float] = []  # perf_counter() of every content chunk, in order
     usage: dict[str, Any] = {}
+    pieces: list[str] = []
     async for chunk in _sse_chunks(response):
         now = time.perf_counter()
         if chunk.get("error"):
@@ -85,6 +92,7 @@ async def _read_stream(response: httpx.Response, sent: float, prompt_len: int) -
             usage = chunk["usage"]
         if _has_content(chunk):
             arrivals.append(now)
+            pieces += [_text(choice) for choice in chunk.get("choices") or ()]
     end = time.perf_counter()
     if not arrivals:
         return _failure("the stream carried no generated text", sent)
@@ -92,6 +100,8 @@ async def _read_stream(response: httpx.Response, sent: float, prompt_len: int) -
         success=True,
         prompt_tokens=_int_or(usage.get("prompt_tokens"), prompt_len),
         output_tokens=_int_or(usage.get("completion_tokens"), len(arrivals)),
+        cached_tokens=_int_or((usage.get("prompt_tokens_details") or {}).get("cached_tokens"), 0),
+        text="".join(pieces),
         ttft=arrivals[0] - sent,
         latency=end - sent,
         itl=[b - a for a, b in zip(arrivals, arrivals[1:])],
@@ -118,6 +128,10 @@ def _has_content(chunk: dict[str, Any]) -> bool:
         if choice.get("text") or delta.get("content") or delta.get("reasoning_content"):
             return True
     return False
+
+
+def _text(choice: dict[str, Any]) -> str:
+    return choice.get("text") or (choice.get("delta") or {}).get("content") or ""
 
 
 def _int_or(value: Any, default: int) -> int:

@@ -29,6 +29,8 @@ class SeqChunk:
     page_table: list[int]         # logical 256-token page -> physical page (-1 none)
     swa_table: list[int]          # logical 128-token SWA page -> physical SWA page (-1 freed)
     logits: int = 1               # the last `logits` tokens' logits are wanted
+    stage: int = 0                # a page boundary L with start + 4 <= L <= end: its overlap rows [L - 4, L)
+                                  # are also written to the CSA rings' staging rows (0: none)
     extra: dict = field(default_factory=dict)
 
 
@@ -86,9 +88,10 @@ def build_step(chunks: list[SeqChunk], layout: CacheLayout, ring_slots: int, sha
         c4=_ranges(pages, s, T, 0, (pos + 1) // CSA_RATIO, PAGE_TOKENS // CSA_RATIO, layout.c4_pitch, e4),
         c128=_ranges(_one_item_pages(pages, PAGE_TOKENS // HCA_RATIO, layout.c128_pitch), s, T, 0,
                      (pos + 1) // HCA_RATIO, 1, 1, e128),
-        csa=_plan(pages, s, CSA_RATIO, True, layout.csa_ring, layout.csa_ring_pitch, ring_slots, layout.c4_pitch,
-                  T if shape is not None else None, scratch),
-        hca=_plan(pages, s, HCA_RATIO, False, layout.hca_ring, layout.hca_ring_pitch, ring_slots,
+        csa=_plan(pages, s, CSA_RATIO, True, (layout.csa_ring, layout.csa_ring_rows), layout.csa_ring_pitch,
+                  ring_slots, layout.c4_pitch, T if shape is not None else None, scratch,
+                  _staging(chunks, s) if shape is None else None),
+        hca=_plan(pages, s, HCA_RATIO, False, (layout.hca_ring, layout.hca_ring), layout.hca_ring_pitch, ring_slots,
                   layout.c128_pitch, T if shape is not None else None, scratch),
         logits_rows=torch.arange(T) if shape is not None else _logits_rows(chunks, s),
         seq_lens=(shape.tokens,) * rows if shape is not None else tuple(s.lens.tolist()))
@@ -164,14 +167,31 @@ def _ranges(table: np.ndarray, s: _Seqs, T: int, lo, hi: np.ndarray, per_page: i
                      per_page=per_page, pitch=pitch, width=width)
 
 
-def _plan(pages: np.ndarray, s: _Seqs, ratio: int, overlap: bool, cap: int, ring_pitch: int, ring_slots: int,
-          entry_pitch: int, padded: int | None, scratch: Scratch) -> CompressPlan:
-    """Groups of `ratio` closing at the step's tokens, and the tail rows the ring keeps.
+def _staging(chunks: list[SeqChunk], s: _Seqs) -> tuple[np.ndarray, np.ndarray]:
+    """(token rows, staging row j) of the overlap positions [L - 4, L) of each chunk's `stage` L."""
+    tokens, rows = [], []
+    for i, c in enumerate(chunks):
+        if c.stage:
+            assert c.start + CSA_RATIO <= c.stage <= c.start + len(c.token_ids), (c.start, c.stage)
+            tokens.append(s.offs[i] + c.stage - CSA_RATIO - c.start + np.arange(CSA_RATIO))
+            rows.append(np.full(CSA_RATIO, i))
+    if not tokens:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(tokens), np.concatenate(rows)
 
-    Rows of a group index cat(ring view, the step's fresh projections): ring rows first
-    (slot u's row j at u * ring_pitch + j, storage.py), then fresh token t at ring_rows + t."""
+
+def _plan(pages: np.ndarray, s: _Seqs, ratio: int, overlap: bool, ring: tuple[int, int], ring_pitch: int,
+          ring_slots: int, entry_pitch: int, padded: int | None, scratch: Scratch,
+          staging: tuple[np.ndarray, np.ndarray] | None = None) -> CompressPlan:
+    """Groups of `ratio` closing at the step's tokens, and the rows the ring keeps: the tail, and
+    the `staging` token rows (to the rows after the positional ones, in order).
+
+    ring = (cap, rows per slot): position p of slot u is ring row u * ring_pitch + p % cap
+    (storage.py). Rows of a group index cat(ring view, the step's fresh projections): ring rows
+    first, then fresh token t at ring_rows + t."""
+    cap, slot_rows = ring
     per_page = PAGE_TOKENS // ratio
-    ring_rows = (ring_slots - 1) * ring_pitch + cap
+    ring_rows = (ring_slots - 1) * ring_pitch + slot_rows
     closing = np.nonzero((s.pos + 1) % ratio == 0)[0]
     r, e = s.req[closing], (s.pos[closing] + 1) // ratio - 1
     entry_slot = pages[r, e // per_page] * entry_pitch + e % per_page
@@ -181,6 +201,10 @@ def _plan(pages: np.ndarray, s: _Seqs, ratio: int, overlap: bool, cap: int, ring
     rows = np.where(q < 0, -1, np.where(q >= start, fresh, s.slots[r][:, None] * ring_pitch + q % cap))
     keep = np.nonzero(s.pos >= (s.starts + s.lens)[s.req] - cap)[0]
     ring_dst = s.slots[s.req[keep]] * ring_pitch + s.pos[keep] % cap
+    if staging is not None and len(staging[0]):
+        tokens, seqs = staging
+        staged = s.slots[seqs] * ring_pitch + cap + np.arange(len(tokens)) % CSA_RATIO
+        keep, ring_dst = np.concatenate([keep, tokens]), np.concatenate([ring_dst, staged])
     return CompressPlan(rows=_pad(rows, padded, -1), entry_slot=_pad(entry_slot, padded, scratch.page * entry_pitch),
                         entry_pos=_pad(e * ratio, padded, 0),
                         ring_dst=_pad(ring_dst, padded, scratch.slot * ring_pitch),

@@ -6,6 +6,9 @@
 * sliding-window keys: request-private 128-slot pages, logical page = pos // 128, every layer.
 * compressor continuation: request-private rings addressed by position, `span + S` rows
   per request (span 8 for CSA compressor and indexer, 128 for HCA), S = speculative slots.
+  The CSA rings have 4 more rows per request, never addressed by position: the staging rows
+  where a prefill chunk also writes the overlap rows [L - 4, L) of the last page boundary L
+  inside it, for the prefix cache's checkpoint at L (checkpoint.py).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from ..config import CSA_RATIO, HCA_RATIO, ModelConfig
 PAGE_TOKENS = 256
 SWA_PAGE_TOKENS = 128
 CSA_SPAN = 2 * CSA_RATIO  # open group + previous group (overlap)
+CSA_STAGING = CSA_RATIO   # rows of the overlap of a page boundary inside a chunk
 HCA_SPAN = HCA_RATIO
 
 
@@ -47,6 +51,11 @@ class CacheLayout:
         return CSA_SPAN + self.spec_slots
 
     @property
+    def csa_ring_rows(self) -> int:
+        """Rows of a request's CSA ring: `csa_ring` by position, then the staging rows."""
+        return self.csa_ring + CSA_STAGING
+
+    @property
     def hca_ring(self) -> int:
         return HCA_SPAN + self.spec_slots
 
@@ -67,7 +76,7 @@ class CacheLayout:
     @property
     def csa_ring_pitch(self) -> int:
         """Rows from one request slot to the next in the CSA compressor and indexer rings."""
-        return len(self.csa_layers) * self.csa_ring
+        return len(self.csa_layers) * self.csa_ring_rows
 
     @property
     def hca_ring_pitch(self) -> int:
@@ -92,7 +101,7 @@ class CacheLayout:
     def ring_bytes(self, elem: int) -> int:
         """Compressor rings of one request (kv + gate, all compressed layers)."""
         c = self.cfg
-        csa = self.csa_ring * 2 * 2 * (c.head_dim + c.index_head_dim)
+        csa = self.csa_ring_rows * 2 * 2 * (c.head_dim + c.index_head_dim)
         hca = self.hca_ring * 2 * c.head_dim
         return elem * (len(self.csa_layers) * csa + len(self.hca_layers) * hca)
 
@@ -103,16 +112,38 @@ class CacheLayout:
         per_seq = -(-self.swa_keep // SWA_PAGE_TOKENS) + 2
         return max_num_seqs * per_seq + -(-max_batched_tokens // SWA_PAGE_TOKENS)
 
-    def plan(self, budget_bytes: int, elem: int, max_num_seqs: int, max_chunk: int) -> "CachePlan":
-        """Split a memory budget: rings and SWA pages for `max_num_seqs`, the rest history pages."""
+    def plan(self, budget_bytes: int, elem: int, max_num_seqs: int, max_chunk: int, checkpoint_bytes: int = 0,
+             num_checkpoints: int | None = None) -> "CachePlan":
+        """Split a memory budget: rings and SWA pages for `max_num_seqs`, prefix-cache checkpoints
+        of `checkpoint_bytes` each (none when 0; `num_checkpoints`, or `default_checkpoints`), the
+        rest history pages."""
         swa_pages = self.swa_pages_needed(max_num_seqs, max_chunk)
         fixed = max_num_seqs * self.ring_bytes(elem) + swa_pages * self.swa_page_bytes(elem)
-        pages = (budget_bytes - fixed) // max(self.page_bytes(elem), 1)
+        page = max(self.page_bytes(elem), 1)
+        if not checkpoint_bytes:
+            checkpoints = 0
+        elif num_checkpoints is not None:
+            checkpoints = num_checkpoints
+        else:    # as many as default_checkpoints gives for the pages that are left
+            checkpoints = max(2 * max_num_seqs, (budget_bytes - fixed) // (CHECKPOINT_EVERY * page + checkpoint_bytes))
+        fixed += checkpoints * checkpoint_bytes
+        pages = (budget_bytes - fixed) // page
         if pages < 1:
             raise ValueError(f"cache memory budget of {budget_bytes / 2**20:.1f} MiB is too small: "
                              f"{fixed / 2**20:.1f} MiB go to rings and sliding-window pages of "
-                             f"{max_num_seqs} requests; lower max_num_seqs or raise the budget")
-        return CachePlan(num_pages=int(pages), num_swa_pages=swa_pages, max_num_seqs=max_num_seqs)
+                             f"{max_num_seqs} requests and {checkpoints} prefix-cache checkpoints; lower "
+                             f"max_num_seqs or raise the budget")
+        return CachePlan(num_pages=int(pages), num_swa_pages=swa_pages, max_num_seqs=max_num_seqs,
+                         num_checkpoints=int(checkpoints))
+
+
+CHECKPOINT_EVERY = 16    # by default one prefix-cache checkpoint per 16 history pages (4096 tokens)
+
+
+def default_checkpoints(num_pages: int, max_num_seqs: int) -> int:
+    """Checkpoints of the prefix cache when not given: one per CHECKPOINT_EVERY history pages,
+    and at least two per request slot (a request's prompt end and its latest decode boundary)."""
+    return max(2 * max_num_seqs, num_pages // CHECKPOINT_EVERY)
 
 
 @dataclass(frozen=True)
@@ -120,6 +151,7 @@ class CachePlan:
     num_pages: int       # 256-token compressed-history pages
     num_swa_pages: int   # 128-slot sliding-window pages
     max_num_seqs: int    # ring rows (request state slots)
+    num_checkpoints: int = 0   # prefix-cache checkpoints (checkpoint.py); 0: no prefix cache
 
     @property
     def max_tokens(self) -> int:

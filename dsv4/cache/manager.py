@@ -7,14 +7,29 @@ nothing of the cache. A request running a step over positions [n, n + k) must ho
     are freed after each step: positions below n - W - S are never read again);
   * a state slot (its compressor ring rows).
 `reserve` takes all of it or nothing. A request is anything with `request_id` and
-`num_computed` (tokens whose KV is written).
+`num_computed` (tokens whose KV is written); the prefix cache also reads its tokens
+(`prompt_token_ids`, `output_token_ids`, `known_tokens`, `num_tokens`, `wants_prompt_logprobs`).
+
+With a prefix cache (prefix.py, checkpoint.py; `bind` gives the storage it packs into):
+  * `match` finds the deepest checkpointed page boundary L of a waiting request's tokens and
+    `admit` resumes it there: the hit's pages shared (one more reference each), the
+    checkpoint copied into its own SWA pages and ring slot, num_computed = L;
+  * `stage` marks the last page boundary L inside a chunk, whose overlap rows the step then
+    also writes to the request's staging ring rows (cache/addressing.py); `commit`, after the
+    step, inserts the request's pages up to the page boundary L its computed tokens reached and
+    checkpoints L: SWA keys from its SWA pages (not trimmed yet), overlap rows from the staging
+    rows, or from the ring by position while they are still there (decode steps);
+  * pages only the tree holds count as available: `reserve` evicts them (LRU) when the free
+    list runs short; `release` leaves the tree's references alone.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .checkpoint import OVERLAP
 from .layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout, CachePlan
 from .pages import PageAllocator
+from .prefix import Node, PrefixHit, PrefixTree
 
 
 @dataclass
@@ -22,6 +37,10 @@ class SeqCache:
     pages: list[int] = field(default_factory=list)       # logical 256-token page -> physical
     swa_pages: list[int] = field(default_factory=list)   # logical 128-token SWA page -> physical or -1
     slot: int | None = None                              # request state slot: its ring rows
+    committed: int = 0                   # page boundaries up to here are in the prefix tree (or were tried)
+    staged: int = 0                      # the boundary whose overlap rows its staging ring rows hold
+    node: Node | None = None             # the tree node at `committed`
+    decode_node: Node | None = None      # the checkpoint it took past its prompt (replaced by the next one)
 
     @property
     def holds_nothing(self) -> bool:
@@ -29,17 +48,26 @@ class SeqCache:
 
 
 class CacheManager:
-    def __init__(self, layout: CacheLayout, plan: CachePlan):
+    def __init__(self, layout: CacheLayout, plan: CachePlan, prefix_caching: bool = False):
         self.layout, self.plan = layout, plan
         self.pages = PageAllocator(plan.num_pages)
         self.swa = PageAllocator(plan.num_swa_pages)
         self.free_slots = list(range(plan.max_num_seqs - 1, -1, -1))
         self.seqs: dict[str, SeqCache] = {}
+        self.prefix = PrefixTree(self.pages, plan.num_checkpoints) if prefix_caching and plan.num_checkpoints else None
+        self.storage = None
+
+    def bind(self, storage) -> None:
+        """The KVStorage whose rows checkpoints are packed from and restored into."""
+        if self.prefix is not None and storage.checkpoint_format is None:
+            raise ValueError("prefix caching needs a storage with checkpoint slots")
+        self.storage = storage
 
     def seq(self, req) -> SeqCache:
         """The request's record (an empty one, not stored, when it holds nothing)."""
         return self.seqs.get(req.request_id) or SeqCache()
 
+    # ---- reserving -------------------------------------------------------------------------
     def _needs(self, req, num_new: int) -> tuple[int, list[int]]:
         held = self.seq(req)
         end = req.num_computed + num_new
@@ -49,9 +77,13 @@ class CacheManager:
         swa = [p for p in range(first, last + 1) if p >= len(held.swa_pages) or held.swa_pages[p] < 0]
         return history, swa
 
+    def available_pages(self) -> int:
+        """Free history pages plus those only the prefix cache holds (evicted on demand)."""
+        return self.pages.num_free + (self.pages.num_reclaimable if self.prefix is not None else 0)
+
     def can_reserve(self, req, num_new: int) -> bool:
         history, swa = self._needs(req, num_new)
-        return (self.pages.can_allocate(history) and self.swa.can_allocate(len(swa))
+        return (history <= self.available_pages() and self.swa.can_allocate(len(swa))
                 and (self.seq(req).slot is not None or bool(self.free_slots)))
 
     def reserve(self, req, num_new: int) -> bool:
@@ -59,6 +91,10 @@ class CacheManager:
         if not self.can_reserve(req, num_new):
             return False
         history, swa = self._needs(req, num_new)
+        if history > self.pages.num_free:
+            self.prefix.evict(history - self.pages.num_free)
+            if history > self.pages.num_free:
+                return False
         held = self.seqs.setdefault(req.request_id, SeqCache())
         if held.slot is None:
             held.slot = self.free_slots.pop()
@@ -78,7 +114,8 @@ class CacheManager:
         held.swa_pages[:keep_from] = [-1] * min(keep_from, len(held.swa_pages))
 
     def release(self, req) -> None:
-        """Free everything the request holds (finish, abort, preemption)."""
+        """Free everything the request holds (finish, abort, preemption); the prefix cache keeps
+        its own references to the pages it shares."""
         held = self.seqs.pop(req.request_id, None)
         if held is None:
             return
@@ -93,6 +130,106 @@ class CacheManager:
         return -(-num_tokens // PAGE_TOKENS) <= self.plan.num_pages and swa_needed <= self.plan.num_swa_pages
 
     def usage(self) -> dict:
+        tree = self.prefix
         return {"pages_used": self.pages.num_used, "pages_total": self.plan.num_pages,
                 "swa_pages_used": self.swa.num_used, "swa_pages_total": self.plan.num_swa_pages,
-                "slots_used": self.plan.max_num_seqs - len(self.free_slots)}
+                "slots_used": self.plan.max_num_seqs - len(self.free_slots),
+                "prefix_pages": tree.num_pages if tree else 0,
+                "prefix_checkpoints": tree.num_checkpoints_used if tree else 0}
+
+    # ---- the prefix cache ------------------------------------------------------------------
+    def match(self, req) -> PrefixHit | None:
+        """The deepest checkpoint a request that holds nothing could resume from (None for a
+        request that wants prompt logprobs: it computes every prompt position)."""
+        if self.prefix is None or req.num_computed or req.wants_prompt_logprobs or req.request_id in self.seqs:
+            return None
+        known = len(req.prompt_token_ids) + len(req.output_token_ids)
+        limit = min(known, req.num_tokens - 1)          # at least one token is left to compute
+        if limit < PAGE_TOKENS:
+            return None
+        return self.prefix.match(req.known_tokens(0, limit // PAGE_TOKENS * PAGE_TOKENS), limit)
+
+    def admit(self, req, hit: PrefixHit, num_new: int) -> bool:
+        """Resume `req` at hit.length and reserve [L, L + num_new); all or nothing."""
+        L = hit.length
+        self.pages.incref(hit.pages)                    # pinned first: eviction cannot take them
+        self.seqs[req.request_id] = held = SeqCache(pages=list(hit.pages), committed=L, node=hit.node)
+        req.num_computed = L
+        if not self.reserve(req, num_new):
+            self.pages.free(self.seqs.pop(req.request_id).pages)
+            req.num_computed = 0
+            return False
+        fmt = self.storage.checkpoint_format
+        fmt.unpack(self.storage, self.storage.checkpoints[hit.node.checkpoint], held.swa_pages, held.slot, L)
+        return True
+
+    def stage(self, req, start: int, num_tokens: int) -> int:
+        """The page boundary whose overlap rows a chunk [start, start + num_tokens) should stage:
+        the last one before its last token (a resend of a prompt ending on a boundary resumes
+        one page earlier; the boundary at the chunk's end is taken from the ring), when the
+        chunk computes all of [L - 4, L); 0 for none."""
+        held = self.seqs.get(req.request_id)
+        L = (start + num_tokens - 1) // PAGE_TOKENS * PAGE_TOKENS
+        if self.prefix is None or held is None or L - OVERLAP < start or L <= held.committed:
+            return 0
+        held.staged = L
+        return L
+
+    def commit(self, req) -> None:
+        """After a step: share the request's pages up to the page boundaries its known, computed
+        tokens reached (the staged one and the last one) and checkpoint them while their private
+        rows are still in place."""
+        held = self.seqs.get(req.request_id)
+        if self.prefix is None or held is None:
+            return
+        known = len(req.prompt_token_ids) + len(req.output_token_ids)
+        top = min(req.num_computed, known) // PAGE_TOKENS * PAGE_TOKENS
+        for L in sorted({held.staged, top}):
+            if held.committed < L <= top:
+                held.committed = L
+                self._checkpoint(req, held, L)
+
+    def _checkpoint(self, req, held: SeqCache, L: int) -> None:
+        staged = held.staged == L
+        if not self._swa_held(held, L) or not (staged or self._ring_holds(req.num_computed, L)):
+            return
+        node = self._insert(held, req.known_tokens(0, L), L)
+        slot = self.prefix.add_checkpoint(node)
+        if slot is None:
+            return
+        fmt = self.storage.checkpoint_format
+        fmt.pack(self.storage, held.swa_pages, held.slot, L, self.storage.checkpoints[slot], staged)
+        if L > len(req.prompt_token_ids):               # past the prompt: only the latest is kept
+            old, held.decode_node = held.decode_node, node
+            if old is not None and old.attached and old is not node:
+                self.prefix.drop_checkpoint(old)
+
+    def reset_prefix(self) -> int:
+        """Forget every cached prefix (pages in use stay with their requests); pages freed."""
+        if self.prefix is None:
+            return 0
+        for held in self.seqs.values():
+            held.node = held.decode_node = None
+        return self.prefix.clear()
+
+    def _ring_holds(self, n: int, L: int) -> bool:
+        """Does the ring still hold positions [L - 4, L) when n positions are written? It keeps
+        the last csa_ring."""
+        return n - (L - OVERLAP) <= self.layout.csa_ring
+
+    def _swa_held(self, held: SeqCache, L: int) -> bool:
+        """Are the SWA pages of [L - W, L) still held (not trimmed)?"""
+        first, last = (L - self.layout.cfg.sliding_window) // SWA_PAGE_TOKENS, (L - 1) // SWA_PAGE_TOKENS
+        return last < len(held.swa_pages) and all(held.swa_pages[p] >= 0 for p in range(first, last + 1))
+
+    def _insert(self, held: SeqCache, tokens: list[int], L: int) -> Node:
+        """Tree nodes for the request's pages [0, L / 256); where the tree has its own page for
+        one, the request switches to it (same contents: closed groups are pure)."""
+        start = held.node if held.node is not None and held.node.attached else self.prefix.root
+        node, swaps = self.prefix.insert(tokens, held.pages, start, L // PAGE_TOKENS)
+        for i, page in swaps:
+            self.pages.incref([page])
+            self.pages.free([held.pages[i]])
+            held.pages[i] = page
+        held.node = node
+        return node

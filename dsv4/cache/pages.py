@@ -13,6 +13,11 @@ Invariants:
 Free pages are handed out in FIFO order of release (initially ascending ids), so the page
 released longest ago is reused first and the order is deterministic. Every operation
 costs O(1) per page it names.
+
+Cached pages: the prefix cache (prefix.py) marks the pages it holds a reference to
+(`mark_cached`). A cached page whose only owner is the prefix cache is *reclaimable*: the
+cache can give it back on demand. `num_reclaimable` counts them, kept up to date by every
+operation, so "could n pages be had" is `num_free + num_reclaimable >= n` in O(1).
 """
 from __future__ import annotations
 
@@ -36,6 +41,8 @@ class PageAllocator:
         self.num_pages = num_pages
         self._refcounts = [0] * num_pages
         self._free_list: deque[int] = deque(range(num_pages))
+        self._cached = [False] * num_pages
+        self._reclaimable = 0
 
     @property
     def num_free(self) -> int:
@@ -44,6 +51,11 @@ class PageAllocator:
     @property
     def num_used(self) -> int:
         return self.num_pages - len(self._free_list)
+
+    @property
+    def num_reclaimable(self) -> int:
+        """Cached pages nobody but the prefix cache holds."""
+        return self._reclaimable
 
     def refcount(self, page: int) -> int:
         self._check_id(page)
@@ -73,7 +85,7 @@ class PageAllocator:
             if self._refcounts[page] == 0:
                 raise ValueError(f"incref of free page {page}")
         for page in pages:
-            self._refcounts[page] += 1
+            self._set_refcount(page, self._refcounts[page] + 1)
 
     def free(self, pages: Iterable[int]) -> list[int]:
         """Drop one owner from each listed page (a page listed twice loses two). Returns
@@ -85,13 +97,44 @@ class PageAllocator:
             if times > self._refcounts[page]:
                 raise ValueError(f"double free of page {page}: refcount "
                                  f"{self._refcounts[page]}, freed {times} times")
+            if self._cached[page] and times >= self._refcounts[page]:
+                raise ValueError(f"free of page {page} would drop the prefix cache's reference "
+                                 f"(refcount {self._refcounts[page]}, freed {times} times): use uncache")
         released = []
         for page, times in releases.items():
-            self._refcounts[page] -= times
+            self._set_refcount(page, self._refcounts[page] - times)
             if self._refcounts[page] == 0:
                 self._free_list.append(page)
                 released.append(page)
         return released
+
+    # ---- cached pages (the prefix cache's references) ----------------------------------
+    def is_cached(self, page: int) -> bool:
+        self._check_id(page)
+        return self._cached[page]
+
+    def mark_cached(self, page: int) -> None:
+        """The caller's reference to `page` (which it must hold) becomes the prefix cache's."""
+        self._check_id(page)
+        if self._refcounts[page] == 0 or self._cached[page]:
+            raise ValueError(f"mark_cached of page {page}: refcount {self._refcounts[page]}, "
+                             f"cached {self._cached[page]}")
+        self._cached[page] = True
+        self._reclaimable += self._refcounts[page] == 1
+
+    def uncache(self, page: int) -> bool:
+        """Drop the prefix cache's reference to `page`; True when the page became free."""
+        self._check_id(page)
+        if not self._cached[page]:
+            raise ValueError(f"uncache of page {page}, which the prefix cache does not hold")
+        self._reclaimable -= self._refcounts[page] == 1
+        self._cached[page] = False
+        return bool(self.free([page]))
+
+    def _set_refcount(self, page: int, count: int) -> None:
+        if self._cached[page]:
+            self._reclaimable += (count == 1) - (self._refcounts[page] == 1)
+        self._refcounts[page] = count
 
     def _check_id(self, page: int) -> None:
         if not 0 <= page < self.num_pages:

@@ -7,7 +7,8 @@ import math
 import torch
 
 from ..config import EngineConfig
-from .layout import PAGE_TOKENS, CacheLayout, CachePlan, dtype_bytes
+from .checkpoint import CheckpointFormat
+from .layout import PAGE_TOKENS, CacheLayout, CachePlan, default_checkpoints, dtype_bytes
 from .storage import storage_shapes
 
 # storage kinds (cache/storage.py) -> the component a report names
@@ -19,11 +20,16 @@ COMPONENTS = {"swa": "sliding-window pages", "c4": "C4 entries (CSA)", "idx": "i
 
 def plan_cache(layout: CacheLayout, config: EngineConfig, dtype: torch.dtype) -> CachePlan:
     """`num_pages` when given; else split `cache_memory_gb` (or 90% of the device's free memory,
-    1 GiB on the CPU) between rings, SWA pages and history pages."""
+    1 GiB on the CPU) between rings, SWA pages, prefix-cache checkpoints (with prefix caching;
+    `num_checkpoints` or `layout.default_checkpoints`) and history pages."""
     c = config
+    ckpt = CheckpointFormat(layout, dtype).nbytes() if c.enable_prefix_caching else 0
     if c.num_pages is not None:
         swa = layout.swa_pages_needed(c.max_num_seqs, c.max_num_batched_tokens)
-        return CachePlan(num_pages=c.num_pages, num_swa_pages=swa, max_num_seqs=c.max_num_seqs)
+        checkpoints = 0 if not ckpt else (c.num_checkpoints if c.num_checkpoints is not None
+                                          else default_checkpoints(c.num_pages, c.max_num_seqs))
+        return CachePlan(num_pages=c.num_pages, num_swa_pages=swa, max_num_seqs=c.max_num_seqs,
+                         num_checkpoints=checkpoints)
     if c.cache_memory_gb is not None:
         budget = int(c.cache_memory_gb * 2**30)
     elif str(c.device).startswith("cuda"):
@@ -31,7 +37,7 @@ def plan_cache(layout: CacheLayout, config: EngineConfig, dtype: torch.dtype) ->
         budget = int(free * 0.9)
     else:
         budget = 2**30
-    return layout.plan(budget, dtype_bytes(dtype), c.max_num_seqs, c.max_num_batched_tokens)
+    return layout.plan(budget, dtype_bytes(dtype), c.max_num_seqs, c.max_num_batched_tokens, ckpt, c.num_checkpoints)
 
 
 def cache_components(layout: CacheLayout, plan: CachePlan, dtype: torch.dtype) -> dict[str, int]:
@@ -40,6 +46,8 @@ def cache_components(layout: CacheLayout, plan: CachePlan, dtype: torch.dtype) -
     out: dict[str, int] = {}
     for kind, shape in storage_shapes(layout, plan).items():
         out[COMPONENTS[kind]] = out.get(COMPONENTS[kind], 0) + math.prod(shape) * dtype_bytes(dtype)
+    if plan.num_checkpoints:
+        out["prefix-cache checkpoints"] = plan.num_checkpoints * CheckpointFormat(layout, dtype).nbytes()
     return out
 
 
@@ -58,5 +66,5 @@ def memory_report(layout: CacheLayout, plan: CachePlan, dtype: torch.dtype, max_
     detail = ", ".join(f"{name} {nbytes / 2**20:.1f}" for name, nbytes in parts.items())
     return (f"KV cache: {plan.num_pages} history pages x {PAGE_TOKENS} tokens = {plan.max_tokens} tokens, "
             f"{plan.num_swa_pages} sliding-window pages, {plan.max_num_seqs} request slots, "
-            f"{sum(parts.values()) / 2**20:.1f} MiB ({detail} MiB); {fit} request(s) of "
+            f"{plan.num_checkpoints} prefix-cache checkpoints, {sum(parts.values()) / 2**20:.1f} MiB ({detail} MiB); {fit} request(s) of "
             f"max_model_len {max_model_len} fit at once")

@@ -5,8 +5,12 @@ One tensor per kind, [units, layers of the kind, rows per unit, C]:
   swa        [swa_pages + 1, L_swa, 128, D]        K=V vectors of recent positions
   c4, idx    [pages + 1, L_csa, 64, D | Di]        CSA entries and indexer keys
   c128       [pages + 1, L_hca, 2, D]              HCA entries
-  csa rings  [slots + 1, L_csa, 8 + S, 2D | 2Di]   CSA compressor / indexer continuation (kv, gate)
+  csa rings  [slots + 1, L_csa, 8 + S + 4, 2D | 2Di]  CSA compressor / indexer continuation (kv, gate),
+                                                    then the staging rows (layout.py)
   hca rings  [slots + 1, L_hca, 128 + S, D]        HCA compressor continuation (kv, gate)
+
+and, with a prefix cache, `checkpoints` [num_checkpoints, numel]: one flat checkpoint a row
+(checkpoint.py: the private rows a request resumes from at a page boundary),
 
 so one page of one kind (or one request's ring rows) is a contiguous block that can be copied,
 packed and sent as a unit (`page`). Each layer sees its rows as a 2-D view starting at its
@@ -20,6 +24,7 @@ import torch
 
 from ..config import CSA_RATIO, HCA_RATIO
 from ..model.kv import LayerKV
+from .checkpoint import CheckpointFormat
 from .layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout, CachePlan
 
 
@@ -33,8 +38,8 @@ def storage_shapes(layout: CacheLayout, plan: CachePlan) -> dict[str, tuple[int,
               "c4": (pages, csa, PAGE_TOKENS // CSA_RATIO, D),
               "idx": (pages, csa, PAGE_TOKENS // CSA_RATIO, Di),
               "c128": (pages, hca, PAGE_TOKENS // HCA_RATIO, D)}
-    for name, layers, ring, width in (("ring", csa, layout.csa_ring, 2 * D), ("iring", csa, layout.csa_ring, 2 * Di),
-                                      ("hring", hca, layout.hca_ring, D)):
+    for name, layers, ring, width in (("ring", csa, layout.csa_ring_rows, 2 * D),
+                                      ("iring", csa, layout.csa_ring_rows, 2 * Di), ("hring", hca, layout.hca_ring, D)):
         shapes[f"{name}_kv"] = shapes[f"{name}_gate"] = (slots, layers, ring, width)
     return shapes
 
@@ -48,6 +53,9 @@ class KVStorage:
         self.kinds = {name: torch.zeros(shape, dtype=dtype, device=device)
                       for name, shape in storage_shapes(layout, plan).items()}
         self.layers = [self._layer_views(layer) for layer in range(layout.num_swa_layers)]
+        self.checkpoint_format = CheckpointFormat(layout, dtype) if plan.num_checkpoints else None
+        numel = self.checkpoint_format.numel if self.checkpoint_format else 0
+        self.checkpoints = torch.zeros(plan.num_checkpoints, numel, dtype=dtype, device=device)
 
     def _layer_views(self, layer: int) -> LayerKV:
         lay, k = self.layout, self.kinds
@@ -68,7 +76,7 @@ class KVStorage:
         return self.kinds[kind][unit]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.kinds.values())
+        return sum(t.numel() * t.element_size() for t in [*self.kinds.values(), self.checkpoints])
 
 
 def _layer_view(blocks: torch.Tensor, i: int) -> torch.Tensor:

@@ -55,10 +55,17 @@ def configure_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", required=True, help="model name sent in each request")
     parser.add_argument("--endpoint", default=COMPLETIONS, choices=ENDPOINTS)
-    parser.add_argument("--dataset", default="random", choices=("random",))
-    parser.add_argument("--input-len", type=positive_int, default=1024, help="prompt tokens per request")
+    parser.add_argument("--dataset", default="random", choices=("random", "multiturn"),
+                        help="random: independent prompts; multiturn: --num-prompts conversations of --num-turns "
+                             "turns, each resending the whole history")
+    parser.add_argument("--input-len", type=positive_int, default=1024,
+                        help="prompt tokens per request (multiturn: new user words per turn)")
     parser.add_argument("--output-len", type=positive_int, default=128, help="generated tokens per request")
-    parser.add_argument("--num-prompts", type=positive_int, default=100)
+    parser.add_argument("--num-prompts", type=positive_int, default=100, help="requests (multiturn: conversations)")
+    parser.add_argument("--num-turns", type=positive_int, default=None, help="multiturn: turns per conversation "
+                                                                             "(default 4)")
+    parser.add_argument("--prefix-len", type=int, default=None,
+                        help="multiturn: words of a system prompt every conversation shares (default 0)")
     parser.add_argument("--max-concurrency", type=positive_int, default=None,
                         help="requests in flight at most (default: no limit)")
     parser.add_argument("--request-rate", type=positive_float, default=math.inf,
@@ -85,7 +92,7 @@ def run_serve(args: argparse.Namespace) -> int:
             num_prompts=args.num_prompts, max_concurrency=args.max_concurrency,
             request_rate=args.request_rate, endpoint=args.endpoint, dataset=args.dataset, seed=args.seed,
             vocab_size=args.vocab_size, api_key=args.api_key, request_timeout=args.request_timeout,
-            show_progress=not args.disable_tqdm)
+            show_progress=not args.disable_tqdm, **_multiturn_settings(args))
     except ValueError as e:
         print(f"dsv4 bench serve: {e}", file=sys.stderr)
         return 2
@@ -96,6 +103,14 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     return 0 if result["completed"] else 1
+
+
+def _multiturn_settings(args: argparse.Namespace) -> dict:
+    """--num-turns / --prefix-len for the multiturn dataset (defaults 4 / 0); given with another
+    dataset they are refused by ServeBenchConfig."""
+    if args.dataset != "multiturn":
+        return {k: v for k, v in (("num_turns", args.num_turns), ("prefix_len", args.prefix_len)) if v is not None}
+    return {"num_turns": args.num_turns or 4, "prefix_len": args.prefix_len or 0}
 
 
 add_mode("serve", "online serving benchmark against an OpenAI-compatible server",

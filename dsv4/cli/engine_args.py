@@ -32,6 +32,11 @@ HELP = {
                           "layer's; the first must be F (overrides config.json's index_topk_pattern / _freq)",
     "hf_overrides": "JSON object of config.json keys applied over the checkpoint's, e.g. "
                     "'{\"index_topk_freq\": 4}'",
+    "enable_prefix_caching": "reuse the cached history of resent prompt prefixes (256-token pages resumed from "
+                             "checkpoints); --no-enable-prefix-caching turns it off",
+    "num_checkpoints": "prefix-cache checkpoints (the private state at a page boundary; default: one per 16 "
+                       "history pages, at least two per request slot)",
+    "tokenizer": "tokenizer folder (default: the model folder; needed for a random:... model spec)",
 }
 # config.json keys that have a flag of their own (the rest of an override comes from --hf-overrides)
 OVERRIDE_FLAGS = ("index_topk_freq", "index_topk_pattern")
@@ -43,7 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         kind = hints[f.name]
         if kind is bool:
-            group.add_argument("--" + f.name.replace("_", "-"), action="store_true", help=HELP.get(f.name))
+            action = argparse.BooleanOptionalAction if f.default else "store_true"
+            group.add_argument("--" + f.name.replace("_", "-"), action=action, default=f.default,
+                               help=HELP.get(f.name))
             continue
         conv = int if kind in (int, int | None) else float if kind in (float, float | None) else str
         group.add_argument("--" + f.name.replace("_", "-"), type=conv, default=f.default, help=HELP.get(f.name))

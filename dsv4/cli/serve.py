@@ -13,7 +13,8 @@ DEMO_NAME = "dsv4-demo"
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve a checkpoint over an OpenAI-compatible HTTP API.")
-    p.add_argument("--model", default=None, help="checkpoint folder (default: the bundled demo model)")
+    p.add_argument("--model", default=None, help="checkpoint folder or random:PRESET[:LAYERS][:k=v,...] (with "
+                                                 "--tokenizer; default: the bundled demo model)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
@@ -43,7 +44,7 @@ def run(args) -> int:
     config = engine_config(args)
     limits = _limits(args)
     model_dir = args.model or demo_model_dir()
-    _check_model_dir(model_dir)
+    _check_model_dir(model_dir, config.tokenizer)
     names = args.served_model_name or [args.model or DEMO_NAME]
     settings = ServeSettings(model_dir=model_dir, model_names=names, engine=config, host=args.host,
                              port=args.port, api_key=args.api_key, log_level=args.log_level, limits=limits)
@@ -81,12 +82,19 @@ def _limits(args):
                         strict_api=args.strict_api, shutdown_timeout=args.shutdown_timeout)
 
 
-def _check_model_dir(model_dir: str) -> None:
+def _check_model_dir(model_dir: str, tokenizer: str | None) -> None:
+    from ..model.random_model import is_random_spec
+    if tokenizer is not None and not os.path.isfile(os.path.join(tokenizer, "tokenizer.json")):
+        raise SystemExit(f"dsv4 serve: --tokenizer {tokenizer}: no tokenizer.json there")
+    if is_random_spec(model_dir):
+        if tokenizer is None:
+            raise SystemExit(f"dsv4 serve: --model {model_dir}: a random model has no tokenizer; give --tokenizer DIR")
+        return
     if not os.path.isdir(model_dir):
         raise SystemExit(f"dsv4 serve: --model {model_dir}: no such directory")
-    if not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+    if tokenizer is None and not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
         raise SystemExit(f"dsv4 serve: --model {model_dir}: no tokenizer.json (the server needs the "
-                         f"checkpoint's tokenizer)")
+                         f"checkpoint's tokenizer; or give --tokenizer DIR)")
 
 
 def _interrupt(signum, frame) -> None:

@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import msgspec
 
-from .ipc import (AbortRequests, AddRequest, Addresses, EngineStats, Ready, RequestFailed, Shutdown,
-                  StartupFailed, StepOutputs, TokenOutput, decode_input, encode, engine_sockets,
+from .ipc import (AbortRequests, AddRequest, Addresses, EngineStats, Ready, RequestFailed, ResetPrefixCache,
+                  Shutdown, StartupFailed, StepOutputs, TokenOutput, decode_input, encode, engine_sockets,
                   parent_alive)
 
 log = logging.getLogger("dsv4.engine_core")
@@ -39,9 +39,11 @@ class EngineCore:
         self._generated = 0
 
     # ---- inputs ------------------------------------------------------------------------
-    def handle(self, message: AddRequest | AbortRequests) -> None:
+    def handle(self, message: AddRequest | AbortRequests | ResetPrefixCache) -> None:
         if isinstance(message, AddRequest):
             self._add(message)
+        elif isinstance(message, ResetPrefixCache):
+            log.info("prefix cache reset: %d pages freed", self.engine.reset_prefix_cache())
         else:
             for rid in message.request_ids:
                 self.engine.abort(rid)
@@ -106,6 +108,8 @@ class EngineCore:
             new.logprobs = [list(entry.items()) for entry in out.logprobs[sent:]]
         if sent == 0 and out.prompt_logprobs is not None:
             new.prompt_logprobs = [None if e is None else list(e.items()) for e in out.prompt_logprobs]
+        if sent == 0:
+            new.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             new.finished, new.finish_reason, new.stop_reason = True, out.finish_reason, out.stop_reason
             if isinstance(out.stop_reason, str):
@@ -125,11 +129,14 @@ class EngineCore:
         return failures
 
     def stats(self) -> EngineStats:
-        (running, waiting), usage = self.engine.scheduler.counts(), self.engine.cache.usage()
+        (running, waiting), cache = self.engine.scheduler.counts(), self.engine.cache
+        usage, (queries, hits, cached) = cache.usage(), self.engine.prefix_stats()
+        free = cache.available_pages()          # pages only the prefix cache holds count as free
         return EngineStats(num_running=running, num_waiting=waiting,
-                           pages_used=usage["pages_used"], pages_free=usage["pages_total"] - usage["pages_used"],
+                           pages_used=usage["pages_total"] - free, pages_free=free,
                            swa_pages_used=usage["swa_pages_used"], slots_used=usage["slots_used"],
-                           steps=self._steps, generated_tokens=self._generated)
+                           steps=self._steps, generated_tokens=self._generated, prefix_queries=queries,
+                           prefix_hits=hits, prefix_pages=cached)
 
 
 def ready_message(engine) -> Ready:

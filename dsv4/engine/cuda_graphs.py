@@ -52,7 +52,7 @@ class StepGraphs:
     def accepts(self, seqs: list[SeqChunk]) -> bool:
         q = len(seqs[0].token_ids) if seqs else 0
         return (0 < len(seqs) <= self.max_bs and batch_bucket(len(seqs), self.max_bs) is not None
-                and all(len(s.token_ids) == q and s.logits == q for s in seqs))
+                and all(len(s.token_ids) == q and s.logits == q and not s.stage for s in seqs))
 
     def shape(self, seqs: list[SeqChunk]) -> StepShape:
         W, q = self.layout.cfg.sliding_window, len(seqs[0].token_ids)

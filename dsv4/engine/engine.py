@@ -39,14 +39,15 @@ class LLMEngine:
                                                                 keep_fp8=config.keep_fp8, keep_mxfp4=config.keep_mxfp4,
                                                                 overrides=config.model_overrides())
         self.cfg = self.model.cfg
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_dir)
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.tokenizer or model_dir)
         self.layout = CacheLayout(self.cfg, spec_slots=config.spec_slots)
         self.plan = plan_cache(self.layout, config, DTYPES[config.dtype])
         self.max_model_len = self._max_model_len()
-        self.cache = CacheManager(self.layout, self.plan)
+        self.cache = CacheManager(self.layout, self.plan, prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(self.model, self.layout, self.plan, self.cache, config.device,
                                   0 if config.enforce_eager else config.cuda_graph_max_bs)
+        self.cache.bind(self.runner.storage)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
@@ -113,6 +114,14 @@ class LLMEngine:
             req.finish_reason = "abort"
         self._stops.pop(request_id, None)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns the pages freed (pages in use stay with their requests)."""
+        return self.cache.reset_prefix()
+
+    def prefix_stats(self) -> tuple[int, int, int]:
+        """(tokens looked up, tokens hit, pages in the prefix cache) since start."""
+        return self.scheduler.prefix_queries, self.scheduler.prefix_hits, self.cache.usage()["prefix_pages"]
+
     def has_unfinished(self) -> bool:
         """Requests to run or outputs to hand back (a request of a step in flight is still
         running or waiting in the scheduler, so the step itself needs no check)."""
@@ -169,8 +178,7 @@ class LLMEngine:
             chunks[i].request.num_pending += 1
             chunks[i].request.pending_row = row
         for c in chunks:
-            c.request.num_computed += c.num_tokens
-            self.cache.trim(c.request)
+            self.scheduler.advance(c.request, c.num_tokens)
         return StepInFlight(chunks, sampled, tokens, values, lps)
 
     def _complete(self, step: StepInFlight) -> list[RequestOutput]:
@@ -186,6 +194,8 @@ class LLMEngine:
                 continue
             req.num_pending -= 1
             outputs.append(self._append(req, tokens[row], lps[row], top_ids[row], top_lps[row]))
+            if not req.is_finished:
+                self.cache.commit(req)      # a boundary whose last token was still pending at launch
         return outputs
 
     def _sample(self, chunks: list[ScheduledChunk], idx: list[int], step: StepLogits):
@@ -256,7 +266,8 @@ class LLMEngine:
             new_token_ids=new_tokens, finished=req.is_finished, finish_reason=req.finish_reason,
             stop_reason=req.stop_reason, text=req.output_text,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            prompt_logprobs=list(req.prompt_logprobs) if req.wants_prompt_logprobs else None)
+            prompt_logprobs=list(req.prompt_logprobs) if req.wants_prompt_logprobs else None,
+            num_cached_tokens=req.num_cached_tokens or 0)
 
 
 def _load_tokenizer(model_dir: str | None):

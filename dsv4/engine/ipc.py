@@ -7,7 +7,7 @@ crosses: token ids, logprobs and finish reasons come back, sampling parameters g
 
 Engine -> API: first exactly one `Ready` or `StartupFailed`, then `StepOutputs` (one per
 engine step that produced something, or after a batch of inputs; each carries fresh
-`EngineStats`). API -> engine: `AddRequest`, `AbortRequests`, `Shutdown`.
+`EngineStats`). API -> engine: `AddRequest`, `AbortRequests`, `ResetPrefixCache`, `Shutdown`.
 """
 from __future__ import annotations
 
@@ -35,11 +35,15 @@ class AbortRequests(msgspec.Struct, tag=True):
     request_ids: list[str]
 
 
+class ResetPrefixCache(msgspec.Struct, tag=True):
+    pass
+
+
 class Shutdown(msgspec.Struct, tag=True):
     pass
 
 
-EngineInput = AddRequest | AbortRequests | Shutdown
+EngineInput = AddRequest | AbortRequests | ResetPrefixCache | Shutdown
 
 
 # ---- engine -> API -----------------------------------------------------------------------
@@ -67,6 +71,7 @@ class TokenOutput(msgspec.Struct):
     finish_reason: str | None = None                    # "stop" | "length"
     stop_reason: int | str | None = None
     final_text: str | None = None                       # the output cut at a stop string
+    num_cached_tokens: int | None = None                # with a request's first output: prompt tokens resumed
 
 
 class RequestFailed(msgspec.Struct):
@@ -84,6 +89,9 @@ class EngineStats(msgspec.Struct):
     slots_used: int = 0
     steps: int = 0              # engine steps run so far
     generated_tokens: int = 0   # tokens sampled so far (forwarded or not)
+    prefix_queries: int = 0     # prompt tokens looked up in the prefix cache so far
+    prefix_hits: int = 0        # of them, tokens resumed from it
+    prefix_pages: int = 0       # history pages the prefix cache holds
 
 
 class StepOutputs(msgspec.Struct, tag=True):
@@ -103,7 +111,7 @@ def encode(message: msgspec.Struct) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_input(frame: bytes) -> AddRequest | AbortRequests | Shutdown:
+def decode_input(frame: bytes) -> EngineInput:
     return _input_decoder.decode(frame)
 
 

@@ -40,6 +40,7 @@ class Request:
     stop_reason: int | str | None = None
     output_text: str | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int | None = None       # prompt tokens resumed from the prefix cache at first admission
     num_pending: int = 0                       # sampled by steps in flight, not yet in output_token_ids
     pending_row: int = -1                      # the latest one's row in its step's sampled tokens
 

@@ -74,7 +74,8 @@ class ModelRunner:
         known = req.known_tokens(start, c.num_tokens)
         missing = c.num_tokens - len(known)              # the pending token, still on the device
         return SeqChunk(slot=held.slot, start=start, token_ids=known + [0] * missing,
-                        page_table=held.pages, swa_table=held.swa_pages, logits=logits)
+                        page_table=held.pages, swa_table=held.swa_pages, logits=logits,
+                        stage=self.cache.stage(req, start, c.num_tokens))
 
 
 def _pending_fill(chunks: list[ScheduledChunk], seqs: list[SeqChunk],

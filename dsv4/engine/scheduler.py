@@ -5,6 +5,12 @@ waiting ones in arrival order, under `max_num_batched_tokens` and `max_num_seqs`
 request is scheduled only once the cache manager has reserved what its chunk needs. When a
 running request cannot get pages, the newest running request is preempted by recompute
 (everything it held is freed; it re-enters the front of the waiting queue) until it fits.
+
+With a prefix cache (docs/architecture.md, "Cache"):
+  * admission first looks for a hit: the request resumes at the hit's page boundary, its
+    matched pages cost no new pages, and its chunk is what is left after them;
+  * a waiting request whose prompt another running request is still prefilling waits for it
+    (n > 1 and parallel copies of one prompt then share its pages and checkpoint).
 """
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ..cache.layout import PAGE_TOKENS
 from ..cache.manager import CacheManager
 from .request import Request, Status
 
@@ -37,6 +44,8 @@ class Scheduler:
         self.max_tokens, self.max_seqs = max_num_batched_tokens, max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefix_queries = 0      # tokens of admitted requests looked up in the prefix cache
+        self.prefix_hits = 0         # of them, tokens resumed from it
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -55,17 +64,45 @@ class Scheduler:
             if self._reserve_or_preempt(req, n, chunks):
                 chunks.append(ScheduledChunk(req, n))
         budget = self.max_tokens - sum(c.num_tokens for c in chunks)
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
-            req = self.waiting[0]
-            n = min(req.num_remaining, budget)
-            if not self.cache.reserve(req, n):
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_seqs:
+            req = self.waiting[i]
+            if self._waits_for_twin(req):
+                i += 1
+                continue
+            n = self._admit(req, budget)
+            if not n:
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             req.status = Status.RUNNING
             self.running.append(req)
             chunks.append(ScheduledChunk(req, n))
             budget -= n
         return chunks
+
+    def _admit(self, req: Request, budget: int) -> int:
+        """Reserve the first chunk of a waiting request, resuming from a prefix hit when there
+        is one; its size, or 0 when it does not fit."""
+        hit = self.cache.match(req)
+        start = hit.length if hit is not None else 0
+        n = min(req.num_tokens - start, budget)
+        if not (self.cache.admit(req, hit, n) if hit is not None else self.cache.reserve(req, n)):
+            return 0
+        if self.cache.prefix is not None:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += start
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = start
+        return n
+
+    def _waits_for_twin(self, req: Request) -> bool:
+        """Another running request with the same prompt has not yet reached the page boundary
+        this one would resume from: it waits, to share that prefill."""
+        if self.cache.prefix is None or req.num_computed or req.wants_prompt_logprobs:
+            return False
+        boundary = (len(req.prompt_token_ids) - 1) // PAGE_TOKENS * PAGE_TOKENS
+        return boundary > 0 and any(r.num_computed < boundary and r.prompt_token_ids == req.prompt_token_ids
+                                    for r in self.running)
 
     def _reserve_or_preempt(self, req: Request, n: int, scheduled: list[ScheduledChunk]) -> bool:
         """Reserve for `req`, preempting the newest running request (even one already scheduled
@@ -79,6 +116,14 @@ class Scheduler:
             if victim is req:
                 return False
         return True
+
+    def advance(self, req: Request, num_tokens: int) -> None:
+        """After a step wrote `num_tokens` more positions of `req`: share what it completed with
+        the prefix cache (checkpointing the page boundary it reached), then free SWA pages
+        behind its window."""
+        req.num_computed += num_tokens
+        self.cache.commit(req)
+        self.cache.trim(req)
 
     def preempt(self, req: Request) -> None:
         self.cache.release(req)

@@ -29,8 +29,8 @@ import zmq.asyncio
 
 from ..sampling_params import SamplingParams
 from ..engine.core import run_engine_core
-from ..engine.ipc import (AbortRequests, AddRequest, Addresses, EngineStats, Ready, RequestFailed, Shutdown,
-                  StartupFailed, StepOutputs, TokenOutput, api_sockets, decode_output, encode)
+from ..engine.ipc import (AbortRequests, AddRequest, Addresses, EngineStats, Ready, RequestFailed, ResetPrefixCache,
+                  Shutdown, StartupFailed, StepOutputs, TokenOutput, api_sockets, decode_output, encode)
 
 log = logging.getLogger("dsv4.serve")
 
@@ -67,10 +67,13 @@ class RequestGroup:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.unfinished = set(request_ids)
         self.peeked: tuple | None = None      # an item taken early (see streaming.first_output)
+        self.cached_tokens = [0] * len(request_ids)   # per child: prompt tokens resumed from the prefix cache
 
     def put(self, rid: str, item) -> None:
         if isinstance(item, (RequestFailed, EngineDead)) or item.finished:
             self.unfinished.discard(rid)
+        if isinstance(item, TokenOutput) and item.num_cached_tokens is not None and rid in self.index:
+            self.cached_tokens[self.index[rid]] = item.num_cached_tokens
         self.queue.put_nowait((self.index.get(rid, 0), item))
 
     def abort(self) -> None:
@@ -174,6 +177,11 @@ class EngineClient:
         for rid in open_ids:
             self.groups[rid].put(rid, RequestFailed(rid, 503, message))
         self.abort(open_ids)
+
+    def reset_prefix_cache(self) -> None:
+        """Ask the engine to forget its cached prefixes (before any request sent after this)."""
+        if not self._dead and self._outbox is not None:
+            self._outbox.put_nowait(ResetPrefixCache())
 
     async def _send_loop(self, sock: zmq.asyncio.Socket) -> None:
         """Frames are encoded already; a socket error ends the loop (`_task_done`), any

@@ -89,13 +89,20 @@ def check_greedy_against_reference(tokens: list[int], ref_logits: torch.Tensor, 
 
 
 def assert_cache_accounting(engine: LLMEngine) -> None:
-    """Every page and slot in use is held by exactly one live request (no leak, no double use)."""
+    """Every page in use is held by live requests and the prefix cache, its refcount exactly the
+    number of holders (no leak, no double use); SWA pages and slots by exactly one request."""
+    from collections import Counter
     cache = engine.cache
     live = [cache.seq(r) for r in list(engine.scheduler.running) + list(engine.scheduler.waiting)]
-    held = [p for r in live for p in r.pages]
+    tree = cache.prefix.pages() if cache.prefix is not None else []
+    holders = Counter(p for r in live for p in r.pages) + Counter(tree)
+    assert all(len(set(r.pages)) == len(r.pages) for r in live), "a request holds a page twice"
+    assert len(set(tree)) == len(tree), "the prefix cache holds a page twice"
+    assert len(holders) == cache.pages.num_used
+    assert all(cache.pages.refcount(p) == n for p, n in holders.items())
+    assert cache.pages.num_reclaimable == sum(holders[p] == 1 for p in tree)
     swa = [p for r in live for p in r.swa_pages if p >= 0]
     slots = [r.slot for r in live if r.slot is not None]
-    assert len(set(held)) == len(held) == cache.pages.num_used
     assert len(set(swa)) == len(swa) == cache.swa.num_used
     assert len(set(slots)) == len(slots) == cache.plan.max_num_seqs - len(cache.free_slots)
     for r in engine.scheduler.waiting:   # waiting (also after preemption) holds nothing
@@ -139,8 +146,10 @@ def tie_positions(model, ids: list[int]) -> list[int]:
 
 
 def free_counts(engine: LLMEngine) -> tuple[int, int, int]:
+    """Free history pages (counting those only the prefix cache holds: it gives them back on
+    demand), SWA pages and slots."""
     c = engine.cache
-    return c.pages.num_free, c.swa.num_free, len(c.free_slots)
+    return c.pages.num_free + c.pages.num_reclaimable, c.swa.num_free, len(c.free_slots)
 
 
 @dataclass
@@ -265,8 +274,7 @@ class TeacherForcer:
                 for k, p in enumerate(positions):
                     logits[req.request_id][p] = out.logits[out.first_row[i] + k].clone()
                 completes = c.completes
-                req.num_computed += n
-                engine.cache.trim(req)
+                engine.scheduler.advance(req, n)
                 if completes:
                     cont, k = by_id[req.request_id].continuation, len(req.output_token_ids)
                     if k < len(cont):

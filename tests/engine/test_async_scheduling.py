@@ -76,7 +76,7 @@ def test_async_equals_sync_on_a_mixed_workload(tiny, h):
     calls = _spy_launches(eng)
     _same(sync, _drive(eng, prompts, stop, arrivals, h=h))
     assert sum(calls) >= len(calls) - 12, f"decode steps took their tokens from the step in flight: {calls}"
-    assert eng.cache.pages.num_free == eng.plan.num_pages and eng._inflight is None
+    assert eng.cache.available_pages() == eng.plan.num_pages and eng._inflight is None
 
 
 def test_async_equals_sync_through_preemption(tiny, h):
@@ -94,7 +94,7 @@ def test_async_equals_sync_through_preemption(tiny, h):
         results.append((done, eng))
     (sync, _), (asy, eng) = results
     _same(sync, asy)
-    assert eng.cache.pages.num_free == eng.plan.num_pages
+    assert eng.cache.available_pages() == eng.plan.num_pages
 
 
 def test_abort_while_a_step_is_in_flight(tiny, h):
@@ -105,4 +105,4 @@ def test_abort_while_a_step_is_in_flight(tiny, h):
     asy = _drive(eng, prompts, abort_at=(1, 4), h=h)
     assert "1" not in asy and "1" not in sync
     _same(sync, asy)
-    assert eng.cache.pages.num_free == eng.plan.num_pages and len(eng.cache.free_slots) == 4
+    assert eng.cache.available_pages() == eng.plan.num_pages and len(eng.cache.free_slots) == 4

@@ -54,7 +54,7 @@ def test_padded_decode_steps_equal_plain_ones(tmp_path, monkeypatch, async_sched
         for la, lb in zip(a.logprobs, b.logprobs):
             (ta, va), (tb, vb) = next(iter(la.items())), next(iter(lb.items()))
             assert ta == tb and abs(va - vb) < 1e-4
-    assert padded_engine.cache.pages.num_free == padded_engine.plan.num_pages
+    assert padded_engine.cache.available_pages() == padded_engine.plan.num_pages
 
 
 def test_buckets():

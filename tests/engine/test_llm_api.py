@@ -27,7 +27,7 @@ def llm(tiny):
 def assert_idle_and_empty(llm):
     eng = llm.engine
     assert not eng.has_unfinished() and not eng.requests
-    assert eng.cache.pages.num_free == eng.plan.num_pages
+    assert eng.cache.available_pages() == eng.plan.num_pages
     assert eng.cache.swa.num_free == eng.plan.num_swa_pages
     assert len(eng.cache.free_slots) == eng.plan.max_num_seqs
 

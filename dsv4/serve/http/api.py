@@ -101,6 +101,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return Response(status_code=200)
         return JSONResponse(errors.error_body(503, "the engine core is not running"), status_code=503)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        _require_engine(state)
+        state.client.reset_prefix_cache()
+        return Response(status_code=200)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)

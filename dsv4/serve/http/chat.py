@@ -122,7 +122,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     except NotEncodable as e:
         raise bad_request(str(e)) from None
     tracker = state.metrics.track(req.n, len(plan.prompt_ids))
-    usage = Usage(len(plan.prompt_ids), choices)
+    usage = Usage(len(plan.prompt_ids), choices, group)
     extra = _whole_fields(req.prompt_logprobs, choices[0], texts)
     response = await answer(request, group, tracker, rid,
                             lambda: respond_whole(group, tracker, head, choices, usage, extra),

@@ -180,7 +180,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         raise bad_request(str(e)) from None
     prompt_tokens = sum(len(p.ids) for p in plan.prompts)
     tracker = state.metrics.track(len(choices), prompt_tokens)
-    usage = Usage(prompt_tokens, choices)
+    usage = Usage(prompt_tokens, choices, group,
+                  [next(i for i, p in enumerate(plan.prompts) if p is c.prompt) for c in choices])
     response = await answer(request, group, tracker, rid, lambda: respond_whole(group, tracker, head, choices, usage),
                             (lambda: _stream(group, tracker, head, choices, usage, req.include_usage))
                             if req.stream else None)

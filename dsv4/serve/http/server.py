@@ -78,7 +78,8 @@ class APIServer:
         """Run until stopped (SIGTERM, Ctrl-C, `stop()`) or the engine dies; 1 when it died."""
         s = self.settings
         try:
-            state = ServerState.create(self.client, s.model_dir, s.model_names, s.api_key, s.limits)
+            state = ServerState.create(self.client, s.model_dir, s.model_names, s.api_key, s.limits,
+                                       s.engine.tokenizer)
             self.client.on_death = self._engine_died
             config = uvicorn.Config(build_app(state, on_ready), log_level=s.log_level)
             self.uvicorn = GracefulServer(config, s.limits.shutdown_timeout, self.client.fail_all)

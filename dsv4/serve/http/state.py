@@ -29,11 +29,14 @@ class ServerState:
 
     @classmethod
     def create(cls, client: EngineClient, model_dir: str, model_names: list[str],
-               api_key: str | None = None, limits: ServerLimits = ServerLimits()) -> "ServerState":
-        tokenizer = Tokenizer.from_dir(model_dir)
+               api_key: str | None = None, limits: ServerLimits = ServerLimits(),
+               tokenizer_dir: str | None = None) -> "ServerState":
+        """`tokenizer_dir`: where the tokenizer (and the chat release) is read; the model folder when None."""
+        text_dir = tokenizer_dir or model_dir
+        tokenizer = Tokenizer.from_dir(text_dir)
         return cls(client=client, info=client.info, tokenizer=tokenizer,
-                   model_dir=model_dir, model_names=list(model_names), release=detect_release(model_dir),
-                   add_bos=_adds_bos(model_dir), metrics=ServerMetrics(model_names[0], client.info.num_pages),
+                   model_dir=model_dir, model_names=list(model_names), release=detect_release(text_dir),
+                   add_bos=_adds_bos(text_dir), metrics=ServerMetrics(model_names[0], client.info.num_pages),
                    api_key=api_key, limits=limits, max_token_chars=tokenizer.max_token_chars())
 
     def surely_too_long(self, text: str) -> bool:

@@ -146,15 +146,23 @@ async def _disconnected(request: Request) -> None:
 
 
 class Usage:
-    """OpenAI usage of one response: prompt tokens once per prompt, all choices' tokens."""
+    """OpenAI usage of one response: prompt tokens once per prompt, all choices' tokens, and the
+    prompt tokens resumed from the prefix cache (per prompt, the most any of its choices got)."""
 
-    def __init__(self, prompt_tokens: int, choices: list):
-        self.prompt_tokens, self.choices = prompt_tokens, choices
+    def __init__(self, prompt_tokens: int, choices: list, group: RequestGroup | None = None,
+                 prompt_of: list[int] | None = None):
+        self.prompt_tokens, self.choices, self.group = prompt_tokens, choices, group
+        self.prompt_of = prompt_of           # choice index -> prompt index (None: one prompt)
 
     def to_dict(self) -> dict:
         completion = sum(c.num_tokens for c in self.choices)
+        cached: dict[int, int] = {}
+        for i, n in enumerate(self.group.cached_tokens if self.group is not None else []):
+            key = self.prompt_of[i] if self.prompt_of else 0
+            cached[key] = max(cached.get(key, 0), n)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+                "total_tokens": self.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 async def answer(request: Request, group: RequestGroup, tracker: RequestTracker, request_id: str,
