@@ -118,8 +118,9 @@ class CacheLayout:
         of `checkpoint_bytes` each (none when 0; `num_checkpoints`, or `default_checkpoints`), the
         rest history pages."""
         swa_pages = self.swa_pages_needed(max_num_seqs, max_chunk)
-        fixed = max_num_seqs * self.ring_bytes(elem) + swa_pages * self.swa_page_bytes(elem)
         page = max(self.page_bytes(elem), 1)
+        # + one scratch unit of each kind (storage.py): the budget holds what is allocated
+        fixed = (max_num_seqs + 1) * self.ring_bytes(elem) + (swa_pages + 1) * self.swa_page_bytes(elem) + page
         if not checkpoint_bytes:
             checkpoints = 0
         elif num_checkpoints is not None:
