@@ -26,6 +26,8 @@ HELP = {
     "keep_mxfp4": "keep MXFP4 routed expert weights (e2m1 pairs + an E8M0 scale per 32 inputs, the released V4 "
                   "format) packed on the device, dequantised inside the MoE kernels (W4A16); the shared expert and "
                   "other weights are dequantised at load",
+    "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 2}' "
+                          "(off by default; --spec-slots defaults to num_speculative_tokens)",
 }
 
 

@@ -18,16 +18,20 @@ from .request import Request, Status
 @dataclass
 class ScheduledChunk:
     """Tokens [num_computed, num_computed + num_tokens) of a request in this step: a prefill
-    chunk, one decode token, or k + 1 tokens to verify (`num_logits` = k + 1: the last rows
-    whose logits the step returns; by default the last row when the chunk completes)."""
+    chunk, one decode token, or k + 1 tokens to verify (the last known token and k drafts,
+    `num_logits` = k + 1: the last rows whose logits the step returns; by default the last row
+    when the chunk completes). `num_rejected`: trailing verify positions whose drafts were
+    rejected; the step writes them but counts them as not computed (invariant 1)."""
     request: Request
     num_tokens: int
     num_logits: int | None = None
+    num_rejected: int = 0
 
     @property
     def completes(self) -> bool:
-        """The chunk reaches the last known token, so a new token is sampled after it."""
-        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+        """The chunk reaches the last known token (and maybe drafts past it), so new tokens are
+        sampled after it."""
+        return self.request.num_computed + self.num_tokens >= self.request.num_tokens
 
 
 class Scheduler:
@@ -50,9 +54,10 @@ class Scheduler:
             budget = self.max_tokens - sum(c.num_tokens for c in chunks)
             if budget == 0 or req.status is not Status.RUNNING:
                 continue
-            n = min(req.num_remaining, budget)
+            drafts = len(req.spec_token_ids) if req.is_decoding else 0
+            n = min(req.num_remaining + drafts, budget)
             if self._reserve_or_preempt(req, n, chunks):
-                chunks.append(ScheduledChunk(req, n))
+                chunks.append(ScheduledChunk(req, n, n if drafts else None))
         budget = self.max_tokens - sum(c.num_tokens for c in chunks)
         while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
             req = self.waiting[0]
