@@ -78,7 +78,7 @@ class MTPProposer:
             drafts, q = sample_drafts(block.logits(self.model, h), batch_of([works[i].request for i in live]))
             for n, i in enumerate(live):
                 tokens[i].append(drafts[n])
-                if q is not None:
+                if not works[i].request.params.is_greedy:      # (then q is not None)
                     probs[i].append(q[n])
             prev = drafts
         return [(torch.stack(tokens[i]), torch.stack(probs[i]) if probs[i] else None) for i in drafting]
