@@ -99,6 +99,28 @@ def spec(k: int) -> dict:
     return {"method": "mtp", "num_speculative_tokens": k}
 
 
+@dataclass
+class Demo:
+    path: str
+    model: object
+    prompts: list[list[int]]    # the held-out prompts, tokenized
+
+
+@pytest.fixture(scope="session")
+def demo() -> Demo:
+    """The bundled trained demo model (one trained MTP layer), fp32 on the CPU."""
+    import json
+    import os
+
+    from dsv4.assets import DEMO_DIR
+    from dsv4.model.weights import load_model
+    from dsv4.text.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(DEMO_DIR)
+    with open(os.path.join(DEMO_DIR, "heldout.json"), encoding="utf-8") as f:
+        prompts = [tok.encode(p["prompt"]) for p in json.load(f)["prompts"]]
+    return Demo(DEMO_DIR, load_model(DEMO_DIR), prompts)
+
+
 @pytest.fixture(scope="session")
 def sp():
     import types
