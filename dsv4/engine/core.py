@@ -132,10 +132,16 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         sched, usage = self.engine.scheduler, self.engine.cache.usage()
-        return EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
-                           pages_used=usage["pages_used"], pages_free=self.engine.cache.pages.num_free,
-                           swa_pages_used=usage["swa_pages_used"], slots_used=usage["slots_used"],
-                           steps=self._steps, generated_tokens=self._generated)
+        stats = EngineStats(num_running=len(sched.running), num_waiting=len(sched.waiting),
+                            pages_used=usage["pages_used"], pages_free=self.engine.cache.pages.num_free,
+                            swa_pages_used=usage["swa_pages_used"], slots_used=usage["slots_used"],
+                            steps=self._steps, generated_tokens=self._generated)
+        spec = getattr(self.engine, "spec", None)
+        if spec is not None:
+            s = spec.stats
+            stats.spec_drafts, stats.spec_draft_tokens = s.num_drafts, s.num_draft_tokens
+            stats.spec_accepted_tokens, stats.spec_accepted_per_pos = s.num_accepted_tokens, list(s.accepted_per_pos)
+        return stats
 
 
 def ready_message(engine) -> Ready:

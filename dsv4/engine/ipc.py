@@ -84,6 +84,12 @@ class EngineStats(msgspec.Struct):
     slots_used: int = 0
     steps: int = 0              # engine steps run so far
     generated_tokens: int = 0   # tokens sampled so far (forwarded or not)
+    # speculative decoding so far (engine/speculative/stats.py): verifies with drafts, drafted
+    # and accepted tokens, accepted tokens per draft position
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class StepOutputs(msgspec.Struct, tag=True):
