@@ -117,6 +117,39 @@ def demo_runs(device: str, dtype: str, ks: list[int], max_tokens: int, n_prompts
     return out
 
 
+def fp32_identity(device: str, k: int, max_tokens: int, n_prompts: int) -> dict:
+    """Greedy tokens of plain decode and of MTP k in fp32 (both through CUDA graphs: verify and
+    draft graphs): sequences identical, and where one parts, the plain run's top-2 margin there."""
+    from dsv4.model.weights import load_model
+    from dsv4.sampling_params import SamplingParams
+    path, prompts = demo_prompts()
+    prompts = prompts[:n_prompts]
+    model = load_model(path, device, torch.float32)
+    outs = {}
+    for kk in (0, k):
+        eng = demo_engine(path, model, device, "float32", kk, len(prompts))
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, params)
+        done = {}
+        while eng.has_unfinished():
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+        outs[kk] = [done[str(i)] for i in range(len(prompts))]
+        if kk:
+            graphs = eng.spec.proposer.graphs
+            draft_graphs = len(graphs.graphs) if graphs is not None else 0
+    parted = []
+    for a, b in zip(outs[0], outs[k]):
+        j = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if j is not None:
+            lp = sorted(a.logprobs[j].values(), reverse=True)
+            parted.append({"step": j, "plain_top2_margin": round(lp[0] - lp[1], 5)})
+    result = {"k": k, "sequences": len(prompts), "identical": len(prompts) - len(parted), "parted": parted,
+              "draft_graph_shapes": draft_graphs}
+    log(f"fp32 greedy identity plain vs mtp k={k}: {result}")
+    return result
+
+
 # ---- 2. slice: verify step cost ----------------------------------------------------------------
 def verify_cost(device: str, spec: str, batches: list[int], qs: list[int], ctx: int, reps: int) -> dict:
     """Median seconds of the runner's step (CUDA graph) with q tokens per request, all rows with
@@ -165,7 +198,12 @@ def verify_cost(device: str, spec: str, batches: list[int], qs: list[int], ctx: 
 
 
 def table(result: dict) -> str:
-    lines = ["== demo model, greedy: decode tokens/s and acceptance"]
+    lines = []
+    if "fp32_identity" in result:
+        r = result["fp32_identity"]
+        lines.append(f"== demo fp32, greedy plain vs mtp k={r['k']}: {r['identical']}/{r['sequences']} identical "
+                     f"{r['parted']}")
+    lines.append("== demo model, greedy: decode tokens/s and acceptance")
     for name, row in result.get("demo", {}).items():
         acc = (f"  accept len {row['spec_mean_acceptance_length']:.2f}  per pos {row['spec_acceptance_rate_per_pos']}"
                f"  drafted {row['spec_draft_tokens']} accepted {row['spec_accepted_tokens']}"
@@ -204,6 +242,7 @@ def main() -> int:
     result = {"info": {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
                        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "max_tokens": args.max_tokens}}
     if not args.skip_demo:
+        result["fp32_identity"] = fp32_identity(device, max(ks), min(args.max_tokens, 64), args.prompts)
         result["demo"] = demo_runs(device, dtype, ks, args.max_tokens, args.prompts)
     if not args.skip_slice:
         result["verify"] = verify_cost(device, args.slice, [int(b) for b in args.batches.split(",")],

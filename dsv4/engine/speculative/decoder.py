@@ -27,6 +27,7 @@ from ..runner import StepLogits
 from ..sampler import Sampler, SamplingBatch, SamplingRow, gather_logprobs
 from ..scheduler import ScheduledChunk
 from ..upload import upload_tree
+from .draft_graphs import DraftGraphs
 from .mtp import DraftWork, MTPProposer
 from .stats import SpecStats
 from .verify import accept_drafts, leading_accepted
@@ -38,7 +39,10 @@ class SpeculativeDecoder:
         self.model, self.runner, self.cache = model, runner, cache
         self.vocab, self.window = model.cfg.vocab_size, model.cfg.sliding_window
         self.eos_token_id, self.generator = eos_token_id, generator
-        self.proposer = MTPProposer(model, runner.storage, runner.h2d)
+        graphs = None
+        if runner.graphs is not None:      # CUDA graphs on: the drafts of uniform steps replay too
+            graphs = DraftGraphs(model, runner.storage, runner.graphs.max_bs, capture=True, h2d=runner.h2d)
+        self.proposer = MTPProposer(model, runner.storage, runner.h2d, graphs)
         self.stats = SpecStats()
         self._draft_probs: dict[str, tuple[Request, torch.Tensor]] = {}   # rid -> (request, q [k, V])
 

@@ -45,8 +45,9 @@ class DraftWork:
 
 
 class MTPProposer:
-    def __init__(self, model, storage, h2d: HostToDevice):
-        self.model, self.storage, self.h2d = model, storage, h2d
+    def __init__(self, model, storage, h2d: HostToDevice, graphs=None):
+        """graphs (draft_graphs.DraftGraphs): replays the draft of uniform greedy steps."""
+        self.model, self.storage, self.h2d, self.graphs = model, storage, h2d, graphs
         self.layout = storage.layout
         self.blocks = list(model.mtp)
 
@@ -60,6 +61,8 @@ class MTPProposer:
         works = [w for w in works if w.tokens]
         if not works:
             return []
+        if self.graphs is not None and self.graphs.accepts(works):
+            return self.graphs.run(works, hidden)
         streams = self._catch_up(works, hidden)
         drafting = [i for i, w in enumerate(works) if w.num_drafts > 0]
         if not drafting:
