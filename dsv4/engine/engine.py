@@ -35,12 +35,12 @@ class LLMEngine:
         set_backend(config.ops_backend)
         self.model = model if model is not None else load_model(model_dir, config.device, DTYPES[config.dtype],
                                                                 keep_fp8=config.keep_fp8, keep_mxfp4=config.keep_mxfp4)
-        self.cfg = self.model.cfg
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_dir)
         spec = config.speculative_config
-        if spec is not None:
+        if spec is not None:             # (a draft checkpoint may give the model its MTP blocks)
             from .speculative import check_speculative
             check_speculative(spec, self.model)
+        self.cfg = self.model.cfg
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_dir)
         self.layout = CacheLayout(self.cfg, spec_slots=config.spec_slots, with_mtp=spec is not None)
         self.plan = plan_cache(self.layout, config, DTYPES[config.dtype])
         self.max_model_len = self._max_model_len()
