@@ -1,7 +1,9 @@
 """Continuous batching with chunked prefill (docs/architecture.md, "Engine").
 
 Each step: running requests first (decodes, then unfinished prefills, oldest first), then
-waiting ones in arrival order, under `max_num_batched_tokens` and `max_num_seqs`. A
+waiting ones in arrival order, under `max_num_batched_tokens` and `max_num_seqs`. A decode
+with drafts (`Request.spec_token_ids`) is one verify chunk of its last token and the drafts
+(as many as the budget allows). A
 request is scheduled only once the cache manager has reserved what its chunk needs. When a
 running request cannot get pages, the newest running request is preempted by recompute
 (everything it held is freed; it re-enters the front of the waiting queue) until it fits.

@@ -11,8 +11,8 @@ logits (min_tokens mask and penalties, with the drafts before the row counted as
 * sampling rows, target p (temperature, top-k, top-p, min-p: `Sampler.probs`), draft drawn from
   q: accepted with probability min(1, p(d) / q(d)); on rejection the emitted token is drawn
   from the residual max(p - q, 0) (normalised), on the last row from p. The emitted token of
-  the first rejected row is then distributed exactly as p (Leviathan et al. 2023, Chen et al.
-  2023), so a request's tokens have the distribution of decoding without drafts.
+  the first rejected row is then distributed exactly as p (docs/speculative.md has the proof
+  and the sources), so a request's tokens have the distribution of decoding without drafts.
 
 A chunk keeps the emitted tokens of its leading accepted rows and of the first row that is not
 accepted (the correction or bonus token): 1 to k + 1 tokens per verify.
