@@ -215,7 +215,8 @@ def table(result: dict) -> str:
     lines.append("== slice: verify step of q tokens per request vs decode (q = 1), ms and ratio")
     for name, row in result.get("verify", {}).items():
         qs = sorted(int(k[1:-3]) for k in row if k.endswith("_ms"))
-        lines.append(f"{name:<5} " + "  ".join(f"q{q} {row[f'q{q}_ms']:.3f} ms ({row[f'q{q}_vs_q1']:.2f}x)" for q in qs))
+        lines.append(f"{name:<5} " + "  ".join(f"q{q} {row[f'q{q}_ms']:.3f} ms ({row[f'q{q}_vs_q1']:.2f}x)"
+                                               for q in qs))
     return "\n".join(lines)
 
 

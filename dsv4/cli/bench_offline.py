@@ -15,8 +15,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=positive_int, default=32)
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line last")
     parser.add_argument("--speculative-config", default=None,
-                        help="speculative decoding as JSON, e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'; "
-                             "the result adds acceptance length, per-position acceptance, drafted and accepted tokens")
+                        help="speculative decoding as JSON, e.g. "
+                             "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'; the result adds acceptance "
+                             "length, per-position acceptance, drafted and accepted tokens")
 
 
 def _spec(args: argparse.Namespace):

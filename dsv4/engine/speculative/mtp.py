@@ -69,22 +69,26 @@ class MTPProposer:
             return []
         offsets = _offsets([len(w.tokens) for w in works])
         h = streams[[offsets[i] + works[i].anchor for i in drafting]]
-        live = drafting
-        tokens: dict[int, list[torch.Tensor]] = {i: [] for i in drafting}
-        probs: dict[int, list[torch.Tensor]] = {i: [] for i in drafting}
-        for j in range(max(works[i].num_drafts for i in drafting)):
+        return self._chain([works[i] for i in drafting], h, batch_of)
+
+    def _chain(self, works: list[DraftWork], h: torch.Tensor, batch_of) -> list[tuple]:
+        """h [R, N, H]: the block's streams at each anchor -> per work (drafts [n], q [n, V] or
+        None); draft j comes from step j - 1's streams, one position further, fed draft j - 1."""
+        tokens: list[list[torch.Tensor]] = [[] for _ in works]
+        probs: list[list[torch.Tensor]] = [[] for _ in works]
+        live, prev = list(range(len(works))), None
+        for j in range(max(w.num_drafts for w in works)):
             block = self.blocks[j % len(self.blocks)]
             if j > 0:
                 keep = [n for n, i in enumerate(live) if works[i].num_drafts > j]
                 live, h, prev = [live[n] for n in keep], h[keep], prev[keep]
                 h = self._chain_step(block, [works[i] for i in live], j, prev, h)
-            drafts, q = sample_drafts(block.logits(self.model, h), batch_of([works[i].request for i in live]))
+            prev, q = sample_drafts(block.logits(self.model, h), batch_of([works[i].request for i in live]))
             for n, i in enumerate(live):
-                tokens[i].append(drafts[n])
+                tokens[i].append(prev[n])
                 if not works[i].request.params.is_greedy:      # (then q is not None)
                     probs[i].append(q[n])
-            prev = drafts
-        return [(torch.stack(tokens[i]), torch.stack(probs[i]) if probs[i] else None) for i in drafting]
+        return [(torch.stack(t), torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
     def _catch_up(self, works: list[DraftWork], hidden: torch.Tensor) -> torch.Tensor:
         """Block 0 over every work's catch-up positions -> its output streams [T', N, H]."""
