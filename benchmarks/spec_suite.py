@@ -90,7 +90,7 @@ def demo_runs(device: str, dtype: str, ks: list[int], max_tokens: int, n_prompts
         row = out[name] = {}
         # batch 1: one prompt at a time; decode time after each prompt's first token
         eng = demo_engine(path, model, device, dtype, k, 1)
-        generate(eng, prompts[:1], 8, "warm")                  # graphs captured before timing
+        generate(eng, prompts[:1], max_tokens, "warm")         # graph shapes captured before timing
         if eng.spec is not None:
             eng.spec.stats = type(eng.spec.stats)()
         tokens, decode_s, outs = 0, 0.0, {}
@@ -107,7 +107,7 @@ def demo_runs(device: str, dtype: str, ks: list[int], max_tokens: int, n_prompts
         row["sequences_equal_plain"] = sum(outs[i] == plain[i] for i in outs)
         # every prompt at once
         eng = demo_engine(path, model, device, dtype, k, len(prompts))
-        generate(eng, prompts[:2], 8, "warm")
+        generate(eng, prompts, max_tokens, "warm")
         done, _, after = generate(eng, prompts, max_tokens, "all-")
         row[f"b{len(prompts)}_decode_tokens_per_s"] = sum(len(t) - 1 for t in done.values()) / after
         log(f"demo {name}: {row}")
