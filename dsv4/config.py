@@ -178,6 +178,52 @@ class ModelConfig:
         return d
 
 
+SPECULATIVE_METHODS = ("mtp",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (docs/architecture.md, "Speculative decoding"): `method` drafts
+    `num_speculative_tokens` tokens per request and step, verified in the next step. `model`:
+    a draft checkpoint folder (`dsv4 convert --extract-mtp`) whose MTP blocks replace the
+    model's own."""
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+    model: str | None = None
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError("speculative_config", f"method: expected one of {list(SPECULATIVE_METHODS)}, "
+                                                    f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ConfigError("speculative_config", f"num_speculative_tokens: expected an integer in "
+                                                    f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ConfigError("speculative_config", f"model: expected a folder path, got {self.model!r}")
+
+    @classmethod
+    def parse(cls, value) -> "SpeculativeConfig | None":
+        """A SpeculativeConfig, a dict of its fields, or that dict as JSON text (the CLI's
+        `--speculative-config '{"method": "mtp", "num_speculative_tokens": 2}'`); None stays None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError("speculative_config", f"not valid JSON ({e.msg} at character {e.pos}): "
+                                                        f"{value!r}") from None
+        if not isinstance(value, dict):
+            raise ConfigError("speculative_config", f"expected a JSON object, got {value!r}")
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError("speculative_config", f"unknown key(s) {unknown}; known: method, "
+                                                    f"num_speculative_tokens, model")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every engine setting (the CLI flags of `generate`, `serve` and `bench`)."""
@@ -202,6 +248,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True     # share the history pages of resent prefixes (cache/prefix.py)
     num_checkpoints: int | None = None     # prefix-cache checkpoints; None: one per 16 history pages, >= 2 per slot
     tokenizer: str | None = None           # tokenizer folder; None: the model folder's
+    speculative_config: SpeculativeConfig | None = None   # off by default; a dict or JSON text is parsed
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_bs"):
@@ -217,6 +264,7 @@ class EngineConfig:
             raise ConfigError("num_checkpoints", f"expected >= 0, got {self.num_checkpoints}")
         if self.spec_slots < 0:
             raise ConfigError("spec_slots", f"expected >= 0, got {self.spec_slots}")
+        self._set_speculative()
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ConfigError("async_scheduling", f"expected 'auto', 'on' or 'off', got {self.async_scheduling!r}")
         if self.ops_backend not in ("auto", "reference"):
@@ -256,3 +304,17 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 d[name] = getattr(self, name)
         return d
+
+    def _set_speculative(self) -> None:
+        """Parse `speculative_config`; spec_slots (the positions the private cache state can roll
+        back) defaults to num_speculative_tokens and may not be smaller."""
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
+        if spec is None:
+            return
+        k = spec.num_speculative_tokens
+        if self.spec_slots == 0:
+            object.__setattr__(self, "spec_slots", k)
+        elif self.spec_slots < k:
+            raise ConfigError("spec_slots", f"{self.spec_slots} is below num_speculative_tokens {k}: the "
+                                            f"cache must roll back every rejected draft")

@@ -26,11 +26,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def make_engine(model: str, device: str, dtype: str, batch: int, input_len: int, output_len: int) -> LLMEngine:
+def make_engine(model: str, device: str, dtype: str, batch: int, input_len: int, output_len: int,
+                speculative_config=None) -> LLMEngine:
     """Without the prefix cache: every run sends the same prompts, each must be computed."""
     cfg = EngineConfig(device=device, dtype=dtype, max_num_seqs=max(batch, 1),
                        max_num_batched_tokens=max(batch * input_len, 256),
-                       max_model_len=input_len + output_len + 8, enable_prefix_caching=False)
+                       max_model_len=input_len + output_len + 8, enable_prefix_caching=False,
+                       speculative_config=speculative_config)
     return LLMEngine(model, cfg)
 
 
@@ -69,12 +71,15 @@ def time_one(engine: LLMEngine, batch: int, input_len: int, output_len: int, syn
 
 
 def run_latency(model: str, device: str, dtype: str, batch: int, input_len: int, output_len: int,
-                iters: int, warmup: int, synthetic: bool, bandwidth: float, peak: float) -> dict:
-    engine = make_engine(model, device, dtype, batch, input_len, output_len)
+                iters: int, warmup: int, synthetic: bool, bandwidth: float, peak: float,
+                speculative_config=None) -> dict:
+    engine = make_engine(model, device, dtype, batch, input_len, output_len, speculative_config)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     for w in range(warmup):
         time_one(engine, batch, input_len, min(output_len, 4), synthetic, f"warm{w}")
+    if engine.spec is not None:
+        engine.spec.stats = type(engine.spec.stats)()     # count the timed runs only
     runs = [time_one(engine, batch, input_len, output_len, synthetic, f"run{i}")
             for i in tqdm(range(iters), desc="iterations", disable=iters < 2)]
     return summarize(engine, runs, batch, input_len, output_len, synthetic, bandwidth, peak)
@@ -101,13 +106,23 @@ def summarize(engine, runs, batch, input_len, output_len, synthetic, bandwidth, 
         out["decode_vs_bound"] = out["decode_bound_s"] / out["decode_step_s"]
     if str(engine.config.device).startswith("cuda"):
         out["peak_gpu_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
-    return out
+    return out | spec_summary(engine)
+
+
+def spec_summary(engine) -> dict:
+    """Acceptance figures of a speculative engine (engine/speculative/stats.py); {} without."""
+    if engine.spec is None:
+        return {}
+    return {"speculative": engine.config.speculative_config.method,
+            "num_speculative_tokens": engine.config.speculative_config.num_speculative_tokens,
+            **engine.spec.stats.summary()}
 
 
 def run_throughput(model: str, device: str, dtype: str, num_prompts: int, input_len: int, output_len: int,
-                   max_num_seqs: int) -> dict:
+                   max_num_seqs: int, speculative_config=None) -> dict:
     cfg = EngineConfig(device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-                       max_model_len=input_len + output_len + 8, enable_prefix_caching=False)
+                       max_model_len=input_len + output_len + 8, enable_prefix_caching=False,
+                       speculative_config=speculative_config)
     engine = LLMEngine(model, cfg)
     _add_batch(engine, num_prompts, input_len, output_len, False, "tp")
     _sync(device)
@@ -119,13 +134,13 @@ def run_throughput(model: str, device: str, dtype: str, num_prompts: int, input_
     elapsed = time.perf_counter() - t0
     return {"num_prompts": num_prompts, "input_len": input_len, "output_len": output_len, "elapsed_s": elapsed,
             "requests_per_s": num_prompts / elapsed, "output_tokens_per_s": num_prompts * output_len / elapsed,
-            "total_tokens_per_s": num_prompts * (input_len + output_len) / elapsed}
+            "total_tokens_per_s": num_prompts * (input_len + output_len) / elapsed} | spec_summary(engine)
 
 
 def format_table(result: dict) -> str:
     rows = []
     for key, value in result.items():
-        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)   # (lists as they print)
         rows.append(f"{key:<24} {text}")
     return "\n".join(rows)
 

@@ -14,6 +14,19 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--input-len", type=positive_int, default=128)
     parser.add_argument("--output-len", type=positive_int, default=32)
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line last")
+    parser.add_argument("--speculative-config", default=None,
+                        help="speculative decoding as JSON, e.g. "
+                             "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}'; the result adds acceptance "
+                             "length, per-position acceptance, drafted and accepted tokens")
+
+
+def _spec(args: argparse.Namespace):
+    """The --speculative-config value parsed, or SystemExit naming the flag."""
+    from ..config import ConfigError, SpeculativeConfig
+    try:
+        return SpeculativeConfig.parse(args.speculative_config)
+    except ConfigError as e:
+        raise SystemExit(f"--speculative-config: {e}") from None
 
 
 def configure_latency(parser: argparse.ArgumentParser) -> None:
@@ -31,7 +44,7 @@ def run_latency(args: argparse.Namespace) -> int:
     from ..bench import offline as b
     result = b.run_latency(args.model, args.device, args.dtype, args.batch_size, args.input_len, args.output_len,
                            args.num_iters, args.num_warmup, args.synthetic_context,
-                           args.bandwidth or b.DEFAULT_BANDWIDTH, args.peak_flops or b.DEFAULT_PEAK)
+                           args.bandwidth or b.DEFAULT_BANDWIDTH, args.peak_flops or b.DEFAULT_PEAK, _spec(args))
     print(b.format_table(result))
     if args.json:
         print(json.dumps(result))
@@ -47,7 +60,7 @@ def configure_throughput(parser: argparse.ArgumentParser) -> None:
 def run_throughput(args: argparse.Namespace) -> int:
     from ..bench import offline as b
     result = b.run_throughput(args.model, args.device, args.dtype, args.num_prompts, args.input_len,
-                              args.output_len, args.max_num_seqs)
+                              args.output_len, args.max_num_seqs, _spec(args))
     print(b.format_table(result))
     if args.json:
         print(json.dumps(result))

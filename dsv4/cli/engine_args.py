@@ -37,6 +37,8 @@ HELP = {
     "num_checkpoints": "prefix-cache checkpoints (the private state at a page boundary; default: one per 16 "
                        "history pages, at least two per request slot)",
     "tokenizer": "tokenizer folder (default: the model folder; needed for a random:... model spec)",
+    "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 2}' "
+                          "(off by default; --spec-slots defaults to num_speculative_tokens)",
 }
 # config.json keys that have a flag of their own (the rest of an override comes from --hf-overrides)
 OVERRIDE_FLAGS = ("index_topk_freq", "index_topk_pattern")

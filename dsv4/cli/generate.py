@@ -35,7 +35,11 @@ def run(args) -> int:
         raise SystemExit("--prompt-ids: expected comma-separated integers") from None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
-    llm = LLM(args.model, **vars(engine_config(args)))
+    from ..config import ConfigError
+    try:
+        llm = LLM(args.model, **vars(engine_config(args)))
+    except ConfigError as e:             # a setting the model cannot serve (e.g. MTP without an MTP block)
+        raise SystemExit(f"--{e.field.replace('_', '-')}: {e}") from None
     if args.show_memory:
         print(llm.engine.memory_report())
     try:

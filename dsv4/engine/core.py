@@ -132,11 +132,17 @@ class EngineCore:
         (running, waiting), cache = self.engine.scheduler.counts(), self.engine.cache
         usage, (queries, hits, cached) = cache.usage(), self.engine.prefix_stats()
         free = cache.available_pages()          # pages only the prefix cache holds count as free
-        return EngineStats(num_running=running, num_waiting=waiting,
-                           pages_used=usage["pages_total"] - free, pages_free=free,
-                           swa_pages_used=usage["swa_pages_used"], slots_used=usage["slots_used"],
-                           steps=self._steps, generated_tokens=self._generated, prefix_queries=queries,
-                           prefix_hits=hits, prefix_pages=cached)
+        stats = EngineStats(num_running=running, num_waiting=waiting,
+                            pages_used=usage["pages_total"] - free, pages_free=free,
+                            swa_pages_used=usage["swa_pages_used"], slots_used=usage["slots_used"],
+                            steps=self._steps, generated_tokens=self._generated, prefix_queries=queries,
+                            prefix_hits=hits, prefix_pages=cached)
+        spec = getattr(self.engine, "spec", None)
+        if spec is not None:
+            s = spec.stats
+            stats.spec_drafts, stats.spec_draft_tokens = s.num_drafts, s.num_draft_tokens
+            stats.spec_accepted_tokens, stats.spec_accepted_per_pos = s.num_accepted_tokens, list(s.accepted_per_pos)
+        return stats
 
 
 def ready_message(engine) -> Ready:

@@ -41,8 +41,11 @@ def width_bucket(n: int) -> int:
 
 
 class StepGraphs:
-    def __init__(self, model, storage, max_bs: int, capture: bool, h2d: HostToDevice | None = None):
+    def __init__(self, model, storage, max_bs: int, capture: bool, h2d: HostToDevice | None = None,
+                 keep_streams: bool = False):
+        """keep_streams: the graphs also output the final residual streams (what a drafter reads)."""
         self.model, self.storage, self.max_bs, self.capture = model, storage, max_bs, capture
+        self.keep_streams = keep_streams
         self.layout = storage.layout
         self.h2d = h2d if h2d is not None else HostToDevice(next(model.parameters()).device)
         self.graphs: OrderedDict[StepShape, tuple] = OrderedDict()   # in replay order
@@ -61,12 +64,17 @@ class StepGraphs:
         return StepShape(seqs=batch_bucket(len(seqs), self.max_bs), tokens=q, e4=width_bucket(e4),
                          e128=width_bucket(e128), swa_pages=(W + q - 2) // SWA_PAGE_TOKENS + 2)
 
-    @torch.inference_mode()
     def run(self, seqs: list[SeqChunk], fill=None) -> torch.Tensor:
         """seqs: the step's uniform chunks -> fp32 logits [R * q, vocab] of its real rows.
         `fill` (runner.PendingFill): token rows whose ids are still on the device. The graph
         ends at the head's input [B * q, hidden]; the head GEMM runs after it (so a graph holds
         no [B * q, vocab] buffer)."""
+        return self.run_with_streams(seqs, fill)[0]
+
+    @torch.inference_mode()
+    def run_with_streams(self, seqs: list[SeqChunk], fill=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`run`, and the final residual streams [R * q, hc_mult, hidden] of the real rows when
+        keep_streams (else None)."""
         real = len(seqs) * len(seqs[0].token_ids)
         shape = self.shape(seqs)
         padded = build_step(seqs, self.layout, self.storage.ring_slots, shape, self.scratch)
@@ -75,13 +83,15 @@ class StepGraphs:
             static = _rebind(padded, self.h2d.allocate(leaves)[1])
             if fill is not None:
                 fill.apply(static.token_ids, self.h2d)
-            return self.model.head_logits(self._forward(static)[:real])
-        graph, flat, static, out = self._graph(shape, padded, leaves)
-        self.h2d.upload_into(flat, leaves)             # page tables, slots, rows of this step
-        if fill is not None:
-            fill.apply(static.token_ids, self.h2d)
-        graph.replay()
-        return self.model.head_logits(out[:real])
+            out = self._forward(static)
+        else:
+            graph, flat, static, out = self._graph(shape, padded, leaves)
+            self.h2d.upload_into(flat, leaves)             # page tables, slots, rows of this step
+            if fill is not None:
+                fill.apply(static.token_ids, self.h2d)
+            graph.replay()
+        head_in, streams = out
+        return self.model.head_logits(head_in[:real]), streams[:real] if streams is not None else None
 
     def _graph(self, shape: StepShape, padded: ForwardBatch, leaves: list[torch.Tensor]) -> tuple:
         if shape in self.graphs:
@@ -92,8 +102,10 @@ class StepGraphs:
             self.graphs[shape] = self._capture(padded, leaves)
         return self.graphs[shape]
 
-    def _forward(self, fb: ForwardBatch) -> torch.Tensor:
-        return self.model.head_input(self.model(fb, self.storage.layers)[fb.logits_rows])
+    def _forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (head input [B * q, hidden], the streams [B * q, hc_mult, hidden] or None)."""
+        streams = self.model(fb, self.storage.layers)[fb.logits_rows]
+        return self.model.head_input(streams), streams if self.keep_streams else None
 
     def _capture(self, padded: ForwardBatch, leaves: list[torch.Tensor]):
         """The graph reads its batch from views of one flat buffer, refilled before each replay."""

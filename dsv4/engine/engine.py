@@ -38,26 +38,37 @@ class LLMEngine:
         self.model = model if model is not None else load_model(model_dir, config.device, DTYPES[config.dtype],
                                                                 keep_fp8=config.keep_fp8, keep_mxfp4=config.keep_mxfp4,
                                                                 overrides=config.model_overrides())
+        spec = config.speculative_config
+        if spec is not None:             # (a draft checkpoint may give the model its MTP blocks)
+            from .speculative import check_speculative
+            check_speculative(spec, self.model)
         self.cfg = self.model.cfg
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.tokenizer or model_dir)
-        self.layout = CacheLayout(self.cfg, spec_slots=config.spec_slots)
+        self.layout = CacheLayout(self.cfg, spec_slots=config.spec_slots, with_mtp=spec is not None)
         self.plan = plan_cache(self.layout, config, DTYPES[config.dtype])
         self.max_model_len = self._max_model_len()
         self.cache = CacheManager(self.layout, self.plan, prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(self.model, self.layout, self.plan, self.cache, config.device,
-                                  0 if config.enforce_eager else config.cuda_graph_max_bs)
+                                  0 if config.enforce_eager else config.cuda_graph_max_bs,
+                                  keep_hidden=spec is not None)
         self.cache.bind(self.runner.storage)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
+        self.eos_token_id = self.tokenizer.eos_id if self.tokenizer is not None else self.cfg.eos_token_id
+        self.spec = None            # the speculative decoder (engine/speculative/), when configured
+        if spec is not None:
+            from .speculative.decoder import SpeculativeDecoder
+            self.spec = SpeculativeDecoder(spec, self.model, self.runner, self.cache, self.eos_token_id,
+                                           self.generator)
         self.requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}
         self._arrivals = itertools.count()
-        self.async_scheduling = config.async_scheduling == "on" or (
-            config.async_scheduling == "auto" and torch.device(config.device).type == "cuda")
+        # speculative steps run synchronously: drafts need the step's tokens on the host
+        self.async_scheduling = self.spec is None and (config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and torch.device(config.device).type == "cuda"))
         self._inflight: StepInFlight | None = None       # the launched step not yet read back
         self._carried: list[RequestOutput] = []           # outputs of a step read after a failure
-        self.eos_token_id = self.tokenizer.eos_id if self.tokenizer is not None else self.cfg.eos_token_id
         log.info(self.memory_report())
 
     # ---- set-up ---------------------------------------------------------------------
@@ -170,15 +181,18 @@ class LLMEngine:
     def _launch(self, chunks: list[ScheduledChunk]) -> StepInFlight:
         prev = self._inflight.tokens if self._inflight is not None else None
         step = self.runner.execute(chunks, prev)
-        sampled = [i for i, c in enumerate(chunks) if c.completes]
-        tokens, values = self._sample(chunks, sampled, step)
+        if self.spec is None:
+            sampled = [i for i, c in enumerate(chunks) if c.completes]
+            tokens, values = self._sample(chunks, sampled, step)
+        else:                           # verify drafts, rewind rejected ones, draft the next
+            sampled, tokens, values = self.spec.step(chunks, step)
         lps = [self._prompt_logprobs(c.request, c, step, i) for i, c in enumerate(chunks)
                if c.request.wants_prompt_logprobs and c.request.num_computed < len(c.request.prompt_token_ids)]
         for row, i in enumerate(sampled):
             chunks[i].request.num_pending += 1
             chunks[i].request.pending_row = row
         for c in chunks:
-            self.scheduler.advance(c.request, c.num_tokens)
+            self.scheduler.advance(c.request, c.num_tokens - c.num_rejected)
         return StepInFlight(chunks, sampled, tokens, values, lps)
 
     def _complete(self, step: StepInFlight) -> list[RequestOutput]:

@@ -92,6 +92,12 @@ class EngineStats(msgspec.Struct):
     prefix_queries: int = 0     # prompt tokens looked up in the prefix cache so far
     prefix_hits: int = 0        # of them, tokens resumed from it
     prefix_pages: int = 0       # history pages the prefix cache holds
+    # speculative decoding so far (engine/speculative/stats.py): verifies with drafts, drafted
+    # and accepted tokens, accepted tokens per draft position
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -43,6 +43,7 @@ class Request:
     num_cached_tokens: int | None = None       # prompt tokens resumed from the prefix cache at first admission
     num_pending: int = 0                       # sampled by steps in flight, not yet in output_token_ids
     pending_row: int = -1                      # the latest one's row in its step's sampled tokens
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts the next decode step verifies
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -21,6 +21,8 @@ class StepLogits:
     logits: torch.Tensor            # [L, vocab] fp32 for the rows asked for
     first_row: list[int]            # per chunk: its first row in `logits` (-1: none)
     num_rows: list[int]             # per chunk: rows it has (its last num_rows tokens)
+    hidden: torch.Tensor | None = None   # [T, hc_mult, hidden] final residual streams of every token
+                                         # row, chunks in order (keep_hidden: what drafters read)
 
 
 @dataclass
@@ -38,15 +40,17 @@ class PendingFill:
 
 class ModelRunner:
     def __init__(self, model, layout: CacheLayout, plan: CachePlan, cache: CacheManager, device,
-                 cuda_graph_max_bs: int = 0):
+                 cuda_graph_max_bs: int = 0, keep_hidden: bool = False):
         """cuda_graph_max_bs > 0 on a CUDA device: uniform steps (every request the same number
-        of tokens, all with logits) up to that batch replay CUDA graphs."""
+        of tokens, all with logits) up to that batch replay CUDA graphs. keep_hidden: every step
+        also returns its final residual streams (StepLogits.hidden)."""
         self.model, self.layout, self.cache, self.device = model, layout, cache, device
+        self.keep_hidden = keep_hidden
         self.storage = KVStorage(layout, plan, model.dtype, device)
         self.h2d = HostToDevice(device)
         use_graphs = cuda_graph_max_bs > 0 and torch.device(device).type == "cuda"
-        self.graphs = StepGraphs(model, self.storage, cuda_graph_max_bs, capture=True, h2d=self.h2d) \
-            if use_graphs else None
+        self.graphs = StepGraphs(model, self.storage, cuda_graph_max_bs, capture=True, h2d=self.h2d,
+                                 keep_streams=keep_hidden) if use_graphs else None
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None = None) -> StepLogits:
@@ -57,12 +61,16 @@ class ModelRunner:
         counts = [s.logits for s in seqs]
         first = [row if n else -1 for row, n in zip(accumulate([0] + counts), counts)]
         if self.graphs is not None and self.graphs.accepts(seqs):
+            if self.keep_hidden:
+                logits, streams = self.graphs.run_with_streams(seqs, fill)
+                return StepLogits(logits, first, counts, streams)
             return StepLogits(self.graphs.run(seqs, fill), first, counts)
         fb = upload_tree(build_step(seqs, self.layout, self.storage.ring_slots), self.h2d)
         if fill is not None:
             fill.apply(fb.token_ids, self.h2d)
         hidden = self.model(fb, self.storage.layers)
-        return StepLogits(self.model.logits(hidden[fb.logits_rows]), first, counts)
+        return StepLogits(self.model.logits(hidden[fb.logits_rows]), first, counts,
+                          hidden if self.keep_hidden else None)
 
     def _seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
         req, held = c.request, self.cache.seq(c.request)
@@ -72,6 +80,7 @@ class ModelRunner:
         else:
             logits = min(max(c.num_logits or 0, 1 if c.completes else 0), c.num_tokens)
         known = req.known_tokens(start, c.num_tokens)
+        known += req.spec_token_ids[:c.num_tokens - len(known)] if c.num_logits else []   # drafts to verify
         missing = c.num_tokens - len(known)              # the pending token, still on the device
         return SeqChunk(slot=held.slot, start=start, token_ids=known + [0] * missing,
                         page_table=held.pages, swa_table=held.swa_pages, logits=logits,
@@ -86,7 +95,7 @@ def _pending_fill(chunks: list[ScheduledChunk], seqs: list[SeqChunk],
     for c, s in zip(chunks, seqs):
         req = c.request
         last = s.start + len(s.token_ids)                 # one past the chunk's last position
-        known = len(req.prompt_token_ids) + len(req.output_token_ids)
+        known = len(req.prompt_token_ids) + len(req.output_token_ids) + len(req.spec_token_ids)
         if last > known:
             if req.num_pending != 1 or last != known + 1 or prev_tokens is None:
                 raise RuntimeError(f"request {req.request_id}: tokens up to {last} scheduled, "

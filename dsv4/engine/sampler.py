@@ -270,14 +270,20 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """[B] sampled token ids (meaningless on greedy rows)."""
+    def probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """[B, V] the distribution sampling rows draw from, given processed logits: temperature
+        -> top-k -> top-p -> min-p -> softmax (meaningless on greedy rows)."""
         logits = logits / batch.temperature[:, None]
         if batch.top_k is not None:
             logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
         if batch.min_p is not None:
             logits = apply_min_p(logits, batch.min_p)
-        probs = logits.softmax(dim=-1)
+        return logits.softmax(dim=-1)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """[B] sampled token ids (meaningless on greedy rows)."""
+        probs = Sampler.probs(logits, batch)
         return (probs / exponential_noise(batch, probs.shape, probs.device)).argmax(dim=-1)
 
 

@@ -1,7 +1,9 @@
 """Continuous batching with chunked prefill (docs/architecture.md, "Engine").
 
 Each step: running requests first (decodes, then unfinished prefills, oldest first), then
-waiting ones in arrival order, under `max_num_batched_tokens` and `max_num_seqs`. A
+waiting ones in arrival order, under `max_num_batched_tokens` and `max_num_seqs`. A decode
+with drafts (`Request.spec_token_ids`) is one verify chunk of its last token and the drafts
+(as many as the budget allows). A
 request is scheduled only once the cache manager has reserved what its chunk needs. When a
 running request cannot get pages, the newest running request is preempted by recompute
 (everything it held is freed; it re-enters the front of the waiting queue) until it fits.
@@ -26,16 +28,20 @@ from .request import Request, Status
 @dataclass
 class ScheduledChunk:
     """Tokens [num_computed, num_computed + num_tokens) of a request in this step: a prefill
-    chunk, one decode token, or k + 1 tokens to verify (`num_logits` = k + 1: the last rows
-    whose logits the step returns; by default the last row when the chunk completes)."""
+    chunk, one decode token, or k + 1 tokens to verify (the last known token and k drafts,
+    `num_logits` = k + 1: the last rows whose logits the step returns; by default the last row
+    when the chunk completes). `num_rejected`: trailing verify positions whose drafts were
+    rejected; the step writes them but counts them as not computed (invariant 1)."""
     request: Request
     num_tokens: int
     num_logits: int | None = None
+    num_rejected: int = 0
 
     @property
     def completes(self) -> bool:
-        """The chunk reaches the last known token, so a new token is sampled after it."""
-        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+        """The chunk reaches the last known token (and maybe drafts past it), so new tokens are
+        sampled after it."""
+        return self.request.num_computed + self.num_tokens >= self.request.num_tokens
 
 
 class Scheduler:
@@ -60,9 +66,10 @@ class Scheduler:
             budget = self.max_tokens - sum(c.num_tokens for c in chunks)
             if budget == 0 or req.status is not Status.RUNNING:
                 continue
-            n = min(req.num_remaining, budget)
+            drafts = len(req.spec_token_ids) if req.is_decoding else 0
+            n = min(req.num_remaining + drafts, budget)
             if self._reserve_or_preempt(req, n, chunks):
-                chunks.append(ScheduledChunk(req, n))
+                chunks.append(ScheduledChunk(req, n, n if drafts else None))
         budget = self.max_tokens - sum(c.num_tokens for c in chunks)
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_seqs:

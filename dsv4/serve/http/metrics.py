@@ -1,6 +1,6 @@
 """Prometheus metrics (`GET /metrics`), named like vLLM's with a `dsv4:` prefix.
 
-Engine gauges and the generated-token and step counters come from the `EngineStats` of
+Engine gauges and the generated-token, step and speculative-decoding counters come from the `EngineStats` of
 every engine message; prompt tokens are counted when a request is sent to the engine, and
 the latency histograms are measured here, per engine request, from its arrival in the API
 process: time to first token, time per output token after the first, end to end.
@@ -50,6 +50,15 @@ class ServerMetrics:
                               m, buckets=TPOT_BUCKETS, registry=r)
         self.e2e = Histogram("dsv4:e2e_request_latency_seconds", "End-to-end request latency", m,
                              buckets=E2E_BUCKETS, registry=r)
+        spec = "Speculative decoding: "
+        self.spec_drafts = Counter("dsv4:spec_decode_num_drafts", spec + "verifies of a request with drafts", m,
+                                   registry=r)
+        self.spec_draft_tokens = Counter("dsv4:spec_decode_num_draft_tokens", spec + "drafted tokens", m, registry=r)
+        self.spec_accepted = Counter("dsv4:spec_decode_num_accepted_tokens", spec + "accepted drafted tokens", m,
+                                     registry=r)
+        self.spec_accepted_pos = Counter("dsv4:spec_decode_num_accepted_tokens_per_pos",
+                                         spec + "accepted drafted tokens by draft position", m + ["position"],
+                                         registry=r)
         self.name = model_name
         self._last = EngineStats()
         self.pages_total.labels(model_name).set(num_pages)
@@ -70,7 +79,18 @@ class ServerMetrics:
         self.prefix_queries.labels(name).inc(max(0, stats.prefix_queries - self._last.prefix_queries))
         self.prefix_hits.labels(name).inc(max(0, stats.prefix_hits - self._last.prefix_hits))
         self.prefix_pages.labels(name).set(stats.prefix_pages)
+        self._update_spec(stats)
         self._last = stats
+
+    def _update_spec(self, stats: EngineStats) -> None:
+        """Counters from the engine's running totals (the increase since the last message)."""
+        name, last = self.name, self._last
+        self.spec_drafts.labels(name).inc(max(0, stats.spec_drafts - last.spec_drafts))
+        self.spec_draft_tokens.labels(name).inc(max(0, stats.spec_draft_tokens - last.spec_draft_tokens))
+        self.spec_accepted.labels(name).inc(max(0, stats.spec_accepted_tokens - last.spec_accepted_tokens))
+        before = last.spec_accepted_per_pos
+        for pos, n in enumerate(stats.spec_accepted_per_pos):
+            self.spec_accepted_pos.labels(name, str(pos)).inc(max(0, n - (before[pos] if pos < len(before) else 0)))
 
     def track(self, num_requests: int, prompt_tokens: int) -> "RequestTracker":
         self.prompt_tokens.labels(self.name).inc(prompt_tokens)

@@ -1,0 +1,261 @@
+"""Speculative decoding benchmark (one device call, docs/speculative.md):
+
+1. demo model, the 20 held-out prompts, greedy, 128 new tokens each: plain decode vs MTP with
+   k = 1, 2, 3 — decode tokens/s at batch 1 (one prompt at a time, time after the first
+   token) and with all 20 prompts at once, mean acceptance length, per-position acceptance,
+   drafted vs accepted tokens, and how many sequences equal plain decode's (bf16 on the GPU:
+   a verify step's k + 1 rows are summed in another order than k + 1 decode steps, so a
+   near-tie can part them; the CPU tests assert identity in fp32);
+2. `random:flash-slice:6` (bf16): the main model's cost of a verify step of q = k + 1 tokens
+   per request vs a decode step (q = 1) at batch 1, 8 and 64, context 1024, both through CUDA
+   graphs; cost(q) / cost(1) is the acceptance length at which verifying pays for itself
+   (the drafter's own cost not included: the slice has no MTP block).
+
+    python -m benchmarks.spec_suite --out DIR [--max-tokens 128] [--ks 1,2,3] [--dry-run-cpu]
+
+Prints one table; writes spec_suite.json and spec_suite.txt into DIR.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---- 1. demo model: plain vs MTP ------------------------------------------------------------
+def demo_prompts() -> tuple[str, list[list[int]]]:
+    from dsv4.assets import DEMO_DIR
+    from dsv4.text.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(DEMO_DIR)
+    with open(os.path.join(DEMO_DIR, "heldout.json"), encoding="utf-8") as f:
+        return DEMO_DIR, [tok.encode(p["prompt"]) for p in json.load(f)["prompts"]]
+
+
+def demo_engine(path, model, device, dtype, k: int | None, batch: int):
+    from dsv4.config import EngineConfig
+    from dsv4.engine.engine import LLMEngine
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    return LLMEngine(path, EngineConfig(device=device, dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=4096,
+                                        num_pages=batch * 4 + 8, max_model_len=1024, speculative_config=spec),
+                     model=model)
+
+
+def generate(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[dict, float, float]:
+    """All prompts at once (one prefill step: the budget holds them) -> (token ids by prompt
+    index, seconds of the first step, seconds of the steps after it)."""
+    from dsv4.sampling_params import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}{i}", p, params)
+    device, done = str(engine.config.device), {}
+
+    def step():
+        for o in engine.step():
+            if o.finished:
+                done[int(o.request_id[len(tag):])] = o.token_ids
+    _sync(device)
+    t0 = time.perf_counter()
+    step()
+    _sync(device)
+    t1 = time.perf_counter()
+    while engine.has_unfinished():
+        step()
+    _sync(device)
+    return done, t1 - t0, time.perf_counter() - t1
+
+
+def demo_runs(device: str, dtype: str, ks: list[int], max_tokens: int, n_prompts: int) -> dict:
+    from dsv4.model.weights import load_model
+    path, prompts = demo_prompts()
+    prompts = prompts[:n_prompts]
+    model = load_model(path, device, getattr(torch, dtype))
+    out, plain = {}, None
+    for k in [0] + ks:
+        name = f"mtp k={k}" if k else "plain"
+        row = out[name] = {}
+        # batch 1: one prompt at a time; decode time after each prompt's first token
+        eng = demo_engine(path, model, device, dtype, k, 1)
+        generate(eng, prompts[:1], max_tokens, "warm")         # graph shapes captured before timing
+        if eng.spec is not None:
+            eng.spec.stats = type(eng.spec.stats)()
+        tokens, decode_s, outs = 0, 0.0, {}
+        for i, p in enumerate(prompts):
+            done, _, after = generate(eng, [p], max_tokens, f"b1-{i}-")
+            outs[i] = done[0]
+            tokens += len(done[0]) - 1
+            decode_s += after
+        row["b1_decode_tokens_per_s"] = tokens / decode_s
+        if eng.spec is not None:
+            row.update(eng.spec.stats.summary())
+        if plain is None:
+            plain = outs
+        row["sequences_equal_plain"] = sum(outs[i] == plain[i] for i in outs)
+        # every prompt at once
+        eng = demo_engine(path, model, device, dtype, k, len(prompts))
+        generate(eng, prompts, max_tokens, "warm")
+        done, _, after = generate(eng, prompts, max_tokens, "all-")
+        row[f"b{len(prompts)}_decode_tokens_per_s"] = sum(len(t) - 1 for t in done.values()) / after
+        log(f"demo {name}: {row}")
+    base = out["plain"]["b1_decode_tokens_per_s"]
+    for row in out.values():
+        row["b1_speedup"] = row["b1_decode_tokens_per_s"] / base
+    return out
+
+
+def fp32_identity(device: str, k: int, max_tokens: int, n_prompts: int) -> dict:
+    """Greedy tokens of plain decode and of MTP k in fp32 (both through CUDA graphs: verify and
+    draft graphs): sequences identical, and where one parts, the plain run's top-2 margin there."""
+    from dsv4.model.weights import load_model
+    from dsv4.sampling_params import SamplingParams
+    path, prompts = demo_prompts()
+    prompts = prompts[:n_prompts]
+    model = load_model(path, device, torch.float32)
+    outs = {}
+    for kk in (0, k):
+        eng = demo_engine(path, model, device, "float32", kk, len(prompts))
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+        for i, p in enumerate(prompts):
+            eng.add_request(str(i), p, params)
+        done = {}
+        while eng.has_unfinished():
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+        outs[kk] = [done[str(i)] for i in range(len(prompts))]
+        if kk:
+            graphs = eng.spec.proposer.graphs
+            draft_graphs = len(graphs.graphs) if graphs is not None else 0
+    parted = []
+    for a, b in zip(outs[0], outs[k]):
+        j = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+        if j is not None:
+            lp = sorted(a.logprobs[j].values(), reverse=True)
+            parted.append({"step": j, "plain_top2_margin": round(lp[0] - lp[1], 5)})
+    result = {"k": k, "sequences": len(prompts), "identical": len(prompts) - len(parted), "parted": parted,
+              "draft_graph_shapes": draft_graphs}
+    log(f"fp32 greedy identity plain vs mtp k={k}: {result}")
+    return result
+
+
+# ---- 2. slice: verify step cost ----------------------------------------------------------------
+def verify_cost(device: str, spec: str, batches: list[int], qs: list[int], ctx: int, reps: int) -> dict:
+    """Median seconds of the runner's step (CUDA graph) with q tokens per request, all rows with
+    logits, at `ctx` tokens of synthetic context (cache contents arbitrary: cost depends on
+    positions and page tables, not on values)."""
+    from dsv4.config import EngineConfig
+    from dsv4.engine.engine import LLMEngine
+    from dsv4.engine.request import Status
+    from dsv4.engine.scheduler import ScheduledChunk
+    from dsv4.model.weights import load_model
+    from dsv4.sampling_params import SamplingParams
+    model = load_model(spec, device, torch.bfloat16)
+    out = {}
+    for batch in batches:
+        eng = LLMEngine(spec, EngineConfig(device=device, dtype="bfloat16", max_num_seqs=batch,
+                                           max_num_batched_tokens=max(256, batch * max(qs)), spec_slots=max(qs),
+                                           num_pages=batch * (ctx // 256 + 2) + 8, max_model_len=ctx + 64), model=model)
+        gen = torch.Generator().manual_seed(0)
+        reqs = []
+        for i in range(batch):
+            ids = torch.randint(100, model.cfg.vocab_size, (ctx,), generator=gen).tolist()
+            req = eng.add_request(f"v{i}", ids, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+            eng.scheduler.waiting.remove(req)
+            req.num_computed, req.status = ctx - 1, Status.RUNNING
+            req.spec_token_ids = ids[:max(qs) - 1]          # stand-in drafts
+            assert eng.cache.reserve(req, max(qs)), "cache too small"
+            reqs.append(req)
+        row = out[f"b{batch}"] = {}
+        for q in qs:
+            chunks = [ScheduledChunk(r, q, num_logits=q) for r in reqs]
+            for _ in range(3):                                  # capture, warm up
+                eng.runner.execute(chunks)
+            _sync(device)
+            times = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                eng.runner.execute(chunks)
+                _sync(device)
+                times.append(time.perf_counter() - t)
+            row[f"q{q}_ms"] = statistics.median(times) * 1e3
+        for q in qs:
+            row[f"q{q}_vs_q1"] = row[f"q{q}_ms"] / row["q1_ms"]
+        log(f"verify cost b{batch}: {row}")
+        del eng
+    return out
+
+
+def table(result: dict) -> str:
+    lines = []
+    if "fp32_identity" in result:
+        r = result["fp32_identity"]
+        lines.append(f"== demo fp32, greedy plain vs mtp k={r['k']}: {r['identical']}/{r['sequences']} identical "
+                     f"{r['parted']}")
+    lines.append("== demo model, greedy: decode tokens/s and acceptance")
+    for name, row in result.get("demo", {}).items():
+        acc = (f"  accept len {row['spec_mean_acceptance_length']:.2f}  per pos {row['spec_acceptance_rate_per_pos']}"
+               f"  drafted {row['spec_draft_tokens']} accepted {row['spec_accepted_tokens']}"
+               if "spec_mean_acceptance_length" in row else "")
+        batch_key = next(k for k in row if k.endswith("_decode_tokens_per_s") and not k.startswith("b1_"))
+        lines.append(f"{name:<10} b1 {row['b1_decode_tokens_per_s']:8.1f} tok/s ({row['b1_speedup']:.2f}x)  "
+                     f"{batch_key.split('_')[0]} {row[batch_key]:8.1f} tok/s  equal {row['sequences_equal_plain']}"
+                     + acc)
+    lines.append("== slice: verify step of q tokens per request vs decode (q = 1), ms and ratio")
+    for name, row in result.get("verify", {}).items():
+        qs = sorted(int(k[1:-3]) for k in row if k.endswith("_ms"))
+        lines.append(f"{name:<5} " + "  ".join(f"q{q} {row[f'q{q}_ms']:.3f} ms ({row[f'q{q}_vs_q1']:.2f}x)"
+                                               for q in qs))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--ks", default="1,2,3", help="numbers of speculative tokens to compare with plain decode")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--prompts", type=int, default=20)
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--ctx", type=int, default=1024)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--slice", default="random:flash-slice:6")
+    p.add_argument("--skip-demo", action="store_true")
+    p.add_argument("--skip-slice", action="store_true")
+    p.add_argument("--dry-run-cpu", action="store_true", help="tiny sizes on the CPU, to test the suite itself")
+    args = p.parse_args()
+    device, dtype = ("cpu", "float32") if args.dry_run_cpu else ("cuda", "bfloat16")
+    if args.dry_run_cpu:
+        args.max_tokens, args.prompts, args.batches, args.ctx, args.reps = 12, 2, "1,2", 300, 2
+        args.slice = "random:tiny"
+    ks = [int(k) for k in args.ks.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+    result = {"info": {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
+                       "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "max_tokens": args.max_tokens}}
+    if not args.skip_demo:
+        result["fp32_identity"] = fp32_identity(device, max(ks), min(args.max_tokens, 64), args.prompts)
+        result["demo"] = demo_runs(device, dtype, ks, args.max_tokens, args.prompts)
+    if not args.skip_slice:
+        result["verify"] = verify_cost(device, args.slice, [int(b) for b in args.batches.split(",")],
+                                       [1] + [k + 1 for k in ks], args.ctx, args.reps)
+    text = table(result)
+    print(text)
+    with open(os.path.join(args.out, "spec_suite.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(args.out, "spec_suite.txt"), "w") as f:
+        f.write(json.dumps(result["info"]) + "\n" + text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

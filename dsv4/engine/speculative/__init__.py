@@ -1,0 +1,23 @@
+"""Speculative decoding (docs/architecture.md, "Speculative decoding"): drafters (`mtp.py`),
+verification and acceptance (`verify.py`), the step that ties them to the engine
+(`decoder.py`) and its counters (`stats.py`)."""
+from __future__ import annotations
+
+from ...config import ConfigError, SpeculativeConfig
+
+
+def check_speculative(spec: SpeculativeConfig, model) -> None:
+    """Give `model` the draft checkpoint's MTP blocks when `spec.model` names one, then check
+    that it can draft: ConfigError naming `speculative_config` otherwise."""
+    if spec.model is not None:
+        from ...model.draft import load_draft
+        load_draft(model, spec.model)
+    if not len(model.mtp):
+        raise ConfigError("speculative_config", "method 'mtp': the model has no MTP block (config "
+                                                f"num_nextn_predict_layers = {model.cfg.num_nextn_predict_layers}, "
+                                                "no mtp.* weights loaded); name a draft checkpoint with "
+                                                "\"model\": DIR (dsv4 convert SRC DIR --extract-mtp)")
+    if model.cfg.mtp_compress_ratio != 0:
+        raise ConfigError("speculative_config", f"method 'mtp': MTP blocks with compress ratio "
+                                                f"{model.cfg.mtp_compress_ratio} are not supported (sliding "
+                                                "window only: ratio 0)")

@@ -1,0 +1,188 @@
+"""One speculative step after the target's forward: verify every completing chunk's rows,
+then draft the next step's tokens (docs/architecture.md, "Speculative decoding").
+
+A decoding request with drafts d_1..d_k is scheduled as one chunk of k + 1 tokens (its last
+token and the drafts, every row with logits), mixed with other requests' prefill chunks and
+plain decodes. Here, per completing chunk (rows = its last 1 + drafts rows):
+1. verify (verify.accept_drafts): the rows' tokens are sampled as a plain decode would sample
+   them after the drafts before them; the leading accepted rows and the next row's token are
+   emitted (1 .. k + 1 tokens);
+2. rewind: the chunk's `num_rejected` = drafts not accepted; the engine adds only
+   num_tokens - num_rejected to num_computed (invariant 1: the rejected positions' keys,
+   entries and ring rows are overwritten when those positions are computed again);
+3. draft (MTPProposer): the next drafts, at most what max_tokens leaves room for; their
+   positions reserved in the cache (fewer drafts when pages are short).
+Speculative steps run synchronously (the engine turns async scheduling off): the emitted
+tokens are needed on the host before the drafts can be scheduled.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..inflight import HostCopy
+from ..request import Request
+from ..runner import StepLogits
+from ..sampler import Sampler, SamplingBatch, SamplingRow, gather_logprobs
+from ..scheduler import ScheduledChunk
+from ..upload import upload_tree
+from .draft_graphs import DraftGraphs
+from .mtp import DraftWork, MTPProposer
+from .stats import SpecStats
+from .verify import accept_drafts, leading_accepted
+
+
+class SpeculativeDecoder:
+    def __init__(self, spec_config, model, runner, cache, eos_token_id: int | None, generator: torch.Generator):
+        self.k = spec_config.num_speculative_tokens
+        self.model, self.runner, self.cache = model, runner, cache
+        self.vocab, self.window = model.cfg.vocab_size, model.cfg.sliding_window
+        self.eos_token_id, self.generator = eos_token_id, generator
+        graphs = None
+        if runner.graphs is not None:      # CUDA graphs on: the drafts of uniform steps replay too
+            graphs = DraftGraphs(model, runner.storage, runner.graphs.max_bs, capture=True, h2d=runner.h2d)
+        self.proposer = MTPProposer(model, runner.storage, runner.h2d, graphs)
+        self.stats = SpecStats()
+        self._draft_probs: dict[str, tuple[Request, torch.Tensor]] = {}   # rid -> (request, q [k, V])
+
+    @torch.inference_mode()
+    def step(self, chunks: list[ScheduledChunk], step: StepLogits):
+        """-> (sampled: chunk index once per emitted token, in row order; the emitted tokens [N]
+        on the device; their HostCopy of (tokens, logprobs, top ids, top logprobs)). Sets each
+        chunk's num_rejected and each completing request's next drafts."""
+        self._draft_probs = {rid: v for rid, v in self._draft_probs.items() if not v[0].is_finished}
+        done = [i for i, c in enumerate(chunks) if c.completes]
+        if not done:
+            self._draft(chunks, step, {})
+            return [], None, None
+        drafts = {i: self._drafts_in(chunks[i]) for i in done}
+        rows, sampling, draft_ids, q_rows = [], [], [], []
+        for i in done:
+            req, d = chunks[i].request, drafts[i]
+            last = step.first_row[i] + step.num_rows[i]
+            rows += range(last - len(d) - 1, last)
+            for j in range(len(d) + 1):
+                sampling.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids + d[:j],
+                                            req.generator))
+                q_rows.append(self._q_row(req, j, len(d)))
+            draft_ids += d + [-1]
+        emitted, accepted, lps = self._verify(step.logits, rows, sampling, draft_ids, q_rows)
+        emitted_host, accepted_host = emitted.tolist(), accepted.tolist()
+        sampled, keep, emitted_of, first = [], [], {}, 0
+        for i in done:
+            n = len(drafts[i])
+            a = leading_accepted(accepted_host, first, n)
+            chunks[i].num_rejected = n - a
+            self.stats.record(n, a)
+            sampled += [i] * (a + 1)
+            keep += range(first, first + a + 1)
+            emitted_of[i] = emitted_host[first:first + n + 1]
+            first += n + 1
+        keep_t = torch.tensor(keep, device=emitted.device)
+        values = [emitted[keep_t]] + [t[keep_t] for t in lps]
+        self._draft(chunks, step, emitted_of)
+        return sampled, values[0], HostCopy(values)
+
+    # ---- verify -------------------------------------------------------------------------
+    def _drafts_in(self, c: ScheduledChunk) -> list[int]:
+        """The drafts a completing chunk carries (the tokens past the request's known ones)."""
+        req = c.request
+        return req.spec_token_ids[:req.num_computed + c.num_tokens - req.num_tokens]
+
+    def _q_row(self, req: Request, j: int, n: int) -> torch.Tensor | None:
+        entry = self._draft_probs.get(req.request_id)
+        return entry[1][j] if entry is not None and j < n else None
+
+    def _verify(self, logits, rows, sampling, draft_ids, q_rows):
+        """Target logits rows `rows` of the step -> (emitted [R], accepted [R], raw logprobs of
+        the emitted tokens: chosen [R], top ids [R, n], top logprobs [R, n])."""
+        batch = SamplingBatch.build(sampling, self.vocab, "cpu", self.eos_token_id, self.generator)
+        batch, rows_t, ids_t = upload_tree((batch, torch.tensor(rows), torch.tensor(draft_ids)), self.runner.h2d)
+        target = logits[rows_t]
+        processed = Sampler.processed_logits(target, batch)
+        emitted, accepted = accept_drafts(processed, batch, ids_t, self._draft_q(batch, q_rows, draft_ids, target))
+        if batch.wants_logprobs:
+            lps = gather_logprobs(torch.log_softmax(target.float(), dim=-1), emitted, batch.max_num_logprobs)
+        else:
+            empty = target.new_empty(len(rows), 0, dtype=torch.float32)
+            lps = (empty.new_zeros(len(rows)), empty.long(), empty)
+        return emitted, accepted, lps
+
+    def _draft_q(self, batch: SamplingBatch, q_rows: list, draft_ids: list[int], target: torch.Tensor):
+        """[R, V] the distribution each row's draft was drawn from (one-hot at an argmax draft),
+        or None when no sampling row has a stored one."""
+        if not batch.random_rows or all(r is None for r in q_rows):
+            return None
+        q = torch.zeros(len(q_rows), self.vocab, device=target.device)
+        for n, (row, d) in enumerate(zip(q_rows, draft_ids)):
+            if row is not None:
+                q[n] = row
+            elif d >= 0:
+                q[n, d] = 1.0
+        return q
+
+    # ---- draft --------------------------------------------------------------------------
+    def _draft(self, chunks: list[ScheduledChunk], step: StepLogits, emitted_of: dict[int, list[int]]) -> None:
+        works, hidden_row = [], 0
+        for i, c in enumerate(chunks):
+            work = self._work(c, hidden_row, emitted_of.get(i))
+            hidden_row += c.num_tokens
+            if i in emitted_of:
+                c.request.spec_token_ids = []
+                self._draft_probs.pop(c.request.request_id, None)
+            if work is not None:
+                works.append(work)
+        if not works:
+            return
+        proposals = self.proposer.propose(works, step.hidden, self._draft_batch)
+        drafting = [w for w in works if w.num_drafts > 0]
+        host = torch.cat([d for d, _ in proposals]).tolist() if proposals else []
+        first = 0
+        for w, (d, q) in zip(drafting, proposals):
+            w.request.spec_token_ids = host[first:first + len(d)]
+            first += len(d)
+            if q is not None:
+                self._draft_probs[w.request.request_id] = (w.request, q)
+
+    def _work(self, c: ScheduledChunk, hidden_row: int, emitted: list[int] | None) -> DraftWork | None:
+        """The catch-up (and, for a completing chunk with `emitted` = its rows' tokens, the
+        chain) of one chunk; None if the request will never draft again or no position of the
+        chunk is in a later draft's window."""
+        req = c.request
+        known = req.num_tokens                      # tokens known before this step's emission
+        start, end = req.num_computed, req.num_computed + c.num_tokens
+        emitted_now = len(emitted) - c.num_rejected if emitted is not None else 1
+        room = req.params.max_tokens - len(req.output_token_ids) - emitted_now   # tokens still to come
+        lo = max(start, known - self.window)
+        if room <= 1 or lo >= end:
+            return None                             # no more drafts, or nothing a draft's window reads
+        n_known = max(0, min(end, known - 1) - lo)  # positions t whose x_{t+1} was known before the step
+        tokens = req.known_tokens(lo + 1, n_known) + (emitted[:end - lo - n_known] if emitted else [])
+        anchor_pos, k = -1, 0
+        if emitted is not None:
+            anchor_pos = known - 2 + emitted_now     # the last accepted position
+            k = self._reserve_chain(req, min(self.k, room - 1), anchor_pos, end)
+        held = self.cache.seq(req)
+        return DraftWork(req, held.slot, held.pages, held.swa_pages, lo, tokens, hidden_row + lo - start,
+                         anchor=anchor_pos - lo if emitted is not None else -1, num_drafts=k)
+
+    def _reserve_chain(self, req: Request, k: int, anchor_pos: int, end: int) -> int:
+        """Reserve the chain's positions (anchor_pos + 1 .. anchor_pos + k - 1); fewer drafts when
+        the cache cannot hold them (the step already holds positions up to `end`)."""
+        while k > 1 and anchor_pos + k > end and not self.cache.reserve(req, anchor_pos + k - req.num_computed):
+            k -= 1
+        return k
+
+    def _draft_batch(self, reqs: list[Request]) -> SamplingBatch:
+        """How drafts are drawn: each request's temperature and filters, no penalties or masks
+        (any q is exact as long as verification uses the same one)."""
+        rows = [SamplingRow(_draft_params(r.params), (), (), r.generator) for r in reqs]
+        batch = SamplingBatch.build(rows, self.vocab, "cpu", None, self.generator)
+        return upload_tree(batch, self.runner.h2d)
+
+
+def _draft_params(params):
+    return dataclasses.replace(params, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                               min_tokens=0, logprobs=None, prompt_logprobs=None)
+

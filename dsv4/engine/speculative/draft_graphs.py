@@ -1,0 +1,110 @@
+"""The MTP draft of a uniform step as one CUDA graph (docs/architecture.md, "Speculative decoding").
+
+After a uniform verify step (every request q = k + 1 rows: engine/cuda_graphs.py) of greedy
+requests that all draft n tokens, the whole draft — the catch-up over the q positions, the
+gather of each request's anchor row, n argmaxes and the n - 1 chained one-token steps, each
+feeding its argmax to the next inside the graph — replays as one graph per shape (batch
+bucket, q, n, entry widths). Its inputs are rebuilt on the host before each replay: the
+padded ForwardBatches of the catch-up and of every chain step (positions depend on how many
+drafts each request accepted), the anchor rows, and the target streams copied into a static
+buffer. Padding rows read nothing and write to the storage's scratch units, as in the
+verify graphs. Requests that sample (drafts drawn from q, with their generators) take the
+eager path. With `capture=False` the same padded draft runs eagerly (the CPU tests).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ...cache.addressing import Scratch, SeqChunk, StepShape, build_step, step_widths
+from ...cache.layout import SWA_PAGE_TOKENS
+from ..cuda_graphs import MAX_GRAPHS, batch_bucket, width_bucket
+from ..upload import HostToDevice, replace_leaves, tensor_leaves
+
+
+class DraftGraphs:
+    def __init__(self, model, storage, max_bs: int, capture: bool, h2d: HostToDevice):
+        self.model, self.storage, self.max_bs, self.capture, self.h2d = model, storage, max_bs, capture, h2d
+        self.layout, self.blocks = storage.layout, list(model.mtp)
+        self.scratch = Scratch(storage.scratch_page, storage.scratch_swa_page, storage.scratch_slot)
+        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
+        self.mempool = torch.cuda.graph_pool_handle() if capture else None
+
+    def accepts(self, works) -> bool:
+        if not works or batch_bucket(len(works), self.max_bs) is None:
+            return False
+        q, n = len(works[0].tokens), works[0].num_drafts
+        return n > 0 and all(len(w.tokens) == q and w.num_drafts == n and w.request.params.is_greedy
+                             for w in works)
+
+    @torch.inference_mode()
+    def run(self, works, hidden: torch.Tensor) -> list[tuple[torch.Tensor, None]]:
+        """-> per work, (drafts [n] long on the device, None)."""
+        R, q, n = len(works), len(works[0].tokens), works[0].num_drafts
+        inputs, key = self._inputs(works, q, n)
+        leaves = [t for _, t in tensor_leaves(inputs)]
+        rows = torch.tensor([w.hidden_row + i for w in works for i in range(q)])
+        if not self.capture:
+            static, streams = replace_leaves(inputs, _paths(inputs, self.h2d.allocate(leaves)[1])), \
+                torch.zeros(key[0] * q, *hidden.shape[1:], dtype=hidden.dtype, device=hidden.device)
+            streams[:R * q] = hidden[rows.to(hidden.device)]
+            drafts = self._draft(static, streams)
+        else:
+            graph, flat, streams, drafts = self._graph(key, inputs, leaves, hidden)
+            self.h2d.upload_into(flat, leaves)
+            streams[:R * q].copy_(hidden[rows.to(hidden.device)])
+            graph.replay()
+        return [(drafts[i], None) for i in range(R)]
+
+    def _inputs(self, works, q: int, n: int):
+        """(catch-up batch, chain batches, anchor rows) padded to the graph's shape, and its key."""
+        B, W = batch_bucket(len(works), self.max_bs), self.layout.cfg.sliding_window
+        catch = [SeqChunk(w.slot, w.start, w.tokens, w.page_table, w.swa_table, logits=q) for w in works]
+        chains = [[SeqChunk(w.slot, w.start + w.anchor + j, [0], w.page_table, w.swa_table, logits=1) for w in works]
+                  for j in range(1, n)]
+        e4, e128 = (max(step_widths(s, W)[i] for s in [catch] + chains) for i in (0, 1))
+        e4, e128 = width_bucket(e4), width_bucket(e128)
+        build = (lambda seqs, tokens: build_step(seqs, self.layout, self.storage.ring_slots, StepShape(
+            B, tokens, e4, e128, (W + tokens - 2) // SWA_PAGE_TOKENS + 2), self.scratch))
+        anchors = torch.tensor([i * q + w.anchor for i, w in enumerate(works)] + [0] * (B - len(works)))
+        return (build(catch, q), tuple(build(c, 1) for c in chains), anchors), (B, q, n, e4, e128)
+
+    def _draft(self, static, streams: torch.Tensor) -> torch.Tensor:
+        """The graph's body: catch-up, anchors, n argmaxes and n - 1 chain steps -> drafts [B, n]."""
+        catch, chains, anchors = static
+        kv, model = self.storage.layers, self.model
+        h = self.blocks[0].draft(model, streams, catch, kv)[anchors]
+        drafts = [self.blocks[0].logits(model, h).argmax(dim=-1)]
+        for j, fb in enumerate(chains, 1):
+            block = self.blocks[j % len(self.blocks)]
+            fb.token_ids.copy_(drafts[-1])
+            h = block.draft(model, h, fb, kv)
+            drafts.append(block.logits(model, h).argmax(dim=-1))
+        return torch.stack(drafts, dim=1)
+
+    def _graph(self, key: tuple, inputs, leaves: list[torch.Tensor], hidden: torch.Tensor):
+        if key in self.graphs:
+            self.graphs.move_to_end(key)
+            return self.graphs[key]
+        if len(self.graphs) >= MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        flat, views = self.h2d.allocate(leaves)
+        static = replace_leaves(inputs, _paths(inputs, views))
+        streams = torch.zeros(key[0] * key[1], *hidden.shape[1:], dtype=hidden.dtype, device=hidden.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):            # warm-up (allocations, autotuning); writes are idempotent
+            for _ in range(2):
+                self._draft(static, streams)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            drafts = self._draft(static, streams)
+        self.graphs[key] = (graph, flat, streams, drafts)
+        return self.graphs[key]
+
+
+def _paths(tree, tensors: list[torch.Tensor]) -> dict:
+    """{path: tensor} for the tree's leaves in tensor_leaves order."""
+    return dict(zip([p for p, _ in tensor_leaves(tree)], tensors))
