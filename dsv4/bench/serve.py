@@ -124,17 +124,9 @@ async def _send_all(cfg: ServeBenchConfig, prompts: list[str | list[int]]) -> tu
         progress.update(1)
         return outcome
 
-    async with _client(cfg) as client:
-        start = time.perf_counter()
-        tasks = []
-        for i, prompt in enumerate(prompts):
-            if i and math.isfinite(cfg.request_rate):
-                await asyncio.sleep(arrivals.expovariate(cfg.request_rate))
-            tasks.append(asyncio.create_task(one(client, prompt)))
-        outcomes = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+    results, duration = await _launch(cfg, prompts, one, arrivals)
     progress.close()
-    return list(outcomes), duration
+    return results, duration
 
 
 async def _converse_all(cfg: ServeBenchConfig) -> tuple[list[list[RequestOutcome]], float]:
@@ -162,17 +154,23 @@ async def _converse_all(cfg: ServeBenchConfig) -> tuple[list[list[RequestOutcome
         progress.update(skipped)
         return outcomes + [skipped_turn() for _ in range(skipped)]
 
+    results, duration = await _launch(cfg, conversations, one, arrivals)
+    progress.close()
+    return results, duration
+
+
+async def _launch(cfg: ServeBenchConfig, items: list, one, arrivals: random.Random) -> tuple[list, float]:
+    """Start `one(client, item)` for every item, paced by Poisson arrivals at `request_rate`
+    (all at once when infinite) -> (their results in order, the wall time)."""
     async with _client(cfg) as client:
         start = time.perf_counter()
         tasks = []
-        for i, conv in enumerate(conversations):
+        for i, item in enumerate(items):
             if i and math.isfinite(cfg.request_rate):
                 await asyncio.sleep(arrivals.expovariate(cfg.request_rate))
-            tasks.append(asyncio.create_task(one(client, conv)))
+            tasks.append(asyncio.create_task(one(client, item)))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-    progress.close()
-    return list(results), duration
+        return list(results), time.perf_counter() - start
 
 
 def _client(cfg: ServeBenchConfig) -> httpx.AsyncClient:
