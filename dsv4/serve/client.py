@@ -181,7 +181,7 @@ class EngineClient:
     def reset_prefix_cache(self) -> None:
         """Ask the engine to forget its cached prefixes (before any request sent after this)."""
         if not self._dead and self._outbox is not None:
-            self._outbox.put_nowait(ResetPrefixCache())
+            self._outbox.put_nowait((None, encode(ResetPrefixCache())))
 
     async def _send_loop(self, sock: zmq.asyncio.Socket) -> None:
         """Frames are encoded already; a socket error ends the loop (`_task_done`), any
