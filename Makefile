@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 tests   # two workers: CI has two cores
 
 serve: $(STAMP)
 	$(VENV)/bin/dsv4 serve $(ARGS)
