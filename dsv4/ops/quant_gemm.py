@@ -45,7 +45,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, groups: in
     if use_triton(x):
         from .triton import quant_gemm
         return quant_gemm.fp8_gemm(x, w, scale, groups=groups)
-    return _grouped_linear(x, dequant_fp8(w, scale).to(x.dtype), groups)
+    return grouped_linear(x, dequant_fp8(w, scale).to(x.dtype), groups)
 
 
 def fp8_linear_w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
@@ -59,7 +59,7 @@ def fp8_linear_w8a8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, group
             *x.shape[:-1], w.shape[0])
     xq, xs = act_quant(x)
     xd = xq.float() * xs.repeat_interleave(ACT_GROUP, -1)[..., :x.shape[-1]]
-    return _grouped_linear(xd, dequant_fp8(w, scale), groups).to(x.dtype)
+    return grouped_linear(xd, dequant_fp8(w, scale), groups).to(x.dtype)
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +90,7 @@ def pow2_scale_bits(amax: torch.Tensor) -> torch.Tensor:
     return exponent.bitwise_left_shift(23).view(torch.float32)
 
 
-def _grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: int) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, groups: int) -> torch.Tensor:
     """x [..., G*K] @ w^T per group (w [G*N, K]) -> [..., G*N]."""
     if groups == 1:
         return torch.nn.functional.linear(x, w)
@@ -104,6 +104,5 @@ def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, groups: int) -
     assert w.dtype == torch.float8_e4m3fn, f"fp8 GEMM: weight dtype {w.dtype}, expected float8_e4m3fn"
     assert x.shape[-1] == groups * K and N % groups == 0, \
         f"fp8 GEMM: x [..., {x.shape[-1]}] does not fit weight [{N}, {K}] in {groups} group(s)"
-    assert (N // groups) % 128 == 0 or groups == 1, "fp8 GEMM: each group's rows a multiple of 128"
     assert tuple(scale.shape) == (-(-N // 128), -(-K // 128)), \
         f"fp8 GEMM: scale shape {tuple(scale.shape)}, expected {(-(-N // 128), -(-K // 128))}"

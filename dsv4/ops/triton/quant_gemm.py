@@ -18,6 +18,7 @@ the codes x * (1 / s) rounded to e4m3 (exact scaling; one rounding, as the refer
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -158,6 +159,8 @@ def fp8_gemm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, *, groups: i
     assert not a_fp8 or x2.dtype == torch.float8_e4m3fn, "fp8_gemm: x_scale needs FP8 activations"
     bm, bn, nw, ns = tiles or default_tiles(M)
     n_g = N // groups
+    if tiles is None:
+        bn = math.gcd(bn, n_g)            # a tile within one group (V4: 1024-row groups)
     assert 128 % bn == 0 and n_g % bn == 0, f"fp8_gemm: BLOCK_N {bn} must divide 128 and each group's {n_g} rows"
     n_kb = triton.cdiv(K, ACT_GROUP)
     split = split or default_split(M, N, K, bm, bn)
