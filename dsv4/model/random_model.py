@@ -133,7 +133,8 @@ def _build_released(cfg: ModelConfig, device, dtype, seed: int, fp8_experts: boo
             s_meta = tensors[fp8_scale_name(name)]
             scale = torch.empty(kept_scale_shape(local, weight_format(p)), dtype=s_meta.dtype, device=device)
             _place(modules, fp8_scale_name(name), scale)
-        fill(p, name, tuple(meta.shape), index, cfg, seed, is_released_fp8(name), scale)
+        if p.device.type != "meta":                # (the meta device: the layout alone)
+            fill(p, name, tuple(meta.shape), index, cfg, seed, is_released_fp8(name), scale)
         _place(modules, name, p)
     model.main_freq, model.compress_freq = main_inv_freq(cfg).to(device), compress_inv_freq(cfg).to(device)
     return model.eval()
