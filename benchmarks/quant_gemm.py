@@ -27,6 +27,7 @@ if SMOKE:
 
 import torch  # noqa: E402
 
+from dsv4.bench.timing import median_ms  # noqa: E402
 from dsv4.ops import moe as moe_ops  # noqa: E402
 from dsv4.ops import quant_gemm as ref  # noqa: E402
 from dsv4.ops.quant import dequant_fp8, e8m0_to_float, quant_fp8, quant_fp8_stacked, quant_mxfp4_stacked  # noqa: E402
@@ -35,6 +36,7 @@ from dsv4.ops.triton import moe_grouped  # noqa: E402
 from dsv4.ops.triton import quant_gemm as tq  # noqa: E402
 
 HBM_BPS = 4.8e12
+GRAPH_CALLS = 10
 # V4-Flash FP8 projections: name, N (out), K (in), groups
 FLASH_GEMMS = [("wq_a", 1024, 4096, 1), ("wq_b", 32768, 1024, 1), ("wkv", 512, 4096, 1),
                ("wo_a (8 groups)", 8192, 4096, 8), ("wo_b", 4096, 8192, 1), ("indexer wq_b", 8192, 1024, 1),
@@ -44,7 +46,9 @@ LIMIT = 10.0
 
 
 def timed_ms(fn, device, reps: int) -> float:
-    """Median-free mean of `reps` calls after a warm-up (CUDA events; CPU wall time)."""
+    """ms per call of fn: on CUDA the median replay of a CUDA graph holding GRAPH_CALLS calls
+    (compiled and warmed up first; launch gaps do not count), divided by GRAPH_CALLS; on the CPU
+    (--smoke) wall time."""
     fn()
     if device == "cpu":
         t = time.perf_counter()
@@ -52,13 +56,11 @@ def timed_ms(fn, device, reps: int) -> float:
             fn()
         return (time.perf_counter() - t) / reps * 1e3
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(GRAPH_CALLS):
+            fn()
+    return median_ms(graph.replay, reps) / GRAPH_CALLS
 
 
 def close(got, want, tol) -> bool:
@@ -71,6 +73,7 @@ def dense_gemms(device, dtype, Ms, gemms, reps, failures) -> None:
            f"{'W8A16/bf16':>10} {'W8A8/bf16':>9}"
     print("\n1. FP8 dense GEMMs (x [M, K] bf16, W FP8 128x128 blocks)\n" + head + "\n" + "-" * len(head))
     gen = torch.Generator().manual_seed(0)
+    totals = {M: [0.0, 0.0, 0.0] for M in Ms}          # bf16, W8A16, W8A8 ms summed over the projections
     for name, N, K, groups in gemms:
         w32 = torch.randn(N, K // groups, generator=gen) / (K // groups) ** 0.5
         q, s = quant_fp8(w32)
@@ -87,10 +90,15 @@ def dense_gemms(device, dtype, Ms, gemms, reps, failures) -> None:
             if not close(w8a8_once(), ref.fp8_linear_w8a8(x.float(), w, s, groups), tol):
                 failures.append(f"W8A8 {name} M={M}")
             ms = [timed_ms(f, device, reps) for f in (with_bf16, w8a16, w8a8_once)]
+            totals[M] = [t + m for t, m in zip(totals[M], ms)]
             act = M * K * 2 + M * N * 2
             pct = [100 * (N * (K // groups) * (1 + 4 / 128 ** 2) + act) / (m * 1e-3) / HBM_BPS for m in ms[1:]]
             print(f"{name:<16} {M:5d} {ms[0]:8.4f} {ms[1]:9.4f} {pct[0]:5.1f} {ms[2]:8.4f} {pct[1]:5.1f} "
                   f"{ms[0] / ms[1]:9.2f}x {ms[0] / ms[2]:8.2f}x")
+    print("summed over the projections: the faster FP8 GEMM per M (sets FP8_DENSE_GEMM, W8A8_MIN_TOKENS)")
+    for M, (b, a16, a8) in totals.items():
+        print(f"  M={M:5d}: bf16 {b:.4f} ms, W8A16 {a16:.4f} ms ({b / a16:.2f}x), W8A8 {a8:.4f} ms ({b / a8:.2f}x)"
+              f" -> {'W8A16' if a16 <= a8 else 'W8A8'}")
 
 
 def _w8a8(x, w, s, groups, dtype):
@@ -112,6 +120,7 @@ def experts(device, dtype, E, k, H, I, decode_T, grouped_T, reps, failures) -> N
     head = f"{'kernel':<8} {'T':>6} " + " ".join(f"{f + ' ms':>9} {'%HBM':>5}" for f in formats) + \
            f" {'fp8/bf16':>8} {'mxfp4/bf16':>10}"
     print(f"\n2. routed experts (E {E}, k {k}, H {H}, I {I})\n" + head + "\n" + "-" * len(head))
+    targets = []
     for kind, Ts in (("decode", decode_T), ("grouped", grouped_T)):
         for T in Ts:
             x = torch.randn(T, H, generator=gen, device=device).to(dtype)
@@ -133,6 +142,15 @@ def experts(device, dtype, E, k, H, I, decode_T, grouped_T, reps, failures) -> N
                 row.append(f"{ms:9.4f} {100 * moved / (ms * 1e-3) / HBM_BPS:5.1f}")
             print(f"{kind:<8} {T:6d} " + " ".join(row) +
                   f" {ms_of['bf16'] / ms_of['fp8']:7.2f}x {ms_of['bf16'] / ms_of['mxfp4']:9.2f}x")
+            pct = float(row[-1].split()[-1])
+            if kind == "decode":
+                targets.append(f"MXFP4 decode T={T}: {pct:.0f}% of HBM (target >= 60%): "
+                               f"{'met' if pct >= 60 else 'MISSED'}")
+            elif T >= 512:
+                ratio = ms_of['bf16'] / ms_of['mxfp4']
+                targets.append(f"MXFP4 grouped T={T}: {ratio:.2f}x bf16's speed (target >= 1.0x): "
+                               f"{'met' if ratio >= 1 else 'MISSED'}")
+    print("targets:\n  " + "\n  ".join(targets))
 
 
 def random_build(device, spec) -> None:
