@@ -16,6 +16,7 @@ def test_fp8_gemm_kernels_keep_logits(monkeypatch, device, gemm):
     model = build_random_model("random:tiny:2", device, released=True, keep_fp8_dense=True, keep_mxfp4=True)
     monkeypatch.setattr(quant_gemm, "FP8_DENSE_GEMM", gemm)
     ids = [(7 * i + 3) % model.cfg.vocab_size for i in range(21)]
+    monkeypatch.setattr(quant_gemm, "use_triton", lambda t: False)       # the definitions (also on CUDA)
     want = full_logits(model, ids)
     launches = []
     real = tri.fp8_gemm
