@@ -242,6 +242,7 @@ class EngineConfig:
     async_scheduling: str = "auto"         # on: launch step k+1 before reading step k's tokens; auto: on CUDA
     keep_fp8: bool = False                 # FP8 expert weights stay FP8 (dequantised in the MoE kernels)
     keep_mxfp4: bool = False               # MXFP4 routed expert weights stay MXFP4 (likewise)
+    keep_fp8_dense: bool = False           # FP8 attention / dense projections stay FP8 (FP8 GEMMs, ops/quant_gemm.py)
     index_topk_freq: int | None = None     # IndexCache over config.json: every f-th CSA layer computes the top-k
     index_topk_pattern: str | None = None  # IndexCache over config.json: "F"/"S" per CSA layer
     hf_overrides: str | None = None        # JSON object of config.json keys applied over the checkpoint's

@@ -20,23 +20,29 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--tolerance", type=float, default=None,
                    help="max |Δlogit| allowed, relative to max |reference logit| (default by dtype)")
+    p.add_argument("--keep-fp8-dense", action="store_true",
+                   help="keep dsv4's FP8 attention / dense projections FP8 (the FP8 GEMMs) against the reference")
+    p.add_argument("--fp8-gemm", choices=("w8a16", "w8a8"), default=None,
+                   help="with --keep-fp8-dense: the FP8 GEMM (default: dsv4/ops/quant_gemm.py's FP8_DENSE_GEMM)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=run)
 
 
 def compare(model_dir: str, prompt_len: int, num_prompts: int, seed: int, device: str,
-            dtype: torch.dtype) -> dict:
+            dtype: torch.dtype, keep_fp8_dense: bool = False) -> dict:
+    """keep_fp8_dense: dsv4 runs with its FP8 projections kept (a random spec's reference then
+    takes the weights of the same spec loaded without, the dequantised values)."""
     from ..engine.oneshot import full_logits
     from ..model.random_model import is_random_spec
     from ..model.reference import load_reference, reference_from_model
     from ..model.weights import load_model
 
-    ours = load_model(model_dir, device, dtype)
+    ours = load_model(model_dir, device, dtype, keep_fp8_dense=keep_fp8_dense)
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, ours.cfg.vocab_size, (prompt_len,), generator=gen) for _ in range(num_prompts)]
     got = [full_logits(ours, p.tolist()).cpu() for p in prompts]
     if is_random_spec(model_dir):   # no files: the reference takes our weights (both fit at once)
-        ref_model = reference_from_model(ours)
+        ref_model = reference_from_model(load_model(model_dir, device, dtype) if keep_fp8_dense else ours)
     else:
         del ours
         ref_model = load_reference(model_dir, device, dtype)
@@ -65,18 +71,29 @@ def run(args) -> int:
     if args.prompt_len < 1 or args.num_prompts < 1:
         raise SystemExit("dsv4 check: --prompt-len and --num-prompts must be at least 1")
     dtype = DTYPES[args.dtype]
+    if args.fp8_gemm and not args.keep_fp8_dense:
+        raise SystemExit("dsv4 check: --fp8-gemm needs --keep-fp8-dense")
+    from ..ops import quant_gemm
+    default_gemm = quant_gemm.FP8_DENSE_GEMM
+    quant_gemm.FP8_DENSE_GEMM = args.fp8_gemm or default_gemm
     try:
-        result = compare(args.model, args.prompt_len, args.num_prompts, args.seed, args.device, dtype)
+        result = compare(args.model, args.prompt_len, args.num_prompts, args.seed, args.device, dtype,
+                         args.keep_fp8_dense)
     except RuntimeError as e:
         if "dsv4[check]" in str(e):
             print(f"dsv4 check: {e}")
             return 2
         raise
+    finally:
+        used_gemm, quant_gemm.FP8_DENSE_GEMM = quant_gemm.FP8_DENSE_GEMM, default_gemm
     tol = args.tolerance if args.tolerance is not None else DEFAULT_TOLERANCE[dtype]
     result["tolerance"] = tol
     result["ok"] = within_tolerance(result, dtype, tol)
     print(f"max |Δlogit| {result['max_abs_diff']:.3e}  (reference scale {result['ref_scale']:.3f}, "
           f"relative {result['max_abs_diff'] / max(result['ref_scale'], 1e-30):.2e}, tolerance {tol:.0e})")
+    if args.keep_fp8_dense:
+        print(f"FP8 attention / dense projections kept: {used_gemm.upper()} GEMMs")
+        result["fp8_gemm"] = used_gemm
     print(f"greedy agreement {result['argmax_agree'] * 100:.2f}% over {result['positions']} positions: "
           f"{'PASS' if result['ok'] else 'FAIL'}")
     if args.json:

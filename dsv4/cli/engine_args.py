@@ -26,6 +26,9 @@ HELP = {
     "keep_mxfp4": "keep MXFP4 routed expert weights (e2m1 pairs + an E8M0 scale per 32 inputs, the released V4 "
                   "format) packed on the device, dequantised inside the MoE kernels (W4A16); the shared expert and "
                   "other weights are dequantised at load",
+    "keep_fp8_dense": "keep the FP8 (128x128 block-scaled) attention and dense projections (wq_a, wq_b, wkv, "
+                      "wo_a, wo_b, the indexer's wq_b, MTP e_proj/h_proj) FP8 on the device, multiplied by FP8 GEMMs "
+                      "(W8A16, or W8A8 with per-token-group FP8 activations: dsv4/ops/quant_gemm.py)",
     "index_topk_freq": "IndexCache: every N-th CSA layer computes the indexer top-k and the CSA layers after it reuse "
                        "it (1: every layer computes its own; overrides config.json's index_topk_freq / _pattern)",
     "index_topk_pattern": "IndexCache: one letter per CSA layer, F computes the indexer top-k, S reuses the last F "

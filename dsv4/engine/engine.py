@@ -37,6 +37,7 @@ class LLMEngine:
             config.check_no_model_overrides()
         self.model = model if model is not None else load_model(model_dir, config.device, DTYPES[config.dtype],
                                                                 keep_fp8=config.keep_fp8, keep_mxfp4=config.keep_mxfp4,
+                                                                keep_fp8_dense=config.keep_fp8_dense,
                                                                 overrides=config.model_overrides())
         spec = config.speculative_config
         if spec is not None:             # (a draft checkpoint may give the model its MTP blocks)

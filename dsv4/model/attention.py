@@ -90,9 +90,7 @@ class Attention(nn.Module):
 
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
         """out [T, H, D] -> [T, G * o_lora]: each group of heads has its own projection."""
-        grouped = out.flatten(1).unflatten(-1, (self.groups, -1))              # [T, G, H*D/G]
-        w = self.wo_a.weight.unflatten(0, (self.groups, -1))                     # [G, o_lora, H*D/G]
-        return torch.einsum("tgi,goi->tgo", grouped, w).flatten(1)
+        return self.wo_a.grouped(out.flatten(1), self.groups)                  # weight [G * o_lora, H*D/G]
 
 
 class SharedTopk:

@@ -14,6 +14,7 @@ from .names import DS_EXPERT, ds_to_hf
 from ..ops.quant import quant_fp4, quant_fp8
 
 FLASH_RATIOS = [0, 0] + [4, 128] * 20 + [4]
+PRO_RATIOS = [128, 128] + [4, 128] * 29 + [4]
 
 PRESETS = {
     "tiny": dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=64,
@@ -27,7 +28,22 @@ PRESETS = {
                         num_experts_per_tok=6, routed_scaling_factor=1.5, compress_ratios=FLASH_RATIOS[:6] + [0],
                         num_hash_layers=3, index_n_heads=64, index_head_dim=128, index_topk=512,
                         sliding_window=128, hc_mult=4, max_position_embeddings=1048576),
+    # the released configurations (all layers; built in the released format, dsv4/model/random_released.py)
+    "flash": dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64,
+                  head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
+                  moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
+                  num_experts_per_tok=6, routed_scaling_factor=1.5, compress_ratios=FLASH_RATIOS + [0],
+                  num_hash_layers=3, index_n_heads=64, index_head_dim=128, index_topk=512,
+                  sliding_window=128, hc_mult=4, max_position_embeddings=1048576),
+    "pro": dict(vocab_size=129280, hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+                head_dim=512, qk_rope_head_dim=64, q_lora_rank=1536, o_groups=16, o_lora_rank=1024,
+                moe_intermediate_size=3072, n_routed_experts=384, n_shared_experts=1,
+                num_experts_per_tok=6, routed_scaling_factor=2.5, compress_ratios=PRO_RATIOS + [0],
+                num_hash_layers=3, index_n_heads=64, index_head_dim=128, index_topk=1024,
+                sliding_window=128, hc_mult=4, max_position_embeddings=1048576),
 }
+# presets built in the released format (FP8 projections, MXFP4 experts) by `random:` specs
+RELEASED_PRESETS = ("flash", "pro")
 _COMMON = dict(scoring_func="sqrtsoftplus", hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
                swiglu_limit=10.0, rope_theta=10000.0, compress_rope_theta=160000.0, num_nextn_predict_layers=1,
                rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
@@ -44,7 +60,8 @@ def preset_config(name: str, layers: int | None = None, **overrides) -> ModelCon
     d = {**_COMMON, **PRESETS[name], **overrides}
     if layers is not None:
         ratios = d["compress_ratios"]
-        main = (FLASH_RATIOS if name == "flash-slice" else ratios[:-1] * layers)[:layers]
+        full = {"flash-slice": FLASH_RATIOS, "flash": FLASH_RATIOS, "pro": PRO_RATIOS}.get(name, ratios[:-1] * layers)
+        main = full[:layers]
         d.update(num_hidden_layers=layers, compress_ratios=main + [ratios[-1]],
                  num_hash_layers=min(d["num_hash_layers"], layers))
     return ModelConfig.from_dict(d)

@@ -154,20 +154,23 @@ def model_config(path: str, overrides: dict | None = None):
 
 
 def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32, keep_fp8: bool = False,
-               keep_mxfp4: bool = False, overrides: dict | None = None):
+               keep_mxfp4: bool = False, overrides: dict | None = None, keep_fp8_dense: bool = False):
     """Build a `DeepseekV4` for the checkpoint at `path` (with its MTP blocks when the
     checkpoint has them) and load its weights. keep_fp8: FP8 expert weights stay FP8 (see
     `fp8_experts`; a random spec is built with FP8 experts, see `build_random_model`);
     keep_mxfp4: MXFP4 routed experts stay MXFP4 (see `mxfp4_experts`; a random spec is built
     with MXFP4 routed experts); overrides: config.json keys applied over the checkpoint's
-    (`model_config`)."""
+    (`model_config`); keep_fp8_dense: the FP8 attention and dense projections stay FP8
+    (dsv4/model/fp8_dense.py)."""
     from ..config import ModelConfig
     from .deepseek_v4 import DeepseekV4
+    from .fp8_dense import fp8_dense_weights, keep_fp8_dense as keep_dense
     from .mtp import attach_mtp
     from .random_model import build_random_model, is_random_spec
 
     if is_random_spec(path):
-        return build_random_model(path, device, dtype, keep_fp8=keep_fp8, keep_mxfp4=keep_mxfp4, overrides=overrides)
+        return build_random_model(path, device, dtype, keep_fp8=keep_fp8, keep_mxfp4=keep_mxfp4, overrides=overrides,
+                                  keep_fp8_dense=keep_fp8_dense)
     cfg = ModelConfig.from_dir(path, overrides)
     has_mtp = any(k.startswith("mtp.") for k in checkpoint_keys(path))
     fp8 = fp8_experts(path, cfg.quant_block) if keep_fp8 else (False, False)
@@ -180,5 +183,7 @@ def load_model(path: str, device="cpu", dtype: torch.dtype = torch.float32, keep
         model = DeepseekV4(cfg, dtype, fp8, mxfp4)
         if has_mtp and cfg.num_nextn_predict_layers:
             attach_mtp(model)
+        if keep_fp8_dense and not keep_dense(model, fp8_dense_weights(path, cfg.quant_block)):
+            log.warning("keep_fp8_dense: %s has no FP8 (128x128 block) dense weights; nothing is kept FP8", path)
     load_weights(model, path)
     return model.eval()

@@ -57,3 +57,21 @@ def test_check_without_transformers_says_how_to_install(checkpoints):
     assert proc.returncode == 2, proc.stderr
     assert "pip install 'dsv4[check]'" in proc.stdout
     assert "Traceback" not in proc.stderr
+
+
+def test_check_reports_kept_fp8_dense_agreement(checkpoints, capsys):
+    """--keep-fp8-dense: W8A16 multiplies by the dequantised weight (passes the fp32 tolerance);
+    W8A8 quantises the activations too, and its agreement is reported (larger differences)."""
+    out = {}
+    for gemm in ("w8a16", "w8a8"):
+        code, text = run_check(capsys, "--model", checkpoints["fp8"], "--prompt-len", "64", "--keep-fp8-dense",
+                               "--fp8-gemm", gemm, "--tolerance", "1", "--json")
+        assert code == 0 and f"{gemm.upper()} GEMMs" in text
+        out[gemm] = json.loads(text.strip().splitlines()[-1])
+        assert out[gemm]["fp8_gemm"] == gemm
+    assert out["w8a16"]["max_abs_diff"] <= 1e-4 * out["w8a16"]["ref_scale"]
+    assert out["w8a8"]["max_abs_diff"] > out["w8a16"]["max_abs_diff"] and out["w8a8"]["argmax_agree"] >= 0.8
+    from dsv4.ops import quant_gemm
+    assert quant_gemm.FP8_DENSE_GEMM == "w8a16"                    # restored after the run
+    with pytest.raises(SystemExit, match="--fp8-gemm needs --keep-fp8-dense"):
+        main(["check", "--model", checkpoints["fp8"], "--fp8-gemm", "w8a8"])
