@@ -101,3 +101,37 @@ def test_prompt_logprobs_requests_skip_tier_loads(tiny, h, forcer):
     run = forcer.run(eng, [h.Forced("lp", tokens[:700], tokens[700:705], all_logits=True)])
     assert first_start(run, "lp") == 0
     assert eng.cache.tiers.stats.hit_tokens["host"] == 0
+
+
+def test_tier_metrics_reach_prometheus(tiny, h, forcer):
+    """Hits by tier (tokens), bytes each way, latency histograms and occupancy in /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dsv4.engine.core import EngineCore
+    from dsv4.engine.ipc import AddRequest
+    from dsv4.serve.http.metrics import ServerMetrics
+    tokens = tiny.tie_free_ids(800, seed=405)
+    eng = tiny.engine(max_num_batched_tokens=256, max_num_seqs=4, num_pages=40, host_cache_gb=HOST_GB)
+    core, metrics = EngineCore(eng), ServerMetrics("m", eng.plan.num_pages)
+
+    def run(rid):
+        core.handle(AddRequest(rid, tokens[:700], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)))
+        while core.has_work:
+            core.step()
+            metrics.update(core.stats())
+    run("a")
+    run("b")                      # a GPU hit at 512
+    eng.reset_prefix_cache()
+    run("c")                      # a host hit at 512
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    hits = {dict(k[1])["tier"]: v for k, v in got.items() if k[0] == "dsv4:prefix_cache_tier_hits_total"}
+    assert hits == {"gpu": 512, "host": 512, "disk": 0}
+    tiers = eng.cache.tiers
+    page, tail = tiers.page_bytes, tiers.tail_bytes
+    moved = {dict(k[1])["direction"]: v for k, v in got.items() if k[0] == "dsv4:kv_tier_bytes_total"}
+    assert moved["gpu_to_host"] == 2 * page + 2 * tail and moved["host_to_gpu"] == 2 * page + tail
+    counts = {dict(k[1])["op"]: v for k, v in got.items() if k[0] == "dsv4:kv_tier_latency_seconds_count"}
+    assert counts["host_store"] == 2 and counts["host_load"] == 1
+    usage = {dict(k[1])["what"]: v for k, v in got.items() if k[0] == "dsv4:kv_tier_usage"}
+    assert usage["host_pages_used"] == 2 and usage["host_tails_used"] == 2

@@ -21,6 +21,14 @@ class Histogram:
     def count(self) -> int:
         return sum(self.counts)
 
+    def cumulative(self) -> list[int]:
+        """Observations <= each bucket bound, then the count (Prometheus' `le` buckets)."""
+        out, n = [], 0
+        for c in self.counts:
+            n += c
+            out.append(n)
+        return out
+
 
 @dataclass
 class TierStats:

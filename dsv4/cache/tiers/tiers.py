@@ -32,7 +32,7 @@ from .jobs import DiskRead, DiskWrite, LoadJob, StoreJob
 from .keys import Key, chain_keys, root_key
 from .movers import make_mover
 from .options import TierOptions
-from .stats import TierStats
+from .stats import BUCKETS, TierStats
 
 log = logging.getLogger("dsv4.cache.tiers")
 
@@ -353,6 +353,13 @@ class KVTiers:
                 "disk_files": len(self.disk.files) if self.disk else 0,
                 "disk_bytes_used": self.disk.nbytes if self.disk else 0,
                 "disk_bytes_total": self.disk.budget if self.disk else 0}
+
+    def report(self) -> dict:
+        """The `EngineStats` fields of the tiers (engine/ipc.py)."""
+        st = self.stats
+        return {"tier_hit_tokens": dict(st.hit_tokens), "tier_bytes": dict(st.bytes),
+                "tier_latency": {k: [*h.cumulative(), h.total] for k, h in st.latency.items()},
+                "tier_buckets": list(BUCKETS), "tier_usage": self.usage()}
 
     def close(self) -> None:
         self.drain()
