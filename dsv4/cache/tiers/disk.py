@@ -136,7 +136,7 @@ class DiskStore:
         elif os.path.exists(path):
             os.remove(path)
         for other, (h, _) in list(self.files.items()):
-            if h.parent and h.parent not in self.page_file and other not in self.reading:
+            if h.parent and h.parent not in self.page_file:     # (a read of it in flight is dropped)
                 self.remove(other)
 
     def evict_to_budget(self) -> None:

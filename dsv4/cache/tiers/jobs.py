@@ -29,6 +29,7 @@ class LoadJob:
     depth: int                       # pages; the checkpoint is at 256 depth
     prefix_pages: list[int]          # GPU pages already in the tree (held until done)
     new_pages: list[int]             # GPU pages being written (held until done)
+    chain: list[Key]                 # keys of pages 0..depth-1
     host_keys: list[Key]             # host page entries read (referenced until done)
     tail_key: Key                    # host tail entry read (referenced until done)
     tier: str                        # "host" or "disk": where the restored part came from

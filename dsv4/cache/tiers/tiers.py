@@ -59,7 +59,8 @@ class KVTiers:
         self.reads: dict[Key, DiskRead] = {}
         self.writes: dict[str, DiskWrite] = {}
         self._writing_pages: dict[str, str] = {}     # page key (hex) -> file being written
-        self._from_disk: set[Key] = set()            # targets whose entries a disk read brought to the host
+        self._read: set[Key] = set()                 # targets read from disk already (not read again)
+        self._from_disk: set[Key] = set()            # host tails a disk read brought (a load of one is a disk hit)
 
     # ---- storing ---------------------------------------------------------------------------
     def offload(self, tokens: list[int], gpu_pages: list[int], L: int, tail) -> None:
@@ -234,7 +235,7 @@ class KVTiers:
                 host_best = i + 1
             if tail_host or (disk is not None and key.hex() in disk.tail_file):
                 best = i + 1
-        if best is not None and keys[best - 1] in self._from_disk:
+        if best is not None and keys[best - 1] in self._read:
             best = host_best                  # read once already: take what the host kept
         if best is None or best * PAGE_TOKENS <= gpu_tokens:
             return None
@@ -258,18 +259,24 @@ class KVTiers:
                 continue
             del self.reads[target]
             self.disk.done_reading(job.names)
-            moved = 0
-            for name, got in zip(job.names, job.future.result()):
+            moved, results = 0, list(zip(job.names, job.future.result()))
+            for name, got in results:
                 if isinstance(got, Exception):
                     self.disk.remove(name, why=f"not loaded: {got}")
+            for name, got in results:        # files still indexed: their parents were not refused
+                if isinstance(got, Exception) or name not in self.disk.files:
                     continue
                 head, rows, tail = got
                 for kh, row in zip(head.keys, rows):
                     moved += self._put(hp, bytes.fromhex(kh), row)
-                if tail is not None:
-                    moved += self._put(ht, bytes.fromhex(head.keys[-1]), tail)
+                if tail is not None and self._put(ht, bytes.fromhex(head.keys[-1]), tail):
+                    moved += tail.numel() * tail.element_size()
+                    self._from_disk.add(bytes.fromhex(head.keys[-1]))
             hp.release(job.chain)
-            self._from_disk.add(target)
+            if len(self._read) > 4096:            # targets never loaded: forget them (bounded memory)
+                self._read.clear()
+                self._from_disk.clear()
+            self._read.add(target)
             self.stats.bytes["disk_to_host"] += moved
             self.stats.latency["disk_load"].observe(time.perf_counter() - job.start)
 
@@ -303,7 +310,9 @@ class KVTiers:
         ticket = self.mover.load(self.codec, [hp.row(k) for k in host_keys], new, ht.row(tail_key))
         tier = "disk" if tail_key in self._from_disk else "host"
         self._from_disk.discard(tail_key)
-        self.loads[tail_key] = LoadJob(ticket, list(tokens[:depth * PAGE_TOKENS]), depth, prefix, new, host_keys,
+        self._read.discard(tail_key)
+        self.loads[tail_key] = LoadJob(ticket, list(tokens[:depth * PAGE_TOKENS]), depth, prefix, new, keys[:depth],
+                                       host_keys,
                                        tail_key, tier, gpu_tokens, need * self.page_bytes + self.tail_bytes)
         return True
 
@@ -323,6 +332,7 @@ class KVTiers:
             self.stats.hit_tokens[job.tier] += job.depth * PAGE_TOKENS - job.gpu_tokens
             self.stats.bytes["host_to_gpu"] += job.nbytes
             self.stats.latency["host_load"].observe(time.perf_counter() - job.start)
+            self._write_disk(job.chain)        # heals a group the disk lost or failed to write
 
     # ---- the rest --------------------------------------------------------------------------
     def poll(self) -> None:
