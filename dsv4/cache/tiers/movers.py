@@ -33,7 +33,7 @@ class Ticket:
 
     def finish(self) -> None:
         """Order the current stream after the copy (call once `done`)."""
-        if self._done is not None:
+        if isinstance(self._done, torch.cuda.Event):
             main = torch.cuda.current_stream()
             main.wait_event(self._done)
             if self.tail is not None:        # made on the side stream, read on the main one

@@ -111,7 +111,7 @@ class KVTiers:
 
     def _poll_stores(self) -> None:
         for job in list(self.stores):
-            if job.gpu_pages and job.ticket.packed():
+            if job.gpu_pages and (job.ticket.packed() or job.ticket.done()):
                 self.pages.free(job.gpu_pages)
                 job.gpu_pages = []
             if not job.ticket.done():
