@@ -162,8 +162,9 @@ def test_random_workload_with_evictions_from_every_tier(tmp_path, background):
     else:
         raise AssertionError("the workload did not finish")
     st = tiers.stats
-    assert st.hit_tokens["host"] >= 256 * 8, st.hit_tokens
-    assert background or st.hit_tokens["disk"] >= 256 * 8, st.hit_tokens      # (a thread's timing varies)
+    assert sum(st.hit_tokens.values()) >= 256 * 16, st.hit_tokens
+    # (with a thread, which tier a hit comes from depends on its timing)
+    assert background or min(st.hit_tokens.values()) >= 256 * 4, st.hit_tokens
     assert waited >= 20, "no request waited for a copy in flight"
     assert st.bytes["gpu_to_host"] > 3 * tiers.host.nbytes(), "the host tier did not evict"
     assert background or st.bytes["host_to_disk"] > 3 * tiers.disk.budget, "the disk tier did not evict"
