@@ -41,25 +41,43 @@ class Ticket:
         self.keep = ()
 
 
+def runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(first index, first slot, length) of each run of consecutive slots: one copy each."""
+    out = []
+    for i, slot in enumerate(slots):
+        if out and out[-1][1] + out[-1][2] == slot:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((i, slot, 1))
+    return out
+
+
 class SyncMover:
-    def store(self, codec: PageCodec, pages: list[int], rows: list[torch.Tensor],
+    """Copies at once (a CPU cache)."""
+
+    def store(self, codec: PageCodec, pages: list[int], rows: torch.Tensor, slots: list[int],
               tail: torch.Tensor | None, tail_row: torch.Tensor | None) -> Ticket:
-        for p, row in zip(pages, rows):
-            codec.pack(p, row)
+        """Pack history pages `pages` into host rows `rows[slots]`, and `tail` into `tail_row`."""
+        for p, slot in zip(pages, slots):
+            codec.pack(p, rows[slot])
         if tail is not None:
             tail_row.copy_(tail)
         return Ticket()
 
-    def load(self, codec: PageCodec, rows: list[torch.Tensor], pages: list[int], tail_row: torch.Tensor
-             ) -> Ticket:
-        for row, p in zip(rows, pages):
-            codec.unpack(row.to(codec.storage.kinds["c4"].device), p)
+    def load(self, codec: PageCodec, rows: torch.Tensor, slots: list[int], pages: list[int],
+             tail_row: torch.Tensor) -> Ticket:
+        """Unpack host rows `rows[slots]` into history pages `pages`; the tail to the device."""
+        device = codec.storage.kinds["c4"].device
+        for slot, p in zip(slots, pages):
+            codec.unpack(rows[slot].to(device), p)
         t = Ticket()
-        t.tail = tail_row.to(codec.storage.kinds["c4"].device, copy=True)
+        t.tail = tail_row.to(device, copy=True)
         return t
 
 
 class CudaMover:
+    """Copies on a side stream: one device-to-host (or back) copy per run of consecutive slots."""
+
     def __init__(self, device):
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
@@ -67,7 +85,7 @@ class CudaMover:
     def _after_main(self) -> None:
         self.stream.wait_event(torch.cuda.current_stream(self.device).record_event())
 
-    def store(self, codec, pages, rows, tail, tail_row) -> Ticket:
+    def store(self, codec, pages, rows, slots, tail, tail_row) -> Ticket:
         tail_copy = tail.clone() if tail is not None else None     # on the main stream: its slot may be reused
         self._after_main()
         with torch.cuda.stream(self.stream):
@@ -75,19 +93,19 @@ class CudaMover:
             for i, p in enumerate(pages):
                 codec.pack(p, staging[i])
             packed = self.stream.record_event()
-            for i, row in enumerate(rows):
-                row.copy_(staging[i], non_blocking=True)
+            for i, slot, n in runs(slots):
+                rows[slot:slot + n].copy_(staging[i:i + n], non_blocking=True)
             if tail_copy is not None:
                 tail_row.copy_(tail_copy, non_blocking=True)
             done = self.stream.record_event()
         return Ticket(packed, done, keep=(staging, tail_copy))
 
-    def load(self, codec, rows, pages, tail_row) -> Ticket:
+    def load(self, codec, rows, slots, pages, tail_row) -> Ticket:
         self._after_main()                   # the pages may still be read by queued steps of their last owner
         with torch.cuda.stream(self.stream):
             staging = torch.empty(len(pages), codec.numel, dtype=codec.dtype, device=self.device)
-            for i, row in enumerate(rows):
-                staging[i].copy_(row, non_blocking=True)
+            for i, slot, n in runs(slots):
+                staging[i:i + n].copy_(rows[slot:slot + n], non_blocking=True)
             for i, p in enumerate(pages):
                 codec.unpack(staging[i], p)
             tail = tail_row.to(self.device, non_blocking=True)

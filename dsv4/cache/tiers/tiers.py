@@ -87,7 +87,7 @@ class KVTiers:
         page_entries, tail_entry = made
         src = [gpu_pages[i] for i in new]
         self.pages.incref(src)                # until packed
-        ticket = self.mover.store(self.codec, src, [hp.rows[e.slot] for e in page_entries],
+        ticket = self.mover.store(self.codec, src, hp.rows, [e.slot for e in page_entries],
                                   tail if want_tail else None, ht.rows[tail_entry.slot] if want_tail else None)
         nbytes = len(src) * self.page_bytes + want_tail * self.tail_bytes
         self.stores.append(StoreJob(ticket, src, [keys[i] for i in new], keys[-1] if want_tail else None,
@@ -307,7 +307,7 @@ class KVTiers:
         hp.acquire(host_keys)
         ht.acquire([tail_key])
         hp.touch(reversed(keys[:depth]))
-        ticket = self.mover.load(self.codec, [hp.row(k) for k in host_keys], new, ht.row(tail_key))
+        ticket = self.mover.load(self.codec, hp.rows, [hp.index[k].slot for k in host_keys], new, ht.row(tail_key))
         tier = "disk" if tail_key in self._from_disk else "host"
         self._from_disk.discard(tail_key)
         self._read.discard(tail_key)
