@@ -125,6 +125,8 @@ class CacheManager:
     def release(self, req) -> None:
         """Free everything the request holds (finish, abort, preemption); the prefix cache keeps
         its own references to the pages it shares."""
+        if self.tiers is not None:
+            self.tiers.forget(req.request_id)
         held = self.seqs.pop(req.request_id, None)
         if held is None:
             return
@@ -174,7 +176,7 @@ class CacheManager:
         tokens = req.known_tokens(0, limit // PAGE_TOKENS * PAGE_TOKENS)
         path = self.prefix.path_nodes(tokens, limit // PAGE_TOKENS)
         gpu = max((n.end for n in path if n.checkpoint is not None), default=0)
-        return self.tiers.fetch(tokens, limit, gpu)
+        return self.tiers.fetch(tokens, limit, gpu, req.request_id)
 
     def poll_tiers(self) -> None:
         """Collect the tiers' finished copies (once a step, before admission)."""
@@ -233,7 +235,8 @@ class CacheManager:
         fmt = self.storage.checkpoint_format
         fmt.pack(self.storage, held.swa_pages, held.slot, L, self.storage.checkpoints[slot], staged)
         if self.tiers is not None:
-            self.tiers.offload(tokens, held.pages[:L // PAGE_TOKENS], L, self.storage.checkpoints[slot])
+            self.tiers.offload(tokens, held.pages[:L // PAGE_TOKENS], L, self.storage.checkpoints[slot],
+                               req.request_id)
         if L > len(req.prompt_token_ids):               # past the prompt: only the latest is kept
             old, held.decode_node = held.decode_node, node
             if old is not None and old.attached and old is not node:

@@ -20,13 +20,18 @@ def root_key(signature: str) -> Key:
     return hashlib.sha256(b"dsv4-tier\0" + signature.encode()).digest()
 
 
-def chain_keys(root: Key, tokens: Sequence[int], num_pages: int) -> list[Key]:
-    """key_0 .. key_{num_pages - 1} of `tokens` (which hold at least num_pages whole pages)."""
+def chain_keys(root: Key, tokens: Sequence[int], num_pages: int, known: Sequence[Key] = ()) -> list[Key]:
+    """key_0 .. key_{num_pages - 1} of `tokens` (which hold at least num_pages whole pages);
+    `known`: keys of its first pages computed before (only the pages after them are hashed)."""
     if len(tokens) < num_pages * PAGE_TOKENS:
         raise ValueError(f"{len(tokens)} tokens hold fewer than {num_pages} pages")
-    keys, prev = [], root
-    for k in range(num_pages):
-        page = array("q", tokens[k * PAGE_TOKENS:(k + 1) * PAGE_TOKENS]).tobytes()
-        prev = hashlib.sha256(prev + page).digest()
+    keys = list(known[:num_pages])
+    first = len(keys)
+    data = memoryview(array("q", tokens[first * PAGE_TOKENS:num_pages * PAGE_TOKENS]).tobytes())
+    step, prev = PAGE_TOKENS * 8, keys[-1] if keys else root
+    for k in range(num_pages - first):
+        h = hashlib.sha256(prev)
+        h.update(data[k * step:(k + 1) * step])
+        prev = h.digest()
         keys.append(prev)
     return keys

@@ -61,12 +61,25 @@ class KVTiers:
         self._writing_pages: dict[str, str] = {}     # page key (hex) -> file being written
         self._read: set[Key] = set()                 # targets read from disk already (not read again)
         self._from_disk: set[Key] = set()            # host tails a disk read brought (a load of one is a disk hit)
+        self._memo: dict[str, list[Key]] = {}        # request id -> chain keys of its tokens so far
 
     # ---- storing ---------------------------------------------------------------------------
-    def offload(self, tokens: list[int], gpu_pages: list[int], L: int, tail) -> None:
+    def keys(self, tokens: list[int], num_pages: int, owner: str | None = None) -> list[Key]:
+        """Chain keys of `tokens`' first pages; with an `owner` (a request id, whose tokens only
+        grow) the keys computed before are kept until `forget(owner)`, so each page is hashed once."""
+        known = self._memo.get(owner, ()) if owner is not None else ()
+        keys = chain_keys(self.root, tokens, num_pages, known)
+        if owner is not None and len(keys) > len(known):
+            self._memo[owner] = keys
+        return keys
+
+    def forget(self, owner: str) -> None:
+        self._memo.pop(owner, None)
+
+    def offload(self, tokens: list[int], gpu_pages: list[int], L: int, tail, owner: str | None = None) -> None:
         """Store the prefix `tokens` [0, L) (GPU pages `gpu_pages`, checkpoint row `tail` at L)."""
         self.poll()
-        keys = chain_keys(self.root, tokens, L // PAGE_TOKENS)
+        keys = self.keys(tokens, L // PAGE_TOKENS, owner)
         hp, ht = self.host.pages, self.host.tails
         hp.touch(reversed(keys))
         ht.touch(keys[-1:])
@@ -189,7 +202,7 @@ class KVTiers:
             self.stats.latency["disk_store"].observe(time.perf_counter() - job.start)
 
     # ---- restoring -------------------------------------------------------------------------
-    def fetch(self, tokens: list[int], limit: int, gpu_tokens: int) -> bool:
+    def fetch(self, tokens: list[int], limit: int, gpu_tokens: int, owner: str | None = None) -> bool:
         """For a waiting request whose GPU hit resumes at `gpu_tokens` (0: none): start restoring
         a deeper checkpoint of `tokens` (at most `limit`) from the tiers. True while one it would
         resume from is being restored (the request waits); False when it can be admitted now."""
@@ -197,7 +210,7 @@ class KVTiers:
         n = limit // PAGE_TOKENS
         if n * PAGE_TOKENS <= gpu_tokens:
             return False
-        keys = chain_keys(self.root, tokens, n)
+        keys = self.keys(tokens, n, owner)
         if any(k in self.loads or k in self.reads for k in keys):
             return True
         for _ in range(2):                     # a finished disk read makes a host load possible
@@ -363,6 +376,16 @@ class KVTiers:
                 "disk_files": len(self.disk.files) if self.disk else 0,
                 "disk_bytes_used": self.disk.nbytes if self.disk else 0,
                 "disk_bytes_total": self.disk.budget if self.disk else 0}
+
+    def drop_host(self) -> int:
+        """Forget every unreferenced host entry (the disk keeps its copies); entries dropped."""
+        n = 0
+        for pool in (self.host.pages, self.host.tails):
+            for key, e in list(pool.index.items()):
+                if e.ready and not e.refs:
+                    pool.drop(key)
+                    n += 1
+        return n
 
     def report(self) -> dict:
         """The `EngineStats` fields of the tiers (engine/ipc.py)."""
