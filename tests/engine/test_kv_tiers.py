@@ -56,6 +56,11 @@ def test_restored_from_host_matches_cold(tiny, h, forcer, prompt_len, start):
     check_resumed(tiny, h, forcer, eng, tokens, prompt_len, start, "again")
     assert eng.cache.tiers.stats.hit_tokens["host"] == start
     h.assert_cache_accounting(eng)
+    eng.reset_prefix_cache()
+    got, cached = greedy(eng, "greedy", tokens[:prompt_len])
+    cold, _ = greedy(tiny.engine(max_num_batched_tokens=2048, max_num_seqs=2, num_pages=8,
+                                 enable_prefix_caching=False), "greedy", tokens[:prompt_len])
+    assert got == cold and cached == start
 
 
 def test_restore_deeper_than_the_gpu_hit_reuses_the_gpu_pages(tiny, h, forcer):
