@@ -62,6 +62,11 @@ class KVTiers:
         self._read: set[Key] = set()                 # targets read from disk already (not read again)
         self._from_disk: set[Key] = set()            # host tails a disk read brought (a load of one is a disk hit)
         self._memo: dict[str, list[Key]] = {}        # request id -> chain keys of its tokens so far
+        u = self.usage()
+        log.info("KV tiers: host %.2f GiB (%d pages of %.2f MiB, %d checkpoints of %.2f MiB)%s",
+                 self.host.nbytes() / 2**30, u["host_pages_total"], self.page_bytes / 2**20, u["host_tails_total"],
+                 self.tail_bytes / 2**20, f"; disk {options.disk_dir}: {u['disk_files']} groups, "
+                 f"{u['disk_bytes_used'] / 2**30:.2f} of {options.disk_bytes / 2**30:.2f} GiB" if self.disk else "")
 
     # ---- storing ---------------------------------------------------------------------------
     def keys(self, tokens: list[int], num_pages: int, owner: str | None = None) -> list[Key]:
