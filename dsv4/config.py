@@ -293,7 +293,8 @@ class EngineConfig:
             if not self.disk_cache_dir:
                 raise ConfigError("disk_cache_dir", "expected a folder, got ''")
             if not self.host_cache_gb:
-                raise ConfigError("disk_cache_dir", "the disk tier is written from the host tier: set host_cache_gb > 0")
+                raise ConfigError("disk_cache_dir", "the disk tier is written from the host tier: set "
+                                                    "host_cache_gb > 0")
             if not self.disk_cache_gb:
                 raise ConfigError("disk_cache_gb", "expected > 0 with disk_cache_dir")
 

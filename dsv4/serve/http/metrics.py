@@ -62,8 +62,8 @@ class ServerMetrics:
                                          registry=r)
         self.tier_hits = Counter("dsv4:prefix_cache_tier_hits", "Prompt tokens resumed, by the tier that held "
                                  "them (gpu, host, disk)", m + ["tier"], registry=r)
-        self.tier_bytes = Counter("dsv4:kv_tier_bytes", "Bytes copied between KV tiers, by direction", m + ["direction"],
-                                  registry=r)
+        self.tier_bytes = Counter("dsv4:kv_tier_bytes", "Bytes copied between KV tiers, by direction",
+                                  m + ["direction"], registry=r)
         self.tier_usage = Gauge("dsv4:kv_tier_usage", "Host and disk KV tier occupancy (entries and bytes)",
                                 m + ["what"], registry=r)
         r.register(_TierLatency(self))
