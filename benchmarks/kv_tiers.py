@@ -185,6 +185,9 @@ def main(argv=None) -> int:
     tiers.drain()
     path = eng.cache.prefix.path_nodes(prompt, args.prompt_len // 256)
     gpu_pages = [n.page for n in path]
+    if not gpu_pages:
+        print("the prompt's pages are not in the GPU prefix cache: no offload to measure")
+        return 1
     n_pages = len(gpu_pages)
     prefixes = []                           # new prefixes over the same GPU pages, keys hashed beforehand
     for i in range(40 if args.smoke else 400):  # (as a request's commits hash each page once)
