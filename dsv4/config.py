@@ -248,6 +248,9 @@ class EngineConfig:
     hf_overrides: str | None = None        # JSON object of config.json keys applied over the checkpoint's
     enable_prefix_caching: bool = True     # share the history pages of resent prefixes (cache/prefix.py)
     num_checkpoints: int | None = None     # prefix-cache checkpoints; None: one per 16 history pages, >= 2 per slot
+    host_cache_gb: float = 0.0             # host-RAM tier of the prefix cache (cache/tiers/); 0: off
+    disk_cache_dir: str | None = None      # disk tier's folder (needs the host tier); None: off
+    disk_cache_gb: float = 16.0            # most bytes of the disk tier's files
     tokenizer: str | None = None           # tokenizer folder; None: the model folder's
     speculative_config: SpeculativeConfig | None = None   # off by default; a dict or JSON text is parsed
 
@@ -265,6 +268,7 @@ class EngineConfig:
             raise ConfigError("num_checkpoints", f"expected >= 0, got {self.num_checkpoints}")
         if self.spec_slots < 0:
             raise ConfigError("spec_slots", f"expected >= 0, got {self.spec_slots}")
+        self._check_tiers()
         self._set_speculative()
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ConfigError("async_scheduling", f"expected 'auto', 'on' or 'off', got {self.async_scheduling!r}")
@@ -277,6 +281,23 @@ class EngineConfig:
         if p is not None and (not isinstance(p, str) or not p or set(p) - {"F", "S"}):
             raise ConfigError("index_topk_pattern", f"expected a string of 'F' and 'S' letters, got {p!r}")
         self._hf_overrides()
+
+    def _check_tiers(self) -> None:
+        for name in ("host_cache_gb", "disk_cache_gb"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf"):
+                raise ConfigError(name, f"expected a finite number of GiB >= 0, got {v!r}")
+        if self.host_cache_gb and not self.enable_prefix_caching:
+            raise ConfigError("host_cache_gb", "the host tier keeps prefix-cache pages: it needs "
+                                               "enable_prefix_caching")
+        if self.disk_cache_dir is not None:
+            if not self.disk_cache_dir:
+                raise ConfigError("disk_cache_dir", "expected a folder, got ''")
+            if not self.host_cache_gb:
+                raise ConfigError("disk_cache_dir", "the disk tier is written from the host tier: set "
+                                                    "host_cache_gb > 0")
+            if not self.disk_cache_gb:
+                raise ConfigError("disk_cache_gb", "expected > 0 with disk_cache_dir")
 
     def _hf_overrides(self) -> dict[str, Any]:
         if self.hf_overrides is None:

@@ -21,6 +21,10 @@ With a prefix cache (prefix.py, checkpoint.py; `bind` gives the storage it packs
     rows, or from the ring by position while they are still there (decode steps);
   * pages only the tree holds count as available: `reserve` evicts them (LRU) when the free
     list runs short; `release` leaves the tree's references alone.
+
+With host / disk tiers (cache/tiers/, given to `bind`): every checkpoint `commit` takes is also
+offloaded; `waits_for_tiers` restores a deeper prefix than the GPU's hit into the tree before
+admission (the request waits while the copy runs).
 """
 from __future__ import annotations
 
@@ -56,12 +60,17 @@ class CacheManager:
         self.seqs: dict[str, SeqCache] = {}
         self.prefix = PrefixTree(self.pages, plan.num_checkpoints) if prefix_caching and plan.num_checkpoints else None
         self.storage = None
+        self.tiers = None                # host / disk tiers (cache/tiers/), when configured
 
-    def bind(self, storage) -> None:
-        """The KVStorage whose rows checkpoints are packed from and restored into."""
+    def bind(self, storage, tiers=None) -> None:
+        """The KVStorage whose rows checkpoints are packed from and restored into; `tiers`
+        (a cache.tiers.TierOptions) adds the host and disk tiers behind the prefix cache."""
         if self.prefix is not None and storage.checkpoint_format is None:
             raise ValueError("prefix caching needs a storage with checkpoint slots")
         self.storage = storage
+        if tiers is not None and self.prefix is not None:
+            from .tiers import KVTiers
+            self.tiers = KVTiers(tiers, storage, self.pages, self.prefix)
 
     def seq(self, req) -> SeqCache:
         """The request's record (an empty one, not stored, when it holds nothing)."""
@@ -116,6 +125,8 @@ class CacheManager:
     def release(self, req) -> None:
         """Free everything the request holds (finish, abort, preemption); the prefix cache keeps
         its own references to the pages it shares."""
+        if self.tiers is not None:
+            self.tiers.forget(req.request_id)
         held = self.seqs.pop(req.request_id, None)
         if held is None:
             return
@@ -135,19 +146,42 @@ class CacheManager:
                 "swa_pages_used": self.swa.num_used, "swa_pages_total": self.plan.num_swa_pages,
                 "slots_used": self.plan.max_num_seqs - len(self.free_slots),
                 "prefix_pages": tree.num_pages if tree else 0,
-                "prefix_checkpoints": tree.num_checkpoints_used if tree else 0}
+                "prefix_checkpoints": tree.num_checkpoints_used if tree else 0,
+                **(self.tiers.usage() if self.tiers is not None else {})}
 
     # ---- the prefix cache ------------------------------------------------------------------
     def match(self, req) -> PrefixHit | None:
         """The deepest checkpoint a request that holds nothing could resume from (None for a
         request that wants prompt logprobs: it computes every prompt position)."""
+        limit = self._match_limit(req)
+        if limit is None:
+            return None
+        return self.prefix.match(req.known_tokens(0, limit // PAGE_TOKENS * PAGE_TOKENS), limit)
+
+    def _match_limit(self, req) -> int | None:
+        """How far a waiting request may resume (None: it may not)."""
         if self.prefix is None or req.num_computed or req.wants_prompt_logprobs or req.request_id in self.seqs:
             return None
         known = len(req.prompt_token_ids) + len(req.output_token_ids)
         limit = min(known, req.num_tokens - 1)          # at least one token is left to compute
-        if limit < PAGE_TOKENS:
-            return None
-        return self.prefix.match(req.known_tokens(0, limit // PAGE_TOKENS * PAGE_TOKENS), limit)
+        return limit if limit >= PAGE_TOKENS else None
+
+    def waits_for_tiers(self, req) -> bool:
+        """Restore from the host / disk tiers a deeper prefix of a waiting request than the GPU
+        prefix cache holds; True while that copy runs (admit it later). Requests that want prompt
+        logprobs never load (`_match_limit`)."""
+        limit = self._match_limit(req) if self.tiers is not None else None
+        if limit is None:
+            return False
+        tokens = req.known_tokens(0, limit // PAGE_TOKENS * PAGE_TOKENS)
+        path = self.prefix.path_nodes(tokens, limit // PAGE_TOKENS)
+        gpu = max((n.end for n in path if n.checkpoint is not None), default=0)
+        return self.tiers.fetch(tokens, limit, gpu, req.request_id)
+
+    def poll_tiers(self) -> None:
+        """Collect the tiers' finished copies (once a step, before admission)."""
+        if self.tiers is not None:
+            self.tiers.poll()
 
     def admit(self, req, hit: PrefixHit, num_new: int) -> bool:
         """Resume `req` at hit.length and reserve [L, L + num_new); all or nothing."""
@@ -193,12 +227,16 @@ class CacheManager:
         staged = held.staged == L
         if not self._swa_held(held, L) or not (staged or self._ring_holds(req.num_computed, L)):
             return
-        node = self._insert(held, req.known_tokens(0, L), L)
+        tokens = req.known_tokens(0, L)
+        node = self._insert(held, tokens, L)
         slot = self.prefix.add_checkpoint(node)
         if slot is None:
             return
         fmt = self.storage.checkpoint_format
         fmt.pack(self.storage, held.swa_pages, held.slot, L, self.storage.checkpoints[slot], staged)
+        if self.tiers is not None:
+            self.tiers.offload(tokens, held.pages[:L // PAGE_TOKENS], L, self.storage.checkpoints[slot],
+                               req.request_id)
         if L > len(req.prompt_token_ids):               # past the prompt: only the latest is kept
             old, held.decode_node = held.decode_node, node
             if old is not None and old.attached and old is not node:

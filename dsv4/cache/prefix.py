@@ -98,6 +98,17 @@ class PrefixTree:
         self._ckpt_lru.move_to_end(best)
         return PrefixHit(best, [n.page for n in reversed(best.path())])
 
+    def path_nodes(self, tokens: Sequence[int], num_pages: int) -> list[Node]:
+        """The nodes of `tokens`' first `num_pages` pages the tree has, root's child first (no
+        LRU change: the host / disk tiers look up how much of a prefix is here)."""
+        node, out = self.root, []
+        for i in range(num_pages):
+            node = node.children.get(tuple(tokens[i * PAGE_TOKENS:(i + 1) * PAGE_TOKENS]))
+            if node is None:
+                break
+            out.append(node)
+        return out
+
     # ---- growing ---------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], pages: Sequence[int], start: Node, depth: int
                ) -> tuple[Node, list[tuple[int, int]]]:

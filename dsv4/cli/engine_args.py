@@ -39,6 +39,11 @@ HELP = {
                              "checkpoints); --no-enable-prefix-caching turns it off",
     "num_checkpoints": "prefix-cache checkpoints (the private state at a page boundary; default: one per 16 "
                        "history pages, at least two per request slot)",
+    "host_cache_gb": "GiB of pinned host memory keeping prefix-cache pages and checkpoints offloaded from the GPU "
+                     "(0: off)",
+    "disk_cache_dir": "folder of the disk tier of the prefix cache, written from the host tier and kept across "
+                      "restarts (needs --host-cache-gb)",
+    "disk_cache_gb": "most GiB of files in --disk-cache-dir",
     "tokenizer": "tokenizer folder (default: the model folder; needed for a random:... model spec)",
     "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 2}' "
                           "(off by default; --spec-slots defaults to num_speculative_tokens)",

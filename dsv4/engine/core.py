@@ -137,6 +137,9 @@ class EngineCore:
                             swa_pages_used=usage["swa_pages_used"], slots_used=usage["slots_used"],
                             steps=self._steps, generated_tokens=self._generated, prefix_queries=queries,
                             prefix_hits=hits, prefix_pages=cached)
+        if cache.tiers is not None:
+            for name, value in cache.tiers.report().items():
+                setattr(stats, name, value)
         spec = getattr(self.engine, "spec", None)
         if spec is not None:
             s = spec.stats

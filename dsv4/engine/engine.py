@@ -11,6 +11,7 @@ import torch
 from ..cache.layout import CacheLayout
 from ..cache.manager import CacheManager
 from ..cache.sizing import memory_report, plan_cache
+from ..cache.tiers import TierOptions
 from ..config import ConfigError, EngineConfig
 from .outputs import RequestOutput
 from .inflight import HostCopy, PromptLogprobRows, StepInFlight
@@ -53,7 +54,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.layout, self.plan, self.cache, config.device,
                                   0 if config.enforce_eager else config.cuda_graph_max_bs,
                                   keep_hidden=spec is not None)
-        self.cache.bind(self.runner.storage)
+        self.cache.bind(self.runner.storage, TierOptions.from_config(config))
         self.sampler = Sampler()
         self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.eos_token_id = self.tokenizer.eos_id if self.tokenizer is not None else self.cfg.eos_token_id

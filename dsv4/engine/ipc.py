@@ -92,6 +92,14 @@ class EngineStats(msgspec.Struct):
     prefix_queries: int = 0     # prompt tokens looked up in the prefix cache so far
     prefix_hits: int = 0        # of them, tokens resumed from it
     prefix_pages: int = 0       # history pages the prefix cache holds
+    # host / disk tiers (cache/tiers/stats.py), so far: resumed tokens each tier supplied, bytes
+    # moved each way, copy latencies (cumulative counts per bucket of `tier_buckets`, then the
+    # sum of seconds), and occupancy now
+    tier_hit_tokens: dict[str, int] = msgspec.field(default_factory=dict)
+    tier_bytes: dict[str, int] = msgspec.field(default_factory=dict)
+    tier_latency: dict[str, list[float]] = msgspec.field(default_factory=dict)
+    tier_buckets: list[float] = msgspec.field(default_factory=list)
+    tier_usage: dict[str, int] = msgspec.field(default_factory=dict)
     # speculative decoding so far (engine/speculative/stats.py): verifies with drafts, drafted
     # and accepted tokens, accepted tokens per draft position
     spec_drafts: int = 0

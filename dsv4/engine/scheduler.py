@@ -12,7 +12,8 @@ With a prefix cache (docs/architecture.md, "Cache"):
   * admission first looks for a hit: the request resumes at the hit's page boundary, its
     matched pages cost no new pages, and its chunk is what is left after them;
   * a waiting request whose prompt another running request is still prefilling waits for it
-    (n > 1 and parallel copies of one prompt then share its pages and checkpoint).
+    (n > 1 and parallel copies of one prompt then share its pages and checkpoint);
+  * a waiting request whose deeper prefix the host / disk tiers are restoring waits for it.
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
+        self.cache.poll_tiers()
         chunks: list[ScheduledChunk] = []
         order = sorted(self.running, key=lambda r: (not r.is_decoding, r.arrival))
         for req in order:
@@ -74,7 +76,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_seqs:
             req = self.waiting[i]
-            if self._waits_for_twin(req):
+            if self._waits_for_twin(req) or self.cache.waits_for_tiers(req):
                 i += 1
                 continue
             n = self._admit(req, budget)

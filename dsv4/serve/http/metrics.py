@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 
 from ...engine.ipc import EngineStats, TokenOutput
 
@@ -59,6 +60,13 @@ class ServerMetrics:
         self.spec_accepted_pos = Counter("dsv4:spec_decode_num_accepted_tokens_per_pos",
                                          spec + "accepted drafted tokens by draft position", m + ["position"],
                                          registry=r)
+        self.tier_hits = Counter("dsv4:prefix_cache_tier_hits", "Prompt tokens resumed, by the tier that held "
+                                 "them (gpu, host, disk)", m + ["tier"], registry=r)
+        self.tier_bytes = Counter("dsv4:kv_tier_bytes", "Bytes copied between KV tiers, by direction",
+                                  m + ["direction"], registry=r)
+        self.tier_usage = Gauge("dsv4:kv_tier_usage", "Host and disk KV tier occupancy (entries and bytes)",
+                                m + ["what"], registry=r)
+        r.register(_TierLatency(self))
         self.name = model_name
         self._last = EngineStats()
         self.pages_total.labels(model_name).set(num_pages)
@@ -79,8 +87,22 @@ class ServerMetrics:
         self.prefix_queries.labels(name).inc(max(0, stats.prefix_queries - self._last.prefix_queries))
         self.prefix_hits.labels(name).inc(max(0, stats.prefix_hits - self._last.prefix_hits))
         self.prefix_pages.labels(name).set(stats.prefix_pages)
+        self._update_tiers(stats)
         self._update_spec(stats)
         self._last = stats
+
+    def _update_tiers(self, stats: EngineStats) -> None:
+        """Tier counters from the engine's running totals; a GPU hit is a prefix hit no tier supplied."""
+        name, last = self.name, self._last
+        gpu = stats.prefix_hits - sum(stats.tier_hit_tokens.values())
+        gpu_before = last.prefix_hits - sum(last.tier_hit_tokens.values())
+        self.tier_hits.labels(name, "gpu").inc(max(0, gpu - gpu_before))
+        for tier, n in stats.tier_hit_tokens.items():
+            self.tier_hits.labels(name, tier).inc(max(0, n - last.tier_hit_tokens.get(tier, 0)))
+        for direction, n in stats.tier_bytes.items():
+            self.tier_bytes.labels(name, direction).inc(max(0, n - last.tier_bytes.get(direction, 0)))
+        for what, n in stats.tier_usage.items():
+            self.tier_usage.labels(name, what).set(n)
 
     def _update_spec(self, stats: EngineStats) -> None:
         """Counters from the engine's running totals (the increase since the last message)."""
@@ -130,3 +152,22 @@ class RequestTracker:
     def _end(self, index: int, reason: str) -> None:
         self.done[index] = True
         self.m.finished.labels(self.m.name, reason).inc()
+
+
+class _TierLatency:
+    """`dsv4:kv_tier_latency_seconds{op}`: the tiers' copy latencies, histograms the engine keeps
+    (cumulative bucket counts in `EngineStats.tier_latency`), exported as they are."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        stats = self.metrics._last
+        family = HistogramMetricFamily("dsv4:kv_tier_latency_seconds", "Host and disk KV tier copy latency, by "
+                                       "operation (host_store, host_load, disk_store, disk_load)",
+                                       labels=["model_name", "op"])
+        bounds = [str(b) for b in stats.tier_buckets] + ["+Inf"]
+        for op, values in stats.tier_latency.items():
+            counts, total = values[:-1], values[-1]
+            family.add_metric([self.metrics.name, op], list(zip(bounds, counts)), total)
+        yield family

@@ -1,0 +1,126 @@
+"""The disk tier's file format: one file per prefix group (docs/architecture.md, "Host and disk tiers").
+
+A group is the history pages a..b-1 of one prefix and, optionally, the checkpoint tail at
+L = 256 b. A file is one header line (JSON: magic, layout signature, parent key = key_{a-1} or
+"" for a = 0, the pages' keys, whether a tail follows, row sizes, dtype, payload bytes and the
+payload's sha256), then the payload: the page rows, then the tail row, raw. Files are named by
+their last page's key and whether a tail follows. Reading checks everything it can before anything is used: a wrong
+signature (`SignatureMismatch`), a short file or a checksum that does not match (`Corrupt`) —
+so nothing wrong is ever loaded.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+
+MAGIC = "dsv4-kv-group"
+VERSION = 1
+SUFFIX = ".kv"
+MAX_HEADER = 1 << 20
+
+
+class Corrupt(ValueError):
+    """A truncated, damaged or foreign file."""
+
+
+class SignatureMismatch(ValueError):
+    """A group written under another checkpoint layout signature."""
+
+
+@dataclass(frozen=True)
+class Header:
+    signature: str
+    parent: str                  # hex key of the page before the group ("" at the root)
+    keys: tuple[str, ...]        # hex keys of its pages, in order
+    tail: bool                   # a checkpoint tail at the end of its last page follows
+    page_numel: int
+    tail_numel: int
+    dtype: str
+    payload: int                 # bytes after the header line
+    sha256: str
+    header_bytes: int = 0        # length of the header line, newline included
+
+    @property
+    def name(self) -> str:
+        return group_name(self.keys[-1], self.tail)
+
+
+def group_name(last_key: str, tail: bool) -> str:
+    """A group's file name: its last page's key, then whether it ends with a tail."""
+    return f"{last_key}.{'t' if tail else 'p'}{SUFFIX}"
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise Corrupt(f"unknown dtype {name!r}")
+    return dtype
+
+
+def encode(signature: str, parent: str, keys: list[str], pages: torch.Tensor, tail: torch.Tensor | None) -> bytes:
+    """One group file's bytes: `pages` [n, page_numel] (CPU), `tail` [tail_numel] or None."""
+    parts = [pages.contiguous().view(torch.uint8).numpy().tobytes()]
+    if tail is not None:
+        parts.append(tail.contiguous().view(torch.uint8).numpy().tobytes())
+    payload = b"".join(parts)
+    head = {"magic": MAGIC, "version": VERSION, "signature": signature, "parent": parent, "keys": keys,
+            "tail": tail is not None, "page_numel": pages.shape[1], "tail_numel": 0 if tail is None else tail.numel(),
+            "dtype": str(pages.dtype), "payload": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    return json.dumps(head).encode() + b"\n" + payload
+
+
+def parse_header(line: bytes) -> Header:
+    """The header of a file whose first line is `line` (newline included); Corrupt if it is not one."""
+    try:
+        d = json.loads(line)
+        if d.get("magic") != MAGIC or d.get("version") != VERSION:
+            raise Corrupt(f"not a dsv4 KV group (magic {d.get('magic')!r}, version {d.get('version')!r})")
+        head = Header(str(d["signature"]), str(d["parent"]), tuple(str(k) for k in d["keys"]), bool(d["tail"]),
+                      int(d["page_numel"]), int(d["tail_numel"]), str(d["dtype"]), int(d["payload"]),
+                      str(d["sha256"]), len(line))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise Corrupt(f"unreadable header: {e}") from None
+    if not head.keys:
+        raise Corrupt("a group without pages")
+    elem = torch.empty((), dtype=_dtype(head.dtype)).element_size()
+    if head.payload != elem * (len(head.keys) * head.page_numel + head.tail_numel * head.tail):
+        raise Corrupt(f"payload of {head.payload} bytes does not match its rows")
+    return head
+
+
+def read_header(path: str) -> tuple[Header, int]:
+    """A file's header and its size on disk."""
+    with open(path, "rb") as f:
+        line = f.readline(MAX_HEADER)
+        size = f.seek(0, 2)
+    if not line.endswith(b"\n"):
+        raise Corrupt("no header line")
+    return parse_header(line), size
+
+
+def check(head: Header, size: int, signature: str) -> None:
+    """Raise SignatureMismatch or Corrupt (truncated / padded) for a file that must not be used."""
+    if head.signature != signature:
+        raise SignatureMismatch(f"layout signature {head.signature[:16]}..., this cache's is {signature[:16]}...")
+    if size != head.header_bytes + head.payload:
+        raise Corrupt(f"{size} bytes on disk, the header says {head.header_bytes + head.payload}")
+
+
+def read_group(path: str, signature: str) -> tuple[Header, torch.Tensor, torch.Tensor | None]:
+    """A whole group, checked (signature, size, sha256): (header, pages [n, page_numel], tail)."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    line, sep, payload = blob.partition(b"\n")
+    if not sep:
+        raise Corrupt("no header line")
+    head = parse_header(line + sep)
+    check(head, len(blob), signature)
+    if hashlib.sha256(payload).hexdigest() != head.sha256:
+        raise Corrupt("checksum mismatch")
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(_dtype(head.dtype))
+    n = len(head.keys) * head.page_numel
+    pages = data[:n].view(len(head.keys), head.page_numel)
+    return head, pages, (data[n:] if head.tail else None)
