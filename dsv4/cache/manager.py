@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..model.vision.spans import resume_limit
 from .checkpoint import OVERLAP
 from .layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout, CachePlan
 from .pages import PageAllocator
@@ -147,7 +148,11 @@ class CacheManager:
         limit = min(known, req.num_tokens - 1)          # at least one token is left to compute
         if limit < PAGE_TOKENS:
             return None
-        return self.prefix.match(req.known_tokens(0, limit // PAGE_TOKENS * PAGE_TOKENS), limit)
+        hit = self.prefix.match(req.key_tokens(0, limit // PAGE_TOKENS * PAGE_TOKENS), limit)
+        while hit is not None and resume_limit(req.images, hit.length) < hit.length:   # inside an image
+            limit = resume_limit(req.images, hit.length)
+            hit = self.prefix.match(req.key_tokens(0, limit // PAGE_TOKENS * PAGE_TOKENS), limit)
+        return hit
 
     def admit(self, req, hit: PrefixHit, num_new: int) -> bool:
         """Resume `req` at hit.length and reserve [L, L + num_new); all or nothing."""
@@ -193,7 +198,7 @@ class CacheManager:
         staged = held.staged == L
         if not self._swa_held(held, L) or not (staged or self._ring_holds(req.num_computed, L)):
             return
-        node = self._insert(held, req.known_tokens(0, L), L)
+        node = self._insert(held, req.key_tokens(0, L), L)
         slot = self.prefix.add_checkpoint(node)
         if slot is None:
             return

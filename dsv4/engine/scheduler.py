@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ..cache.layout import PAGE_TOKENS
 from ..cache.manager import CacheManager
+from ..model.vision.spans import atomic_chunk
 from .request import Request, Status
 
 
@@ -67,7 +68,7 @@ class Scheduler:
             if budget == 0 or req.status is not Status.RUNNING:
                 continue
             drafts = len(req.spec_token_ids) if req.is_decoding else 0
-            n = min(req.num_remaining + drafts, budget)
+            n = atomic_chunk(req.images, req.num_computed, min(req.num_remaining + drafts, budget))
             if self._reserve_or_preempt(req, n, chunks):
                 chunks.append(ScheduledChunk(req, n, n if drafts else None))
         budget = self.max_tokens - sum(c.num_tokens for c in chunks)
@@ -92,7 +93,7 @@ class Scheduler:
         is one; its size, or 0 when it does not fit."""
         hit = self.cache.match(req)
         start = hit.length if hit is not None else 0
-        n = min(req.num_tokens - start, budget)
+        n = atomic_chunk(req.images, start, min(req.num_tokens - start, budget))
         if not (self.cache.admit(req, hit, n) if hit is not None else self.cache.reserve(req, n)):
             return 0
         if self.cache.prefix is not None:
