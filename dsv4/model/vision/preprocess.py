@@ -57,7 +57,7 @@ def open_image(data: bytes):
     except ImageError:
         raise
     except (Image.DecompressionBombWarning, Image.DecompressionBombError):
-        raise ImageError("the image is too large to decode safely") from None
+        raise ImageError(f"the image is too large: more than {MAX_PIXELS / 1e6:.0f} megapixels") from None
     except Exception as e:  # Pillow raises many kinds for bad bytes (OSError, SyntaxError, ...)
         raise ImageError(f"the image cannot be decoded: {type(e).__name__}: {e}") from None
 
