@@ -90,6 +90,7 @@ def tower():
 
 
 @pytest.mark.parametrize("size", [(32, 32), (40, 30), (20, 70), (100, 12)])
+@torch.no_grad()
 def test_tower_and_aligner_match_the_reference(tower, size):
     vit, aligner = tower
     patches, g = to_patches(open_image(png(*size)), V)
