@@ -77,7 +77,8 @@ def check_reference(device) -> bool:
 
 
 @torch.no_grad()
-def throughput(v: VisionConfig, hidden: int, device, dtype, side: int, batches: list[int], reps: int) -> tuple[dict, bool]:
+def throughput(v: VisionConfig, hidden: int, device, dtype, side: int, batches: list[int],
+               reps: int) -> tuple[dict, bool]:
     vit, aligner = random_tower(v, hidden, device, dtype)
     images = [open_image(png(side, side, s)) for s in range(max(batches))]
     patches = [to_patches(im, v) for im in images]
@@ -127,7 +128,8 @@ def ttft(spec: str, device, dtype: str, side: int, text_len: int, reps: int) -> 
                     enable_prefix_caching=False, max_model_len=8192)
     eng = LLMEngine(spec, EngineConfig(**settings))
     v = eng.cfg.vision
-    text = torch.randint(100, min(eng.cfg.vocab_size, 8000), (text_len,), generator=torch.Generator().manual_seed(1)).tolist()
+    gen = torch.Generator().manual_seed(1)
+    text = torch.randint(100, min(eng.cfg.vocab_size, 8000), (text_len,), generator=gen).tolist()
     ids, images = image_prompt(text, png(side, side, 7), v, v.image_token_id)
     first_token(eng, "warm-text", text)
     first_token(eng, "warm-image", ids, images)

@@ -72,7 +72,8 @@ class ModelRunner:
         fb = upload_tree(build_step(seqs, self.layout, self.storage.ring_slots), self.h2d)
         if fill is not None:
             fill.apply(fb.token_ids, self.h2d)
-        hidden = self.model(fb, self.storage.layers, images) if images is not None else self.model(fb, self.storage.layers)
+        extra = (images,) if images is not None else ()
+        hidden = self.model(fb, self.storage.layers, *extra)
         return StepLogits(self.model.logits(hidden[fb.logits_rows]), first, counts,
                           hidden if self.keep_hidden else None)
 

@@ -1,5 +1,5 @@
-"""V4 MoE: sqrtsoftplus router (bias only for selection) or hash routing by token id,
-image tokens routed by score with the vision bias `bias_vl` on every layer (docs/vision.md), routed experts with clamped SwiGLU scaled by routed_scaling_factor, one shared expert."""
+"""V4 MoE: sqrtsoftplus router (bias only for selection) or hash routing by token id (image
+rows: by score with the vision bias `bias_vl`, on every layer; docs/vision.md), routed experts with clamped SwiGLU scaled by routed_scaling_factor, one shared expert."""
 from __future__ import annotations
 
 import torch
@@ -46,7 +46,8 @@ class Gate(nn.Module):
         if image_mask is None:
             return weights, ids
         w_img, id_img = route_topk(x[image_mask], self.weight, self.bias_vl, self.topk, self.scaling)
-        return weights.index_put((image_mask,), w_img), ids.index_put((image_mask,), id_img.to(ids.dtype))
+        weights = weights.index_put((image_mask,), w_img)
+        return weights, ids.index_put((image_mask,), id_img.to(ids.dtype))
 
 
 class Experts(nn.Module):
@@ -103,7 +104,8 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, dtype, fp8_experts[0], mxfp4_experts)
         self.shared_experts = SharedExpert(cfg, dtype, fp8_experts[1])
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor,
+                image_mask: torch.Tensor | None = None) -> torch.Tensor:
         weights, ids = self.gate(x, token_ids, image_mask)
         e, s = self.experts, self.shared_experts
         return moe_experts(x, weights, ids, e.w1, e.w2, e.w3, (s.w1.weight, s.w2.weight, s.w3.weight),

@@ -54,7 +54,8 @@ def test_released_grids_fit_the_budget_and_aligner(h, w):
 
 def test_square_released_image_uses_most_of_the_budget():
     n_vh, n_vw, n_lh, n_lw = image_grid(1024, 1024, **RELEASED)
-    assert (n_lh, n_lw) == (18, 18) and block_length(18, 18, 0) == 3 + 1 + 18 * 19 + 2 + 1  # 9 row pairs of 19: odd, 2 pads
+    # 3 pads, start, 18 rows of 19, 2 pads (9 row pairs of 19 columns: odd), end
+    assert (n_lh, n_lw) == (18, 18) and block_length(18, 18, 0) == 3 + 1 + 18 * 19 + 2 + 1
 
 
 @pytest.mark.parametrize("n_h, n_w", [(1, 1), (2, 3), (3, 2), (4, 4), (5, 7), (6, 1)])

@@ -15,7 +15,8 @@ from .errors import bad_request
 from .media import MediaPolicy, load_media
 
 
-def image_prompt(text: str, images: list[tuple[str, object]], state, policy: MediaPolicy) -> tuple[list[int], list[ImageItem]]:
+def image_prompt(text: str, images: list[tuple[str, object]], state,
+                 policy: MediaPolicy) -> tuple[list[int], list[ImageItem]]:
     """text: the encoded prompt, one placeholder per image; images: [(where, url)] in order."""
     pieces = text.split(IMAGE_PLACEHOLDER)
     if len(pieces) - 1 != len(images):
