@@ -13,6 +13,7 @@ from ..cache.manager import CacheManager
 from ..cache.storage import KVStorage
 from ..model.vision.encoder import VisionEncoder
 from ..model.vision.step import ChunkImages, ImageRows, step_image_rows
+from ..model.vision.visibility import blocks_in_chunk
 from .cuda_graphs import StepGraphs
 from .scheduler import ScheduledChunk
 from .upload import HostToDevice, upload_tree
@@ -98,7 +99,8 @@ class ModelRunner:
         missing = c.num_tokens - len(known)              # the pending token, still on the device
         return SeqChunk(slot=held.slot, start=start, token_ids=known + [0] * missing,
                         page_table=held.pages, swa_table=held.swa_pages, logits=logits,
-                        stage=self.cache.stage(req, start, c.num_tokens))
+                        stage=self.cache.stage(req, start, c.num_tokens),
+                        images=blocks_in_chunk(req.images, start, c.num_tokens))
 
 
 def _pending_fill(chunks: list[ScheduledChunk], seqs: list[SeqChunk],

@@ -193,3 +193,43 @@ def test_bad_image_requests_fail_alone(ckpt, tmp_path):
     text = LLMEngine(str(tmp_path), EngineConfig(device="cpu", dtype="float32", num_pages=4, max_model_len=1024))
     with pytest.raises(ValueError, match="no vision tower"):
         text.add_request("t", [min(i, 500) for i in ids], SamplingParams(max_tokens=2), images=spans)
+
+
+def test_image_rows_see_their_whole_block_in_the_window(ckpt):
+    """The step's sliding-window ranges: a row of a block [s, e) at p reads [min(p - W + 1, s), e),
+    every other row (p - W, p]."""
+    from dsv4.cache.addressing import SeqChunk, build_step
+    eng = run(ckpt, {})["engine"]
+    W = CFG.sliding_window
+    ids, spans = prompt_with_images([45, C, 10])
+    s = spans[0]
+    chunk = SeqChunk(slot=0, start=0, token_ids=ids, page_table=[0, 1, 2], swa_table=list(range(6)),
+                     images=((s.start, s.end),))
+    fb = build_step([chunk], eng.layout, eng.runner.storage.ring_slots)
+    lo, hi = fb.swa.lo.tolist(), fb.swa.hi.tolist()
+    for p in range(len(ids)):
+        if s.start <= p < s.end:
+            assert (lo[p], hi[p]) == (max(min(p - W + 1, s.start), 0), s.end), p
+        else:
+            assert (lo[p], hi[p]) == (max(p - W + 1, 0), p + 1), p
+    assert fb.swa.width == max(h - l for l, h in zip(lo, hi)) > W
+
+
+def test_the_first_row_of_a_block_sees_the_image(ckpt):
+    """The block's first row is a sentinel (the same for every image): only bidirectional
+    visibility lets its output depend on the image. Prompt logprobs (row j - 1 scores token j)
+    are equal before the block for two images and differ from its first row on."""
+    path, model = ckpt
+    eng = LLMEngine(path, EngineConfig(device="cpu", dtype="float32", num_pages=12, max_model_len=1024,
+                                       enable_prefix_caching=False), model=model)
+    (ids, sa), (_, sb) = prompt_with_images([9, A, 5]), prompt_with_images([9, B, 5])
+    out = {}
+    for rid, spans in (("a", sa), ("b", sb)):
+        eng.add_request(rid, ids, SamplingParams(max_tokens=1, prompt_logprobs=1), images=spans)
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                out[o.request_id] = o.prompt_logprobs
+    s = sa[0].start
+    assert all(out["a"][j] == out["b"][j] for j in range(1, s + 1))
+    assert out["a"][s + 1] != out["b"][s + 1]
