@@ -65,7 +65,7 @@ class Scheduler:
         order = sorted(self.running, key=lambda r: (not r.is_decoding, r.arrival))
         for req in order:
             budget = self.max_tokens - sum(c.num_tokens for c in chunks)
-            if budget == 0 or req.status is not Status.RUNNING:
+            if budget <= 0 or req.status is not Status.RUNNING:     # < 0: an image block ran over
                 continue
             drafts = len(req.spec_token_ids) if req.is_decoding else 0
             n = atomic_chunk(req.images, req.num_computed, min(req.num_remaining + drafts, budget))

@@ -233,3 +233,16 @@ def test_the_first_row_of_a_block_sees_the_image(ckpt):
     s = sa[0].start
     assert all(out["a"][j] == out["b"][j] for j in range(1, s + 1))
     assert out["a"][s + 1] != out["b"][s + 1]
+
+
+def test_a_block_over_the_budget_beside_other_requests(ckpt):
+    """Budget 10 tokens: a running request whose next chunk is a whole block (over the budget)
+    ahead of a running text prefill, and a request starting with a block: the blocks run whole
+    (the step exceeds the budget), the others wait for room, and every request gets the greedy
+    tokens it gets alone."""
+    img, text = prompt_with_images([A, 6]), prompt_with_images([23])
+    late = prompt_with_images([2, C, 3])
+    alone = {rid: run(ckpt, {rid: p})[rid][0] for rid, p in (("img", img), ("text", text), ("late", late))}
+    both = run(ckpt, {"late": late, "text": text, "img": img}, max_num_batched_tokens=10)
+    assert {rid: both[rid][0] for rid in alone} == alone
+    assert all(n > 0 for chunks in both["chunks"].values() for _, n in chunks)
