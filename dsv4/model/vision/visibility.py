@@ -21,10 +21,12 @@ def widen_windows(pos: np.ndarray, lo: np.ndarray, hi: np.ndarray, offs: np.ndar
                   blocks: Sequence[Sequence[tuple[int, int]]]) -> int:
     """In place: the window [lo, hi) (absolute positions) of every row of a block widened to
     it. pos/lo/hi [T]; offs/starts [R] first row and position of each chunk; blocks[r]: chunk
-    r's blocks. Returns the widest range."""
+    r's blocks. Returns a bound on the widest range, rounded up to a multiple of 64 (the
+    kernels compile per width)."""
     for r, chunk_blocks in enumerate(blocks):
         for s, e in chunk_blocks:
             rows = slice(offs[r] + s - starts[r], offs[r] + e - starts[r])
             lo[rows] = np.maximum(np.minimum(lo[rows], s), 0)
             hi[rows] = e
-    return int((hi - lo).max()) if len(pos) else 0
+    widest = int((hi - lo).max()) if len(pos) else 0
+    return -(-widest // 64) * 64
