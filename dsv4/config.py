@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config_parse import (CSA_RATIO, HCA_RATIO, LAYER_TYPE_OF_RATIO, MLP_TYPES,  # noqa: F401 (re-exported)
-                           RATIO_OF_LAYER_TYPE, ConfigError, YarnScaling, apply_overrides, check_index_topk_pattern,
-                           normal_index_topk_pattern, parse_model_config)
+                           RATIO_OF_LAYER_TYPE, ConfigError, VisionConfig, YarnScaling, apply_overrides, check_index_topk_pattern,
+                           normal_index_topk_pattern, parse_model_config, vision_dict)
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,7 @@ class ModelConfig:
     quant_method: str | None = None  # "fp8" when the checkpoint holds FP8 weights
     quant_block: tuple[int, int] = (128, 128)
     torch_dtype: str = "bfloat16"
+    vision: VisionConfig | None = None   # the vision tower (DeepSeek-V4-Flash-Vision; docs/vision.md)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
@@ -141,6 +142,8 @@ class ModelConfig:
             d["expert_dtype"] = self.expert_dtype
         if self.index_topk_pattern:
             d["index_topk_pattern"] = self.index_topk_pattern
+        if self.vision is not None:
+            d.update(vision_dict(self.vision))
         if self.quant_method:
             d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                         "activation_scheme": "dynamic",

@@ -31,6 +31,71 @@ class YarnScaling:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
 
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower of DeepSeek-V4-Flash-Vision (docs/vision.md): config.json's flat
+    `vision_*` fields, as the released checkpoint writes them."""
+    n_layers: int
+    dim: int
+    n_heads: int
+    inter_dim: int
+    patch_size: int
+    rope_theta: float = 10000.0
+    downsample_ratio: int = 3
+    max_n_token: int = 384           # LLM tokens of one image block at most (alignment pads included)
+    min_pixels: int = 147456         # smaller images are scaled up to this area first
+    max_wh_ratio: float | None = 8.0  # wider images are squeezed to this width / height
+    image_token_id: int | None = None  # the id written at image block positions (None: the tokenizer's)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+_VISION_INT = ("n_layers", "dim", "n_heads", "inter_dim", "patch_size", "downsample_ratio", "max_n_token",
+               "min_pixels")
+
+
+def parse_vision(d: dict[str, Any]) -> VisionConfig | None:
+    """config.json's `vision_*` fields -> VisionConfig; None for a text-only checkpoint (no
+    `vision_n_layers`, or 0). ConfigError names the field."""
+    if not d.get("vision_n_layers"):
+        return None
+    kw: dict[str, Any] = {}
+    for name in _VISION_INT:
+        key = "vision_" + name
+        if key in d:
+            v = d[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(key, f"expected a positive integer, got {v!r}")
+            kw[name] = v
+        elif name in ("n_layers", "dim", "n_heads", "inter_dim", "patch_size"):
+            raise ConfigError(key, "is required when vision_n_layers is set")
+    if "vision_rope_theta" in d:
+        kw["rope_theta"] = _number(d, "vision_rope_theta")
+    if d.get("vision_max_wh_ratio") is not None:
+        kw["max_wh_ratio"] = _number(d, "vision_max_wh_ratio")
+    if d.get("image_token_id") is not None:
+        if not isinstance(d["image_token_id"], int) or isinstance(d["image_token_id"], bool):
+            raise ConfigError("image_token_id", f"expected a token id, got {d['image_token_id']!r}")
+        kw["image_token_id"] = d["image_token_id"]
+    v = VisionConfig(**kw)
+    if v.dim % v.n_heads or v.head_dim % 4:
+        raise ConfigError("vision_n_heads", f"vision_dim={v.dim} / vision_n_heads must be a multiple of 4 "
+                                            f"(2D RoPE halves), got {v.n_heads} heads")
+    if v.max_n_token < 16:
+        raise ConfigError("vision_max_n_token", f"expected at least 16, got {v.max_n_token}")
+    return v
+
+
+def vision_dict(v: VisionConfig) -> dict[str, Any]:
+    """The released config.json fields of `v`."""
+    d = {"vision_" + k: getattr(v, k) for k in (*_VISION_INT, "rope_theta", "max_wh_ratio")}
+    if v.image_token_id is not None:
+        d["image_token_id"] = v.image_token_id
+    return d
+
+
 _INT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim",
                "q_lora_rank", "o_groups", "o_lora_rank", "moe_intermediate_size", "n_routed_experts",
                "n_shared_experts", "num_experts_per_tok", "num_nextn_predict_layers", "index_n_heads",
@@ -78,7 +143,9 @@ def parse_model_config(d: dict[str, Any], model_config: type):
     kw["torch_dtype"] = dtype
     _parse_quant(d, kw)
     kw["index_topk_pattern"] = parse_index_topk(d, kw["compress_ratios"])
-    known = set(model_config.__dataclass_fields__) | {"index_topk_freq"}
+    kw["vision"] = parse_vision(d)
+    known = set(model_config.__dataclass_fields__) | {"index_topk_freq", "image_token_id"}
+    known |= {k for k in d if k.startswith("vision_")}
     kw["extra"] = {k: v for k, v in d.items() if k not in known}
     cfg = model_config(**kw)
     _validate(cfg)
@@ -310,6 +377,9 @@ def _validate(c):
         raise ConfigError("n_shared_experts", f"expected 1, got {c.n_shared_experts}")
     if c.head_dim % 2:
         raise ConfigError("head_dim", f"expected an even number, got {c.head_dim}")
+    if c.vision is not None and c.vision.image_token_id is not None and not 0 <= c.vision.image_token_id < c.vocab_size:
+        raise ConfigError("image_token_id", f"expected an id below vocab_size={c.vocab_size}, "
+                                            f"got {c.vision.image_token_id}")
     if c.index_head_dim < c.qk_rope_head_dim:
         raise ConfigError("index_head_dim", f"expected at least qk_rope_head_dim={c.qk_rope_head_dim}, "
                                             f"got {c.index_head_dim}")

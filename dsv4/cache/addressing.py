@@ -17,6 +17,7 @@ import torch
 from ..config import CSA_RATIO, HCA_RATIO
 from ..model.forward_batch import CompressPlan, ForwardBatch
 from ..ops.paged import PagedRows
+from ..model.vision.visibility import widen_windows
 from .layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout
 
 
@@ -31,6 +32,8 @@ class SeqChunk:
     logits: int = 1               # the last `logits` tokens' logits are wanted
     stage: int = 0                # a page boundary L with start + 4 <= L <= end: its overlap rows [L - 4, L)
                                   # are also written to the CSA rings' staging rows (0: none)
+    images: tuple[tuple[int, int], ...] = ()   # image blocks [s, e) inside the chunk: their rows see the
+                                               # whole block in the window (dsv4/model/vision/visibility.py)
     extra: dict = field(default_factory=dict)
 
 
@@ -79,12 +82,14 @@ def build_step(chunks: list[SeqChunk], layout: CacheLayout, ring_slots: int, sha
     _check_held(s, pages, swa, swa_base, W)
     pos, shift = s.pos, (swa_base * SWA_PAGE_TOKENS)[s.req]
     swa_write = swa[s.req, (pos - shift) // SWA_PAGE_TOKENS] * layout.swa_pitch + pos % SWA_PAGE_TOKENS
+    lo, hi, width = np.maximum(pos - W + 1, 0), pos + 1, W
+    if any(c.images for c in chunks):
+        width = max(W, widen_windows(pos, lo, hi, s.offs, s.starts, [c.images for c in chunks]))
     return ForwardBatch(
         token_ids=_pad(np.fromiter((t for c in chunks for t in c.token_ids), np.int64, s.T), T, 0),
         positions=_pad(pos, T, 0),
         swa_write=_pad(swa_write, T, scratch.swa_page * layout.swa_pitch),
-        swa=_ranges(swa, s, T, np.maximum(pos - W + 1, 0) - shift, pos + 1 - shift, SWA_PAGE_TOKENS,
-                    layout.swa_pitch, W),
+        swa=_ranges(swa, s, T, lo - shift, hi - shift, SWA_PAGE_TOKENS, layout.swa_pitch, width),
         c4=_ranges(pages, s, T, 0, (pos + 1) // CSA_RATIO, PAGE_TOKENS // CSA_RATIO, layout.c4_pitch, e4),
         c128=_ranges(_one_item_pages(pages, PAGE_TOKENS // HCA_RATIO, layout.c128_pitch), s, T, 0,
                      (pos + 1) // HCA_RATIO, 1, 1, e128),

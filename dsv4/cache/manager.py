@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..model.vision.spans import resume_limit
 from .checkpoint import OVERLAP
 from .layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout, CachePlan
 from .pages import PageAllocator
@@ -156,7 +157,11 @@ class CacheManager:
         limit = self._match_limit(req)
         if limit is None:
             return None
-        return self.prefix.match(req.known_tokens(0, limit // PAGE_TOKENS * PAGE_TOKENS), limit)
+        hit = self.prefix.match(req.key_tokens(0, limit // PAGE_TOKENS * PAGE_TOKENS), limit)
+        while hit is not None and resume_limit(req.images, hit.length) < hit.length:   # inside an image
+            limit = resume_limit(req.images, hit.length)
+            hit = self.prefix.match(req.key_tokens(0, limit // PAGE_TOKENS * PAGE_TOKENS), limit)
+        return hit
 
     def _match_limit(self, req) -> int | None:
         """How far a waiting request may resume (None: it may not)."""
@@ -173,7 +178,8 @@ class CacheManager:
         limit = self._match_limit(req) if self.tiers is not None else None
         if limit is None:
             return False
-        tokens = req.known_tokens(0, limit // PAGE_TOKENS * PAGE_TOKENS)
+        limit = resume_limit(req.images, limit)         # never inside an image block
+        tokens = req.key_tokens(0, limit // PAGE_TOKENS * PAGE_TOKENS)
         path = self.prefix.path_nodes(tokens, limit // PAGE_TOKENS)
         gpu = max((n.end for n in path if n.checkpoint is not None), default=0)
         return self.tiers.fetch(tokens, limit, gpu, req.request_id)
@@ -227,7 +233,7 @@ class CacheManager:
         staged = held.staged == L
         if not self._swa_held(held, L) or not (staged or self._ring_holds(req.num_computed, L)):
             return
-        tokens = req.known_tokens(0, L)
+        tokens = req.key_tokens(0, L)
         node = self._insert(held, tokens, L)
         slot = self.prefix.add_checkpoint(node)
         if slot is None:

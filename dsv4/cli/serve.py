@@ -32,6 +32,15 @@ def register(subparsers) -> None:
                              "X-Ignored-Fields header and warn once in the log)")
     limits.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                         help="on SIGTERM/SIGINT, seconds running requests get to finish (default: 30)")
+    media = p.add_argument_group("images (vision models, docs/vision.md)")
+    media.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="image URLs may name files (file://) inside DIR (default: no local files)")
+    media.add_argument("--allow-remote-media", action="store_true",
+                       help="image URLs may be http(s):// (fetched by the server; default: data: URLs only)")
+    media.add_argument("--media-max-mb", type=float, default=20.0, metavar="MB",
+                       help="largest image file accepted (default: 20)")
+    media.add_argument("--media-timeout", type=float, default=10.0, metavar="S",
+                       help="seconds to fetch one remote image (default: 10)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -78,8 +87,15 @@ def _limits(args):
         raise SystemExit(f"dsv4 serve: --max-batch-requests must be >= 1, got {args.max_batch_requests}")
     if not args.shutdown_timeout >= 0:
         raise SystemExit(f"dsv4 serve: --shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    from ..serve.http.media import MediaPolicy
+    if not args.media_max_mb > 0 or not args.media_timeout > 0:
+        raise SystemExit("dsv4 serve: --media-max-mb and --media-timeout must be > 0")
+    if args.allowed_local_media_path is not None and not os.path.isdir(args.allowed_local_media_path):
+        raise SystemExit(f"dsv4 serve: --allowed-local-media-path {args.allowed_local_media_path!r} is not a folder")
+    media = MediaPolicy(args.allowed_local_media_path, args.allow_remote_media, int(args.media_max_mb * MB),
+                        args.media_timeout)
     return ServerLimits(max_body_bytes=int(args.max_request_body_mb * MB), max_batch_requests=args.max_batch_requests,
-                        strict_api=args.strict_api, shutdown_timeout=args.shutdown_timeout)
+                        strict_api=args.strict_api, shutdown_timeout=args.shutdown_timeout, media=media)
 
 
 def _check_model_dir(model_dir: str, tokenizer: str | None) -> None:

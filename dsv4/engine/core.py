@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 import msgspec
 
+from ..config_parse import vision_dict
+from ..model.vision.spans import ImageSpan
 from .ipc import (AbortRequests, AddRequest, Addresses, EngineStats, Ready, RequestFailed, ResetPrefixCache,
                   Shutdown, StartupFailed, StepOutputs, TokenOutput, decode_input, encode, engine_sockets,
                   parent_alive)
@@ -51,7 +53,9 @@ class EngineCore:
 
     def _add(self, message: AddRequest) -> None:
         try:
-            self.engine.add_request(message.request_id, message.prompt_token_ids, message.params)
+            self.engine.add_request(message.request_id, message.prompt_token_ids, message.params,
+                                    images=tuple(ImageSpan(i.start, i.length, i.hash, i.data, i.n_llm_h, i.n_llm_w)
+                                                 for i in message.images))
         except ValueError as e:
             self._failures.append(RequestFailed(message.request_id, 400, str(e)))
             return
@@ -153,7 +157,8 @@ def ready_message(engine) -> Ready:
     return Ready(max_model_len=engine.max_model_len, vocab_size=engine.cfg.vocab_size,
                  eos_token_id=engine.eos_token_id, num_pages=plan.num_pages, max_num_seqs=plan.max_num_seqs,
                  max_request_tokens=min(engine.max_model_len, plan.num_pages * 256),
-                 memory_report=engine.memory_report())
+                 memory_report=engine.memory_report(),
+                 vision=vision_dict(engine.cfg.vision) if engine.cfg.vision is not None else None)
 
 
 # ---- the process ---------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from ..cache.tiers import TierOptions
 from ..config import ConfigError, EngineConfig
 from .outputs import RequestOutput
 from .inflight import HostCopy, PromptLogprobRows, StepInFlight
+from ..model.vision.engine_checks import check_images
+from ..model.vision.spans import ImageSpan
 from .request import Request, Status
 from .runner import ModelRunner, StepLogits
 from .sampler import (Sampler, SamplingBatch, SamplingRow, compute_prompt_logprobs, count_pending,
@@ -86,10 +88,14 @@ class LLMEngine:
         return memory_report(self.layout, self.plan, DTYPES[self.config.dtype], self.max_model_len)
 
     # ---- requests -------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    images: tuple[ImageSpan, ...] = ()) -> Request:
+        """images: the prompt's image blocks (docs/vision.md), checked against the model."""
         self._validate(request_id, prompt_token_ids, params)
+        check_images(self.cfg, images, len(prompt_token_ids))
         req = Request(request_id, list(prompt_token_ids), params, arrival=next(self._arrivals),
-                      generator=make_generator(params.seed, self.config.device))
+                      generator=make_generator(params.seed, self.config.device),
+                      images=tuple(sorted(images, key=lambda s: s.start)))
         self.requests[request_id] = req
         self._stops[request_id] = StopChecker(params, self.eos_token_id, len(prompt_token_ids), self.max_model_len)
         self.scheduler.add(req)

@@ -25,10 +25,22 @@ LogprobEntry = list[tuple[int, float]]
 
 
 # ---- API -> engine -----------------------------------------------------------------------
+class ImageItem(msgspec.Struct):
+    """One image block of a prompt (docs/vision.md): positions [start, start + length) hold
+    the image token; the engine encodes `data` (the image file's bytes)."""
+    start: int
+    length: int
+    data: bytes
+    hash: str
+    n_llm_h: int
+    n_llm_w: int
+
+
 class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    images: list[ImageItem] = []
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -55,6 +67,7 @@ class Ready(msgspec.Struct, tag=True):
     max_num_seqs: int
     max_request_tokens: int     # prompt + output tokens that fit the cache even alone
     memory_report: str
+    vision: dict | None = None  # the model's vision_* config fields (None: text only; docs/vision.md)
 
 
 class StartupFailed(msgspec.Struct, tag=True):

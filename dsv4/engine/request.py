@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..model.vision.spans import ImageSpan, key_tokens
 from ..sampling_params import SamplingParams
 
 
@@ -44,6 +45,7 @@ class Request:
     num_pending: int = 0                       # sampled by steps in flight, not yet in output_token_ids
     pending_row: int = -1                      # the latest one's row in its step's sampled tokens
     spec_token_ids: list[int] = field(default_factory=list)  # drafts the next decode step verifies
+    images: tuple[ImageSpan, ...] = ()         # image blocks of the prompt, by position (docs/vision.md)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -55,6 +57,10 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p:start - p + n]
         return self.prompt_token_ids[start:start + n] + self.output_token_ids[:max(start + n - p, 0)]
+
+    def key_tokens(self, start: int, n: int) -> list[int]:
+        """known_tokens with image block positions keyed by their image (the prefix cache's key)."""
+        return key_tokens(self.known_tokens(start, n), self.images, start)
 
     @property
     def num_tokens(self) -> int:

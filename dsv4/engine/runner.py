@@ -11,6 +11,9 @@ from ..cache.addressing import SeqChunk, build_step
 from ..cache.layout import CacheLayout, CachePlan
 from ..cache.manager import CacheManager
 from ..cache.storage import KVStorage
+from ..model.vision.encoder import VisionEncoder
+from ..model.vision.step import ChunkImages, ImageRows, step_image_rows
+from ..model.vision.visibility import blocks_in_chunk
 from .cuda_graphs import StepGraphs
 from .scheduler import ScheduledChunk
 from .upload import HostToDevice, upload_tree
@@ -51,6 +54,7 @@ class ModelRunner:
         use_graphs = cuda_graph_max_bs > 0 and torch.device(device).type == "cuda"
         self.graphs = StepGraphs(model, self.storage, cuda_graph_max_bs, capture=True, h2d=self.h2d,
                                  keep_streams=keep_hidden) if use_graphs else None
+        self.vision = VisionEncoder(model) if model.cfg.vision is not None else None
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None = None) -> StepLogits:
@@ -60,7 +64,8 @@ class ModelRunner:
         fill = _pending_fill(chunks, seqs, prev_tokens)
         counts = [s.logits for s in seqs]
         first = [row if n else -1 for row, n in zip(accumulate([0] + counts), counts)]
-        if self.graphs is not None and self.graphs.accepts(seqs):
+        images = self._images(chunks, seqs)
+        if images is None and self.graphs is not None and self.graphs.accepts(seqs):
             if self.keep_hidden:
                 logits, streams = self.graphs.run_with_streams(seqs, fill)
                 return StepLogits(logits, first, counts, streams)
@@ -68,9 +73,19 @@ class ModelRunner:
         fb = upload_tree(build_step(seqs, self.layout, self.storage.ring_slots), self.h2d)
         if fill is not None:
             fill.apply(fb.token_ids, self.h2d)
-        hidden = self.model(fb, self.storage.layers)
+        extra = (images,) if images is not None else ()
+        hidden = self.model(fb, self.storage.layers, *extra)
         return StepLogits(self.model.logits(hidden[fb.logits_rows]), first, counts,
                           hidden if self.keep_hidden else None)
+
+    def _images(self, chunks: list[ScheduledChunk], seqs: list[SeqChunk]) -> ImageRows | None:
+        """The step's image block rows (docs/vision.md), the images it needs encoded together."""
+        if self.vision is None or not any(c.request.images for c in chunks):
+            return None
+        parts = [ChunkImages(c.request.images, s.start, len(s.token_ids), row)
+                 for c, s, row in zip(chunks, seqs, accumulate([0] + [len(s.token_ids) for s in seqs]))]
+        self.vision.prepare([i for p in parts for i in p.spans if i.start < p.start + p.n and i.end > p.start])
+        return step_image_rows(parts, self.vision.block, sum(len(s.token_ids) for s in seqs), self.device)
 
     def _seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
         req, held = c.request, self.cache.seq(c.request)
@@ -84,7 +99,8 @@ class ModelRunner:
         missing = c.num_tokens - len(known)              # the pending token, still on the device
         return SeqChunk(slot=held.slot, start=start, token_ids=known + [0] * missing,
                         page_table=held.pages, swa_table=held.swa_pages, logits=logits,
-                        stage=self.cache.stage(req, start, c.num_tokens))
+                        stage=self.cache.stage(req, start, c.num_tokens),
+                        images=blocks_in_chunk(req.images, start, c.num_tokens))
 
 
 def _pending_fill(chunks: list[ScheduledChunk], seqs: list[SeqChunk],

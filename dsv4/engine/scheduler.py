@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ..cache.layout import PAGE_TOKENS
 from ..cache.manager import CacheManager
+from ..model.vision.spans import atomic_chunk
 from .request import Request, Status
 
 
@@ -66,10 +67,10 @@ class Scheduler:
         order = sorted(self.running, key=lambda r: (not r.is_decoding, r.arrival))
         for req in order:
             budget = self.max_tokens - sum(c.num_tokens for c in chunks)
-            if budget == 0 or req.status is not Status.RUNNING:
+            if budget <= 0 or req.status is not Status.RUNNING:     # < 0: an image block ran over
                 continue
             drafts = len(req.spec_token_ids) if req.is_decoding else 0
-            n = min(req.num_remaining + drafts, budget)
+            n = atomic_chunk(req.images, req.num_computed, min(req.num_remaining + drafts, budget))
             if self._reserve_or_preempt(req, n, chunks):
                 chunks.append(ScheduledChunk(req, n, n if drafts else None))
         budget = self.max_tokens - sum(c.num_tokens for c in chunks)
@@ -94,7 +95,7 @@ class Scheduler:
         is one; its size, or 0 when it does not fit."""
         hit = self.cache.match(req)
         start = hit.length if hit is not None else 0
-        n = min(req.num_tokens - start, budget)
+        n = atomic_chunk(req.images, start, min(req.num_tokens - start, budget))
         if not (self.cache.admit(req, hit, n) if hit is not None else self.cache.reserve(req, n)):
             return 0
         if self.cache.prefix is not None:

@@ -17,6 +17,8 @@ from .kv import LayerKV
 from .layers import RMSNorm, param
 from .moe import MoE
 from .rope import compress_inv_freq, main_inv_freq
+from .vision.step import ImageRows
+from .vision.tower import Aligner, ViT
 
 
 class Block(nn.Module):
@@ -35,11 +37,11 @@ class Block(nn.Module):
             setattr(self, f"hc_{site}_scale", param(3, dtype=torch.float32))
 
     def forward(self, h: torch.Tensor, fb: ForwardBatch, kv: LayerKV, rope: RopeTables,
-                topk: SharedTopk | None = None) -> torch.Tensor:
+                topk: SharedTopk | None = None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         x, post, comb = self._pre(h, "attn")
         h = hc_post(self.attn(self.attn_norm(x), fb, kv, rope, topk), h, post, comb)
         x, post, comb = self._pre(h, "ffn")
-        return hc_post(self.ffn(self.ffn_norm(x), fb.token_ids), h, post, comb)
+        return hc_post(self.ffn(self.ffn_norm(x), fb.token_ids, image_mask), h, post, comb)
 
     def _pre(self, h, site):
         c = self.cfg
@@ -69,15 +71,29 @@ class DeepseekV4(nn.Module):
         self.register_buffer("main_freq", main_inv_freq(cfg), persistent=False)
         self.register_buffer("compress_freq", compress_inv_freq(cfg), persistent=False)
         self.mtp = nn.ModuleList()  # filled by dsv4.model.mtp.attach_mtp when the checkpoint has it
+        if cfg.vision is not None:   # released names: vision.*, aligner.*, image_* (docs/vision.md)
+            self.vision, self.aligner = ViT(cfg.vision, dtype), Aligner(cfg.vision, cfg.hidden_size, dtype)
+            for name in ("image_start", "image_end", "image_newline", "image_pad"):
+                setattr(self, name, param(cfg.hidden_size, dtype=dtype))
 
-    def forward(self, fb: ForwardBatch, kv: list[LayerKV]) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch, kv: list[LayerKV], images: ImageRows | None = None) -> torch.Tensor:
         """One step over the batch -> final residual streams [T, N, hidden]. kv[l]: layer l's
-        cache views (KVStorage.layers)."""
+        cache views (KVStorage.layers). images: the step's image block rows, whose embeddings
+        replace the token embeddings and which the router sends by the vision bias."""
         rope, topk = RopeTables(fb, self.main_freq, self.compress_freq), SharedTopk()
-        h = self.embed(fb.token_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        x = self.embed(fb.token_ids)
+        mask = None
+        if images is not None:
+            x, mask = x.index_copy(0, images.rows, images.embeds.to(x.dtype)), images.mask
+        h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, block in enumerate(self.layers):
-            h = block(h, fb, kv[i], rope, topk)
+            h = block(h, fb, kv[i], rope, topk, mask)
         return h
+
+    def sentinels(self) -> torch.Tensor:
+        """[5, hidden]: the block embedding of each kind of dsv4/model/vision/grid.py (IMAGE_START,
+        IMAGE_PAD, IMAGE (unused: aligner rows go there), IMAGE_NEW_LINE, IMAGE_END)."""
+        return torch.stack([self.image_start, self.image_pad, self.image_pad, self.image_newline, self.image_end])
 
     def set_index_topk_pattern(self, pattern: str) -> None:
         """Switch IndexCache on a built model (it changes no weight; the config check applies):

@@ -1,5 +1,5 @@
-"""V4 MoE: sqrtsoftplus router (bias only for selection) or hash routing by token id,
-routed experts with clamped SwiGLU scaled by routed_scaling_factor, one shared expert."""
+"""V4 MoE: sqrtsoftplus router (bias only for selection) or hash routing by token id (image
+rows: by score with the vision bias `bias_vl`, on every layer; docs/vision.md), routed experts with clamped SwiGLU scaled by routed_scaling_factor, one shared expert."""
 from __future__ import annotations
 
 import torch
@@ -32,11 +32,22 @@ class Gate(nn.Module):
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.topk, dtype=torch.long))
         else:
             self.bias = param(cfg.n_routed_experts, dtype=torch.float32)
+        if cfg.vision is not None:
+            self.bias_vl = param(cfg.n_routed_experts, dtype=torch.float32)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor,
+                image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """image_mask [T] bool: rows of image blocks, routed by score + bias_vl instead (hash
+        layers included: an image row has no token id to hash)."""
         if self.is_hash:
-            return route_hash(x, self.weight, token_ids, self.tid2eid, self.scaling)
-        return route_topk(x, self.weight, self.bias, self.topk, self.scaling)
+            weights, ids = route_hash(x, self.weight, token_ids, self.tid2eid, self.scaling)
+        else:
+            weights, ids = route_topk(x, self.weight, self.bias, self.topk, self.scaling)
+        if image_mask is None:
+            return weights, ids
+        w_img, id_img = route_topk(x[image_mask], self.weight, self.bias_vl, self.topk, self.scaling)
+        weights = weights.index_put((image_mask,), w_img)
+        return weights, ids.index_put((image_mask,), id_img.to(ids.dtype))
 
 
 class Experts(nn.Module):
@@ -93,8 +104,9 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, dtype, fp8_experts[0], mxfp4_experts)
         self.shared_experts = SharedExpert(cfg, dtype, fp8_experts[1])
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x, token_ids)
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor,
+                image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        weights, ids = self.gate(x, token_ids, image_mask)
         e, s = self.experts, self.shared_experts
         return moe_experts(x, weights, ids, e.w1, e.w2, e.w3, (s.w1.weight, s.w2.weight, s.w3.weight),
                            self.limit, scales=e.scales(), shared_scales=s.scales())

@@ -144,12 +144,15 @@ def transformers_load_name(key: str) -> str:
     return MODEL_PREFIX + key
 
 
+VISION_PREFIXES = ("vision.", "aligner.", "image_")   # the vision tower's released names (docs/vision.md)
+
+
 def canonical_name(key: str) -> str:
     """DeepSeek's name for checkpoint key `key` in any naming dsv4 reads (module docstring).
     `mtp.*` (DeepSeek's MTP and draft blocks, which transformers does not model) is kept as
     is. Stacked transformers experts come out as `layers.N.ffn.experts.gate_up_proj` /
     `.down_proj` (`DS_GATE_UP`, `DS_DOWN`)."""
-    if key.startswith("mtp."):
+    if key.startswith(("mtp.", *VISION_PREFIXES)):
         return key
     return hf_to_ds(transformers_load_name(key))
 

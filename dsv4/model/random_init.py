@@ -44,6 +44,11 @@ PRESETS = {
 }
 # presets built in the released format (FP8 projections, MXFP4 experts) by `random:` specs
 RELEASED_PRESETS = ("flash", "pro")
+# a tiny DeepSeek-V4-Flash-Vision (docs/vision.md): the tiny model with a 2-layer tower
+PRESETS["tiny-vision"] = dict(PRESETS["tiny"], vision_n_layers=2, vision_dim=32, vision_n_heads=2,
+                              vision_inter_dim=48, vision_patch_size=4, vision_rope_theta=10000.0,
+                              vision_downsample_ratio=2, vision_max_n_token=64, vision_min_pixels=1024,
+                              vision_max_wh_ratio=8.0, image_token_id=511)
 _COMMON = dict(scoring_func="sqrtsoftplus", hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
                swiglu_limit=10.0, rope_theta=10000.0, compress_rope_theta=160000.0, num_nextn_predict_layers=1,
                rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
@@ -90,13 +95,15 @@ def _random_tensor(name, shape, dtype, cfg, gen, device="cpu"):
     if name.endswith("tid2eid"):
         noise = torch.rand(shape[0], cfg.n_routed_experts, generator=gen, device=device)
         return noise.argsort(dim=-1)[:, :shape[1]]   # k distinct experts per token
-    if name == "embed.weight":
+    if name == "embed.weight" or name.startswith("image_"):
         return randn(1.0)
+    if re.search(r"^vision\..*norm\d?\.weight$", name):
+        return (1 + torch.randn(shape, generator=gen, device=device) * 0.1).to(dtype)
     if re.search(r"(norm\.weight|norm)$", name):
         return (1 + torch.randn(shape, generator=gen, device=device) * 0.1).to(dtype)
     if re.search(r"hc_\w*fn$", name):
         return randn(0.5 / (n * H) ** 0.5)
-    if re.search(r"hc_\w*base$", name) or name.endswith("gate.bias"):
+    if re.search(r"hc_\w*base$", name) or name.endswith(("gate.bias", "gate.bias_vl")):
         return randn(0.1)
     if re.search(r"hc_\w*scale$", name):
         return (1 + torch.randn(shape, generator=gen, device=device) * 0.1).to(dtype)
@@ -133,7 +140,7 @@ def save_checkpoint(cfg: ModelConfig, state: dict[str, torch.Tensor], out_dir: s
     _write_shards(tensors, out_dir, max_shard_bytes)
 
 
-FP32_NAMES = re.compile(r"(hc_|attn_sink|\.ape$|gate\.bias$|norm\.weight$)")
+FP32_NAMES = re.compile(r"(hc_|attn_sink|\.ape$|gate\.bias(_vl)?$|norm\d?\.weight$)")
 
 
 def _keep_dtype(name: str, t: torch.Tensor, dtype) -> torch.Tensor:

@@ -29,7 +29,7 @@ import zmq.asyncio
 
 from ..sampling_params import SamplingParams
 from ..engine.core import run_engine_core
-from ..engine.ipc import (AbortRequests, AddRequest, Addresses, EngineStats, Ready, RequestFailed, ResetPrefixCache,
+from ..engine.ipc import (AbortRequests, AddRequest, Addresses, ImageItem, EngineStats, Ready, RequestFailed, ResetPrefixCache,
                   Shutdown, StartupFailed, StepOutputs, TokenOutput, api_sockets, decode_output, encode)
 
 log = logging.getLogger("dsv4.serve")
@@ -148,11 +148,13 @@ class EngineClient:
     def alive(self) -> bool:
         return not self._dead and self.process is not None and self.process.is_alive()
 
-    def submit(self, prompts: list[list[int]], params: list[SamplingParams], base_id: str) -> RequestGroup:
-        """Queue one engine request per prompt; raises NotEncodable (nothing queued) when
-        one of them cannot be encoded."""
+    def submit(self, prompts: list[list[int]], params: list[SamplingParams], base_id: str,
+               images: list[ImageItem] | None = None) -> RequestGroup:
+        """Queue one engine request per prompt (each with `images`, the image blocks of a chat
+        prompt); raises NotEncodable (nothing queued) when one of them cannot be encoded."""
         ids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        frames = [_encode_request(AddRequest(rid, prompt, p)) for rid, prompt, p in zip(ids, prompts, params)]
+        frames = [_encode_request(AddRequest(rid, prompt, p, list(images or [])))
+                  for rid, prompt, p in zip(ids, prompts, params)]
         group = RequestGroup(self, ids)
         if self._dead or self._closing:
             for rid in ids:

@@ -118,7 +118,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     texts = TokenTexts(state.tokenizer)
     choices = [ChatChoice(i, plan, state, texts, req.include_reasoning) for i in range(req.n)]
     try:
-        group = state.client.submit([plan.prompt_ids] * req.n, plan.params, uuid.uuid4().hex)
+        group = state.client.submit([plan.prompt_ids] * req.n, plan.params, uuid.uuid4().hex, plan.images)
     except NotEncodable as e:
         raise bad_request(str(e)) from None
     tracker = state.metrics.track(req.n, len(plan.prompt_ids))

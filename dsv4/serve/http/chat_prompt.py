@@ -20,6 +20,9 @@ from dataclasses import dataclass
 from ...sampling_params import SamplingParams
 from ..chat_format.dsml import BLOCK_OPEN, BLOCK_SEPARATOR, INVOKE_OPEN
 from ..chat_format.encoding import continuation_channel, encode_messages
+from ...engine.ipc import ImageItem
+from ..chat_format.images import take_images
+from .chat_images import image_prompt
 from .errors import bad_request
 from ..chat_format.release import normalize_effort
 from .protocol import (ChatCompletionRequest, check_messages, check_model, check_response_format,
@@ -40,20 +43,21 @@ class ChatPlan:
     top_logprobs: int | None          # None: no logprobs
     tools: list[dict] | None = None   # the request's tools (their schemas type the arguments)
     start: str = "content"            # where the output begins: "reasoning" or "content"
+    images: list[ImageItem] = dataclasses.field(default_factory=list)   # image blocks (docs/vision.md)
 
 
 def plan_chat(req: ChatCompletionRequest, state: ServerState) -> ChatPlan:
     model = check_model(req.model, state.model_names)
-    check_messages(req)
+    check_messages(req, vision=state.info.vision is not None)
     check_tools(req.tools)
     mode = req.tool_choice_mode()
     effort, thinking_allowed = normalize_effort(state.release, req.reasoning_effort)
     thinking = req.thinking and thinking_allowed and mode not in ("required", "named")
     continuing, generation_prompt = _turn(req, mode)
     prefill = _prefill(req, mode)
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    messages, images = take_images([m.model_dump(exclude_none=True) for m in req.messages])
     prompt = _prompt_text(req, state, messages, thinking, effort, continuing, generation_prompt)
-    prompt_ids = state.tokenizer.encode(prompt + prefill)
+    prompt_ids, items = image_prompt(prompt + prefill, images, state, state.limits.media)
     top = _top_logprobs(req)
     info = state.info
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -65,7 +69,7 @@ def plan_chat(req: ChatCompletionRequest, state: ServerState) -> ChatPlan:
     start = (continuation_channel(messages, thinking) if continuing
              else "reasoning" if thinking and generation_prompt else "content")
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-    return ChatPlan(model, prompt_ids, per_choice(base), thinking, mode != "none", prefill, top, tools, start)
+    return ChatPlan(model, prompt_ids, per_choice(base), thinking, mode != "none", prefill, top, tools, start, items)
 
 
 def per_choice(params: SamplingParams) -> list[SamplingParams]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import APIError, bad_request
+from .media import MediaPolicy
 
 MB = 1 << 20
 
@@ -20,6 +21,7 @@ class ServerLimits:
     max_batch_requests: int = 256      # prompts x n of one HTTP request
     strict_api: bool = False           # unknown request fields: 400 (else ignored with a warning)
     shutdown_timeout: float = 30.0     # seconds running requests get to finish at shutdown
+    media: MediaPolicy = MediaPolicy()  # where image URLs may point (docs/vision.md)
 
 
 class BodyTooLarge(APIError):

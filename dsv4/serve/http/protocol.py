@@ -216,9 +216,10 @@ def _check_part(part: dict, where: str, vision: bool) -> None:
     if kind == "text":
         if not isinstance(part.get("text"), str):
             raise bad_request(f"{where}.text: must be a string", f"{where}.text")
-    elif kind in IMAGE_PARTS and not vision:
-        raise bad_request(f"{where}: image content is not supported: this server runs without "
-                          f"vision (text-only model)", where)
+    elif kind in IMAGE_PARTS:
+        if not vision:
+            raise bad_request(f"{where}: image content is not supported: this server runs without "
+                              f"vision (text-only model)", where)
     else:
         raise bad_request(f"{where}: unsupported content part type {kind!r}", f"{where}.type")
 
