@@ -2,6 +2,7 @@
 runner -> sampler). Bad requests raise ValueError at `add_request` and cost nothing else."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -31,10 +32,15 @@ class LLMEngine:
     def __init__(self, model_dir: str, config: EngineConfig = EngineConfig(), model=None, tokenizer=None):
         from ..model.weights import load_model
         from ..ops.backend import set_backend
-        self.config = config
         set_backend(config.ops_backend)
+        config, self.workers = _parallel_config(config), None
+        self.config = config
         if model is not None:
             config.check_no_model_overrides()
+        if config.tensor_parallel_size > 1:       # ranks 1..n-1 start; this process is rank 0
+            from .workers import Workers, load_rank_model
+            self.workers = Workers.start(model_dir, config)
+            model = load_rank_model(model_dir, config, self.workers.comm)
         self.model = model if model is not None else load_model(model_dir, config.device, DTYPES[config.dtype],
                                                                 keep_fp8=config.keep_fp8, keep_mxfp4=config.keep_mxfp4,
                                                                 overrides=config.model_overrides())
@@ -53,6 +59,9 @@ class LLMEngine:
                                   0 if config.enforce_eager else config.cuda_graph_max_bs,
                                   keep_hidden=spec is not None)
         self.cache.bind(self.runner.storage)
+        if self.workers is not None:
+            self.workers.send_cache(self.layout, self.plan)
+            self.runner.workers = self.workers
         self.sampler = Sampler()
         self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.eos_token_id = self.tokenizer.eos_id if self.tokenizer is not None else self.cfg.eos_token_id
@@ -82,6 +91,11 @@ class LLMEngine:
 
     def memory_report(self) -> str:
         return memory_report(self.layout, self.plan, DTYPES[self.config.dtype], self.max_model_len)
+
+    def close(self) -> None:
+        """Stop the other ranks of a parallel run (nothing to do for one process)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
@@ -184,6 +198,8 @@ class LLMEngine:
         if self.spec is None:
             sampled = [i for i, c in enumerate(chunks) if c.completes]
             tokens, values = self._sample(chunks, sampled, step)
+            if self.workers is not None and tokens is not None:
+                self.workers.share_sampled(tokens)
         else:                           # verify drafts, rewind rejected ones, draft the next
             sampled, tokens, values = self.spec.step(chunks, step)
         lps = [self._prompt_logprobs(c.request, c, step, i) for i, c in enumerate(chunks)
@@ -282,6 +298,15 @@ class LLMEngine:
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             prompt_logprobs=list(req.prompt_logprobs) if req.wants_prompt_logprobs else None,
             num_cached_tokens=req.num_cached_tokens or 0)
+
+
+def _parallel_config(config: EngineConfig) -> EngineConfig:
+    """Under tensor parallelism the prefix cache is off: its checkpoint copies run on rank 0's
+    storage only (docs/architecture.md, "Parallelism")."""
+    if config.tensor_parallel_size > 1 and config.enable_prefix_caching:
+        log.info("tensor parallelism: prefix caching is off")
+        return dataclasses.replace(config, enable_prefix_caching=False)
+    return config
 
 
 def _load_tokenizer(model_dir: str | None):

@@ -51,6 +51,7 @@ class ModelRunner:
         use_graphs = cuda_graph_max_bs > 0 and torch.device(device).type == "cuda"
         self.graphs = StepGraphs(model, self.storage, cuda_graph_max_bs, capture=True, h2d=self.h2d,
                                  keep_streams=keep_hidden) if use_graphs else None
+        self.workers = None     # rank 0 of a parallel run: engine/workers.py's Workers (same steps on every rank)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None = None) -> StepLogits:
@@ -58,6 +59,13 @@ class ModelRunner:
         token is still pending (Request.num_pending)."""
         seqs = [self._seq_chunk(c) for c in chunks]
         fill = _pending_fill(chunks, seqs, prev_tokens)
+        if self.workers is not None:
+            self.workers.send_step(seqs, fill, num_sampled=sum(c.completes for c in chunks))
+        return self.run_seqs(seqs, fill)
+
+    @torch.inference_mode()
+    def run_seqs(self, seqs: list[SeqChunk], fill: PendingFill | None = None) -> StepLogits:
+        """The step of `seqs` (what every rank of a parallel run executes alike)."""
         counts = [s.logits for s in seqs]
         first = [row if n else -1 for row, n in zip(accumulate([0] + counts), counts)]
         if self.graphs is not None and self.graphs.accepts(seqs):
