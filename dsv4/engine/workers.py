@@ -86,11 +86,25 @@ class Workers:
 
     # ---- the steps -------------------------------------------------------------------------
     def send_cache(self, layout, plan) -> None:
-        self.comm.broadcast_object((layout, plan))
+        self._guarded(self.comm.broadcast_object, (layout, plan))
 
     def send_step(self, seqs: list, fill, num_sampled: int) -> None:
         dst, src = ([], []) if fill is None else (fill.dst.tolist(), fill.src.tolist())
-        self.comm.broadcast_object(StepMessage(seqs, dst, src, num_sampled))
+        self._guarded(self.comm.broadcast_object, StepMessage(seqs, dst, src, num_sampled))
+
+    def _guarded(self, fn, *args):
+        """fn(*args); a collective that fails because a rank died ends this process as the
+        watchdog does (whichever notices first), anything else raises."""
+        try:
+            return fn(*args)
+        except RuntimeError:
+            for p in self.procs:
+                p.join(2.0)
+                if not p.is_alive() and not self._stopping.is_set():
+                    self._stopping.set()
+                    self._kill_all()
+                    self.on_death(f"parallel rank {p.name} exited with code {p.exitcode}")
+            raise
 
     def share_sampled(self, tokens: torch.Tensor) -> None:
         """The step's sampled tokens [N] long, to every rank (feeds their next PendingFill)."""
@@ -104,6 +118,7 @@ class Workers:
                 p = alive.pop(sentinel)
                 if self._stopping.is_set():
                     return
+                self._stopping.set()
                 self._kill_all()
                 self.on_death(f"parallel rank {p.name} exited with code {p.exitcode}")
                 return
