@@ -90,7 +90,8 @@ class LLMEngine:
         return want if want is not None else limit
 
     def memory_report(self) -> str:
-        return memory_report(self.layout, self.plan, DTYPES[self.config.dtype], self.max_model_len)
+        return memory_report(self.layout, self.plan, DTYPES[self.config.dtype], self.max_model_len,
+                             self.config.tensor_parallel_size)
 
     def close(self) -> None:
         """Stop the other ranks of a parallel run (nothing to do for one process)."""
