@@ -37,15 +37,21 @@ class DPStep:
 
 
 def apply_dp_expert_parallel(model, comm: Comm, dispatch: str = "gather"):
-    if dispatch not in DISPATCHES:
-        raise ValueError(f"dispatch: expected one of {DISPATCHES}, got {dispatch!r}")
     step = DPStep(comm)
     for name, module in model.named_modules():
         if isinstance(module, MoE):
             shard_experts(module, comm.rank, comm.size, name)
-            module.forward = _dispatch_forward(module, comm, step, dispatch)
     model.register_forward_pre_hook(lambda m, args: step.begin(args[0].num_tokens))
     model.dp_step = step
+    return use_dispatch(model, comm, dispatch)
+
+
+def use_dispatch(model, comm: Comm, dispatch: str):
+    """Switch the MoE dispatch of a model `apply_dp_expert_parallel` made (every rank alike)."""
+    if dispatch not in DISPATCHES:
+        raise ValueError(f"dispatch: expected one of {DISPATCHES}, got {dispatch!r}")
+    for moe in _moes(model):
+        moe.forward = _dispatch_forward(moe, comm, model.dp_step, dispatch)
     model.parallel = ("dp_ep", comm.size, dispatch)
     return model
 
