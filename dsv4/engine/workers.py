@@ -67,6 +67,7 @@ class Workers:
         self.comm: Comm | None = None
         self.on_death = _exit_rank0
         self._stopping = threading.Event()
+        self._death = threading.Lock()
         self._watch = threading.Thread(target=self._watchdog, name="dsv4-rank-watchdog", daemon=True)
         self._watch.start()
         atexit.register(self.shutdown)
@@ -100,10 +101,8 @@ class Workers:
         except RuntimeError:
             for p in self.procs:
                 p.join(2.0)
-                if not p.is_alive() and not self._stopping.is_set():
-                    self._stopping.set()
-                    self._kill_all()
-                    self.on_death(f"parallel rank {p.name} exited with code {p.exitcode}")
+                if not p.is_alive():
+                    self._rank_died(p)
             raise
 
     def share_sampled(self, tokens: torch.Tensor) -> None:
@@ -115,13 +114,20 @@ class Workers:
         alive = {p.sentinel: p for p in self.procs}
         while alive and not self._stopping.is_set():
             for sentinel in multiprocessing.connection.wait(list(alive), timeout=0.5):
-                p = alive.pop(sentinel)
-                if self._stopping.is_set():
-                    return
-                self._stopping.set()
-                self._kill_all()
-                self.on_death(f"parallel rank {p.name} exited with code {p.exitcode}")
+                if not self._stopping.is_set():
+                    self._rank_died(alive[sentinel])
                 return
+
+    def _rank_died(self, p) -> None:
+        """Once per run, whichever thread notices first: kill the other ranks, call on_death
+        (which ends the process); a second caller waits for that end."""
+        if not self._death.acquire(blocking=False):
+            threading.Event().wait()
+        if self._stopping.is_set():          # a shutdown in progress: ranks exiting is expected
+            return
+        self._stopping.set()
+        self._kill_all()
+        self.on_death(f"parallel rank {p.name} exited with code {p.exitcode}")
 
     def shutdown(self) -> None:
         """Stop every rank: the stop message, `timeout_s` for them to leave, then kill."""
