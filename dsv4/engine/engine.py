@@ -38,6 +38,9 @@ class LLMEngine:
         if model is not None:
             config.check_no_model_overrides()
         if config.tensor_parallel_size > 1:       # ranks 1..n-1 start; this process is rank 0
+            if model is not None:
+                raise ConfigError("tensor_parallel_size", "every rank loads its own shard: give the engine the "
+                                                          "model's folder or random: spec, not a built model")
             from .workers import Workers, load_rank_model
             self.workers = Workers.start(model_dir, config)
             model = load_rank_model(model_dir, config, self.workers.comm)

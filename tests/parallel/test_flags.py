@@ -29,3 +29,11 @@ def test_cli_names_the_flag():
     with pytest.raises(SystemExit) as e:
         main(["plan", "--model", "random:tiny", "--enable-expert-parallel"])
     assert str(e.value).startswith("--enable-expert-parallel")
+
+
+def test_a_built_model_is_not_spread_over_ranks():
+    from dsv4.engine.engine import LLMEngine
+    from dsv4.model.weights import load_model
+    with pytest.raises(ConfigError) as e:
+        LLMEngine("random:tiny", EngineConfig(tensor_parallel_size=2), model=load_model("random:tiny"))
+    assert e.value.field == "tensor_parallel_size"
