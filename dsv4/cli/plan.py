@@ -25,9 +25,6 @@ def run(args) -> int:
     from ..cache.layout import CacheLayout
     from ..cache.sizing import cache_components, plan_cache, requests_that_fit
     config = engine_config(args)
-    if config.tensor_parallel_size > 1:      # as the engine: no prefix cache under TP (engine/engine.py)
-        import dataclasses
-        config = dataclasses.replace(config, enable_prefix_caching=False)
     cfg = _model_config(args.model)
     dtype = DTYPES[config.dtype]
     layout = CacheLayout(cfg, spec_slots=config.spec_slots)

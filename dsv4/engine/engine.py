@@ -2,7 +2,6 @@
 runner -> sampler). Bad requests raise ValueError at `add_request` and cost nothing else."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -33,8 +32,7 @@ class LLMEngine:
         from ..model.weights import load_model
         from ..ops.backend import set_backend
         set_backend(config.ops_backend)
-        config, self.workers = _parallel_config(config), None
-        self.config = config
+        self.config, self.workers = config, None
         if model is not None:
             config.check_no_model_overrides()
         if config.tensor_parallel_size > 1:       # ranks 1..n-1 start; this process is rank 0
@@ -63,7 +61,7 @@ class LLMEngine:
                                   keep_hidden=spec is not None)
         self.cache.bind(self.runner.storage)
         if self.workers is not None:
-            self.workers.send_cache(self.layout, self.plan)
+            self.workers.send_cache(self.layout, self.plan, self.runner.storage)
             self.runner.workers = self.workers
         self.sampler = Sampler()
         self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
@@ -302,15 +300,6 @@ class LLMEngine:
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             prompt_logprobs=list(req.prompt_logprobs) if req.wants_prompt_logprobs else None,
             num_cached_tokens=req.num_cached_tokens or 0)
-
-
-def _parallel_config(config: EngineConfig) -> EngineConfig:
-    """Under tensor parallelism the prefix cache is off: its checkpoint copies run on rank 0's
-    storage only (docs/architecture.md, "Parallelism")."""
-    if config.tensor_parallel_size > 1 and config.enable_prefix_caching:
-        log.info("tensor parallelism: prefix caching is off")
-        return dataclasses.replace(config, enable_prefix_caching=False)
-    return config
 
 
 def _load_tokenizer(model_dir: str | None):

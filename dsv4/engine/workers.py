@@ -8,8 +8,9 @@ layout and plan from rank 0 and then executes every step rank 0 describes:
     rank 0:  send_step(seqs, fill) ─ forward + logits (collectives) ─ sample ─ share_sampled
     rank r:  recv step             ─ forward + logits (collectives) ─────────── recv sampled
 
-A step description is the list of `SeqChunk`s (cache/addressing.py) and the rows of tokens
-still on the device (async scheduling); every rank builds the same `ForwardBatch` from it and
+A step description is the list of `SeqChunk`s (cache/addressing.py), the rows of tokens
+still on the device (async scheduling) and the prefix-cache copies rank 0 made since the last
+step (`RecordedCheckpoints`); every rank builds the same `ForwardBatch` from it and
 keeps the sampled tokens rank 0 broadcasts, so `PendingFill` works on every rank.
 
 Failure rules: a rank that dies (or fails to start) ends rank 0's process with exit code 1
@@ -43,6 +44,48 @@ class StepMessage:
     fill_dst: list[int]             # PendingFill rows (empty: none)
     fill_src: list[int]
     num_sampled: int                # tokens rank 0 samples and broadcasts after the step (0: none)
+    checkpoint_ops: list            # prefix-cache copies rank 0 made since the last step (RecordedCheckpoints)
+
+
+class RecordedCheckpoints:
+    """Rank 0's `storage.checkpoint_format`: runs every pack / unpack of the prefix cache
+    (cache/manager.py) and records it, the checkpoint buffer as its row of
+    `storage.checkpoints`; the other ranks replay the records in order before the next step.
+    They are in stream order there as on rank 0: after the step launched before them, before
+    the next one."""
+
+    def __init__(self, fmt, storage):
+        self.fmt, self.storage, self.ops = fmt, storage, []
+
+    def __getattr__(self, name):
+        return getattr(self.fmt, name)
+
+    def _row(self, buf: torch.Tensor) -> int:
+        ckpts = self.storage.checkpoints
+        return (buf.data_ptr() - ckpts.data_ptr()) // (ckpts.stride(0) * ckpts.element_size())
+
+    def pack(self, storage, swa_table, slot, L, out, staged=False):
+        self.ops.append(("pack", list(swa_table), slot, L, self._row(out), staged))
+        return self.fmt.pack(storage, swa_table, slot, L, out, staged)
+
+    def unpack(self, storage, buf, swa_table, slot, L):
+        self.ops.append(("unpack", list(swa_table), slot, L, self._row(buf)))
+        return self.fmt.unpack(storage, buf, swa_table, slot, L)
+
+    def take(self) -> list:
+        ops, self.ops = self.ops, []
+        return ops
+
+
+def replay_checkpoint_ops(storage, ops: list) -> None:
+    fmt = storage.checkpoint_format
+    for op in ops:
+        if op[0] == "pack":
+            _, swa, slot, L, row, staged = op
+            fmt.pack(storage, swa, slot, L, storage.checkpoints[row], staged)
+        else:
+            _, swa, slot, L, row = op
+            fmt.unpack(storage, storage.checkpoints[row], swa, slot, L)
 
 
 def load_rank_model(model_dir: str, config, comm: Comm):
@@ -65,6 +108,7 @@ class Workers:
     def __init__(self, procs: list, timeout_s: float = 30.0):
         self.procs, self.timeout_s = procs, timeout_s
         self.comm: Comm | None = None
+        self.checkpoints: RecordedCheckpoints | None = None
         self.on_death = _exit_rank0
         self._stopping = threading.Event()
         self._death = threading.Lock()
@@ -86,12 +130,16 @@ class Workers:
         return workers
 
     # ---- the steps -------------------------------------------------------------------------
-    def send_cache(self, layout, plan) -> None:
+    def send_cache(self, layout, plan, storage) -> None:
+        """The cache every rank allocates alike; rank 0's prefix-cache copies get recorded."""
         self._guarded(self.comm.broadcast_object, (layout, plan))
+        if storage.checkpoint_format is not None:
+            storage.checkpoint_format = self.checkpoints = RecordedCheckpoints(storage.checkpoint_format, storage)
 
     def send_step(self, seqs: list, fill, num_sampled: int) -> None:
         dst, src = ([], []) if fill is None else (fill.dst.tolist(), fill.src.tolist())
-        self._guarded(self.comm.broadcast_object, StepMessage(seqs, dst, src, num_sampled))
+        ops = self.checkpoints.take() if self.checkpoints is not None else []
+        self._guarded(self.comm.broadcast_object, StepMessage(seqs, dst, src, num_sampled, ops))
 
     def _guarded(self, fn, *args):
         """fn(*args); a collective that fails because a rank died ends this process as the
@@ -199,6 +247,7 @@ def run_steps(runner, comm: Comm) -> None:
         if msg is None:
             return
         fill = PendingFill(torch.tensor(msg.fill_dst), torch.tensor(msg.fill_src), prev) if msg.fill_dst else None
+        replay_checkpoint_ops(runner.storage, msg.checkpoint_ops)
         runner.run_seqs(msg.seqs, fill)
         if msg.num_sampled:
             prev = comm.broadcast(torch.empty(msg.num_sampled, dtype=torch.long, device=comm.device))

@@ -69,3 +69,24 @@ def test_a_dead_rank_ends_the_engine_with_an_error():
     assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
     assert "parallel rank dsv4-rank1 exited" in done.stderr
     assert "still running" not in done.stdout
+
+
+def test_prefix_cache_hits_under_tensor_parallelism():
+    """A request resuming from a cached prefix (checkpoint copied into its SWA pages and ring on
+    rank 0, replayed on rank 1) gives the tokens and logprobs of a run without the cache."""
+    base = prompts([300], seed=5)[0]
+    first, second = base + prompts([20], seed=6)[0], base + prompts([40], seed=7)[0]
+
+    def run(**config):
+        llm = LLM(MODEL, **{**SMALL, **config})
+        try:
+            llm.generate(prompt_token_ids=[first], sampling_params=PARAMS, use_tqdm=False)
+            return llm.generate(prompt_token_ids=[second], sampling_params=PARAMS, use_tqdm=False)[0]
+        finally:
+            llm.engine.close()
+    ours = run(tensor_parallel_size=2, enable_prefix_caching=True)
+    ref = run(enable_prefix_caching=False)
+    assert ours.num_cached_tokens == 256, "the second request should resume from the first page"
+    assert ours.token_ids == ref.token_ids
+    for got, want in zip(ours.logprobs, ref.logprobs):
+        assert got.keys() == want.keys() and all(abs(got[t] - want[t]) <= 1e-4 for t in want)
