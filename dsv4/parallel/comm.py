@@ -33,7 +33,8 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 class Comm:
     """One rank's view of its group: `group` carries the model's collectives (NCCL on CUDA,
     gloo on the CPU), `control` (always gloo, CPU tensors and pickled objects) carries the
-    step descriptions. rank 0 runs the scheduler."""
+    step descriptions and never times out (an idle engine sends no step for as long as it
+    idles). rank 0 runs the scheduler."""
     rank: int
     size: int
     device: torch.device
@@ -51,7 +52,8 @@ class Comm:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
-        control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+        # the control group waits for rank 0's next step however long the engine idles
+        control = dist.new_group(backend="gloo", timeout=timedelta(days=365))
         return cls(rank, size, dev, dist.group.WORLD, control)
 
     # ---- model collectives (tensors on self.device) --------------------------------------
