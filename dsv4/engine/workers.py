@@ -25,7 +25,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -201,8 +200,8 @@ class Workers:
 def _exit_rank0(reason: str) -> None:
     """A rank died: nothing this process computes from now on is right, and its collectives
     would wait forever. End it (the API process fails the requests in flight with 5xx)."""
+    os.write(2, f"dsv4: {reason}: ending the engine\n".encode())   # unbuffered: os._exit flushes nothing
     log.error("%s: ending the engine", reason)
-    print(f"dsv4: {reason}: ending the engine", file=sys.stderr, flush=True)
     os._exit(1)
 
 
