@@ -256,6 +256,9 @@ class EngineConfig:
     disk_cache_gb: float = 16.0            # most bytes of the disk tier's files
     tokenizer: str | None = None           # tokenizer folder; None: the model folder's
     speculative_config: SpeculativeConfig | None = None   # off by default; a dict or JSON text is parsed
+    tensor_parallel_size: int = 1          # ranks sharing each layer (dsv4/parallel/tensor_parallel.py)
+    data_parallel_size: int = 1            # ranks running attention on their own requests (expert parallel MoE)
+    enable_expert_parallel: bool = False   # routed experts split E/N over the ranks instead of each expert's width
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_bs"):
@@ -273,6 +276,7 @@ class EngineConfig:
             raise ConfigError("spec_slots", f"expected >= 0, got {self.spec_slots}")
         self._check_tiers()
         self._set_speculative()
+        self._check_parallel()
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ConfigError("async_scheduling", f"expected 'auto', 'on' or 'off', got {self.async_scheduling!r}")
         if self.ops_backend not in ("auto", "reference"):
@@ -329,6 +333,23 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 d[name] = getattr(self, name)
         return d
+
+    def _check_parallel(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(name, f"expected a positive integer, got {v!r}")
+        if self.data_parallel_size > 1:
+            raise ConfigError("data_parallel_size", "data-parallel attention runs in dsv4.parallel.expert_parallel "
+                                                    "(model level, benchmarks/multi_gpu.py); the engine does not "
+                                                    "schedule over several DP ranks yet: use --tensor-parallel-size")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ConfigError("enable_expert_parallel", "needs --tensor-parallel-size above 1")
+        if self.tensor_parallel_size > 1 and self.speculative_config is not None:
+            raise ConfigError("speculative_config", "speculative decoding does not run under tensor parallelism yet")
+        if self.tensor_parallel_size > 1 and self.host_cache_gb:
+            raise ConfigError("host_cache_gb", "the host / disk tiers restore pages on one rank only: "
+                                               "not under tensor parallelism yet")
 
     def _set_speculative(self) -> None:
         """Parse `speculative_config`; spec_slots (the positions the private cache state can roll

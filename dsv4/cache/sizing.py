@@ -60,11 +60,23 @@ def requests_that_fit(plan: CachePlan, tokens: int) -> int:
     return min(plan.num_pages // max(-(-tokens // PAGE_TOKENS), 1), plan.max_num_seqs)
 
 
-def memory_report(layout: CacheLayout, plan: CachePlan, dtype: torch.dtype, max_model_len: int) -> str:
+def per_rank_report(layout: CacheLayout, plan: CachePlan, dtype: torch.dtype, tensor_parallel_size: int) -> str:
+    """What each rank of a tensor-parallel run holds of the cache: all of it. V4 has one
+    shared K=V head (and the compressors' and indexer's keys are per token, not per head), so
+    splitting heads splits no cache: every rank allocates the plan's whole storage."""
+    total = cache_bytes(layout, plan, dtype)
+    return (f"per rank: {total / 2**20:.1f} MiB of KV cache on each of {tensor_parallel_size} tensor-parallel "
+            f"ranks ({tensor_parallel_size * total / 2**20:.1f} MiB in all; one shared K=V head: every rank holds "
+            f"the whole cache)")
+
+
+def memory_report(layout: CacheLayout, plan: CachePlan, dtype: torch.dtype, max_model_len: int,
+                  tensor_parallel_size: int = 1) -> str:
     fit = requests_that_fit(plan, max_model_len)
     parts = cache_components(layout, plan, dtype)
     detail = ", ".join(f"{name} {nbytes / 2**20:.1f}" for name, nbytes in parts.items())
     return (f"KV cache: {plan.num_pages} history pages x {PAGE_TOKENS} tokens = {plan.max_tokens} tokens, "
             f"{plan.num_swa_pages} sliding-window pages, {plan.max_num_seqs} request slots, "
             f"{plan.num_checkpoints} prefix-cache checkpoints, {sum(parts.values()) / 2**20:.1f} MiB ({detail} MiB); {fit} request(s) of "
-            f"max_model_len {max_model_len} fit at once")
+            f"max_model_len {max_model_len} fit at once"
+            + ("" if tensor_parallel_size == 1 else "; " + per_rank_report(layout, plan, dtype, tensor_parallel_size)))

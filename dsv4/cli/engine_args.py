@@ -47,6 +47,12 @@ HELP = {
     "tokenizer": "tokenizer folder (default: the model folder; needed for a random:... model spec)",
     "speculative_config": "speculative decoding as JSON, e.g. '{\"method\": \"mtp\", \"num_speculative_tokens\": 2}' "
                           "(off by default; --spec-slots defaults to num_speculative_tokens)",
+    "tensor_parallel_size": "ranks (GPUs) sharing every layer: attention heads, o-groups, the experts' width (or, "
+                            "with --enable-expert-parallel, the experts) and the vocabulary split; each rank holds "
+                            "the whole KV cache (one shared K=V head)",
+    "data_parallel_size": "ranks running attention on their own requests with their own cache, routed experts "
+                          "split over them (with --enable-expert-parallel); model level only so far",
+    "enable_expert_parallel": "split the routed experts E/N over the ranks (each expert whole on one rank)",
 }
 # config.json keys that have a flag of their own (the rest of an override comes from --hf-overrides)
 OVERRIDE_FLAGS = ("index_topk_freq", "index_topk_pattern")

@@ -38,6 +38,8 @@ def run(args) -> int:
     print(f"{args.model}: {cfg.num_hidden_layers} layers ({mix}), {config.dtype}")
     _section("weights", _weights(cfg, dtype, config))
     _section("KV cache (as allocated, scratch units included)", cache_components(layout, plan, dtype))
+    if config.tensor_parallel_size > 1:
+        _per_rank(cfg, dtype, config, layout, plan)
     fit = requests_that_fit(plan, tokens)
     bound = "request slots" if fit == plan.max_num_seqs else "history pages"
     print(f"fits: {plan.max_tokens} tokens of history ({plan.num_pages} pages of 256); "
@@ -46,6 +48,21 @@ def run(args) -> int:
         raise SystemExit(f"--request-tokens: a request of {tokens} tokens does not fit this cache; "
                          f"raise --cache-memory-gb or --num-pages")
     return 0
+
+
+def _per_rank(cfg, dtype, config, layout, plan) -> None:
+    """One rank of --tensor-parallel-size N: its share of the weights (dsv4/parallel/
+    tensor_parallel.py: the split kinds / N) and the whole KV cache."""
+    from ..bench.params import model_params
+    from ..cache.sizing import cache_bytes, per_rank_report
+    n, elem = config.tensor_parallel_size, torch.empty((), dtype=dtype).element_size()
+    weights = _weights(cfg, dtype, config)
+    whole_attention = sum(cfg.hidden_size * (cfg.q_lora_rank + cfg.head_dim) for _ in model_params(cfg).layers) * elem
+    split = {"attention projections": (weights["attention projections"] - whole_attention) / n + whole_attention}
+    split.update((k, v / n) for k, v in weights.items() if k.startswith(("shared", "routed", "embedding")))
+    rank = {**weights, **{k: int(v) for k, v in split.items()}, "KV cache (whole)": cache_bytes(layout, plan, dtype)}
+    _section(f"per rank of {n} (tensor parallel{', experts split E/N' if config.enable_expert_parallel else ''})", rank)
+    print(per_rank_report(layout, plan, dtype, n))
 
 
 def _model_config(spec: str):

@@ -182,6 +182,7 @@ def run_engine_core(model_dir: str, config, addresses: Addresses, parent_pid: in
     try:
         serve_loop(EngineCore(engine), inbox, outbox, parent_pid)
     finally:
+        engine.close()                 # the other ranks of a parallel run (with a timeout)
         ctx.destroy(linger=0)
         if not parent_alive(parent_pid):
             addresses.remove()     # the API process died without cleaning up: its IPC folder

@@ -34,10 +34,17 @@ class LLMEngine:
     def __init__(self, model_dir: str, config: EngineConfig = EngineConfig(), model=None, tokenizer=None):
         from ..model.weights import load_model
         from ..ops.backend import set_backend
-        self.config = config
         set_backend(config.ops_backend)
+        self.config, self.workers = config, None
         if model is not None:
             config.check_no_model_overrides()
+        if config.tensor_parallel_size > 1:       # ranks 1..n-1 start; this process is rank 0
+            if model is not None:
+                raise ConfigError("tensor_parallel_size", "every rank loads its own shard: give the engine the "
+                                                          "model's folder or random: spec, not a built model")
+            from .workers import Workers, load_rank_model
+            self.workers = Workers.start(model_dir, config)
+            model = load_rank_model(model_dir, config, self.workers.comm)
         self.model = model if model is not None else load_model(model_dir, config.device, DTYPES[config.dtype],
                                                                 keep_fp8=config.keep_fp8, keep_mxfp4=config.keep_mxfp4,
                                                                 keep_fp8_dense=config.keep_fp8_dense,
@@ -57,6 +64,13 @@ class LLMEngine:
                                   0 if config.enforce_eager else config.cuda_graph_max_bs,
                                   keep_hidden=spec is not None)
         self.cache.bind(self.runner.storage, TierOptions.from_config(config))
+        if self.workers is not None:
+            self.workers.send_cache(self.layout, self.plan, self.runner.storage)
+            if self.cfg.vision is not None:
+                self.workers.shutdown()
+                raise ConfigError("tensor_parallel_size", "vision checkpoints run on one process (the tower is "
+                                                          "not sharded yet)")
+            self.runner.workers = self.workers
         self.sampler = Sampler()
         self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.eos_token_id = self.tokenizer.eos_id if self.tokenizer is not None else self.cfg.eos_token_id
@@ -85,7 +99,13 @@ class LLMEngine:
         return want if want is not None else limit
 
     def memory_report(self) -> str:
-        return memory_report(self.layout, self.plan, DTYPES[self.config.dtype], self.max_model_len)
+        return memory_report(self.layout, self.plan, DTYPES[self.config.dtype], self.max_model_len,
+                             self.config.tensor_parallel_size)
+
+    def close(self) -> None:
+        """Stop the other ranks of a parallel run (nothing to do for one process)."""
+        if self.workers is not None:
+            self.workers.shutdown()
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -192,6 +212,8 @@ class LLMEngine:
         if self.spec is None:
             sampled = [i for i, c in enumerate(chunks) if c.completes]
             tokens, values = self._sample(chunks, sampled, step)
+            if self.workers is not None and tokens is not None:
+                self.workers.share_sampled(tokens)
         else:                           # verify drafts, rewind rejected ones, draft the next
             sampled, tokens, values = self.spec.step(chunks, step)
         lps = [self._prompt_logprobs(c.request, c, step, i) for i, c in enumerate(chunks)

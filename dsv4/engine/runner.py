@@ -55,6 +55,7 @@ class ModelRunner:
         self.graphs = StepGraphs(model, self.storage, cuda_graph_max_bs, capture=True, h2d=self.h2d,
                                  keep_streams=keep_hidden) if use_graphs else None
         self.vision = VisionEncoder(model) if model.cfg.vision is not None else None
+        self.workers = None     # rank 0 of a parallel run: engine/workers.py's Workers (same steps on every rank)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None = None) -> StepLogits:
@@ -62,9 +63,17 @@ class ModelRunner:
         token is still pending (Request.num_pending)."""
         seqs = [self._seq_chunk(c) for c in chunks]
         fill = _pending_fill(chunks, seqs, prev_tokens)
+        if self.workers is not None:
+            self.workers.send_step(seqs, fill, num_sampled=sum(c.completes for c in chunks))
+        return self.run_seqs(seqs, fill, self._images(chunks, seqs))
+
+    @torch.inference_mode()
+    def run_seqs(self, seqs: list[SeqChunk], fill: PendingFill | None = None,
+                 images: ImageRows | None = None) -> StepLogits:
+        """The step of `seqs` (what every rank of a parallel run executes alike; images: one
+        process only, `EngineConfig` refuses vision with tensor parallelism)."""
         counts = [s.logits for s in seqs]
         first = [row if n else -1 for row, n in zip(accumulate([0] + counts), counts)]
-        images = self._images(chunks, seqs)
         if images is None and self.graphs is not None and self.graphs.accepts(seqs):
             if self.keep_hidden:
                 logits, streams = self.graphs.run_with_streams(seqs, fill)
