@@ -8,9 +8,12 @@ from __future__ import annotations
 
 
 class RequestGrammar:
-    def __init__(self, compiled, think_end_id: int | None, after_think: bool):
+    def __init__(self, compiled, think_end_id: int | None, after_think: bool, keep=None):
+        """keep: [ceil(V / 32)] int32 words ANDed into every mask (clears the special tokens
+        no grammar may produce: xgrammar reads every added token as its text)."""
         import xgrammar
         self.matcher = xgrammar.GrammarMatcher(compiled, max_rollback_tokens=-1)
+        self.keep = keep
         self.think_end_id = think_end_id
         self.open = not after_think or think_end_id is None
         self.errors = 0
@@ -37,6 +40,8 @@ class RequestGrammar:
     def fill(self, bitmask, row: int) -> None:
         """Row `row` of the int32 bitmask [R, ceil(V/32)] <- the tokens allowed next."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self.keep is not None:
+            bitmask[row] &= self.keep
 
     def fill_drafts(self, bitmask, first_row: int, drafts: list[int]) -> list[bool]:
         """Rows first_row .. first_row + len(drafts) <- the masks after drafts[:j], j = 0..len;
