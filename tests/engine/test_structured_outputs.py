@@ -103,7 +103,7 @@ def test_unconstrained_requests_keep_their_tokens(engine_of):
     """Invariant 5: greedy requests without a constraint, batched with constrained ones, give the
     tokens of a run without any; constrained greedy tokens are the same with async on and off."""
     sync, async_ = engine_of(async_scheduling="off"), engine_of(async_scheduling="on")
-    ps = prompts(sync, 6)
+    ps = prompts(sync, 4)
     plain = {f"p{i}": (p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)) for i, p in enumerate(ps)}
     alone = run(sync, plain)
     mixed = dict(plain)
@@ -124,13 +124,17 @@ def test_speculative_drafts_follow_the_grammar(engine_of):
     rolled back): outputs validate, and greedy tokens equal those without speculation."""
     spec = engine_of(speculative_config='{"method": "mtp", "num_speculative_tokens": 3}')
     plain = engine_of(async_scheduling="off")
-    ps = prompts(spec, 5)
+    ps = prompts(spec, 3)
     reqs = {f"{kind}-{i}": (p, SamplingParams(max_tokens=40, temperature=0.0, structured=s))
             for kind, s in KINDS.items() for i, p in enumerate(ps)}
-    with_drafts, without = run(spec, reqs), run(plain, reqs)
+    sampled = {f"{kind}-s{i}": (p, SamplingParams(max_tokens=40, temperature=1.0, seed=i, structured=s))
+               for kind, s in KINDS.items() if kind in ("json", "regex") for i, p in enumerate(ps)}   # p/q
+    with_drafts, without = run(spec, {**reqs, **sampled}), run(plain, reqs)
     for rid, out in with_drafts.items():
+        assert out.finish_reason == "stop", (rid, out.text)
         check(rid.split("-")[0], out.text)
-        assert out.token_ids == without[rid].token_ids, rid
+        if rid in reqs:
+            assert out.token_ids == without[rid].token_ids, rid
     assert spec.spec.stats.num_draft_tokens > 0
 
 
@@ -144,6 +148,20 @@ def test_thinking_gate_starts_the_constraint_after_think_end(engine_of):
                                                              skip_special_tokens=False))})["t"]
     assert out.token_ids[0] == think_end
     assert out.text.split("</think>", 1)[1].replace("<｜end▁of▁sentence｜>", "") in CHOICES
+
+
+def test_stop_string_ends_a_constrained_request(engine_of):
+    """A stop string may cut the constrained output (the client asked for it); the matcher goes."""
+    eng = engine_of(async_scheduling="on")
+    ps = prompts(eng, 2)
+    free = run(eng, {f"f{i}": (p, SamplingParams(max_tokens=30, temperature=0.0, structured=KINDS["json"]))
+                     for i, p in enumerate(ps)})
+    cut = run(eng, {f"f{i}": (p, SamplingParams(max_tokens=30, temperature=0.0, structured=KINDS["json"],
+                                                stop=['"age"'])) for i, p in enumerate(ps)})
+    for rid, out in cut.items():
+        assert out.finish_reason == "stop" and out.stop_reason == '"age"'
+        assert free[rid].text.startswith(out.text) and '"age"' in free[rid].text
+    assert len(eng.grammars) == 0
 
 
 @pytest.mark.parametrize("spec, words", [
