@@ -72,16 +72,17 @@ def check_schema(text: str) -> str:
 
 def _walk(node, root, where: str, depth: int, refs: set) -> None:
     if depth > MAX_SCHEMA_DEPTH:
-        raise GrammarError(f"json_schema: nests deeper than {MAX_SCHEMA_DEPTH} levels at {where or '/'}"
-                           f" (a recursive $ref?)")
+        shown = where if len(where) <= 60 else "..." + where[-60:]
+        raise GrammarError(f"json_schema: nests deeper than {MAX_SCHEMA_DEPTH} levels at {shown}")
     if isinstance(node, list):
         for i, item in enumerate(node):
             _walk(item, root, f"{where}/{i}", depth + 1, refs)
         return
     if not isinstance(node, dict):
         return
-    for key in UNSUPPORTED_KEYWORDS:
-        if key in node and not (key == "not" and where.endswith("/properties")):
+    names_map = where.rsplit("/", 1)[-1] in ("properties", "$defs", "definitions")   # keys are names here
+    for key in () if names_map else UNSUPPORTED_KEYWORDS:
+        if key in node:
             raise GrammarError(f"json_schema: the keyword {key!r} at {where or '/'} is not supported")
     ref = node.get("$ref")
     if isinstance(ref, str) and ref.startswith("#/"):

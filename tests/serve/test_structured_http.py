@@ -25,6 +25,10 @@ TOOL = {"type": "function", "function": {"name": "wx", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
                                      "days": {"type": "integer", "minimum": 1, "maximum": 7}},
     "required": ["city"]}}}
+DEEP = {"type": "array", "items": {}}
+_inner = DEEP
+for _ in range(40):
+    _inner["items"] = _inner = {"type": "array", "items": {}}
 MSGS = [{"role": "user", "content": "Weather in Paris?"}]
 
 
@@ -79,6 +83,7 @@ def test_forced_tool_call_is_a_valid_call(client, choice):
     ({"guided_json": {"$ref": "#/$defs/a", "$defs": {"a": {"type": "array", "items": {"$ref": "#/$defs/b"}},
                                                         "b": {"$ref": "#/$defs/nowhere"}}}}, "guided_json", "points nowhere"),
     ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar", "not defined"),
+    ({"guided_json": DEEP}, "guided_json", "nests deeper than 32 levels"),
     ({"guided_choice": ["a"], "guided_regex": "b"}, "guided_choice", "only one"),
 ])
 def test_bad_constraints_are_400s(http, body, param, words):
