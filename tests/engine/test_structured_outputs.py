@@ -89,7 +89,7 @@ def test_json_object_is_an_object(engine_of):
     """Any JSON object: the demo model may nest forever, so outputs cut by max_tokens are left
     out; every finished one parses as an object."""
     eng = engine_of(async_scheduling="on")
-    reqs = {f"o-{i}": (p, SamplingParams(max_tokens=48, temperature=1.0, seed=i,
+    reqs = {f"o-{i}": (p, SamplingParams(max_tokens=32, temperature=1.0, seed=i,
                                          structured=StructuredOutputs(json_object=True)))
             for i, p in enumerate(prompts(eng))}
     done = run(eng, reqs)
