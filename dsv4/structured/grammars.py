@@ -44,15 +44,16 @@ def build(spec: StructuredOutputs):
         return xgr.Grammar.from_ebnf(spec.grammar)
     except GrammarError:
         raise
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise GrammarError(f"{_FIELD[kind]}: {_clean(e)}") from None
+    except Exception as e:      # xgrammar's errors (RuntimeError, its own types) all mean a bad constraint
+        raise GrammarError(f"{_FIELD[kind]}: {clean_error(e)}") from None
 
 
 _FIELD = {"json": "json_schema", "json_object": "response_format", "regex": "regex", "choice": "choice",
           "grammar": "grammar"}
 
 
-def _clean(e: Exception) -> str:
+def clean_error(e: Exception) -> str:
+    """The first line of an xgrammar error, without its C++ source location."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     return _CPP_PREFIX.sub("", text)
 

@@ -28,15 +28,16 @@ def forced_call_grammar(tools: list[dict], named: str | None) -> str:
 
 def _params(fn: dict):
     schema = fn.get("parameters") or {}
-    props = schema.get("properties") or {}
-    required = set(schema.get("required") or ())
+    props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    required = set(r for r in schema.get("required") or () if isinstance(r, str))
     defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
     parts = []
     for key, prop in props.items():
         try:
             one = _param(key, {**prop, **defs} if isinstance(prop, dict) else prop)
-        except g.GrammarError as e:
-            raise g.GrammarError(f"tools: function {fn['name']!r}, parameter {key!r}: {e}") from None
+        except Exception as e:      # GrammarError, or xgrammar's own error types
+            raise g.GrammarError(f"tools: function {fn['name']!r}, parameter {key!r}: "
+                                 f"{g.clean_error(e)}") from None
         parts.append(one if key in required else g.union(one, g.literal("")))
     return g.concat(*parts) if parts else g.literal("")
 
@@ -49,10 +50,7 @@ def _param(key: str, prop) -> object:
                                                                          for v in enum)
                  else g.regex(_string_regex(prop)))
         return g.concat(head, value, g.literal(f"{PARAM_CLOSE}\n"))
-    try:
-        value = g.json_value(prop if isinstance(prop, dict) else {})
-    except (RuntimeError, ValueError) as e:
-        raise g.GrammarError(str(e)) from None
+    value = g.json_value(prop if isinstance(prop, dict) else {})
     return g.concat(g.literal(f'{PARAM_OPEN}{key}" string="false">'), value, g.literal(f"{PARAM_CLOSE}\n"))
 
 
