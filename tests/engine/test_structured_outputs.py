@@ -200,3 +200,20 @@ def test_draft_masks_roll_the_matcher_back(engine_of):
     assert not (after_ab[ids[0] // 32] >> (ids[0] % 32)) & 1            # "a" not allowed after "ab"
     assert torch.equal(step_mask([g], eng.cfg.vocab_size).bitmask, before)   # state rolled back
     grammars.drop("x")
+
+
+def test_masked_fill_matches_xgrammar_on_the_rows_it_names():
+    """apply_grammar_mask reads xgrammar's bit layout: the same -inf entries as xgrammar's own
+    apply on the masked rows; the other rows are untouched."""
+    import xgrammar
+    from dsv4.engine.sampler import apply_grammar_mask
+    from dsv4.structured.masks import GrammarMask
+    vocab = 100                                       # not a multiple of 32: the last word is partial
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 4), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(3, vocab)
+    ours = logits.clone()
+    apply_grammar_mask(ours, GrammarMask(torch.tensor([0, 2]), bitmask))
+    theirs = logits[[0, 2]].clone()
+    xgrammar.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab)
+    assert torch.equal(ours[[0, 2]], theirs) and torch.equal(ours[1], logits[1])
+    assert torch.isinf(ours[[0, 2]]).any()
