@@ -25,6 +25,41 @@ REPETITION_PENALTY_RANGE = (0.01, 100.0)   # it divides logits: a tiny one overf
 
 
 @dataclass
+class StructuredOutputs:
+    """A constraint on a request's output, enforced by a grammar (dsv4/structured/): exactly
+    one kind is set. `json` is a JSON schema as text; `json_object` any JSON object; `regex`,
+    `choice` (one of the strings), `grammar` (EBNF, xgrammar's dialect). `after_think`: the
+    constraint starts after the `</think>` token (thinking mode); tokens before it are free."""
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    after_think: bool = False
+
+    def kinds(self) -> list[str]:
+        return [k for k in ("json", "json_object", "regex", "choice", "grammar")
+                if getattr(self, k) not in (None, False)]
+
+    def key(self) -> tuple:
+        """What the compiled grammar depends on (the cache key)."""
+        return (self.json, self.json_object, self.regex, tuple(self.choice or ()), self.grammar)
+
+    def validate(self) -> None:
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs: give exactly one of json, json_object, regex, choice, "
+                             f"grammar; got {kinds or 'none'}")
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not _is_utf8(value)):
+                raise ValueError(f"structured_outputs.{name}: must be a valid string")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and _is_utf8(c)
+                                                                     for c in self.choice)):
+            raise ValueError("structured_outputs.choice: must be a non-empty list of strings")
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -45,6 +80,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    structured: StructuredOutputs | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -102,6 +138,8 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids: {_show(t)} is not a token id in [0, {vocab_size})")
         if self.logit_bias is not None:
             _check_logit_bias(self.logit_bias, vocab_size)
+        if self.structured is not None:
+            self.structured.validate()
 
 
 def _is_int(value: object) -> bool:

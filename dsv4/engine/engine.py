@@ -23,6 +23,7 @@ from .sampler import (Sampler, SamplingBatch, SamplingRow, compute_prompt_logpro
                       make_generator)
 from ..sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
+from ..structured.masks import step_mask, verify_mask
 from ..text.stop import StopChecker
 from .upload import upload_tree
 
@@ -79,6 +80,7 @@ class LLMEngine:
             from .speculative.decoder import SpeculativeDecoder
             self.spec = SpeculativeDecoder(spec, self.model, self.runner, self.cache, self.eos_token_id,
                                            self.generator)
+            self.spec.grammar_mask = self._verify_grammar_mask
         self.requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}
         self._arrivals = itertools.count()
@@ -87,6 +89,7 @@ class LLMEngine:
             config.async_scheduling == "auto" and torch.device(config.device).type == "cuda"))
         self._inflight: StepInFlight | None = None       # the launched step not yet read back
         self._carried: list[RequestOutput] = []           # outputs of a step read after a failure
+        self.grammars = None        # structured/registry.Grammars, made on the first constrained request
         log.info(self.memory_report())
 
     # ---- set-up ---------------------------------------------------------------------
@@ -113,6 +116,8 @@ class LLMEngine:
         """images: the prompt's image blocks (docs/vision.md), checked against the model."""
         self._validate(request_id, prompt_token_ids, params)
         check_images(self.cfg, images, len(prompt_token_ids))
+        if params.structured is not None:       # a bad grammar raises here and costs nothing else
+            self._grammars().add(request_id, params.structured)
         req = Request(request_id, list(prompt_token_ids), params, arrival=next(self._arrivals),
                       generator=make_generator(params.seed, self.config.device),
                       images=tuple(sorted(images, key=lambda s: s.start)))
@@ -152,6 +157,8 @@ class LLMEngine:
             self.scheduler.finish(req, Status.ABORTED)
             req.finish_reason = "abort"
         self._stops.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.drop(request_id)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns the pages freed (pages in use stay with their requests)."""
@@ -184,6 +191,9 @@ class LLMEngine:
         previous, self._inflight = self._inflight, launched
         if previous is not None:
             outputs += self._complete(previous)
+        if launched.sample_later is not None:      # grammars needed the previous step's tokens
+            with torch.inference_mode():
+                launched.sample_later()
         if not self.async_scheduling:
             outputs += self._drain()
         return outputs
@@ -191,13 +201,18 @@ class LLMEngine:
     def _must_wait(self) -> bool:
         """The next schedule needs the tokens in flight: a request reaches max_tokens or
         max_model_len with them (it must not be scheduled again). Penalties and min_tokens
-        need no wait: pending tokens are counted on the device (sampler.count_pending)."""
+        need no wait: pending tokens are counted on the device (sampler.count_pending). With
+        workers, a grammar-constrained request waits too: its mask needs the token in flight, and
+        sampling after the next forward is launched would order rank 0's token broadcast after
+        that forward's collectives."""
         for i in self._inflight.sampled:
             req = self._inflight.chunks[i].request
             if req.is_finished:
                 continue
             p, n_out = req.params, len(req.output_token_ids) + req.num_pending
             if n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                return True
+            if self.workers is not None and self.grammars and self.grammars.get(req.request_id) is not None:
                 return True
         return False
 
@@ -209,11 +224,16 @@ class LLMEngine:
     def _launch(self, chunks: list[ScheduledChunk]) -> StepInFlight:
         prev = self._inflight.tokens if self._inflight is not None else None
         step = self.runner.execute(chunks, prev)
+        later = None
         if self.spec is None:
             sampled = [i for i, c in enumerate(chunks) if c.completes]
-            tokens, values = self._sample(chunks, sampled, step)
-            if self.workers is not None and tokens is not None:
-                self.workers.share_sampled(tokens)
+            if self._grammar_waits(chunks, sampled):   # (never with workers: see _must_wait)
+                tokens = values = None
+                later = lambda: launched.set_sampled(*self._sample(chunks, sampled, step, prev))  # noqa: E731
+            else:
+                tokens, values = self._sample(chunks, sampled, step, prev)
+                if self.workers is not None and tokens is not None:
+                    self.workers.share_sampled(tokens)
         else:                           # verify drafts, rewind rejected ones, draft the next
             sampled, tokens, values = self.spec.step(chunks, step)
         lps = [self._prompt_logprobs(c.request, c, step, i) for i, c in enumerate(chunks)
@@ -223,7 +243,8 @@ class LLMEngine:
             chunks[i].request.pending_row = row
         for c in chunks:
             self.scheduler.advance(c.request, c.num_tokens - c.num_rejected)
-        return StepInFlight(chunks, sampled, tokens, values, lps)
+        launched = StepInFlight(chunks, sampled, tokens, values, lps, sample_later=later)
+        return launched
 
     def _complete(self, step: StepInFlight) -> list[RequestOutput]:
         for rows in step.prompt_logprobs:
@@ -242,8 +263,9 @@ class LLMEngine:
                 self.cache.commit(req)      # a boundary whose last token was still pending at launch
         return outputs
 
-    def _sample(self, chunks: list[ScheduledChunk], idx: list[int], step: StepLogits):
-        """-> (sampled tokens [N] on the device, their HostCopy), or (None, None)."""
+    def _sample(self, chunks: list[ScheduledChunk], idx: list[int], step: StepLogits, prev: torch.Tensor | None):
+        """-> (sampled tokens [N] on the device, their HostCopy), or (None, None). `prev`: the
+        sampled tokens of the step in flight before this one (pending tokens' penalties)."""
         if not idx:
             return None, None
         reqs = [chunks[i].request for i in idx]
@@ -251,14 +273,37 @@ class LLMEngine:
         batch = SamplingBatch.build(
             [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.num_pending) for r in reqs],
             self.cfg.vocab_size, "cpu", self.eos_token_id, self.generator)
+        if self.grammars:                      # only rows under a grammar get a mask
+            batch.grammar = step_mask([self.grammars.get(r.request_id) for r in reqs], self.cfg.vocab_size)
         pending = [(j, r.pending_row) for j, r in enumerate(reqs) if r.num_pending and r.params.has_penalties]
         batch, rows_t, pending_t = upload_tree((batch, torch.tensor(rows), torch.tensor(pending).view(-1, 2)),
                                                self.runner.h2d)
         if pending:
-            count_pending(batch.penalties, pending_t[:, 0], self._inflight.tokens[pending_t[:, 1]])
+            count_pending(batch.penalties, pending_t[:, 0], prev[pending_t[:, 1]])
         logits = step.logits[:len(rows)] if rows == list(range(len(rows))) else step.logits[rows_t]
         out = self.sampler(logits, batch)
         return out.token_ids, HostCopy([out.token_ids, out.logprobs, out.top_ids, out.top_logprobs])
+
+    # ---- structured outputs (dsv4/structured/) -------------------------------------------
+    def _grammars(self):
+        if self.grammars is None:
+            from ..structured.registry import Grammars
+            self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, self.eos_token_id)
+        return self.grammars
+
+    def _grammar_waits(self, chunks: list[ScheduledChunk], idx: list[int]) -> bool:
+        """Whether a row to sample is under a grammar while its last token is still on the
+        device: its mask needs that token, so sampling waits for the previous step's read-back
+        (the forward already runs on the GPU meanwhile)."""
+        return bool(self.grammars) and any(
+            chunks[i].request.num_pending and self.grammars.get(chunks[i].request.request_id) is not None
+            for i in idx)
+
+    def _verify_grammar_mask(self, chunks: list[tuple[Request, list[int]]]):
+        """The verify rows' masks (per chunk, its request and drafts), or None."""
+        if not self.grammars:
+            return None
+        return verify_mask([(self.grammars.get(r.request_id), d) for r, d in chunks], self.cfg.vocab_size)
 
     def _prompt_logprobs(self, req: Request, c: ScheduledChunk, step: StepLogits, i: int):
         start, n_prompt = req.num_computed, len(req.prompt_token_ids)
@@ -281,6 +326,9 @@ class LLMEngine:
 
     def _append(self, req: Request, token: int, logprob: float, top_ids, top_lps) -> RequestOutput:
         req.output_token_ids.append(token)
+        grammar = self.grammars.get(req.request_id) if self.grammars else None
+        if grammar is not None:
+            grammar.accept(token)
         if req.params.logprobs is not None:
             req.logprobs.append({token: logprob, **dict(zip(top_ids, top_lps))})
         # stop strings need the text every step; otherwise it is decoded once, at the end
@@ -295,6 +343,8 @@ class LLMEngine:
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
             self._stops.pop(req.request_id, None)
+            if grammar is not None:
+                self.grammars.drop(req.request_id)
         return self.output_of(req, [token])
 
     def _text(self, req: Request) -> tuple[str | None, int | None]:

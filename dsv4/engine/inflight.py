@@ -7,6 +7,7 @@ GPU's work on step k+1, which takes step k's tokens straight from the device
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,3 +51,9 @@ class StepInFlight:
     tokens: torch.Tensor | None      # [len(sampled)] long on the device (feeds the next step)
     values: HostCopy | None          # tokens, logprobs [N], top ids [N, k], top logprobs [N, k]
     prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
+    # set when sampling waits for the previous step's tokens (grammar masks): the engine calls
+    # it after reading that step back, before anything reads `tokens` or `values`
+    sample_later: Callable[[], None] | None = None
+
+    def set_sampled(self, tokens: torch.Tensor | None, values: HostCopy | None) -> None:
+        self.tokens, self.values, self.sample_later = tokens, values, None

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4.sampling_params import SamplingParams
+from dsv4.structured.masks import GrammarMask
 
 NEG_INF = float("-inf")
 
@@ -79,6 +80,7 @@ class SamplingBatch:
     shared_generator: torch.Generator | None  # for unseeded rows; None: torch's global RNG
     max_num_logprobs: int  # most `logprobs` any row asked for; 0 if none
     wants_logprobs: bool = True  # some row asked for logprobs (else the chosen one is not computed)
+    grammar: GrammarMask | None = None  # token bitmask of the rows under a grammar (structured/masks.py)
 
     @classmethod
     def build(cls, rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str,
@@ -228,6 +230,16 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, NEG_INF)
 
 
+
+def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
+    """Tokens a row's grammar does not allow -> -inf, in place: logits [B, V] fp32, mask.rows [R],
+    mask.bitmask [R, ceil(V / 32)] int32 (bit t % 32 of word t // 32 = token t allowed). One
+    unpack and one masked fill over the R rows."""
+    bits = torch.arange(32, dtype=torch.int32, device=mask.bitmask.device)
+    allowed = ((mask.bitmask[:, :, None] >> bits) & 1).view(mask.bitmask.shape[0], -1)[:, :logits.shape[1]]
+    logits[mask.rows] = logits[mask.rows].masked_fill(allowed == 0, NEG_INF)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] long
@@ -258,13 +270,15 @@ class Sampler:
         """fp32 [B, V] logits with logit_bias, the min_tokens mask and penalties applied (a new tensor
         whenever anything is applied; the input is never written): what greedy rows take the
         argmax of."""
-        written = batch.banned is not None or batch.bias is not None
+        written = batch.banned is not None or batch.bias is not None or batch.grammar is not None
         logits = logits.to(torch.float32, copy=written)   # never written otherwise
         if batch.bias is not None:
             rows, tokens, biases = batch.bias
             logits.index_put_((rows, tokens), biases, accumulate=True)
         if batch.banned is not None:
             logits[batch.banned] = NEG_INF          # a scalar fill: no host-to-device copy
+        if batch.grammar is not None:
+            apply_grammar_mask(logits, batch.grammar)
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
         return logits

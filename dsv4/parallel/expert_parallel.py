@@ -74,10 +74,10 @@ def _moes(model) -> list[MoE]:
 def _dispatch_forward(moe: MoE, comm: Comm, step: DPStep, dispatch: str):
     combine = _gather_combine if dispatch == "gather" else _all_to_all_combine
 
-    def forward(x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    def forward(x: torch.Tensor, token_ids: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         T, k = x.shape[0], moe.gate.topk
         if T:
-            weights, ids = moe.gate(x, token_ids)
+            weights, ids = moe.gate(x, token_ids, image_mask)
         else:
             weights = torch.empty(0, k, dtype=torch.float32, device=x.device)
             ids = torch.empty(0, k, dtype=torch.long, device=x.device)

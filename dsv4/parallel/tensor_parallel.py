@@ -89,8 +89,8 @@ def local_pairs(weights: torch.Tensor, ids: torch.Tensor, first: int, count: int
 def _local_experts_forward(moe: MoE, first: int):
     from ..ops.moe import moe_experts
 
-    def forward(x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        weights, ids = moe.gate(x, token_ids)
+    def forward(x: torch.Tensor, token_ids: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        weights, ids = moe.gate(x, token_ids, image_mask)
         e, s = moe.experts, moe.shared_experts
         weights, ids = local_pairs(weights, ids, first, e.w1.shape[0])
         return moe_experts(x, weights, ids, e.w1, e.w2, e.w3, (s.w1.weight, s.w2.weight, s.w3.weight),

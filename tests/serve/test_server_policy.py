@@ -56,8 +56,7 @@ def test_strict_api_rejects_unknown_fields(fake_server_factory):
 
 
 @pytest.mark.parametrize("path,body,param", [
-    (CHAT, {"messages": user("hi"), "guided_json": {"type": "object"}}, "guided_json"),
-    (CHAT, {"messages": user("hi"), "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    (CHAT, {"messages": user("hi"), "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
     (CHAT, {"messages": user("hi"), "functions": [{"name": "f"}]}, "functions"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix"),

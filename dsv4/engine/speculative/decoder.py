@@ -45,6 +45,9 @@ class SpeculativeDecoder:
         self.proposer = MTPProposer(model, runner.storage, runner.h2d, graphs)
         self.stats = SpecStats()
         self._draft_probs: dict[str, tuple[Request, torch.Tensor]] = {}   # rid -> (request, q [k, V])
+        # [(request, drafts)] per verified chunk -> structured.masks.GrammarMask of its rows, or None
+        # (set by the engine: drafts are checked against a request's grammar like any token)
+        self.grammar_mask = None
 
     @torch.inference_mode()
     def step(self, chunks: list[ScheduledChunk], step: StepLogits):
@@ -67,7 +70,8 @@ class SpeculativeDecoder:
                                             req.generator))
                 q_rows.append(self._q_row(req, j, len(d)))
             draft_ids += d + [-1]
-        emitted, accepted, lps = self._verify(step.logits, rows, sampling, draft_ids, q_rows)
+        mask = self.grammar_mask([(chunks[i].request, drafts[i]) for i in done]) if self.grammar_mask else None
+        emitted, accepted, lps = self._verify(step.logits, rows, sampling, draft_ids, q_rows, mask)
         emitted_host, accepted_host = emitted.tolist(), accepted.tolist()
         sampled, keep, emitted_of, first = [], [], {}, 0
         for i in done:
@@ -94,10 +98,11 @@ class SpeculativeDecoder:
         entry = self._draft_probs.get(req.request_id)
         return entry[1][j] if entry is not None and j < n else None
 
-    def _verify(self, logits, rows, sampling, draft_ids, q_rows):
+    def _verify(self, logits, rows, sampling, draft_ids, q_rows, mask=None):
         """Target logits rows `rows` of the step -> (emitted [R], accepted [R], raw logprobs of
         the emitted tokens: chosen [R], top ids [R, n], top logprobs [R, n])."""
         batch = SamplingBatch.build(sampling, self.vocab, "cpu", self.eos_token_id, self.generator)
+        batch.grammar = mask
         batch, rows_t, ids_t = upload_tree((batch, torch.tensor(rows), torch.tensor(draft_ids)), self.runner.h2d)
         target = logits[rows_t]
         processed = Sampler.processed_logits(target, batch)

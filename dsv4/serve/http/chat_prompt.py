@@ -17,7 +17,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ...sampling_params import SamplingParams
+from ...sampling_params import SamplingParams, StructuredOutputs
+from ...structured.grammars import GrammarError
+from ..chat_format.tool_grammar import forced_call_grammar
+from .structured import request_constraint
 from ..chat_format.dsml import BLOCK_OPEN, BLOCK_SEPARATOR, INVOKE_OPEN
 from ..chat_format.encoding import continuation_channel, encode_messages
 from ...engine.ipc import ImageItem
@@ -65,9 +68,10 @@ def plan_chat(req: ChatCompletionRequest, state: ServerState) -> ChatPlan:
                                     info.max_request_tokens, None, "messages", limit_param)
     if req.n > MAX_N:
         raise bad_request(f"n: at most {MAX_N} choices per request, got {req.n}", "n")
-    base = sampling_params(req, info.vocab_size, max_tokens, logprobs=top, skip_special_tokens=False)
     start = (continuation_channel(messages, thinking) if continuing
              else "reasoning" if thinking and generation_prompt else "content")
+    base = sampling_params(req, info.vocab_size, max_tokens, logprobs=top, skip_special_tokens=False,
+                           structured=_constraint(req, mode, start == "reasoning"))
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     return ChatPlan(model, prompt_ids, per_choice(base), thinking, mode != "none", prefill, top, tools, start, items)
 
@@ -109,6 +113,24 @@ def _prompt_text(req: ChatCompletionRequest, state: ServerState, messages: list[
     except ValueError as e:
         param = next((p for p in ("reasoning_effort", "continue_final_message") if p in str(e)), "messages")
         raise bad_request(f"{param}: {e}", param) from None
+
+
+def _constraint(req: ChatCompletionRequest, mode: str, thinking: bool) -> StructuredOutputs | None:
+    """The grammar the output follows: a forced tool call's DSML block, or the request's
+    response_format / guided_* constraint (from `</think>` on when the output starts thinking)."""
+    spec = request_constraint(req, check_response_format(req.response_format), thinking)
+    if mode not in ("required", "named"):
+        return spec
+    if spec is not None:
+        raise bad_request("tool_choice: a forced tool call cannot be combined with response_format or a "
+                          "guided_* / structured_outputs constraint", "tool_choice")
+    tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    named = req.tool_choice.function.name if mode == "named" else None
+    try:
+        return StructuredOutputs(grammar=forced_call_grammar(tools, named))
+    except GrammarError as e:
+        param = "tools"
+        raise bad_request(str(e) if str(e).startswith("tools") else f"tools: {e}", param) from None
 
 
 def _prefill(req: ChatCompletionRequest, mode: str) -> str:

@@ -26,6 +26,7 @@ from .fields import with_header
 from .limits import check_batch
 from .protocol import CompletionRequest, check_model, parse_body, resolve_max_tokens, sampling_params
 from .state import ServerState
+from .structured import request_constraint
 from .streaming import Usage, answer, guarded, outputs, respond_whole, sse, sse_events
 from .textstream import LegacyLogprobs, TextStream, TokenTexts, prompt_offsets, vllm_prompt_logprobs
 
@@ -157,12 +158,13 @@ def plan_completion(raw: bytes, state: ServerState) -> CompletionPlan:
     lp = req.logprobs
     echo_top = lp if req.echo and lp is not None else None
     prompt_top = max(t for t in (echo_top, req.prompt_logprobs, -1) if t is not None)
+    constraint = request_constraint(req, None, thinking=False)
     for p in plan.prompts:
         max_tokens = resolve_max_tokens(1 if score_only else req.max_tokens, len(p.ids), info.max_model_len,
                                         info.max_request_tokens, DEFAULT_MAX_TOKENS, "prompt")
         params = sampling_params(req, info.vocab_size, max_tokens, logprobs=lp,
                                  skip_special_tokens=req.skip_special_tokens,
-                                 prompt_logprobs=None if prompt_top < 0 else prompt_top)
+                                 prompt_logprobs=None if prompt_top < 0 else prompt_top, structured=constraint)
         for child in per_choice(params):
             plan.choices.append(CompletionChoice(len(plan.choices), p, child, req, state, texts, score_only))
             plan.params.append(child)

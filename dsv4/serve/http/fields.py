@@ -1,6 +1,6 @@
 """Request fields the server does not know: the policy (README, "Unknown fields").
 
-* Fields that ask for something this server cannot do (constrained decoding, the legacy
+* Fields that ask for something this server cannot do (a whitespace pattern, the legacy
   function-calling fields) are always a 400 naming the field: silently dropping them would
   return an answer the client did not ask for.
 * Any other unknown field, top-level or nested (`messages.0.foo`): with `--strict-api` a 400
@@ -23,9 +23,7 @@ from .errors import bad_request
 log = logging.getLogger("dsv4.serve")
 HEADER = "X-Ignored-Fields"
 UNSUPPORTED = {
-    **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
-                     "guided_whitespace_pattern", "structured_outputs"),
-                    "constrained decoding is not supported by this server"),
+    "guided_whitespace_pattern": "not supported: JSON constraints write compact JSON",
     "functions": "the legacy function-calling fields are not supported; use tools",
     "function_call": "the legacy function-calling fields are not supported; use tool_choice",
 }

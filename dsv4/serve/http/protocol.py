@@ -65,6 +65,13 @@ class SamplingFields(_Model):
     logit_bias: dict[str, float] | None = None      # token id (as a JSON key) -> bias in [-100, 100]
     prompt_logprobs: int | None = None              # vLLM's: logprobs of the prompt tokens
     user: str | None = None
+    # output constraints (vLLM's names; serve/http/structured.py)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None       # accepted and ignored: xgrammar is the one backend
 
     @property
     def include_usage(self) -> bool:

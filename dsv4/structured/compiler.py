@@ -1,0 +1,52 @@
+"""Compiled grammars for one tokenizer, cached by constraint (an LRU bounded in entries).
+
+`TokenizerInfo` is built once from the checkpoint's tokenizer (byte-level BPE) with EOS as the
+only stop token: a matcher whose grammar is complete allows EOS alone, so a finished
+constraint ends the request."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from ..sampling_params import StructuredOutputs
+from . import grammars
+
+CACHE_ENTRIES = 256
+
+
+def tokenizer_info(tokenizer, vocab_size: int, eos_token_id: int):
+    """xgrammar's view of our `text.tokenizer.Tokenizer` (padded to the model's vocabulary)."""
+    import xgrammar
+    from tokenizers import Tokenizer as HfTokenizer
+    from transformers import PreTrainedTokenizerFast
+    hf = tokenizer._hf if hasattr(tokenizer, "_hf") else tokenizer
+    if isinstance(hf, HfTokenizer):
+        hf = PreTrainedTokenizerFast(tokenizer_object=hf)
+    return xgrammar.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=[eos_token_id])
+
+
+class GrammarCache:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int, capacity: int = CACHE_ENTRIES):
+        import xgrammar
+        self.info = tokenizer_info(tokenizer, vocab_size, eos_token_id)
+        self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self.vocab_size, self.capacity = vocab_size, capacity
+        self._entries: OrderedDict[tuple, object] = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, spec: StructuredOutputs):
+        """The CompiledGrammar of `spec`; raises grammars.GrammarError for a bad one."""
+        key = spec.key()
+        compiled = self._entries.get(key)
+        if compiled is not None:
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return compiled
+        self.misses += 1
+        compiled = self.compiler.compile_grammar(grammars.build(spec))
+        self._entries[key] = compiled
+        if len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return compiled
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,219 @@
+"""Structured outputs on the offline engine and the demo model (docs/architecture.md,
+"Structured outputs"): every constraint kind yields output that parses and validates, 50
+prompts each, with async scheduling on (sampling waits for the previous step's tokens) and
+with MTP drafts checked against the grammar; unconstrained requests in the same batch keep
+their tokens (invariant 5); a bad constraint fails its request alone."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from dsv4.assets import demo_model_dir
+from dsv4.config import EngineConfig
+from dsv4.engine.engine import LLMEngine
+from dsv4.sampling_params import SamplingParams, StructuredOutputs
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "ok": {"type": "boolean"}},
+          "required": ["name", "age", "ok"], "additionalProperties": False}
+REGEX = r"[a-z]{3,6}-[0-9]{2}"
+CHOICES = ["yes", "no", "maybe"]
+EBNF = 'root ::= "(" [a-z]+ ("," [a-z]+)? ")"'
+EBNF_RE = r"\([a-z]+(,[a-z]+)?\)"
+KINDS = {"json": StructuredOutputs(json=json.dumps(SCHEMA)), "regex": StructuredOutputs(regex=REGEX),
+         "choice": StructuredOutputs(choice=CHOICES), "grammar": StructuredOutputs(grammar=EBNF)}
+N = 50
+
+
+@pytest.fixture(scope="module")
+def engine_of():
+    made = {}
+
+    def get(**kw) -> LLMEngine:
+        key = tuple(sorted(kw.items()))
+        if key not in made:
+            made[key] = LLMEngine(demo_model_dir(), EngineConfig(num_pages=64, max_num_seqs=256,
+                                                                 max_num_batched_tokens=2048, **kw))
+        return made[key]
+    return get
+
+
+def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, ids, params)
+    done = {}
+    for _ in range(2000):
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if len(done) == len(requests):
+            return done
+    raise AssertionError("engine still busy")
+
+
+def prompts(engine: LLMEngine, n: int = N) -> list[list[int]]:
+    return [engine.tokenizer.encode(f"Request {i}: describe item number {i * 7} briefly.") for i in range(n)]
+
+
+def check(kind: str, text: str) -> None:
+    if kind == "json":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICES, text
+    else:
+        assert re.fullmatch(EBNF_RE, text), text
+
+
+def test_every_kind_validates_50_prompts_async(engine_of):
+    eng = engine_of(async_scheduling="on")
+    ps = prompts(eng)
+    reqs = {f"{kind}-{i}": (p, SamplingParams(max_tokens=40, temperature=0.0 if i % 2 else 0.8, seed=i,
+                                             structured=spec))
+            for kind, spec in KINDS.items() for i, p in enumerate(ps)}
+    done = run(eng, reqs)
+    for rid, out in done.items():
+        kind = rid.split("-")[0]
+        assert out.finish_reason == "stop", (rid, out.text)
+        check(kind, out.text)
+    assert len(eng.grammars) == 0                          # every matcher dropped at finish
+
+
+def test_json_object_is_an_object(engine_of):
+    """Any JSON object: the demo model may nest forever, so outputs cut by max_tokens are left
+    out; every finished one parses as an object."""
+    eng = engine_of(async_scheduling="on")
+    reqs = {f"o-{i}": (p, SamplingParams(max_tokens=32, temperature=1.0, seed=i,
+                                         structured=StructuredOutputs(json_object=True)))
+            for i, p in enumerate(prompts(eng))}
+    done = run(eng, reqs)
+    finished = [o for o in done.values() if o.finish_reason == "stop"]
+    assert len(finished) >= N // 5
+    for out in finished:
+        assert isinstance(json.loads(out.text), dict), out.text
+
+
+def test_unconstrained_requests_keep_their_tokens(engine_of):
+    """Invariant 5: greedy requests without a constraint, batched with constrained ones, give the
+    tokens of a run without any; constrained greedy tokens are the same with async on and off."""
+    sync, async_ = engine_of(async_scheduling="off"), engine_of(async_scheduling="on")
+    ps = prompts(sync, 4)
+    plain = {f"p{i}": (p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)) for i, p in enumerate(ps)}
+    alone = run(sync, plain)
+    mixed = dict(plain)
+    mixed.update({f"c{i}": (p, SamplingParams(max_tokens=30, temperature=0.0, structured=KINDS["json"]))
+                  for i, p in enumerate(ps)})
+    for eng in (sync, async_):
+        got = run(eng, mixed)
+        for rid in plain:
+            assert got[rid].token_ids == alone[rid].token_ids, rid
+        if eng is sync:
+            constrained = {rid: got[rid].token_ids for rid in got if rid.startswith("c")}
+    got = run(async_, {rid: v for rid, v in mixed.items() if rid.startswith("c")})
+    assert {rid: o.token_ids for rid, o in got.items()} == constrained
+
+
+def test_speculative_drafts_follow_the_grammar(engine_of):
+    """MTP drafts are verified under the grammar (row j masked after drafts 1..j, the matcher
+    rolled back): outputs validate, and greedy tokens equal those without speculation."""
+    spec = engine_of(speculative_config='{"method": "mtp", "num_speculative_tokens": 3}')
+    plain = engine_of(async_scheduling="off")
+    ps = prompts(spec, 3)
+    reqs = {f"{kind}-{i}": (p, SamplingParams(max_tokens=40, temperature=0.0, structured=s))
+            for kind, s in KINDS.items() for i, p in enumerate(ps)}
+    sampled = {f"{kind}-s{i}": (p, SamplingParams(max_tokens=40, temperature=1.0, seed=i, structured=s))
+               for kind, s in KINDS.items() if kind in ("json", "regex") for i, p in enumerate(ps)}   # p/q
+    with_drafts, without = run(spec, {**reqs, **sampled}), run(plain, reqs)
+    for rid, out in with_drafts.items():
+        assert out.finish_reason == "stop", (rid, out.text)
+        check(rid.split("-")[0], out.text)
+        if rid in reqs:
+            assert out.token_ids == without[rid].token_ids, rid
+    assert spec.spec.stats.num_draft_tokens > 0
+
+
+def test_thinking_gate_starts_the_constraint_after_think_end(engine_of):
+    eng = engine_of(async_scheduling="off")
+    think_end = eng.tokenizer.token_to_id("</think>")
+    spec = StructuredOutputs(choice=CHOICES, after_think=True)
+    # the logit bias makes the model close its reasoning at once: </think> then one of the choices
+    out = run(eng, {"t": (prompts(eng, 1)[0], SamplingParams(max_tokens=20, temperature=0.0, structured=spec,
+                                                             logit_bias={think_end: 100.0},
+                                                             skip_special_tokens=False))})["t"]
+    assert out.token_ids[0] == think_end
+    assert out.text.split("</think>", 1)[1].replace("<｜end▁of▁sentence｜>", "") in CHOICES
+
+
+def test_stop_string_ends_a_constrained_request(engine_of):
+    """A stop string may cut the constrained output (the client asked for it); the matcher goes."""
+    eng = engine_of(async_scheduling="on")
+    ps = prompts(eng, 2)
+    free = run(eng, {f"f{i}": (p, SamplingParams(max_tokens=30, temperature=0.0, structured=KINDS["json"]))
+                     for i, p in enumerate(ps)})
+    cut = run(eng, {f"f{i}": (p, SamplingParams(max_tokens=30, temperature=0.0, structured=KINDS["json"],
+                                                stop=['"age"'])) for i, p in enumerate(ps)})
+    for rid, out in cut.items():
+        assert out.finish_reason == "stop" and out.stop_reason == '"age"'
+        assert free[rid].text.startswith(out.text) and '"age"' in free[rid].text
+    assert len(eng.grammars) == 0
+
+
+@pytest.mark.parametrize("spec, words", [
+    (StructuredOutputs(regex="a("), "regex"), (StructuredOutputs(json='{"type": "object", "not": {}}'), "not"),
+    (StructuredOutputs(grammar="root ::= foo"), "grammar"), (StructuredOutputs(json="{"), "JSON")])
+def test_bad_constraint_fails_alone(engine_of, spec, words):
+    eng = engine_of(async_scheduling="off")
+    with pytest.raises(ValueError, match=words):
+        eng.add_request("bad", prompts(eng, 1)[0], SamplingParams(max_tokens=4, structured=spec))
+    assert "bad" not in eng.requests and eng.grammars.get("bad") is None
+    out = run(eng, {"good": (prompts(eng, 1)[0], SamplingParams(max_tokens=8, structured=KINDS["choice"]))})
+    assert out["good"].text in CHOICES
+
+
+def test_grammar_cache_is_a_bounded_lru(engine_of):
+    from dsv4.structured.compiler import GrammarCache
+    eng = engine_of(async_scheduling="off")
+    cache = GrammarCache(eng.tokenizer, eng.cfg.vocab_size, eng.eos_token_id, capacity=2)
+    a, b, c = (StructuredOutputs(choice=[w]) for w in ("a", "b", "c"))
+    first = cache.get(a)
+    assert cache.get(a) is first and cache.hits == 1
+    cache.get(b), cache.get(c)
+    assert len(cache) == 2 and cache.get(a) is not first       # a was evicted, compiled again
+
+
+def test_draft_masks_roll_the_matcher_back(engine_of):
+    from dsv4.structured.masks import step_mask, verify_mask
+    eng = engine_of(async_scheduling="off")
+    grammars = eng._grammars()
+    g = grammars.add("x", StructuredOutputs(regex="ab+c"))
+    ids = [eng.tokenizer.encode(ch)[0] for ch in "abbc"]
+    before = step_mask([g], eng.cfg.vocab_size).bitmask.clone()
+    mask = verify_mask([(g, ids[:3] + [ids[0]])], eng.cfg.vocab_size)   # the last draft ("a") is refused
+    assert mask.rows.tolist() == [0, 1, 2, 3]                          # row 4 (past the refused draft): free
+    after_ab = mask.bitmask[2]
+    assert not (after_ab[ids[0] // 32] >> (ids[0] % 32)) & 1            # "a" not allowed after "ab"
+    assert torch.equal(step_mask([g], eng.cfg.vocab_size).bitmask, before)   # state rolled back
+    grammars.drop("x")
+
+
+def test_masked_fill_matches_xgrammar_on_the_rows_it_names():
+    """apply_grammar_mask reads xgrammar's bit layout: the same -inf entries as xgrammar's own
+    apply on the masked rows; the other rows are untouched."""
+    import xgrammar
+    from dsv4.engine.sampler import apply_grammar_mask
+    from dsv4.structured.masks import GrammarMask
+    vocab = 100                                       # not a multiple of 32: the last word is partial
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 4), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(3, vocab)
+    ours = logits.clone()
+    apply_grammar_mask(ours, GrammarMask(torch.tensor([0, 2]), bitmask))
+    theirs = logits[[0, 2]].clone()
+    xgrammar.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab)
+    assert torch.equal(ours[[0, 2]], theirs) and torch.equal(ours[1], logits[1])
+    assert torch.isinf(ours[[0, 2]]).any()
