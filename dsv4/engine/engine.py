@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 
 import torch
 
@@ -70,6 +71,20 @@ class LLMEngine:
         self._inflight: StepInFlight | None = None       # the launched step not yet read back
         self._carried: list[RequestOutput] = []           # outputs of a step read after a failure
         log.info(self.memory_report())
+        if torch.device(config.device).type == "cuda":
+            self.warmup()
+
+    def warmup(self) -> dict:
+        """Compile the kernels and capture every CUDA-graph shape before the first request
+        (ModelRunner.warmup); returns and logs what ran and how long it took."""
+        start = time.perf_counter()
+        k = self.config.speculative_config.num_speculative_tokens if self.spec is not None else 0
+        done = self.runner.warmup(self.max_model_len, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                  (1, k + 1) if k else (1,))
+        done["seconds"] = time.perf_counter() - start
+        log.info("warm-up: %d eager steps, %d CUDA-graph shapes in %.1f s", done["eager_steps"],
+                 done["graph_shapes"], done["seconds"])
+        return done
 
     # ---- set-up ---------------------------------------------------------------------
     def _max_model_len(self) -> int:

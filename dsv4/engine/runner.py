@@ -7,11 +7,11 @@ from itertools import accumulate
 
 import torch
 
-from ..cache.addressing import SeqChunk, build_step
+from ..cache.addressing import Scratch, SeqChunk, build_step
 from ..cache.layout import CacheLayout, CachePlan
 from ..cache.manager import CacheManager
 from ..cache.storage import KVStorage
-from .cuda_graphs import StepGraphs
+from .cuda_graphs import StepGraphs, scratch_chunk
 from .scheduler import ScheduledChunk
 from .upload import HostToDevice, upload_tree
 
@@ -71,6 +71,23 @@ class ModelRunner:
         hidden = self.model(fb, self.storage.layers)
         return StepLogits(self.model.logits(hidden[fb.logits_rows]), first, counts,
                           hidden if self.keep_hidden else None)
+
+    @torch.inference_mode()
+    def warmup(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+               uniform_tokens: tuple[int, ...] = (1,)) -> dict:
+        """Before the first request: compile the kernels of eager steps (a one-token step and a
+        prefill chunk of the whole token budget) and run every CUDA-graph shape of uniform
+        steps of `uniform_tokens` tokens (capturing it). Every step reads and writes only the
+        storage's scratch units, so no request's state changes. Returns what ran."""
+        scratch = Scratch(self.storage.scratch_page, self.storage.scratch_swa_page, self.storage.scratch_slot)
+        for n in sorted({1, max(1, min(max_num_batched_tokens, max_model_len - 1))}):
+            fb = upload_tree(build_step([scratch_chunk(scratch, 0, n)], self.layout, self.storage.ring_slots), self.h2d)
+            self.model.logits(self.model(fb, self.storage.layers)[fb.logits_rows])
+        shapes = []
+        if self.graphs is not None:
+            for q in uniform_tokens:
+                shapes += self.graphs.warmup(max_model_len, max_num_seqs, q)
+        return {"eager_steps": 2, "graph_shapes": len(shapes)}
 
     def _seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
         req, held = c.request, self.cache.seq(c.request)
