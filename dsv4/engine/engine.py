@@ -21,7 +21,8 @@ from .sampler import (Sampler, SamplingBatch, SamplingRow, compute_prompt_logpro
                       make_generator)
 from ..sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
-from ..text.stop import StopChecker
+from ..text.stop import StopChecker, StopResult
+from ..text.stop_watch import StopStringWatch
 from .upload import upload_tree
 
 log = logging.getLogger("dsv4.engine")
@@ -64,11 +65,15 @@ class LLMEngine:
                                            self.generator)
         self.requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}
+        self._watches: dict[str, StopStringWatch] = {}   # requests with stop strings (check_stop_strings)
         self._arrivals = itertools.count()
         # speculative steps run synchronously: drafts need the step's tokens on the host
         self.async_scheduling = self.spec is None and (config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and torch.device(config.device).type == "cuda"))
         self._inflight: StepInFlight | None = None       # the launched step not yet read back
+        # False in the engine-core process: the API process detokenises and checks stop strings
+        # (text/stop_watch.py); the engine then never decodes text
+        self.check_stop_strings = True
         self._carried: list[RequestOutput] = []           # outputs of a step read after a failure
         log.info(self.memory_report())
         if torch.device(config.device).type == "cuda":
@@ -105,6 +110,8 @@ class LLMEngine:
                       generator=make_generator(params.seed, self.config.device))
         self.requests[request_id] = req
         self._stops[request_id] = StopChecker(params, self.eos_token_id, len(prompt_token_ids), self.max_model_len)
+        if params.stop and self.check_stop_strings and self.tokenizer is not None:
+            self._watches[request_id] = StopStringWatch(self.tokenizer, prompt_token_ids, params)
         self.scheduler.add(req)
         return req
 
@@ -139,6 +146,7 @@ class LLMEngine:
             self.scheduler.finish(req, Status.ABORTED)
             req.finish_reason = "abort"
         self._stops.pop(request_id, None)
+        self._watches.pop(request_id, None)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns the pages freed (pages in use stay with their requests)."""
@@ -268,18 +276,22 @@ class LLMEngine:
         req.output_token_ids.append(token)
         if req.params.logprobs is not None:
             req.logprobs.append({token: logprob, **dict(zip(top_ids, top_lps))})
-        # stop strings need the text every step; otherwise it is decoded once, at the end
-        text, new_len = self._text(req) if req.params.stop else (None, None)
-        result = self._stops[req.request_id].check(req.output_token_ids, text, new_len)
+        result = self._stops[req.request_id].check(req.output_token_ids)    # EOS, stop ids, lengths
+        watch = self._watches.get(req.request_id)
+        if watch is not None and (result is None or result.finish_reason == "length"):
+            hit = watch.push([token])     # stop strings: the API process's rule (text/stop_watch.py)
+            if hit is not None:
+                result = StopResult("stop", hit[1], hit[2])
         if result is not None:
             req.finish_reason, req.stop_reason = result.finish_reason, result.stop_reason
             if result.output_text is not None:
                 req.output_text = result.output_text
-            elif not req.params.stop:
-                self._text(req)
+            elif self.check_stop_strings:
+                self._text(req)         # decoded once, at the end
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
             self._stops.pop(req.request_id, None)
+            self._watches.pop(req.request_id, None)
         return self.output_of(req, [token])
 
     def _text(self, req: Request) -> tuple[str | None, int | None]:
