@@ -87,6 +87,7 @@ class StepGraphs:
         self.graphs: dict[StepShape, tuple] = {}     # kept for the engine's life (see warmup)
         self.warmed: set[StepShape] = set()           # shapes run by warmup
         self.late: set[StepShape] = set()             # shapes first run after warmup
+        self.tables = None        # the runner's PersistentTables (synced with the step's slots), or None
         self.scratch = Scratch(storage.scratch_page, storage.scratch_swa_page, storage.scratch_slot)
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
 
@@ -118,7 +119,7 @@ class StepGraphs:
         if self.warmed and shape not in self.warmed and shape not in self.late:
             self.late.add(shape)
             log.warning("a CUDA-graph shape warm-up did not run: %s (%d so far)", shape, len(self.late))
-        padded = build_step(seqs, self.layout, self.storage.ring_slots, shape, self.scratch)
+        padded = build_step(seqs, self.layout, self.storage.ring_slots, shape, self.scratch, self.tables)
         leaves = [t for _, t in tensor_leaves(padded)]
         if not self.capture:
             static = _rebind(padded, self.h2d.allocate(leaves)[1])
@@ -142,6 +143,8 @@ class StepGraphs:
         self.warmed.update(shapes)
         for shape in shapes:
             seqs = warmup_seqs(shape, self.scratch, max_model_len)
+            if self.tables is not None:
+                self.tables.sync(self.scratch.slot, seqs[0].page_table, seqs[0].swa_table)
             assert self.shape(seqs) == shape, (shape, self.shape(seqs))
             self.run(seqs)
         return shapes

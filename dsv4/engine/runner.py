@@ -8,6 +8,7 @@ from itertools import accumulate
 import torch
 
 from ..cache.addressing import Scratch, SeqChunk, build_step
+from ..cache.batch_tables import PersistentTables
 from ..cache.layout import CacheLayout, CachePlan
 from ..cache.manager import CacheManager
 from ..cache.storage import KVStorage
@@ -48,6 +49,7 @@ class ModelRunner:
         self.keep_hidden = keep_hidden
         self.storage = KVStorage(layout, plan, model.dtype, device)
         self.h2d = HostToDevice(device)
+        self.tables = PersistentTables(self.storage.ring_slots)   # page tables by slot, kept between steps
         use_graphs = cuda_graph_max_bs > 0 and torch.device(device).type == "cuda"
         self.graphs = StepGraphs(model, self.storage, cuda_graph_max_bs, capture=True, h2d=self.h2d,
                                  keep_streams=keep_hidden) if use_graphs else None
@@ -61,11 +63,12 @@ class ModelRunner:
         counts = [s.logits for s in seqs]
         first = [row if n else -1 for row, n in zip(accumulate([0] + counts), counts)]
         if self.graphs is not None and self.graphs.accepts(seqs):
+            self.graphs.tables = self.tables      # (graphs a test installs read them too)
             if self.keep_hidden:
                 logits, streams = self.graphs.run_with_streams(seqs, fill)
                 return StepLogits(logits, first, counts, streams)
             return StepLogits(self.graphs.run(seqs, fill), first, counts)
-        fb = upload_tree(build_step(seqs, self.layout, self.storage.ring_slots), self.h2d)
+        fb = upload_tree(build_step(seqs, self.layout, self.storage.ring_slots, tables=self.tables), self.h2d)
         if fill is not None:
             fill.apply(fb.token_ids, self.h2d)
         hidden = self.model(fb, self.storage.layers)
@@ -85,6 +88,7 @@ class ModelRunner:
             self.model.logits(self.model(fb, self.storage.layers)[fb.logits_rows])
         shapes = []
         if self.graphs is not None:
+            self.graphs.tables = self.tables
             for q in uniform_tokens:
                 shapes += self.graphs.warmup(max_model_len, max_num_seqs, q)
         return {"eager_steps": 2, "graph_shapes": len(shapes)}
@@ -99,6 +103,7 @@ class ModelRunner:
         known = req.known_tokens(start, c.num_tokens)
         known += req.spec_token_ids[:c.num_tokens - len(known)] if c.num_logits else []   # drafts to verify
         missing = c.num_tokens - len(known)              # the pending token, still on the device
+        self.tables.sync(held.slot, held.pages, held.swa_pages)
         return SeqChunk(slot=held.slot, start=start, token_ids=known + [0] * missing,
                         page_table=held.pages, swa_table=held.swa_pages, logits=logits,
                         stage=self.cache.stage(req, start, c.num_tokens))
