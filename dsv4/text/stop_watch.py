@@ -13,12 +13,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..sampling_params import SamplingParams
+from .detokenizer import IncrementalDetokenizer
 from .stop import StopChecker
 
 
 class StopStringWatch:
     def __init__(self, tokenizer, prompt_ids: Sequence[int], params: SamplingParams):
-        self._detok = tokenizer.detokenizer(list(prompt_ids), skip_special_tokens=params.skip_special_tokens)
+        """tokenizer: anything with `decode(ids, skip_special_tokens=...)`."""
+        self._detok = IncrementalDetokenizer(tokenizer.decode, list(prompt_ids), params.skip_special_tokens)
         self._checker = StopChecker(params, None)
         self.text = ""              # the output text so far
         self.num_tokens = 0         # output tokens pushed so far
