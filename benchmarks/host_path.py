@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import pstats
@@ -79,7 +80,7 @@ def host_profile(args, concurrency: int) -> dict:
     cfg = EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=concurrency, enable_prefix_caching=False,
                        max_num_batched_tokens=max(2048, args.input_len * 4), enforce_eager=True,
                        max_model_len=args.input_len + args.output_len + args.profile_steps + 16,
-                       cache_memory_gb=4.0 if args.device == "cpu" else None)
+                       cache_memory_gb=4.0)      # (the server started after this needs the rest)
     engine = LLMEngine(demo_model_dir(), cfg)
     stub_forward(engine)
     runner = engine.runner         # the padded (graph) step of a GPU, run eagerly: its host work
@@ -107,6 +108,10 @@ def host_profile(args, concurrency: int) -> dict:
     profiler.disable()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
+    del engine, runner
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return {"concurrency": concurrency, "ms_per_step": per_step * 1e3,
             "us_per_request_step": per_step / concurrency * 1e6, "profile": text.getvalue()}
 
@@ -186,6 +191,10 @@ def offline(args) -> dict:
     from dsv4.sampling_params import SamplingParams
     result = run_throughput(demo_model_dir(), args.device, args.dtype, args.num_prompts, args.input_len,
                             args.output_len, args.concurrency)
+    gc.collect()
+    if args.device.startswith("cuda"):
+        import torch
+        torch.cuda.empty_cache()
     llm = LLM(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, enable_prefix_caching=False)
     outs = llm.generate(prompt_token_ids=check_prompts(args), use_tqdm=False,
                         sampling_params=SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
