@@ -115,3 +115,57 @@ def test_client_delivers_the_cut_and_aborts_the_engine_request(tok):
         assert ipc.decode_input(frame) == ipc.AbortRequests(["r"])
         assert client.groups == {} and client.watches == {}
     asyncio.run(scenario())
+
+
+def test_server_path_text_equals_the_offline_text(tok):
+    """The engine core (no stop strings) + the client's watch give the offline engine's tokens,
+    finish and text, for stop strings found at several points of a greedy continuation."""
+    import torch
+    from dsv4.assets import demo_model_dir
+    from dsv4.config import EngineConfig
+    from dsv4.engine.core import EngineCore
+    from dsv4.engine.engine import LLMEngine
+    torch.set_num_threads(1)
+    config = EngineConfig(num_pages=8, max_model_len=512, async_scheduling="on")
+    offline, served = LLMEngine(demo_model_dir(), config), LLMEngine(demo_model_dir(), config)
+    served.check_stop_strings = False
+    core = EngineCore(served)
+    prompt = tok.encode("Once upon a time")
+    free = offline.add_request("free", prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    while offline.has_unfinished():
+        offline.step()
+    full = tok.decode(free.output_token_ids)
+    stops = [full[i:i + 3] for i in (2, 9, 17) if full[i:i + 3].strip()]
+    assert stops
+
+    async def scenario():
+        client = EngineClient.__new__(EngineClient)
+        client.groups, client.watches, client.tokenizer = {}, {}, tok
+        client._outbox, client._dead, client.on_stats, client.stats = asyncio.Queue(), False, None, None
+        groups = {}
+        for i, stop in enumerate(stops):
+            params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+            offline.add_request(f"o{i}", prompt, params)
+            core.handle(ipc.AddRequest(f"s{i}", prompt, params))
+            groups[i] = client.groups[f"s{i}"] = RequestGroup(client, [f"s{i}"])
+            client.watches[f"s{i}"] = StopStringWatch(tok, prompt, params)
+        want = {}
+        while offline.has_unfinished():
+            for out in offline.step():
+                if out.finished:
+                    want[int(out.request_id[1:])] = out
+        while core.has_work:
+            client._dispatch(ipc.StepOutputs(core.step(), [], ipc.EngineStats()))
+            while not client._outbox.empty():          # the client's aborts reach the engine
+                core.handle(ipc.decode_input(client._outbox.get_nowait()[1]))
+        for i, group in groups.items():
+            items = []
+            while not group.queue.empty():
+                items.append(group.queue.get_nowait()[1])
+            tokens = [t for o in items for t in o.token_ids]
+            last = items[-1]
+            assert tokens == want[i].token_ids, stops[i]
+            assert (last.finish_reason, last.stop_reason, last.final_text) == \
+                (want[i].finish_reason, want[i].stop_reason, want[i].text) == ("stop", stops[i], last.final_text)
+    asyncio.run(scenario())
+    assert served.scheduler.counts() == (0, 0)
