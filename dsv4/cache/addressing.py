@@ -18,6 +18,7 @@ from ..config import CSA_RATIO, HCA_RATIO
 from ..model.forward_batch import CompressPlan, ForwardBatch
 from ..ops.paged import PagedRows
 from ..model.vision.visibility import widen_windows
+from .batch_tables import PersistentTables
 from .layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout
 
 
@@ -65,20 +66,25 @@ def step_widths(chunks: list[SeqChunk], window: int) -> tuple[int, int, int]:
 
 
 def build_step(chunks: list[SeqChunk], layout: CacheLayout, ring_slots: int, shape: StepShape | None = None,
-               scratch: Scratch | None = None) -> ForwardBatch:
+               scratch: Scratch | None = None, tables: PersistentTables | None = None) -> ForwardBatch:
     """The step's ForwardBatch on the host (CPU tensors). `ring_slots`: request slots the
     storage's rings have (KVStorage.ring_slots). With `shape`, every chunk must have
     `shape.tokens` tokens and the batch is padded to `shape.seqs` sequences, every row's logits
-    kept."""
+    kept. With `tables` (synced with every chunk's tables, rows by slot) the page tables are
+    gathered from it instead of the chunks' lists: the same batch."""
     s = _Seqs.of(chunks)
     W = layout.cfg.sliding_window
     e4, e128, swa_cols = step_widths(chunks, W) if shape is None else (shape.e4, shape.e128, shape.swa_pages)
     rows = shape.seqs if shape is not None else s.R
     T = rows * shape.tokens if shape is not None else s.T
     scratch = scratch or Scratch(0, 0, 0)
-    pages = _table([c.page_table for c in chunks], _history_columns(e4, e128), rows)
     swa_base = np.maximum(s.starts - W + 1, 0) // SWA_PAGE_TOKENS
-    swa = _table([c.swa_table[b:] for c, b in zip(chunks, swa_base.tolist())], swa_cols, rows)
+    if tables is None:
+        pages = _table([c.page_table for c in chunks], _history_columns(e4, e128), rows)
+        swa = _table([c.swa_table[b:] for c, b in zip(chunks, swa_base.tolist())], swa_cols, rows)
+    else:
+        pages = tables.history_rows(s.slots, _history_columns(e4, e128), rows)
+        swa = tables.swa_rows(s.slots, swa_base, swa_cols, rows)
     _check_held(s, pages, swa, swa_base, W)
     pos, shift = s.pos, (swa_base * SWA_PAGE_TOKENS)[s.req]
     swa_write = swa[s.req, (pos - shift) // SWA_PAGE_TOKENS] * layout.swa_pitch + pos % SWA_PAGE_TOKENS

@@ -4,7 +4,9 @@
 `Ready` (or `StartupFailed` with the reason, then exits 1), and loops: take every waiting
 input without blocking when there is work (blocking, with a timeout, when idle), run one
 `step()`, send what it produced as one `StepOutputs`. It exits on `Shutdown` or as soon as
-the API process (its parent) is gone.
+the API process (its parent) is gone. Stop strings are the API process's (it has the text):
+here requests end on EOS, stop token ids and lengths, and are aborted by the API on a stop
+string (text/stop_watch.py).
 
 `EngineCore` is the loop's logic without sockets, so it can be tested in-process. Failure
 rules: a request rejected by `add_request` fails alone with 400; an exception inside
@@ -18,6 +20,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -170,6 +173,7 @@ def run_engine_core(model_dir: str, config, addresses: Addresses, parent_pid: in
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    started = time.perf_counter()
     ctx = zmq.Context()
     inbox, outbox = engine_sockets(ctx, addresses)
     try:
@@ -178,6 +182,8 @@ def run_engine_core(model_dir: str, config, addresses: Addresses, parent_pid: in
         outbox.send(encode(StartupFailed(_startup_message(model_dir, e))))
         outbox.close(linger=2000)
         sys.exit(1)
+    engine.check_stop_strings = False      # the API process does (serve/client.py, text/stop_watch.py)
+    log.info("engine core ready in %.1f s (load, cache, warm-up)", time.perf_counter() - started)
     outbox.send(encode(ready_message(engine)))
     try:
         serve_loop(EngineCore(engine), inbox, outbox, parent_pid)

@@ -3,7 +3,10 @@
 A uniform step — every sequence adds the same number q of tokens and wants all their logits:
 q = 1 for decode, k + 1 to verify k drafts — is padded to fixed shapes (batch B from
 BATCH_BUCKETS, causal-entry widths E4/E128 rounded up by `width_bucket`) and run through a
-graph captured once per shape. The step's index tensors are copied into the graph's static
+graph captured once per shape. `warmup` captures every shape the configuration can produce
+(`graph_shapes`) before the engine reports READY; captured graphs are kept for the engine's
+life (a shape first seen later is captured then, and counted in `late_captures`). The step's
+index tensors are copied into the graph's static
 buffers before each replay, so changed page tables, slots and ring rows are picked up every
 step. Padding rows read nothing and write to the storage's scratch units (cache/addressing.py);
 their outputs are discarded.
@@ -13,7 +16,7 @@ machines without CUDA.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+import logging
 
 import torch
 
@@ -22,9 +25,10 @@ from ..cache.layout import SWA_PAGE_TOKENS
 from ..model.forward_batch import ForwardBatch
 from .upload import HostToDevice, replace_leaves, tensor_leaves
 
+log = logging.getLogger("dsv4.engine")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MIN_WIDTH = 16
-MAX_GRAPHS = 48          # captured shapes kept; the least recently replayed one goes first
+MAX_GRAPHS = 48          # the MTP draft graphs' LRU bound (engine/speculative/draft_graphs.py)
 
 
 def batch_bucket(n: int, max_bs: int) -> int | None:
@@ -37,7 +41,39 @@ def width_bucket(n: int) -> int:
     attention scan the padding)."""
     if n <= 512:
         return max(MIN_WIDTH, 1 << max(n - 1, 0).bit_length())
-    return -(-n // 512) * 512
+    if n <= 8192:
+        return -(-n // 512) * 512
+    step = (1 << ((n - 1).bit_length() - 1)) // 16  # past 8192: 16 buckets an octave (<= 6.25% padding)
+    return -(-n // step) * step
+
+
+def graph_shapes(max_bs: int, max_seqs: int, max_model_len: int, q: int, window: int) -> list[StepShape]:
+    """Every StepShape a uniform step of q tokens a sequence can take: each batch bucket up to
+    max_bs, times each (E4, E128) width pair of a batch whose furthest sequence ends at some
+    position <= max_model_len, for steps of at most max_seqs sequences. Largest batches first
+    (their graphs take the most memory)."""
+    top = batch_bucket(max_seqs, max_bs) or max_bs
+    widths = sorted({(width_bucket(end // 4), width_bucket(end // 128)) for end in range(q, max_model_len + 1)})
+    swa = (window + q - 2) // SWA_PAGE_TOKENS + 2
+    return [StepShape(seqs=b, tokens=q, e4=e4, e128=e128, swa_pages=swa)
+            for b in sorted((b for b in BATCH_BUCKETS if b <= top), reverse=True) for e4, e128 in widths]
+
+
+def warmup_seqs(shape: StepShape, scratch: Scratch, max_end: int) -> list[SeqChunk]:
+    """A batch of `shape`: shape.seqs sequences of shape.tokens tokens, ending at the furthest
+    position <= max_end whose widths round up to shape's, every page and slot the scratch one
+    (the step writes only there)."""
+    end = min(4 * shape.e4 + 3, 128 * shape.e128 + 127, max_end)
+    while width_bucket(end // 4) != shape.e4 or width_bucket(end // 128) != shape.e128:
+        end -= 1
+    return [scratch_chunk(scratch, end - shape.tokens, shape.tokens, logits=shape.tokens)] * shape.seqs
+
+
+def scratch_chunk(scratch: Scratch, start: int, n: int, logits: int = 1) -> SeqChunk:
+    """n tokens at positions [start, start + n) whose pages and slot are all scratch."""
+    end = start + n
+    return SeqChunk(slot=scratch.slot, start=start, token_ids=[0] * n, page_table=[scratch.page] * (end // 256 + 1),
+                    swa_table=[scratch.swa_page] * ((end - 1) // 128 + 1), logits=logits)
 
 
 class StepGraphs:
@@ -48,7 +84,10 @@ class StepGraphs:
         self.keep_streams = keep_streams
         self.layout = storage.layout
         self.h2d = h2d if h2d is not None else HostToDevice(next(model.parameters()).device)
-        self.graphs: OrderedDict[StepShape, tuple] = OrderedDict()   # in replay order
+        self.graphs: dict[StepShape, tuple] = {}     # kept for the engine's life (see warmup)
+        self.warmed: set[StepShape] = set()           # shapes run by warmup
+        self.late: set[StepShape] = set()             # shapes first run after warmup
+        self.tables = None        # the runner's PersistentTables (synced with the step's slots), or None
         self.scratch = Scratch(storage.scratch_page, storage.scratch_swa_page, storage.scratch_slot)
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
 
@@ -77,7 +116,10 @@ class StepGraphs:
         keep_streams (else None)."""
         real = len(seqs) * len(seqs[0].token_ids)
         shape = self.shape(seqs)
-        padded = build_step(seqs, self.layout, self.storage.ring_slots, shape, self.scratch)
+        if self.warmed and shape not in self.warmed and shape not in self.late:
+            self.late.add(shape)
+            log.warning("a CUDA-graph shape warm-up did not run: %s (%d so far)", shape, len(self.late))
+        padded = build_step(seqs, self.layout, self.storage.ring_slots, shape, self.scratch, self.tables)
         leaves = [t for _, t in tensor_leaves(padded)]
         if not self.capture:
             static = _rebind(padded, self.h2d.allocate(leaves)[1])
@@ -93,12 +135,22 @@ class StepGraphs:
         head_in, streams = out
         return self.model.head_logits(head_in[:real]), streams[:real] if streams is not None else None
 
+    def warmup(self, max_model_len: int, max_seqs: int, q: int = 1) -> list[StepShape]:
+        """Run one step of every shape uniform steps of q tokens can take (batches up to
+        min(max_bs, max_seqs), sequences up to max_model_len tokens): with capture, each graph
+        is captured (kernels compiled on the way) and replayed once. Returns the shapes."""
+        shapes = graph_shapes(self.max_bs, max_seqs, max_model_len, q, self.layout.cfg.sliding_window)
+        self.warmed.update(shapes)
+        for shape in shapes:
+            seqs = warmup_seqs(shape, self.scratch, max_model_len)
+            if self.tables is not None:
+                self.tables.sync(self.scratch.slot, seqs[0].page_table, seqs[0].swa_table)
+            assert self.shape(seqs) == shape, (shape, self.shape(seqs))
+            self.run(seqs)
+        return shapes
+
     def _graph(self, shape: StepShape, padded: ForwardBatch, leaves: list[torch.Tensor]) -> tuple:
-        if shape in self.graphs:
-            self.graphs.move_to_end(shape)
-        else:
-            if len(self.graphs) >= MAX_GRAPHS:
-                self.graphs.popitem(last=False)
+        if shape not in self.graphs:
             self.graphs[shape] = self._capture(padded, leaves)
         return self.graphs[shape]
 

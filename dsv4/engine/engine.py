@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 
 import torch
 
@@ -24,7 +25,8 @@ from .sampler import (Sampler, SamplingBatch, SamplingRow, compute_prompt_logpro
 from ..sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from ..structured.masks import step_mask, verify_mask
-from ..text.stop import StopChecker
+from ..text.stop import StopChecker, StopResult
+from ..text.stop_watch import StopStringWatch
 from .upload import upload_tree
 
 log = logging.getLogger("dsv4.engine")
@@ -83,14 +85,32 @@ class LLMEngine:
             self.spec.grammar_mask = self._verify_grammar_mask
         self.requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}
+        self._watches: dict[str, StopStringWatch] = {}   # requests with stop strings (check_stop_strings)
         self._arrivals = itertools.count()
         # speculative steps run synchronously: drafts need the step's tokens on the host
         self.async_scheduling = self.spec is None and (config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and torch.device(config.device).type == "cuda"))
         self._inflight: StepInFlight | None = None       # the launched step not yet read back
+        # False in the engine-core process: the API process detokenises and checks stop strings
+        # (text/stop_watch.py); the engine then never decodes text
+        self.check_stop_strings = True
         self._carried: list[RequestOutput] = []           # outputs of a step read after a failure
         self.grammars = None        # structured/registry.Grammars, made on the first constrained request
         log.info(self.memory_report())
+        if torch.device(config.device).type == "cuda":
+            self.warmup()
+
+    def warmup(self) -> dict:
+        """Compile the kernels and capture every CUDA-graph shape before the first request
+        (ModelRunner.warmup); returns and logs what ran and how long it took."""
+        start = time.perf_counter()
+        k = self.config.speculative_config.num_speculative_tokens if self.spec is not None else 0
+        done = self.runner.warmup(self.max_model_len, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                  (1, k + 1) if k else (1,))
+        done["seconds"] = time.perf_counter() - start
+        log.info("warm-up: %d eager steps, %d CUDA-graph shapes in %.1f s", done["eager_steps"],
+                 done["graph_shapes"], done["seconds"])
+        return done
 
     # ---- set-up ---------------------------------------------------------------------
     def _max_model_len(self) -> int:
@@ -123,6 +143,8 @@ class LLMEngine:
                       images=tuple(sorted(images, key=lambda s: s.start)))
         self.requests[request_id] = req
         self._stops[request_id] = StopChecker(params, self.eos_token_id, len(prompt_token_ids), self.max_model_len)
+        if params.stop and self.check_stop_strings and self.tokenizer is not None:
+            self._watches[request_id] = StopStringWatch(self.tokenizer, prompt_token_ids, params)
         self.scheduler.add(req)
         return req
 
@@ -159,6 +181,7 @@ class LLMEngine:
         self._stops.pop(request_id, None)
         if self.grammars is not None:
             self.grammars.drop(request_id)
+        self._watches.pop(request_id, None)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns the pages freed (pages in use stay with their requests)."""
@@ -331,20 +354,24 @@ class LLMEngine:
             grammar.accept(token)
         if req.params.logprobs is not None:
             req.logprobs.append({token: logprob, **dict(zip(top_ids, top_lps))})
-        # stop strings need the text every step; otherwise it is decoded once, at the end
-        text, new_len = self._text(req) if req.params.stop else (None, None)
-        result = self._stops[req.request_id].check(req.output_token_ids, text, new_len)
+        result = self._stops[req.request_id].check(req.output_token_ids)    # EOS, stop ids, lengths
+        watch = self._watches.get(req.request_id)
+        if watch is not None and (result is None or result.finish_reason == "length"):
+            hit = watch.push([token])     # stop strings: the API process's rule (text/stop_watch.py)
+            if hit is not None:
+                result = StopResult("stop", hit[1], hit[2])
         if result is not None:
             req.finish_reason, req.stop_reason = result.finish_reason, result.stop_reason
             if result.output_text is not None:
                 req.output_text = result.output_text
-            elif not req.params.stop:
-                self._text(req)
+            elif self.check_stop_strings:
+                self._text(req)         # decoded once, at the end
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
             self._stops.pop(req.request_id, None)
             if grammar is not None:
                 self.grammars.drop(req.request_id)
+            self._watches.pop(req.request_id, None)
         return self.output_of(req, [token])
 
     def _text(self, req: Request) -> tuple[str | None, int | None]:

@@ -7,14 +7,15 @@ from itertools import accumulate
 
 import torch
 
-from ..cache.addressing import SeqChunk, build_step
+from ..cache.addressing import Scratch, SeqChunk, build_step
+from ..cache.batch_tables import PersistentTables
 from ..cache.layout import CacheLayout, CachePlan
 from ..cache.manager import CacheManager
 from ..cache.storage import KVStorage
 from ..model.vision.encoder import VisionEncoder
 from ..model.vision.step import ChunkImages, ImageRows, step_image_rows
 from ..model.vision.visibility import blocks_in_chunk
-from .cuda_graphs import StepGraphs
+from .cuda_graphs import StepGraphs, scratch_chunk
 from .scheduler import ScheduledChunk
 from .upload import HostToDevice, upload_tree
 
@@ -51,6 +52,7 @@ class ModelRunner:
         self.keep_hidden = keep_hidden
         self.storage = KVStorage(layout, plan, model.dtype, device)
         self.h2d = HostToDevice(device)
+        self.tables = PersistentTables(self.storage.ring_slots)   # page tables by slot, kept between steps
         use_graphs = cuda_graph_max_bs > 0 and torch.device(device).type == "cuda"
         self.graphs = StepGraphs(model, self.storage, cuda_graph_max_bs, capture=True, h2d=self.h2d,
                                  keep_streams=keep_hidden) if use_graphs else None
@@ -75,11 +77,12 @@ class ModelRunner:
         counts = [s.logits for s in seqs]
         first = [row if n else -1 for row, n in zip(accumulate([0] + counts), counts)]
         if images is None and self.graphs is not None and self.graphs.accepts(seqs):
+            self.graphs.tables = self.tables      # (graphs a test installs read them too)
             if self.keep_hidden:
                 logits, streams = self.graphs.run_with_streams(seqs, fill)
                 return StepLogits(logits, first, counts, streams)
             return StepLogits(self.graphs.run(seqs, fill), first, counts)
-        fb = upload_tree(build_step(seqs, self.layout, self.storage.ring_slots), self.h2d)
+        fb = upload_tree(build_step(seqs, self.layout, self.storage.ring_slots, tables=self.tables), self.h2d)
         if fill is not None:
             fill.apply(fb.token_ids, self.h2d)
         extra = (images,) if images is not None else ()
@@ -96,6 +99,24 @@ class ModelRunner:
         self.vision.prepare([i for p in parts for i in p.spans if i.start < p.start + p.n and i.end > p.start])
         return step_image_rows(parts, self.vision.block, sum(len(s.token_ids) for s in seqs), self.device)
 
+    @torch.inference_mode()
+    def warmup(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+               uniform_tokens: tuple[int, ...] = (1,)) -> dict:
+        """Before the first request: compile the kernels of eager steps (a one-token step and a
+        prefill chunk of the whole token budget) and run every CUDA-graph shape of uniform
+        steps of `uniform_tokens` tokens (capturing it). Every step reads and writes only the
+        storage's scratch units, so no request's state changes. Returns what ran."""
+        scratch = Scratch(self.storage.scratch_page, self.storage.scratch_swa_page, self.storage.scratch_slot)
+        for n in sorted({1, max(1, min(max_num_batched_tokens, max_model_len - 1))}):
+            fb = upload_tree(build_step([scratch_chunk(scratch, 0, n)], self.layout, self.storage.ring_slots), self.h2d)
+            self.model.logits(self.model(fb, self.storage.layers)[fb.logits_rows])
+        shapes = []
+        if self.graphs is not None:
+            self.graphs.tables = self.tables
+            for q in uniform_tokens:
+                shapes += self.graphs.warmup(max_model_len, max_num_seqs, q)
+        return {"eager_steps": 2, "graph_shapes": len(shapes)}
+
     def _seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
         req, held = c.request, self.cache.seq(c.request)
         start = req.num_computed
@@ -106,6 +127,7 @@ class ModelRunner:
         known = req.known_tokens(start, c.num_tokens)
         known += req.spec_token_ids[:c.num_tokens - len(known)] if c.num_logits else []   # drafts to verify
         missing = c.num_tokens - len(known)              # the pending token, still on the device
+        self.tables.sync(held.slot, held.pages, held.swa_pages)
         return SeqChunk(slot=held.slot, start=start, token_ids=known + [0] * missing,
                         page_table=held.pages, swa_table=held.swa_pages, logits=logits,
                         stage=self.cache.stage(req, start, c.num_tokens),

@@ -65,15 +65,19 @@ class Scheduler:
         self.cache.poll_tiers()
         chunks: list[ScheduledChunk] = []
         order = sorted(self.running, key=lambda r: (not r.is_decoding, r.arrival))
+        used = 0                    # tokens of `chunks` (kept as a sum: O(1) a request)
         for req in order:
-            budget = self.max_tokens - sum(c.num_tokens for c in chunks)
+            budget = self.max_tokens - used
             if budget <= 0 or req.status is not Status.RUNNING:     # < 0: an image block ran over
                 continue
             drafts = len(req.spec_token_ids) if req.is_decoding else 0
             n = atomic_chunk(req.images, req.num_computed, min(req.num_remaining + drafts, budget))
+            before = len(chunks)
             if self._reserve_or_preempt(req, n, chunks):
                 chunks.append(ScheduledChunk(req, n, n if drafts else None))
-        budget = self.max_tokens - sum(c.num_tokens for c in chunks)
+            # a preemption may have withdrawn chunks: count again then
+            used = used + n if len(chunks) == before + 1 else sum(c.num_tokens for c in chunks)
+        budget = self.max_tokens - used
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_seqs:
             req = self.waiting[i]

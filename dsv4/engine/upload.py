@@ -100,9 +100,15 @@ def tensor_leaves(obj) -> list[tuple[tuple, torch.Tensor]]:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return [((f.name, *p), t) for f in dataclasses.fields(obj)
                 for p, t in tensor_leaves(getattr(obj, f.name))]
-    if isinstance(obj, tuple):
+    if isinstance(obj, tuple) and not _plain(obj):
         return [((i, *p), t) for i, x in enumerate(obj) for p, t in tensor_leaves(x)]
     return []
+
+
+def _plain(values: tuple) -> bool:
+    """A tuple of numbers only (ForwardBatch.seq_lens: one per sequence), with no tensor to
+    look for: checked in C, not one call per element."""
+    return set(map(type, values)) <= {int, float}
 
 
 def replace_leaves(obj, new: dict[tuple, torch.Tensor], path: tuple = ()):
@@ -112,7 +118,7 @@ def replace_leaves(obj, new: dict[tuple, torch.Tensor], path: tuple = ()):
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.replace(obj, **{f.name: replace_leaves(getattr(obj, f.name), new, (*path, f.name))
                                            for f in dataclasses.fields(obj) if f.init})
-    if isinstance(obj, tuple):
+    if isinstance(obj, tuple) and not _plain(obj):
         return tuple(replace_leaves(x, new, (*path, i)) for i, x in enumerate(obj))
     return obj
 

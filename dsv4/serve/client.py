@@ -13,6 +13,11 @@ Failure rules: `submit` encodes every request before queueing any, so a request 
 cannot carry fails alone (`NotEncodable`, a 400) and never reaches the send task; the send
 task fails the one request whose frame it could not send and goes on. At shutdown
 `fail_all` ends every open group with a 503 and refuses new submissions.
+
+Stop strings are checked here (`tokenizer` set: the server's), not in the engine: a request
+with stop strings gets a `StopStringWatch` (text/stop_watch.py); the output whose tokens
+complete a stop string is cut there and delivered as the request's last (finish_reason "stop",
+the string as stop_reason, the cut text as final_text) and the engine is told to abort it.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import zmq
 import zmq.asyncio
 
 from ..sampling_params import SamplingParams
+from ..text.stop_watch import StopStringWatch
 from ..engine.core import run_engine_core
 from ..engine.ipc import (AbortRequests, AddRequest, Addresses, ImageItem, EngineStats, Ready, RequestFailed, ResetPrefixCache,
                   Shutdown, StartupFailed, StepOutputs, TokenOutput, api_sockets, decode_output, encode)
@@ -93,6 +99,8 @@ class EngineClient:
         self.info: Ready | None = None
         self.stats = EngineStats()
         self.groups: dict[str, RequestGroup] = {}
+        self.tokenizer = None                   # set by the server: stop strings are checked here
+        self.watches: dict[str, StopStringWatch] = {}    # request id -> its stop-string watch
         self.on_death: Callable[[str], None] | None = None      # called with the reason
         self.on_stats: Callable[[EngineStats], None] | None = None
         self._outbox: asyncio.Queue | None = None
@@ -160,14 +168,17 @@ class EngineClient:
             for rid in ids:
                 group.put(rid, EngineDead() if self._dead else RequestFailed(rid, 503, self._closing))
             return group
-        for rid, frame in zip(ids, frames):
+        for rid, frame, prompt, p in zip(ids, frames, prompts, params):
             self.groups[rid] = group
+            if p.stop and self.tokenizer is not None:
+                self.watches[rid] = StopStringWatch(self.tokenizer, prompt, p)
             self._outbox.put_nowait((rid, frame))
         return group
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.groups.pop(rid, None)
+            self.watches.pop(rid, None)
         if request_ids and not self._dead and self._outbox is not None:
             self._outbox.put_nowait((None, encode(AbortRequests(list(request_ids)))))
 
@@ -209,16 +220,35 @@ class EngineClient:
     def _dispatch(self, message: StepOutputs) -> None:
         items: list[tuple[str, TokenOutput | RequestFailed]] = [(o.request_id, o) for o in message.outputs]
         items += [(f.request_id, f) for f in message.failures]
+        stopped = []
         for rid, item in items:
             group = self.groups.get(rid)
             if group is None:
                 continue   # aborted meanwhile
+            if rid in self.watches and isinstance(item, TokenOutput):
+                item = self._watch(rid, item)
+                if item.finished and item.final_text is not None:
+                    stopped.append(rid)
             group.put(rid, item)
             if isinstance(item, RequestFailed) or item.finished:
                 self.groups.pop(rid, None)
+                self.watches.pop(rid, None)
+        if stopped:       # the engine goes on with them until it reads this
+            self.abort(stopped)
         self.stats = message.stats
         if self.on_stats is not None:
             self.on_stats(message.stats)
+
+    def _watch(self, rid: str, item: TokenOutput) -> TokenOutput:
+        """`item`, cut after the token that completes a stop string (then the request's last)."""
+        ended = item.finished and item.finish_reason == "stop"      # by its last token (EOS, a stop id)
+        hit = self.watches[rid].push(item.token_ids[:-1] if ended else item.token_ids)
+        if hit is None:
+            return item
+        keep, stop, text = hit
+        return msgspec.structs.replace(
+            item, token_ids=item.token_ids[:keep], finished=True, finish_reason="stop", stop_reason=stop,
+            final_text=text, logprobs=item.logprobs[:keep] if item.logprobs is not None else None)
 
     def _engine_died(self, message: str | None = None) -> None:
         if self._dead:

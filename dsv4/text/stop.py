@@ -60,7 +60,7 @@ class StopChecker:
             if last in self.stop_token_ids:
                 return StopResult("stop", last, output_text)
             if output_text is not None and self.params.stop:
-                matched = self._find_stop_string(output_text, new_text_len)
+                matched = self.find_stop_string(output_text, new_text_len)
                 if matched is not None:
                     return matched
         if num_output >= self.params.max_tokens or (
@@ -69,7 +69,7 @@ class StopChecker:
             return StopResult("length", None, output_text)
         return None
 
-    def _find_stop_string(self, text: str, new_text_len: int | None) -> StopResult | None:
+    def find_stop_string(self, text: str, new_text_len: int | None) -> StopResult | None:
         """The earliest stop string ending in the new text (ties: first in params.stop)."""
         new_start = 0 if new_text_len is None else len(text) - new_text_len
         best: tuple[int, str] | None = None

@@ -63,15 +63,13 @@ def test_buckets():
     assert [width_bucket(n) for n in (0, 1, 16, 17, 100, 512, 513, 4098)] == [16, 16, 16, 32, 128, 512, 1024, 4608]
 
 
-def test_graphs_kept_are_bounded_least_recently_replayed_first(monkeypatch):
-    """At most MAX_GRAPHS captured shapes are kept; a replayed shape is kept over older ones."""
-    import dsv4.engine.cuda_graphs as cg
-    monkeypatch.setattr(cg, "MAX_GRAPHS", 3)
+def test_graphs_are_kept_for_the_engines_life():
+    """A captured shape is never evicted (warm-up captured them all before READY)."""
     graphs = StepGraphs.__new__(StepGraphs)
-    graphs.graphs = cg.OrderedDict()
+    graphs.graphs = {}
     captured = []
     graphs._capture = lambda padded, leaves: captured.append(padded) or (padded,)
-    for key in ("a", "b", "c", "a", "d", "e"):
+    keys = [f"shape{i}" for i in range(100)]
+    for key in keys + keys:
         assert graphs._graph(key, key, [])[0] == key
-    assert captured == ["a", "b", "c", "d", "e"]           # "a" was replayed, not captured again
-    assert list(graphs.graphs) == ["a", "d", "e"]          # "b", then "c" went first
+    assert captured == keys and list(graphs.graphs) == keys

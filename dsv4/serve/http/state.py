@@ -34,6 +34,7 @@ class ServerState:
         """`tokenizer_dir`: where the tokenizer (and the chat release) is read; the model folder when None."""
         text_dir = tokenizer_dir or model_dir
         tokenizer = Tokenizer.from_dir(text_dir)
+        client.tokenizer = tokenizer          # stop strings are checked in this process (serve/client.py)
         return cls(client=client, info=client.info, tokenizer=tokenizer,
                    model_dir=model_dir, model_names=list(model_names), release=detect_release(text_dir),
                    add_bos=_adds_bos(text_dir), metrics=ServerMetrics(model_names[0], client.info.num_pages),

@@ -1,0 +1,248 @@
+"""The host path at high concurrency, one command (docs/architecture.md, "Engine").
+
+1. Host profile: the engine's own work per step and request, the model forward stubbed (zeros
+   for the streams, a fixed logits row), at each concurrency of --profile-concurrency, plus
+   the functions that take the most time (cProfile, cumulative) at the largest.
+2. Server: `dsv4 serve` on the demo model (start-up time from its log), `dsv4 bench serve`
+   (--input-len-token prompts, --output-len tokens, --num-prompts requests) cold at
+   concurrency 1, then warm at --concurrency; then `dsv4 bench throughput` on the same
+   workload (offline LLM); greedy tokens of the server equal the offline LLM's on a few prompts.
+3. A table against the targets: cold p99 TTFT at c1 <= 2x the warm median; median TPOT at
+   c256 <= 6 ms; output tok/s >= 3 x 6,438; offline tok/s >= the server's.
+
+    python -m benchmarks.host_path                 # H200, ~3 min
+    python -m benchmarks.host_path --smoke         # CPU, tiny sizes, seconds
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import pstats
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+BASELINE_TOK_S, TPOT_TARGET_MS = 6438.0, 6.0
+READY = re.compile(r"ready at (http://\S+)")
+STARTUP = re.compile(r"engine core ready in ([0-9.]+) s")
+WARMUP = re.compile(r"warm-up: .*")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=512)
+    p.add_argument("--concurrency", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=2048, help="the server's (bounds the warm-up shapes)")
+    p.add_argument("--profile-concurrency", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--profile-steps", type=int, default=30)
+    p.add_argument("--only-profile", action="store_true", help="the host profile alone (no server)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.device, args.dtype = "cpu", "float32"
+        args.input_len, args.output_len, args.num_prompts, args.concurrency = 32, 8, 8, 4
+        args.max_model_len, args.profile_concurrency, args.profile_steps = 256, [8, 32], 5
+    return args
+
+
+# ---- 1. host profile -------------------------------------------------------------------------
+def stub_forward(engine) -> None:
+    """The model's forward and head replaced by constant tensors: what is left is host work."""
+    import torch
+    m, cfg = engine.model, engine.model.cfg
+    logits = torch.zeros(4096, cfg.vocab_size, device=engine.config.device)
+    logits[:, 2:] = torch.arange(cfg.vocab_size - 2, device=logits.device) % 7   # argmax: a fixed token
+    m.forward = lambda fb, layers: torch.zeros(fb.num_tokens, cfg.hc_mult, cfg.hidden_size, device=logits.device)
+    m.logits = lambda hidden: logits[:hidden.shape[0]]
+    m.head_input = lambda streams: streams[:, 0]
+    m.head_logits = lambda head_in: logits[:head_in.shape[0]]
+
+
+def host_profile(args, concurrency: int) -> dict:
+    import torch
+    from dsv4.assets import demo_model_dir
+    from dsv4.config import EngineConfig
+    from dsv4.engine.cuda_graphs import StepGraphs
+    from dsv4.engine.engine import LLMEngine
+    from dsv4.sampling_params import SamplingParams
+    cfg = EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=concurrency, enable_prefix_caching=False,
+                       max_num_batched_tokens=max(2048, args.input_len * 4), enforce_eager=True,
+                       max_model_len=args.input_len + args.output_len + args.profile_steps + 16,
+                       cache_memory_gb=4.0)      # (the server started after this needs the rest)
+    engine = LLMEngine(demo_model_dir(), cfg)
+    stub_forward(engine)
+    runner = engine.runner         # the padded (graph) step of a GPU, run eagerly: its host work
+    runner.graphs = StepGraphs(engine.model, runner.storage, concurrency, capture=False, h2d=runner.h2d)
+    rng = random.Random(0)
+    vocab = engine.cfg.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=args.output_len + args.profile_steps + 8, ignore_eos=True)
+    for i in range(concurrency):
+        engine.add_request(str(i), [rng.randrange(2, vocab) for _ in range(args.input_len)], params)
+    while any(r.num_computed < args.input_len for r in engine.requests.values()):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(args.profile_steps):
+        engine.step()
+    sync()
+    per_step = (time.perf_counter() - start) / args.profile_steps
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.profile_steps):
+        engine.step()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
+    del engine, runner
+    gc.collect()
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return {"concurrency": concurrency, "ms_per_step": per_step * 1e3,
+            "us_per_request_step": per_step / concurrency * 1e6, "profile": text.getvalue()}
+
+
+# ---- 2. server and offline -------------------------------------------------------------------
+def serve_and_bench(args) -> dict:
+    from dsv4.assets import demo_model_dir
+    from dsv4.bench.serve import ServeBenchConfig, run_serve_benchmark
+    model = demo_model_dir()
+    flags = ["--model", model, "--port", "0", "--device", args.device, "--dtype", args.dtype,
+             "--max-num-seqs", str(args.concurrency), "--max-model-len", str(args.max_model_len),
+             "--no-enable-prefix-caching", "--log-level", "info"]
+    out = {}
+    with tempfile.NamedTemporaryFile("w+", suffix=".log") as log_file:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "dsv4.cli", "serve", *flags], stdout=log_file,
+                                stderr=subprocess.STDOUT)
+        try:
+            url = wait_ready(proc, log_file.name, 400)
+            text = open(log_file.name, errors="replace").read()
+            out["ready_s"] = time.perf_counter() - t0
+            found = STARTUP.search(text)
+            out["engine_startup_s"] = float(found.group(1)) if found else None
+            found = WARMUP.search(text)
+            out["warmup"] = found.group(0) if found else None
+
+            def bench(concurrency, n):
+                cfg = ServeBenchConfig(base_url=url, model=model, input_len=args.input_len, output_len=args.output_len,
+                                       num_prompts=n, max_concurrency=concurrency, vocab_size=8192,
+                                       show_progress=False)
+                return run_serve_benchmark(cfg)
+            out["cold_c1"] = bench(1, 16 if not args.smoke else 2)
+            out["warm_c1"] = bench(1, 16 if not args.smoke else 2)
+            out["warm_c"] = bench(args.concurrency, args.num_prompts)
+            out["server_texts"] = greedy_texts(url, model, args)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+            out["server_log_tail"] = "".join(open(log_file.name, errors="replace").readlines()[-15:])
+    out["offline"] = offline(args)
+    return out
+
+
+def wait_ready(proc, path: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = READY.search(open(path, errors="replace").read())
+        if found:
+            return found.group(1)
+        if proc.poll() is not None:
+            raise RuntimeError(f"dsv4 serve exited with {proc.returncode}:\n" + open(path, errors="replace").read()[-3000:])
+        time.sleep(0.5)
+    raise RuntimeError(f"dsv4 serve not ready in {timeout:.0f} s")
+
+
+def check_prompts(args) -> list[list[int]]:
+    rng = random.Random(7)
+    return [[rng.randrange(100, 8192) for _ in range(n)] for n in (args.input_len, 37, 300 % args.input_len + 5)]
+
+
+def greedy_texts(url: str, model: str, args) -> list[str]:
+    """The server's greedy completions of the check prompts (token-id prompts)."""
+    texts = []
+    for prompt in check_prompts(args):
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            texts.append(json.loads(resp.read())["choices"][0]["text"])
+    return texts
+
+
+def offline(args) -> dict:
+    from dsv4.assets import demo_model_dir
+    from dsv4.bench.offline import run_throughput
+    from dsv4.engine.llm import LLM
+    from dsv4.sampling_params import SamplingParams
+    result = run_throughput(demo_model_dir(), args.device, args.dtype, args.num_prompts, args.input_len,
+                            args.output_len, args.concurrency)
+    gc.collect()
+    if args.device.startswith("cuda"):
+        import torch
+        torch.cuda.empty_cache()
+    llm = LLM(device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, enable_prefix_caching=False)
+    outs = llm.generate(prompt_token_ids=check_prompts(args), use_tqdm=False,
+                        sampling_params=SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    result["texts"] = [o.text for o in outs]
+    return result
+
+
+# ---- 3. the table ----------------------------------------------------------------------------
+def table(profiles: list[dict], serve: dict | None, concurrency: int) -> tuple[str, bool]:
+    lines = ["host work per step (model forward stubbed):"]
+    lines += [f"  c{p['concurrency']:<4} {p['ms_per_step']:8.2f} ms/step  {p['us_per_request_step']:7.1f} us/request/step"
+              for p in profiles]
+    ok = True
+    if serve is not None:
+        cold, warm1, warm = serve["cold_c1"], serve["warm_c1"], serve["warm_c"]
+        off = serve["offline"]["output_tokens_per_s"]
+        same = serve["server_texts"] == serve["offline"]["texts"]
+        rows = [("start-up (engine core, s)", serve["engine_startup_s"], None, None),
+                ("cold c1 p99 TTFT / warm median (x)", cold["p99_ttft_ms"] / max(warm1["median_ttft_ms"], 1e-9), 2.0, "<="),
+                (f"c{concurrency} median TPOT (ms)",
+                 warm["median_tpot_ms"], TPOT_TARGET_MS, "<="),
+                ("output tok/s / 6,438 (x)", warm["output_throughput"] / BASELINE_TOK_S, 3.0, ">="),
+                ("offline tok/s / server tok/s (x)", off / max(warm["output_throughput"], 1e-9), 1.0, ">="),
+                ("greedy tokens server == offline", float(same), 1.0, ">=")]
+        lines += [serve.get("warmup") or "", f"{'metric':<38} {'value':>10} {'target':>10}  met"]
+        for name, value, target, op in rows:
+            met = "" if target is None else ("yes" if (value <= target if op == "<=" else value >= target) else "NO")
+            ok &= met != "NO"
+            lines.append(f"{name:<38} {value if value is not None else float('nan'):>10.3f} "
+                         f"{'' if target is None else f'{op} {target:g}':>10}  {met}")
+        lines.append(f"cold c1: median TTFT {cold['median_ttft_ms']:.1f} ms, p99 {cold['p99_ttft_ms']:.1f} ms; "
+                     f"warm c{concurrency}: {warm['output_throughput']:.0f} out tok/s, {warm['completed']} done; "
+                     f"offline {off:.0f} out tok/s")
+    return "\n".join(lines), ok
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    profiles = [host_profile(args, c) for c in args.profile_concurrency]
+    print(profiles[-1]["profile"])
+    serve = None if args.only_profile else serve_and_bench(args)
+    text, ok = table(profiles, serve, args.concurrency)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"profiles": profiles, "serve": serve}, f, indent=2, default=str)
+    return 0 if ok or args.smoke else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""The running requests' page tables kept between steps (docs/architecture.md, "Cache").
+
+One row per request state slot, in two pre-allocated arrays (history pages, SWA pages; -1 past
+a table's end). Before a step each scheduled request's row is synced with its record: a row is
+rewritten only when its table changed (a C-level list comparison against the copy taken at the
+last write), so a decode step copies no table; any change — pages appended, shared pages swapped
+in by the prefix cache, SWA pages trimmed, a new request in the slot — is seen. `build_step`
+then gathers the step's tables from the rows in a few vectorised operations (`rows_of`), the
+same tables `_table` builds from the lists.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class PersistentTables:
+    def __init__(self, slots: int, columns: int = 16):
+        self.history = np.full((slots, columns), -1, np.int64)
+        self.swa = np.full((slots, columns), -1, np.int64)
+        self._seen: list[tuple[list[int] | None, list[int] | None]] = [(None, None)] * slots
+        self.writes = 0                 # rows rewritten so far (how incremental the updates are)
+
+    def sync(self, slot: int, history: list[int], swa: list[int]) -> None:
+        """Make row `slot` hold these tables."""
+        seen_history, seen_swa = self._seen[slot]
+        if history != seen_history:
+            self.history = _write(self.history, slot, history)
+            self.writes += 1
+        if swa != seen_swa:
+            self.swa = _write(self.swa, slot, swa)
+            self.writes += 1
+        if history != seen_history or swa != seen_swa:
+            self._seen[slot] = (list(history), list(swa))
+
+    def history_rows(self, slots: np.ndarray, columns: int, rows: int) -> np.ndarray:
+        """[rows, columns]: row i = the history table of slots[i] (-1 past it and past len(slots))."""
+        return _gather(self.history, slots, np.zeros(len(slots), np.int64), columns, rows)
+
+    def swa_rows(self, slots: np.ndarray, first: np.ndarray, columns: int, rows: int) -> np.ndarray:
+        """[rows, columns]: row i = the SWA table of slots[i] from logical page first[i] on."""
+        return _gather(self.swa, slots, first, columns, rows)
+
+
+def _write(table: np.ndarray, slot: int, values: list[int]) -> np.ndarray:
+    if len(values) > table.shape[1]:                  # a longer table than any before: grow
+        grown = np.full((table.shape[0], max(len(values), 2 * table.shape[1])), -1, np.int64)
+        grown[:, :table.shape[1]] = table
+        table = grown
+    table[slot] = -1
+    table[slot, :len(values)] = values
+    return table
+
+
+def _gather(table: np.ndarray, slots: np.ndarray, first: np.ndarray, columns: int, rows: int) -> np.ndarray:
+    out = np.full((rows, columns), -1, np.int64)
+    col = first[:, None] + np.arange(columns)[None, :]
+    inside = col < table.shape[1]
+    out[:len(slots)] = np.where(inside, table[slots[:, None], np.minimum(col, table.shape[1] - 1)], -1)
+    return out
