@@ -148,11 +148,14 @@ class EngineClient:
     def alive(self) -> bool:
         return not self._dead and self.process is not None and self.process.is_alive()
 
-    def submit(self, prompts: list[list[int]], params: list[SamplingParams], base_id: str) -> RequestGroup:
+    def submit(self, prompts: list[list[int]], params: list[SamplingParams], base_id: str,
+               kv_transfer: str | None = None) -> RequestGroup:
         """Queue one engine request per prompt; raises NotEncodable (nothing queued) when
-        one of them cannot be encoded."""
+        one of them cannot be encoded. `kv_transfer`: a decode engine pulls the prompts' state
+        from that prefill engine (dsv4/disagg/)."""
         ids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        frames = [_encode_request(AddRequest(rid, prompt, p)) for rid, prompt, p in zip(ids, prompts, params)]
+        frames = [_encode_request(AddRequest(rid, prompt, p, kv_transfer))
+                  for rid, prompt, p in zip(ids, prompts, params)]
         group = RequestGroup(self, ids)
         if self._dead or self._closing:
             for rid in ids:

@@ -1,0 +1,71 @@
+"""Moving a request's state from a prefill engine to a decode engine (docs/architecture.md,
+"Disaggregation").
+
+`KVTransport` is what a decode engine core calls (from a worker thread): `pull` asks the prefill
+engine at `address` to compute the prompt's state and returns it. The exchange starts with a
+handshake: the decode side sends its state signature (disagg/state.py: model config hash with
+the IndexCache producer set, dtypes, KV dtype, format version) and a readable summary; the
+prefill side refuses a mismatch with both summaries in the error (no state moves).
+
+`TcpTransport` is the loopback / LAN implementation (tests use it). `nixl_transport.py` has the
+NIXL one for GPU memory. The prefill side of the TCP transport is `StateServer` (prefill.py).
+"""
+from __future__ import annotations
+
+import socket
+from typing import Protocol
+
+from .state import StateHeader, StateMismatch, header_from_json
+from .wire import TransferError, parse_address, recv_frame, send_frame
+
+
+class KVTransport(Protocol):
+    def pull(self, address: str, transfer_id: str, prompt_ids: list[int], timeout: float
+             ) -> tuple[StateHeader, bytes]: ...
+
+    def cancel(self, transfer_id: str) -> None: ...
+
+
+class TcpTransport:
+    """One TCP connection per transfer: hello (signature) -> prefill (tokens) -> state."""
+
+    def __init__(self, signature: str, summary: dict):
+        self.signature, self.summary = signature, summary
+        self._socks: dict[str, socket.socket] = {}
+
+    def pull(self, address: str, transfer_id: str, prompt_ids: list[int], timeout: float
+             ) -> tuple[StateHeader, bytes]:
+        host, port = parse_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as e:
+            raise TransferError(f"cannot reach the prefill engine at {address}: {e}", 503) from None
+        self._socks[transfer_id] = sock
+        try:
+            sock.settimeout(timeout)
+            send_frame(sock, {"op": "hello", "signature": self.signature, "summary": self.summary})
+            reply, _ = recv_frame(sock)
+            if not reply.get("ok"):
+                raise StateMismatch(reply.get("error", "the prefill engine refused the handshake"))
+            send_frame(sock, {"op": "prefill", "id": transfer_id, "prompt": prompt_ids})
+            reply, data = recv_frame(sock)
+            if not reply.get("ok"):
+                raise TransferError(f"the prefill engine at {address} failed the request: {reply.get('error')}",
+                                    int(reply.get("status", 502)))
+            return header_from_json(reply["state"]), data
+        except socket.timeout:
+            raise TransferError(f"the transfer from {address} timed out after {timeout:g} s", 504) from None
+        except (ConnectionError, OSError) as e:
+            raise TransferError(f"lost the prefill engine at {address} during the transfer: {e}", 502) from None
+        finally:
+            self._socks.pop(transfer_id, None)
+            sock.close()
+
+    def cancel(self, transfer_id: str) -> None:
+        """Abort a pull in flight (from another thread): the prefill side sees the connection close."""
+        sock = self._socks.pop(transfer_id, None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
