@@ -1,0 +1,193 @@
+"""Router + one prefill + one decode engine as separate processes on loopback (random tiny model,
+demo tokenizer). The decode engine, asked directly without the transfer header, is the
+colocated engine the disaggregated outputs are compared with (invariant 5). Faults come last:
+an unreachable prefill engine, a transfer that times out, an abort during a transfer, the
+prefill engine killed; after each, pages are back to idle on both sides."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dsv4.disagg.settings import KV_TRANSFER_HEADER
+
+SPEC = "random:tiny::vocab_size=8192"
+READY = re.compile(r"ready at (http://\S+)")
+ENGINE = ["--model", SPEC, "--port", "0", "--num-pages", "40", "--max-model-len", "2048", "--log-level", "warning"]
+TIMEOUT_S = 6
+
+
+class Proc:
+    def __init__(self, args: list[str], log: Path):
+        self.log_path, self._log = log, open(log, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "dsv4.cli", *args], stdout=self._log,
+                                     stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        deadline = time.monotonic() + 180
+        while not (found := READY.search(log.read_text(errors="replace"))):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                pytest.fail(f"{args[0]} did not start:\n{log.read_text(errors='replace')}")
+            time.sleep(0.1)
+        self.url = found.group(1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pd")
+    tok = ["--tokenizer", demo_dir]
+    prefill = Proc(["serve", *ENGINE, *tok, "--role", "prefill"], tmp / "prefill.log")
+    decode = Proc(["serve", *ENGINE, *tok, "--role", "decode", "--kv-transfer", f'{{"timeout": {TIMEOUT_S}}}'],
+                  tmp / "decode.log")
+    router = Proc(["router", "--prefill", prefill.url, "--decode", decode.url, "--port", "0", "--log-level",
+                   "warning"], tmp / "router.log")
+    yield prefill, decode, router
+    for p in (router, decode, prefill):
+        p.stop()
+
+
+@pytest.fixture(scope="module")
+def http():
+    with httpx.Client(timeout=60, trust_env=False) as c:
+        yield c
+
+
+def complete(http, url, ids, max_tokens=5, headers=None, **extra) -> dict:
+    r = http.post(f"{url}/v1/completions", headers=headers or {}, json={
+        "model": SPEC, "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def ids(n: int, seed: int) -> list[int]:
+    import random
+    rng = random.Random(seed)
+    return [rng.randrange(10, 8000) for _ in range(n)]
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def info(http, url) -> dict:
+    return http.get(f"{url}/disagg/info").json()
+
+
+def wait_idle(http, *urls) -> None:
+    """Poll until the engines hold no page, run nothing and transfer nothing (stats arrive with
+    each engine step, so this waits for the step that released them)."""
+    deadline = time.monotonic() + 30
+    while True:
+        states = [info(http, u) for u in urls]
+        if all(s["pages_used"] == 0 and s["swa_pages_used"] == 0 and s["slots_used"] == 0 and
+               s["num_running"] == 0 and s["kv_transfers_pending"] == 0 for s in states):
+            return
+        assert time.monotonic() < deadline, states
+        time.sleep(0.05)
+
+
+# prompt lengths n; the state moves at L = n - 1: inside a C4 group, on a C4 boundary, shorter than
+# the window, inside a C128 group, on a page boundary, one past it
+@pytest.mark.parametrize("n", [1, 3, 5, 8, 131, 257, 258, 387])
+def test_greedy_equals_colocated(cluster, http, n):
+    prefill, decode, router = cluster
+    prompt = ids(n, seed=n)
+    got = complete(http, router.url, prompt)
+    want = complete(http, decode.url, prompt)
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert got["usage"]["completion_tokens"] == 5
+
+
+def test_streaming_and_n(cluster, http):
+    prefill, decode, router = cluster
+    prompt = ids(300, seed=11)
+    want = complete(http, decode.url, prompt, max_tokens=6)["choices"][0]["text"]
+    both = complete(http, router.url, prompt, max_tokens=6, n=2)
+    assert [c["text"] for c in both["choices"]] == [want, want]
+    text = ""
+    with http.stream("POST", f"{router.url}/v1/completions", json={
+            "model": SPEC, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                import json
+                text += json.loads(line[6:])["choices"][0]["text"]
+    assert text == want
+    before = info(http, decode.url)["kv_transfers"]
+    assert before >= 3 and info(http, decode.url)["kv_transfer_bytes"] > 0
+    metrics = http.get(f"{router.url}/metrics").text
+    assert 'dsv4_engine:kv_transfer_bytes{url="' + decode.url in metrics
+    assert "dsv4_router:requests_total" in metrics
+    wait_idle(http, prefill.url, decode.url)
+
+
+def test_unreachable_prefill_fails_alone(cluster, http):
+    prefill, decode, router = cluster
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"        # nobody listens once closed
+    r = http.post(f"{decode.url}/v1/completions", headers={KV_TRANSFER_HEADER: dead},
+                  json={"model": SPEC, "prompt": ids(40, 1), "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 503 and "cannot reach the prefill engine" in r.json()["error"]["message"]
+    wait_idle(http, decode.url)
+    complete(http, router.url, ids(20, 2))                 # the others keep serving
+
+
+def test_transfer_timeout_releases(cluster, http):
+    prefill, decode, router = cluster
+    with socket.socket() as silent:                          # accepts (backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        r = http.post(f"{decode.url}/v1/completions", headers={
+            KV_TRANSFER_HEADER: f"127.0.0.1:{silent.getsockname()[1]}"},
+            json={"model": SPEC, "prompt": ids(40, 3), "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
+    wait_idle(http, decode.url)
+
+
+def test_abort_during_transfer(cluster, http):
+    prefill, decode, router = cluster
+    with http.stream("POST", f"{router.url}/v1/completions", json={
+            "model": SPEC, "prompt": ids(1500, 4), "max_tokens": 50, "temperature": 0, "stream": True}):
+        pass                                                 # closed before the first byte
+    wait_idle(http, prefill.url, decode.url)
+    complete(http, router.url, ids(10, 5))
+
+
+def test_prefill_engine_killed(cluster, http):
+    prefill, decode, router = cluster
+    for pid in children(prefill.proc.pid):                   # its engine core (the state server) first
+        os.kill(pid, signal.SIGKILL)
+    prefill.proc.kill()
+    prefill.proc.wait()
+    r = http.post(f"{router.url}/v1/completions", json={
+        "model": SPEC, "prompt": ids(40, 6), "max_tokens": 3, "temperature": 0})
+    assert r.status_code in (502, 503) and "prefill engine" in r.json()["error"]["message"]
+    wait_idle(http, decode.url)
+    complete(http, decode.url, ids(40, 6), max_tokens=3)     # the decode engine keeps serving
