@@ -70,8 +70,4 @@ def _role_core(settings: DisaggSettings, engine, wake):
         from .prefill import PrefillCore
         return PrefillCore(engine, settings.host, settings.port, wake)
     from .decode import DecodeCore
-    transport = None
-    if settings.transport == "nixl":
-        from .nixl_transport import NixlTransport
-        transport = NixlTransport.for_engine(engine)
-    return DecodeCore(engine, settings.timeout, wake, transport)
+    return DecodeCore(engine, settings.timeout, wake)

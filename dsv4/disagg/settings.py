@@ -7,6 +7,7 @@ from dataclasses import dataclass
 ROLES = ("prefill", "decode")
 KV_TRANSFER_HEADER = "x-dsv4-kv-transfer"     # router -> decode engine: the prefill engine's HOST:PORT
 KV_TRANSFER_KEYS = {"host", "port", "timeout", "transport"}
+TRANSPORTS = ("tcp",)                  # NIXL (GPU memory, one-sided reads): not built yet
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,7 @@ class DisaggSettings:
     host: str = "127.0.0.1"          # prefill: where its state server listens
     port: int = 0                    # 0: any free port (reported by GET /disagg/info)
     timeout: float = 30.0            # decode: seconds a transfer may take (prefill included)
-    transport: str = "tcp"           # tcp | nixl
+    transport: str = "tcp"           # one of TRANSPORTS
 
 
 def parse_kv_transfer(role: str, text: str | None) -> DisaggSettings:
@@ -36,6 +37,6 @@ def parse_kv_transfer(role: str, text: str | None) -> DisaggSettings:
         raise ValueError(f"--kv-transfer: port {s.port!r} is not a TCP port")
     if not isinstance(s.timeout, (int, float)) or s.timeout <= 0:
         raise ValueError(f"--kv-transfer: timeout {s.timeout!r} must be a positive number of seconds")
-    if s.transport not in ("tcp", "nixl"):
-        raise ValueError(f"--kv-transfer: transport {s.transport!r} is not tcp or nixl")
+    if s.transport not in TRANSPORTS:
+        raise ValueError(f"--kv-transfer: transport {s.transport!r} is not one of {', '.join(TRANSPORTS)}")
     return s

@@ -7,8 +7,9 @@ handshake: the decode side sends its state signature (disagg/state.py: model con
 the IndexCache producer set, dtypes, KV dtype, format version) and a readable summary; the
 prefill side refuses a mismatch with both summaries in the error (no state moves).
 
-`TcpTransport` is the loopback / LAN implementation (tests use it). `nixl_transport.py` has the
-NIXL one for GPU memory. The prefill side of the TCP transport is `StateServer` (prefill.py).
+`TcpTransport` is the loopback / LAN implementation (tests use it); its prefill side is
+`StateServer` (prefill.py). A NIXL implementation (one-sided reads of registered GPU memory)
+would go beside it behind the same `pull`.
 """
 from __future__ import annotations
 
