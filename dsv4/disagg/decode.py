@@ -83,12 +83,13 @@ class DecodeCore(EngineCore):
     def _start_pulls(self) -> None:
         waiting = []
         for req, address in self.to_reserve:
-            if waiting or not self.importer.reserve(req):
+            first = None if waiting else self.importer.reserve(req)
+            if first is None:
                 waiting.append((req, address))       # first come, first reserved
                 continue
             tid = uuid.uuid4().hex
             self.pulling[req.request_id] = (tid, time.monotonic())
-            threading.Thread(target=self._pull, args=(req.request_id, address, tid, req.prompt_token_ids[:-1]),
+            threading.Thread(target=self._pull, args=(req.request_id, address, tid, req.prompt_token_ids[:-1], first),
                              daemon=True).start()
         if waiting and not self.engine.has_unfinished() and not self.pulling:
             for req, _ in waiting:                   # nothing will ever free pages: fail now
@@ -96,9 +97,9 @@ class DecodeCore(EngineCore):
             waiting = []
         self.to_reserve = waiting
 
-    def _pull(self, rid: str, address: str, tid: str, prompt: list[int]) -> None:
+    def _pull(self, rid: str, address: str, tid: str, prompt: list[int], first_page: int) -> None:
         try:
-            header, data = self.transport.pull(address, tid, prompt, self.timeout)
+            header, data = self.transport.pull(address, tid, prompt, self.timeout, first_page)
             self.done.put((rid, header, data))
         except (TransferError, StateMismatch) as e:
             self.done.put((rid, None, e))

@@ -28,8 +28,8 @@ POLL_S = 0.05        # how often a waiting connection checks that its decode sid
 
 
 class _Waiting:
-    def __init__(self, transfer_id: str, prompt: list[int]):
-        self.id, self.prompt = transfer_id, prompt
+    def __init__(self, transfer_id: str, prompt: list[int], first_page: int = 0):
+        self.id, self.prompt, self.first_page = transfer_id, prompt, first_page
         self.done = threading.Event()
         self.result: tuple | None = None          # (header, bytes) or (status, message)
         self.ok = False
@@ -60,7 +60,7 @@ class StateServer:
                     return
                 send_frame(conn, {"ok": True})
                 ask, _ = recv_frame(conn)
-                waiting = _Waiting(str(ask["id"]), [int(t) for t in ask["prompt"]])
+                waiting = _Waiting(str(ask["id"]), [int(t) for t in ask["prompt"]], int(ask.get("first_page", 0)))
             except (OSError, ConnectionError, ValueError, KeyError, TypeError) as e:
                 log.warning("dropped a transfer connection: %s", e)
                 return
@@ -119,7 +119,7 @@ class PrefillCore(EngineCore):
             if what == "abort":
                 rid = f"pd-{item}"
                 self.engine.abort(rid)
-                self.exporter.wanted.discard(rid)
+                self.exporter.wanted.pop(rid, None)
                 self.exporter.ready.pop(rid, None)
                 self.waiting.pop(rid, None)
                 continue
@@ -133,7 +133,7 @@ class PrefillCore(EngineCore):
             w.result, w.ok = (400, str(e)), False
             w.done.set()
             return
-        self.exporter.wanted.add(rid)
+        self.exporter.wanted[rid] = w.first_page
         self.waiting[rid] = w
 
     def _hand_over(self) -> None:

@@ -40,9 +40,10 @@ class StateMismatch(ValueError):
 class StateHeader:
     signature: str
     length: int            # L: positions [0, L) are in the state; the receiver resumes at L
-    num_pages: int         # history pages sent: ceil(L / 256)
+    num_pages: int         # history pages of the state: ceil(L / 256)
     history_bytes: int
     continuation_bytes: int
+    first_page: int = 0    # pages [first_page, num_pages) are sent (the receiver holds the others)
 
 
 def state_signature(layout, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> str:
@@ -79,15 +80,18 @@ class StateCodec:
         self.signature = state_signature(self.layout, self.dtype, kv_dtype)
 
     # ---- out -------------------------------------------------------------------------
-    def export(self, pages: list[int], swa_pages: list[int], slot: int, L: int) -> tuple[StateHeader, bytes]:
+    def export(self, pages: list[int], swa_pages: list[int], slot: int, L: int, first_page: int = 0
+               ) -> tuple[StateHeader, bytes]:
+        """The state at L; history pages from `first_page` on (the receiver's prefix cache has
+        the ones before)."""
         n = history_pages(L)
-        if L <= 0 or len(pages) < n:
-            raise ValueError(f"state at {L}: {len(pages)} history pages held, {n} needed")
-        idx = torch.tensor(pages[:n], dtype=torch.long, device=self.storage.kinds["c4"].device)
+        if L <= 0 or len(pages) < n or not 0 <= first_page <= n:
+            raise ValueError(f"state at {L}: {len(pages)} history pages held, {n} needed, from page {first_page}")
+        idx = torch.tensor(pages[first_page:n], dtype=torch.long, device=self.storage.kinds["c4"].device)
         history = [self.storage.kinds[k].index_select(0, idx) for k in HISTORY_KINDS]     # [n, layers, rows, C]
         hist = b"".join(_raw(t) for t in history)
         cont = b"".join(_raw(t) for t in self._continuation(swa_pages, slot, L))
-        return StateHeader(self.signature, L, n, len(hist), len(cont)), hist + cont
+        return StateHeader(self.signature, L, n, len(hist), len(cont), first_page), hist + cont
 
     def _continuation(self, swa_pages: list[int], slot: int, L: int) -> list[torch.Tensor]:
         pos, k = continuation_positions(self.layout, L), self.storage.kinds
@@ -109,15 +113,15 @@ class StateCodec:
     def install(self, header: StateHeader, data: bytes, pages: list[int], swa_pages: list[int], slot: int) -> None:
         """Write a unit into a request's reserved pages and slot (at the same positions)."""
         self.check(header)
-        L, n = header.length, header.num_pages
+        L, n, first = header.length, header.num_pages, header.first_page
         if len(pages) < n or len(data) != header.history_bytes + header.continuation_bytes:
             raise StateMismatch(f"state of {len(data)} bytes for {n} pages; {len(pages)} pages reserved, "
                                 f"{header.history_bytes + header.continuation_bytes} bytes announced")
         k, device = self.storage.kinds, self.storage.kinds["c4"].device
-        idx = torch.tensor(pages[:n], dtype=torch.long, device=device)
+        idx = torch.tensor(pages[first:n], dtype=torch.long, device=device)
         view = _Reader(data, device, self.dtype)
         for name in HISTORY_KINDS:
-            k[name].index_copy_(0, idx, view.take((n, *k[name].shape[1:])))
+            k[name].index_copy_(0, idx, view.take((n - first, *k[name].shape[1:])))
         pos = continuation_positions(self.layout, L)
         swa_p, swa_r = self._swa_index(swa_pages, pos["swa"])
         swa = view.take((k["swa"].shape[1], len(pos["swa"]), k["swa"].shape[3]))
@@ -170,13 +174,13 @@ class _Reader:
 
 def header_to_json(h: StateHeader) -> dict:
     return {"signature": h.signature, "length": h.length, "num_pages": h.num_pages,
-            "history_bytes": h.history_bytes, "continuation_bytes": h.continuation_bytes}
+            "history_bytes": h.history_bytes, "continuation_bytes": h.continuation_bytes, "first_page": h.first_page}
 
 
 def header_from_json(d: dict) -> StateHeader:
     try:
         return StateHeader(str(d["signature"]), int(d["length"]), int(d["num_pages"]), int(d["history_bytes"]),
-                           int(d["continuation_bytes"]))
+                           int(d["continuation_bytes"]), int(d.get("first_page", 0)))
     except (KeyError, TypeError, ValueError) as e:
         raise StateMismatch(f"not a state header: {e}") from None
 

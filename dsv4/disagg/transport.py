@@ -21,7 +21,7 @@ from .wire import TransferError, parse_address, recv_frame, send_frame
 
 
 class KVTransport(Protocol):
-    def pull(self, address: str, transfer_id: str, prompt_ids: list[int], timeout: float
+    def pull(self, address: str, transfer_id: str, prompt_ids: list[int], timeout: float, first_page: int = 0
              ) -> tuple[StateHeader, bytes]: ...
 
     def cancel(self, transfer_id: str) -> None: ...
@@ -34,8 +34,9 @@ class TcpTransport:
         self.signature, self.summary = signature, summary
         self._socks: dict[str, socket.socket] = {}
 
-    def pull(self, address: str, transfer_id: str, prompt_ids: list[int], timeout: float
+    def pull(self, address: str, transfer_id: str, prompt_ids: list[int], timeout: float, first_page: int = 0
              ) -> tuple[StateHeader, bytes]:
+        """The state of `prompt_ids` (at their end), history pages from `first_page` on."""
         host, port = parse_address(address)
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
@@ -48,7 +49,7 @@ class TcpTransport:
             reply, _ = recv_frame(sock)
             if not reply.get("ok"):
                 raise StateMismatch(reply.get("error", "the prefill engine refused the handshake"))
-            send_frame(sock, {"op": "prefill", "id": transfer_id, "prompt": prompt_ids})
+            send_frame(sock, {"op": "prefill", "id": transfer_id, "prompt": prompt_ids, "first_page": first_page})
             reply, data = recv_frame(sock)
             if not reply.get("ok"):
                 raise TransferError(f"the prefill engine at {address} failed the request: {reply.get('error')}",

@@ -39,15 +39,22 @@ def engines(tiny):
     return tiny.engine(**CONFIG), tiny.engine(**CONFIG), tiny.engine(**CONFIG)
 
 
+def exporter_of(prefill) -> Exporter:
+    return prefill.scheduler.on_finish.__self__ if prefill.scheduler.on_finish else Exporter(prefill)
+
+
 def hand_off(prefill, decode, rid, ids, max_tokens):
-    exporter = prefill.scheduler.on_finish.__self__ if prefill.scheduler.on_finish else Exporter(prefill)
-    exporter.wanted.add(rid)
+    """Decode reserves (maybe hitting its own prefix cache), prefill computes and exports the
+    pages after the hit, decode installs and runs."""
+    importer = Importer(decode)
+    req = importer.begin(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    first = importer.reserve(req)
+    assert first is not None
+    exporter = exporter_of(prefill)
+    exporter.wanted[rid] = first
     run(prefill, rid, ids[:-1], 1)
     header, data = exporter.ready.pop(rid)
     header = header_from_json(header_to_json(header))
-    importer = Importer(decode)
-    req = importer.begin(rid, ids, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    assert importer.reserve(req)
     importer.finish(req, header, data)
     return drain(decode)[rid], header
 
@@ -76,16 +83,28 @@ def test_prefill_prefix_hit_gives_the_same_state(engines, tiny):
 def test_mismatched_signature_is_refused_and_released(engines, tiny):
     prefill, decode, _ = engines
     before = idle(decode)
-    exporter = prefill.scheduler.on_finish.__self__
-    exporter.wanted.add("m")
+    exporter = exporter_of(prefill)
+    exporter.wanted["m"] = 0
     ids = tiny.ids(40, seed=9)
     run(prefill, "m", ids[:-1], 1)
     header, data = exporter.ready.pop("m")
     bad = header_from_json({**header_to_json(header), "signature": "0" * 64})
     importer = Importer(decode)
     req = importer.begin("m", ids, SamplingParams(max_tokens=2, temperature=0))
-    assert importer.reserve(req)
+    assert importer.reserve(req) == 0
     with pytest.raises(StateMismatch, match="another model config"):
         importer.finish(req, bad, data)
     importer.drop("m")
     assert idle(decode) == before and not decode.has_unfinished()
+
+
+def test_decode_prefix_hit_fetches_only_the_rest(engines, tiny):
+    prefill, decode, plain = engines
+    first_prompt = tiny.ids(512, seed=21)             # its decode step checkpoints page boundary 512
+    hand_off(prefill, decode, "d1", first_prompt, 2)
+    longer = first_prompt + tiny.ids(10, seed=22)
+    hits = decode.scheduler.prefix_hits
+    got, header = hand_off(prefill, decode, "d2", longer, 5)
+    assert header.first_page == 2 and header.num_pages == 3
+    assert decode.scheduler.prefix_hits - hits == 512
+    assert got == run(plain, "dp", longer, 5)
