@@ -51,7 +51,7 @@ def run_role_engine_core(settings: DisaggSettings, model_dir: str, config, addre
         core = _role_core(settings, engine, Waker(ctx, inbox))
         if settings.role == "prefill":
             with open(state_address_file(addresses), "w") as f:
-                f.write(core.server.address)
+                f.write(f"{core.server.address} {core.server.signature}")
     except BaseException as e:  # noqa: BLE001 - report anything
         outbox.send(encode(StartupFailed(_startup_message(model_dir, e))))
         outbox.close(linger=2000)

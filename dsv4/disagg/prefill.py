@@ -39,6 +39,7 @@ class StateServer:
     def __init__(self, host: str, port: int, signature: str, summary: dict, wake):
         self.signature, self.summary, self.wake = signature, summary, wake
         self.inbox: queue.Queue = queue.Queue()           # ("prefill", _Waiting) | ("abort", id)
+        self.sent = self.bytes_sent = self.failures = 0   # states sent; transfers the decode side left
         self.sock = socket.create_server((host, port))
         self.address = f"{host}:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._accept, name="dsv4-state-server", daemon=True).start()
@@ -67,6 +68,7 @@ class StateServer:
             self.inbox.put(("prefill", waiting))
             self.wake()
             if not self._wait(conn, waiting):
+                self.failures += 1
                 self.inbox.put(("abort", waiting.id))
                 self.wake()
                 return
@@ -74,10 +76,12 @@ class StateServer:
                 if waiting.ok:
                     header, data = waiting.result
                     send_frame(conn, {"ok": True, "state": header_to_json(header)}, data)
+                    self.sent, self.bytes_sent = self.sent + 1, self.bytes_sent + len(data)
                 else:
                     status, message = waiting.result
                     send_frame(conn, {"ok": False, "status": status, "error": message})
             except OSError as e:
+                self.failures += 1
                 log.warning("transfer %s: the decode side went away while sending: %s", waiting.id, e)
 
     @staticmethod
@@ -152,4 +156,6 @@ class PrefillCore(EngineCore):
     def stats(self):
         s = super().stats()
         s.kv_transfers_pending = len(self.waiting)
+        srv = self.server
+        s.kv_transfers, s.kv_transfer_bytes, s.kv_transfer_failures = srv.sent, srv.bytes_sent, srv.failures
         return s

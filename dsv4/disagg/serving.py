@@ -27,5 +27,6 @@ def add_disagg_routes(app, state, settings: DisaggSettings) -> None:
                 "kv_transfers_pending": s.kv_transfers_pending}
         if settings.role == "prefill":
             path = state_address_file(client.addresses)
-            info["state_address"] = open(path).read().strip() if os.path.exists(path) else None
+            address, _, signature = open(path).read().partition(" ") if os.path.exists(path) else (None, "", "")
+            info["state_address"], info["state_signature"] = address, signature.strip() or None
         return info

@@ -11,6 +11,8 @@ decode engine aborts (and the prefill engine drops the transfer).
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 
@@ -65,7 +67,7 @@ class Router:
                 last = error_body(502, f"prefill engine {p.url} unreachable: {e}")
                 self.metrics.retries += 1
                 continue
-            response = await self._try(d, p, path, body, headers)
+            response = await self._try(request, d, p, path, body, headers)
             if isinstance(response, Response):
                 self.metrics.observe_first(time.monotonic() - start)
                 return response
@@ -73,13 +75,17 @@ class Router:
             (tried_d.add(d.url) if blame == "decode" else None)
             self.metrics.retries += 1
 
-    async def _try(self, d: Backend, p: Backend, path: str, body: bytes, headers: dict):
+    async def _try(self, request: Request, d: Backend, p: Backend, path: str, body: bytes, headers: dict):
         """A Response to return, or (error response, which side failed) to retry."""
         req = self.http.build_request("POST", f"{d.url}{path}", content=body, headers=headers)
         d.in_flight += 1
         p.in_flight += 1
         try:
-            upstream = await self.http.send(req, stream=True)
+            upstream = await _unless_disconnected(request, self.http.send(req, stream=True))
+        except ClientGone:
+            d.in_flight -= 1
+            p.in_flight -= 1
+            return Response(status_code=499)        # nobody reads it; the upstream request was closed
         except httpx.HTTPError as e:
             d.in_flight -= 1
             p.in_flight -= 1
@@ -112,6 +118,33 @@ class Router:
         finally:
             d.in_flight -= 1
             await upstream.aclose()
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def _unless_disconnected(request: Request, work):
+    """Await `work` (the decode engine's response headers: prefill and transfer happen
+    meanwhile) unless the client hangs up first; then cancel it, which closes the upstream
+    connection, so the decode engine aborts the request (and its transfer)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+        await task
+    raise ClientGone
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def build_router_app(router: Router) -> FastAPI:

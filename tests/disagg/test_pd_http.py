@@ -5,6 +5,7 @@ an unreachable prefill engine, a transfer that times out, an abort during a tran
 prefill engine killed; after each, pages are back to idle on both sides."""
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import signal
@@ -173,11 +174,58 @@ def test_transfer_timeout_releases(cluster, http):
 
 def test_abort_during_transfer(cluster, http):
     prefill, decode, router = cluster
-    with http.stream("POST", f"{router.url}/v1/completions", json={
-            "model": SPEC, "prompt": ids(1500, 4), "max_tokens": 50, "temperature": 0, "stream": True}):
-        pass                                                 # closed before the first byte
-    wait_idle(http, prefill.url, decode.url)
+    for url in (decode.url, router.url):                     # the client hangs up before any byte
+        headers = {KV_TRANSFER_HEADER: info(http, prefill.url)["state_address"]} if url == decode.url else {}
+        with http.stream("POST", f"{url}/v1/completions", headers=headers, json={
+                "model": SPEC, "prompt": ids(1900, 4), "max_tokens": 50, "temperature": 0, "stream": True}):
+            pass
+        wait_idle(http, prefill.url, decode.url)
     complete(http, router.url, ids(10, 5))
+
+
+def test_handshake_mismatch_is_refused(cluster, http):
+    from dsv4.disagg.wire import parse_address, recv_frame, send_frame
+    prefill, decode, router = cluster
+    with socket.create_connection(parse_address(info(http, prefill.url)["state_address"]), timeout=10) as s:
+        send_frame(s, {"op": "hello", "signature": "0" * 64, "summary": {"layers": 99}})
+        reply, _ = recv_frame(s)
+    assert not reply["ok"] and "KV layout mismatch" in reply["error"] and "'layers': 99" in reply["error"]
+
+
+def test_decode_side_gone_mid_transfer_releases_prefill(cluster, http):
+    from dsv4.disagg.wire import parse_address, recv_frame, send_frame
+    prefill, decode, router = cluster
+    state = info(http, prefill.url)
+    with socket.create_connection(parse_address(state["state_address"]), timeout=10) as s:
+        send_frame(s, {"op": "hello", "signature": state["state_signature"], "summary": {}})
+        assert recv_frame(s)[0]["ok"]
+        send_frame(s, {"op": "prefill", "id": "gone", "prompt": ids(1900, 7)})
+    deadline = time.monotonic() + 30
+    while info(http, prefill.url)["kv_transfer_failures"] == state["kv_transfer_failures"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    wait_idle(http, prefill.url)
+
+
+def test_prefill_dies_mid_transfer(cluster, http):
+    prefill, decode, router = cluster
+    with socket.socket() as fake:                            # a prefill engine that dies half-way
+        fake.bind(("127.0.0.1", 0))
+        fake.listen(1)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(http.post, f"{decode.url}/v1/completions",
+                               headers={KV_TRANSFER_HEADER: f"127.0.0.1:{fake.getsockname()[1]}"},
+                               json={"model": SPEC, "prompt": ids(40, 8), "max_tokens": 3, "temperature": 0})
+            conn, _ = fake.accept()
+            from dsv4.disagg.wire import recv_frame, send_frame
+            with conn:
+                recv_frame(conn)
+                send_frame(conn, {"ok": True})
+                recv_frame(conn)
+                conn.sendall(b"\x00\x00\x01\x00{\"ok\": tr")         # part of a frame, then gone
+            r = sent.result()
+    assert r.status_code == 502 and "lost the prefill engine" in r.json()["error"]["message"]
+    wait_idle(http, decode.url)
 
 
 def test_prefill_engine_killed(cluster, http):
