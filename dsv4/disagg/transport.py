@@ -14,6 +14,7 @@ would go beside it behind the same `pull`.
 from __future__ import annotations
 
 import socket
+import threading
 from typing import Protocol
 
 from .state import StateHeader, StateMismatch, header_from_json
@@ -32,7 +33,9 @@ class TcpTransport:
 
     def __init__(self, signature: str, summary: dict):
         self.signature, self.summary = signature, summary
-        self._socks: dict[str, socket.socket] = {}
+        self._socks: dict[str, socket.socket] = {}       # pulls in flight
+        self._cancelled: set[str] = set()                 # cancelled before their connection existed
+        self._lock = threading.Lock()
 
     def pull(self, address: str, transfer_id: str, prompt_ids: list[int], timeout: float, first_page: int = 0
              ) -> tuple[StateHeader, bytes]:
@@ -42,7 +45,12 @@ class TcpTransport:
             sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as e:
             raise TransferError(f"cannot reach the prefill engine at {address}: {e}", 503) from None
-        self._socks[transfer_id] = sock
+        with self._lock:
+            if transfer_id in self._cancelled:
+                self._cancelled.discard(transfer_id)
+                sock.close()
+                raise TransferError(f"transfer {transfer_id} cancelled", 499)
+            self._socks[transfer_id] = sock
         try:
             sock.settimeout(timeout)
             send_frame(sock, {"op": "hello", "signature": self.signature, "summary": self.summary})
@@ -60,12 +68,16 @@ class TcpTransport:
         except (ConnectionError, OSError) as e:
             raise TransferError(f"lost the prefill engine at {address} during the transfer: {e}", 502) from None
         finally:
-            self._socks.pop(transfer_id, None)
+            with self._lock:
+                self._socks.pop(transfer_id, None)
             sock.close()
 
     def cancel(self, transfer_id: str) -> None:
         """Abort a pull in flight (from another thread): the prefill side sees the connection close."""
-        sock = self._socks.pop(transfer_id, None)
+        with self._lock:
+            sock = self._socks.pop(transfer_id, None)
+            if sock is None:
+                self._cancelled.add(transfer_id)
         if sock is not None:
             try:
                 sock.shutdown(socket.SHUT_RDWR)

@@ -172,14 +172,27 @@ def test_transfer_timeout_releases(cluster, http):
     wait_idle(http, decode.url)
 
 
+def hang_up_after_sending(url: str, path: str, headers: dict, body: dict) -> None:
+    """Send a whole HTTP request, then close the connection without reading anything."""
+    import json
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    data = json.dumps(body).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in {**headers, "content-type": "application/json",
+                                               "content-length": len(data), "host": host}.items())
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(f"POST {path} HTTP/1.1\r\n{head}\r\n".encode() + data)
+
+
 def test_abort_during_transfer(cluster, http):
     prefill, decode, router = cluster
     for url in (decode.url, router.url):                     # the client hangs up before any byte
         headers = {KV_TRANSFER_HEADER: info(http, prefill.url)["state_address"]} if url == decode.url else {}
-        with http.stream("POST", f"{url}/v1/completions", headers=headers, json={
-                "model": SPEC, "prompt": ids(1900, 4), "max_tokens": 50, "temperature": 0, "stream": True}):
-            pass
+        before = info(http, decode.url)["kv_transfers"], info(http, prefill.url)["kv_transfers"]
+        hang_up_after_sending(url, "/v1/completions", headers, {
+            "model": SPEC, "prompt": ids(1900, 4), "max_tokens": 50, "temperature": 0, "stream": True})
         wait_idle(http, prefill.url, decode.url)
+        after = info(http, decode.url)["kv_transfers"], info(http, prefill.url)["kv_transfers"]
+        assert after == before              # no state installed, none sent: the prefill side dropped it
     complete(http, router.url, ids(10, 5))
 
 
