@@ -38,7 +38,7 @@ def register(subparsers) -> None:
                          "(pulls the state, streams the tokens); default: colocated")
     pd.add_argument("--kv-transfer", default=None, metavar="JSON",
                     help='with --role: {"host": ..., "port": N (prefill: its state server; 0 = any), '
-                         '"timeout": S (decode: per transfer, prefill included; default 30), "transport": "tcp"}')
+                         '"timeout": S (decode: per transfer, prefill included; default 30), "transport": "tcp"|"nixl"}')
     add_engine_args(p)
     p.set_defaults(func=run)
 

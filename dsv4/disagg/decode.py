@@ -27,12 +27,12 @@ log = logging.getLogger("dsv4.disagg.decode")
 
 
 class DecodeCore(EngineCore):
-    def __init__(self, engine, timeout: float = 30.0, wake=lambda: None, transport=None):
+    def __init__(self, engine, timeout: float = 30.0, wake=lambda: None, transport=None, nixl_reader=None):
         super().__init__(engine)
         self.importer = Importer(engine)
         dtype = engine.runner.storage.kinds["swa"].dtype
         self.transport = transport or TcpTransport(self.importer.codec.signature,
-                                                   signature_summary(engine.layout, dtype))
+                                                   signature_summary(engine.layout, dtype), nixl_reader)
         self.timeout, self.wake = timeout, wake
         self.to_reserve: list[tuple[object, str]] = []       # (request, prefill address), arrival order
         self.pulling: dict[str, tuple[str, float]] = {}     # request id -> (transfer id, start time)

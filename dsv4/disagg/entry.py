@@ -68,6 +68,13 @@ def run_role_engine_core(settings: DisaggSettings, model_dir: str, config, addre
 def _role_core(settings: DisaggSettings, engine, wake):
     if settings.role == "prefill":
         from .prefill import PrefillCore
-        return PrefillCore(engine, settings.host, settings.port, wake)
+        return PrefillCore(engine, settings.host, settings.port, wake, _nixl("NixlSource", settings))
     from .decode import DecodeCore
-    return DecodeCore(engine, settings.timeout, wake)
+    return DecodeCore(engine, settings.timeout, wake, nixl_reader=_nixl("NixlReader", settings))
+
+
+def _nixl(kind: str, settings: DisaggSettings):
+    if settings.transport != "nixl":
+        return None
+    from . import nixl_transport
+    return getattr(nixl_transport, kind)()

@@ -36,8 +36,9 @@ class _Waiting:
 
 
 class StateServer:
-    def __init__(self, host: str, port: int, signature: str, summary: dict, wake):
+    def __init__(self, host: str, port: int, signature: str, summary: dict, wake, nixl=None):
         self.signature, self.summary, self.wake = signature, summary, wake
+        self.nixl = nixl                                  # NixlSource: serves NIXL reads too
         self.inbox: queue.Queue = queue.Queue()           # ("prefill", _Waiting) | ("abort", id)
         self.sent = self.bytes_sent = self.failures = 0   # states sent; transfers the decode side left
         self.sock = socket.create_server((host, port))
@@ -62,6 +63,11 @@ class StateServer:
                 send_frame(conn, {"ok": True})
                 ask, _ = recv_frame(conn)
                 waiting = _Waiting(str(ask["id"]), [int(t) for t in ask["prompt"]], int(ask.get("first_page", 0)))
+                if ask.get("transport", "tcp") == "nixl" and self.nixl is None:
+                    send_frame(conn, {"ok": False, "status": 502, "error": "this prefill engine has no NIXL "
+                                      "transport (--kv-transfer '{\"transport\": \"nixl\"}')"})
+                    return
+                via_nixl = ask.get("transport") == "nixl"
             except (OSError, ConnectionError, ValueError, KeyError, TypeError) as e:
                 log.warning("dropped a transfer connection: %s", e)
                 return
@@ -75,7 +81,11 @@ class StateServer:
             try:
                 if waiting.ok:
                     header, data = waiting.result
-                    send_frame(conn, {"ok": True, "state": header_to_json(header)}, data)
+                    reply = {"ok": True, "state": header_to_json(header)}
+                    if via_nixl:
+                        self.nixl.serve(conn, reply, data)
+                    else:
+                        send_frame(conn, reply, data)
                     self.sent, self.bytes_sent = self.sent + 1, self.bytes_sent + len(data)
                 else:
                     status, message = waiting.result
@@ -95,13 +105,13 @@ class StateServer:
 
 
 class PrefillCore(EngineCore):
-    def __init__(self, engine, host: str = "127.0.0.1", port: int = 0, wake=lambda: None):
+    def __init__(self, engine, host: str = "127.0.0.1", port: int = 0, wake=lambda: None, nixl=None):
         super().__init__(engine)
         self.exporter = Exporter(engine)
         storage = engine.runner.storage
         dtype = storage.kinds["swa"].dtype
         self.server = StateServer(host, port, self.exporter.codec.signature,
-                                  signature_summary(engine.layout, dtype), wake)
+                                  signature_summary(engine.layout, dtype), wake, nixl)
         self.waiting: dict[str, _Waiting] = {}            # engine request id -> its connection
 
     @property

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 ROLES = ("prefill", "decode")
 KV_TRANSFER_HEADER = "x-dsv4-kv-transfer"     # router -> decode engine: the prefill engine's HOST:PORT
 KV_TRANSFER_KEYS = {"host", "port", "timeout", "transport"}
-TRANSPORTS = ("tcp",)                  # NIXL (GPU memory, one-sided reads): not built yet
+TRANSPORTS = ("tcp", "nixl")          # nixl: the bytes move by a NIXL (UCX) read, disagg/nixl_transport.py
 
 
 @dataclass(frozen=True)

@@ -7,14 +7,15 @@ handshake: the decode side sends its state signature (disagg/state.py: model con
 the IndexCache producer set, dtypes, KV dtype, format version) and a readable summary; the
 prefill side refuses a mismatch with both summaries in the error (no state moves).
 
-`TcpTransport` is the loopback / LAN implementation (tests use it); its prefill side is
-`StateServer` (prefill.py). A NIXL implementation (one-sided reads of registered GPU memory)
-would go beside it behind the same `pull`.
+`TcpTransport` carries the control exchange and, by default, the state's bytes in its reply
+frame; with a `NixlReader` (nixl_transport.py) the bytes move by a one-sided NIXL read of the
+prefill side's registered buffer instead. The prefill side is `StateServer` (prefill.py).
 """
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from typing import Protocol
 
 from .state import StateHeader, StateMismatch, header_from_json
@@ -31,8 +32,9 @@ class KVTransport(Protocol):
 class TcpTransport:
     """One TCP connection per transfer: hello (signature) -> prefill (tokens) -> state."""
 
-    def __init__(self, signature: str, summary: dict):
+    def __init__(self, signature: str, summary: dict, nixl_reader=None):
         self.signature, self.summary = signature, summary
+        self.nixl = nixl_reader                           # NixlReader: the bytes move by a NIXL read
         self._socks: dict[str, socket.socket] = {}       # pulls in flight
         self._cancelled: set[str] = set()                 # cancelled before their connection existed
         self._lock = threading.Lock()
@@ -57,11 +59,14 @@ class TcpTransport:
             reply, _ = recv_frame(sock)
             if not reply.get("ok"):
                 raise StateMismatch(reply.get("error", "the prefill engine refused the handshake"))
-            send_frame(sock, {"op": "prefill", "id": transfer_id, "prompt": prompt_ids, "first_page": first_page})
+            send_frame(sock, {"op": "prefill", "id": transfer_id, "prompt": prompt_ids, "first_page": first_page,
+                              "transport": "nixl" if self.nixl is not None else "tcp"})
             reply, data = recv_frame(sock)
             if not reply.get("ok"):
                 raise TransferError(f"the prefill engine at {address} failed the request: {reply.get('error')}",
                                     int(reply.get("status", 502)))
+            if self.nixl is not None:
+                data = self.nixl.read(sock, reply["nixl"], time.monotonic() + timeout)
             return header_from_json(reply["state"]), data
         except socket.timeout:
             raise TransferError(f"the transfer from {address} timed out after {timeout:g} s", 504) from None

@@ -1,5 +1,5 @@
-"""Router + one prefill + one decode engine as separate processes on loopback (random tiny model,
-demo tokenizer). The decode engine, asked directly without the transfer header, is the
+"""Router + one prefill + two decode engines (one pulling over TCP, one over NIXL/UCX) as separate
+processes on loopback (random tiny model, demo tokenizer). The decode engine, asked directly without the transfer header, is the
 colocated engine the disaggregated outputs are compared with (invariant 5). Faults come last:
 an unreachable prefill engine, a transfer that times out, an abort during a transfer, the
 prefill engine killed; after each, pages are back to idle on both sides."""
@@ -54,13 +54,16 @@ class Proc:
 def cluster(demo_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
     tok = ["--tokenizer", demo_dir]
-    prefill = Proc(["serve", *ENGINE, *tok, "--role", "prefill"], tmp / "prefill.log")
+    prefill = Proc(["serve", *ENGINE, *tok, "--role", "prefill", "--kv-transfer", '{"transport": "nixl"}'],
+                   tmp / "prefill.log")                      # serves TCP and NIXL pulls
     decode = Proc(["serve", *ENGINE, *tok, "--role", "decode", "--kv-transfer", f'{{"timeout": {TIMEOUT_S}}}'],
                   tmp / "decode.log")
-    router = Proc(["router", "--prefill", prefill.url, "--decode", decode.url, "--port", "0", "--log-level",
-                   "warning"], tmp / "router.log")
-    yield prefill, decode, router
-    for p in (router, decode, prefill):
+    nixl = Proc(["serve", *ENGINE, *tok, "--role", "decode", "--kv-transfer", '{"transport": "nixl"}'],
+                tmp / "decode-nixl.log")
+    router = Proc(["router", "--prefill", prefill.url, "--decode", decode.url, nixl.url, "--port", "0",
+                   "--log-level", "warning"], tmp / "router.log")
+    yield prefill, decode, router, nixl
+    for p in (router, nixl, decode, prefill):
         p.stop()
 
 
@@ -116,16 +119,18 @@ def wait_idle(http, *urls) -> None:
 # the window, inside a C128 group, on a page boundary, one past it
 @pytest.mark.parametrize("n", [1, 3, 5, 8, 131, 257, 258, 387])
 def test_greedy_equals_colocated(cluster, http, n):
-    prefill, decode, router = cluster
+    prefill, decode, router, nixl = cluster
     prompt = ids(n, seed=n)
-    got = complete(http, router.url, prompt)
+    got = complete(http, router.url, prompt)               # either decode engine (least loaded)
     want = complete(http, decode.url, prompt)
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    via_nixl = complete(http, nixl.url, prompt, headers={KV_TRANSFER_HEADER: info(http, prefill.url)["state_address"]})
+    assert via_nixl["choices"][0]["text"] == want["choices"][0]["text"]
     assert got["usage"]["completion_tokens"] == 5
 
 
 def test_streaming_and_n(cluster, http):
-    prefill, decode, router = cluster
+    prefill, decode, router, nixl = cluster
     prompt = ids(300, seed=11)
     want = complete(http, decode.url, prompt, max_tokens=6)["choices"][0]["text"]
     both = complete(http, router.url, prompt, max_tokens=6, n=2)
@@ -140,8 +145,9 @@ def test_streaming_and_n(cluster, http):
                 import json
                 text += json.loads(line[6:])["choices"][0]["text"]
     assert text == want
-    before = info(http, decode.url)["kv_transfers"]
-    assert before >= 3 and info(http, decode.url)["kv_transfer_bytes"] > 0
+    for engine in (decode, nixl):
+        assert info(http, engine.url)["kv_transfers"] >= 3 and info(http, engine.url)["kv_transfer_bytes"] > 0
+    wait_idle(http, prefill.url, decode.url, nixl.url)
     metrics = http.get(f"{router.url}/metrics").text
     assert 'dsv4_engine:kv_transfer_bytes{url="' + decode.url in metrics
     assert "dsv4_router:requests_total" in metrics
@@ -149,7 +155,7 @@ def test_streaming_and_n(cluster, http):
 
 
 def test_unreachable_prefill_fails_alone(cluster, http):
-    prefill, decode, router = cluster
+    prefill, decode, router, nixl = cluster
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"        # nobody listens once closed
@@ -161,7 +167,7 @@ def test_unreachable_prefill_fails_alone(cluster, http):
 
 
 def test_transfer_timeout_releases(cluster, http):
-    prefill, decode, router = cluster
+    prefill, decode, router, nixl = cluster
     with socket.socket() as silent:                          # accepts (backlog), never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(4)
@@ -184,21 +190,23 @@ def hang_up_after_sending(url: str, path: str, headers: dict, body: dict) -> Non
 
 
 def test_abort_during_transfer(cluster, http):
-    prefill, decode, router = cluster
+    prefill, decode, router, nixl = cluster
     for url in (decode.url, router.url):                     # the client hangs up before any byte
         headers = {KV_TRANSFER_HEADER: info(http, prefill.url)["state_address"]} if url == decode.url else {}
-        before = info(http, decode.url)["kv_transfers"], info(http, prefill.url)["kv_transfers"]
+        before = (info(http, decode.url)["kv_transfers"] + info(http, nixl.url)["kv_transfers"],
+                  info(http, prefill.url)["kv_transfers"])
         hang_up_after_sending(url, "/v1/completions", headers, {
             "model": SPEC, "prompt": ids(1900, 4), "max_tokens": 50, "temperature": 0, "stream": True})
-        wait_idle(http, prefill.url, decode.url)
-        after = info(http, decode.url)["kv_transfers"], info(http, prefill.url)["kv_transfers"]
+        wait_idle(http, prefill.url, decode.url, nixl.url)
+        after = (info(http, decode.url)["kv_transfers"] + info(http, nixl.url)["kv_transfers"],
+                 info(http, prefill.url)["kv_transfers"])
         assert after == before              # no state installed, none sent: the prefill side dropped it
     complete(http, router.url, ids(10, 5))
 
 
 def test_handshake_mismatch_is_refused(cluster, http):
     from dsv4.disagg.wire import parse_address, recv_frame, send_frame
-    prefill, decode, router = cluster
+    prefill, decode, router, nixl = cluster
     with socket.create_connection(parse_address(info(http, prefill.url)["state_address"]), timeout=10) as s:
         send_frame(s, {"op": "hello", "signature": "0" * 64, "summary": {"layers": 99}})
         reply, _ = recv_frame(s)
@@ -207,7 +215,7 @@ def test_handshake_mismatch_is_refused(cluster, http):
 
 def test_decode_side_gone_mid_transfer_releases_prefill(cluster, http):
     from dsv4.disagg.wire import parse_address, recv_frame, send_frame
-    prefill, decode, router = cluster
+    prefill, decode, router, nixl = cluster
     state = info(http, prefill.url)
     with socket.create_connection(parse_address(state["state_address"]), timeout=10) as s:
         send_frame(s, {"op": "hello", "signature": state["state_signature"], "summary": {}})
@@ -221,7 +229,7 @@ def test_decode_side_gone_mid_transfer_releases_prefill(cluster, http):
 
 
 def test_prefill_dies_mid_transfer(cluster, http):
-    prefill, decode, router = cluster
+    prefill, decode, router, nixl = cluster
     with socket.socket() as fake:                            # a prefill engine that dies half-way
         fake.bind(("127.0.0.1", 0))
         fake.listen(1)
@@ -242,7 +250,7 @@ def test_prefill_dies_mid_transfer(cluster, http):
 
 
 def test_prefill_engine_killed(cluster, http):
-    prefill, decode, router = cluster
+    prefill, decode, router, nixl = cluster
     for pid in children(prefill.proc.pid):                   # its engine core (the state server) first
         os.kill(pid, signal.SIGKILL)
     prefill.proc.kill()

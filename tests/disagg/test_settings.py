@@ -12,7 +12,7 @@ def test_defaults_and_values():
 @pytest.mark.parametrize("role, text, words", [
     ("both", None, "--role"), ("prefill", "{", "not JSON"), ("prefill", "[]", "JSON object"),
     ("prefill", '{"prot": 1}', "unknown key"), ("prefill", '{"port": 70000}', "port"),
-    ("decode", '{"timeout": 0}', "timeout"), ("decode", '{"transport": "nixl"}', "transport")])
+    ("decode", '{"timeout": 0}', "timeout"), ("decode", '{"transport": "ucx"}', "transport")])
 def test_bad_flags_are_named(role, text, words):
     with pytest.raises(ValueError, match=words):
         parse_kv_transfer(role, text)
