@@ -147,6 +147,7 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=8192)
     p.add_argument("--long-prompts", type=int, default=12)
     p.add_argument("--interval", type=float, default=0.5)
+    p.add_argument("--transport", choices=("tcp", "nixl"), default="tcp", help="state transport (nixl: needs nixl-cu12/13)")
     a = p.parse_args()
     engine = ["--dtype", "bfloat16", "--max-model-len", "16384", "--max-num-seqs", "96"]
     gpus = [{"CUDA_VISIBLE_DEVICES": "0"}, {"CUDA_VISIBLE_DEVICES": "1"}]
@@ -159,8 +160,10 @@ def main() -> int:
     results, logs = {}, [tempfile.NamedTemporaryFile("w+", suffix=".log") for _ in range(5)]
     procs = []
     try:
-        pre = launch(["serve", *common, "--role", "prefill"], gpus[0], logs[0])     # both load at once
-        dec = launch(["serve", *common, "--role", "decode", "--kv-transfer", '{"timeout": 300}'], gpus[1], logs[1])
+        kv = json.dumps({"transport": a.transport})
+        pre = launch(["serve", *common, "--role", "prefill", "--kv-transfer", kv], gpus[0], logs[0])   # both load at once
+        dec = launch(["serve", *common, "--role", "decode", "--kv-transfer",
+                      json.dumps({"timeout": 300, "transport": a.transport})], gpus[1], logs[1])
         procs += [pre, dec]
         (_, pre_url), (_, dec_url) = ready(pre, logs[0]), ready(dec, logs[1])
         rt, rt_url = start(["router", "--prefill", pre_url, "--decode", dec_url, "--port", "0",
@@ -187,7 +190,7 @@ def main() -> int:
         print(f"{name:<10} {r['tpot_p50'] * 1e3:12.2f} {r['tpot_p99'] * 1e3:12.2f} {r['tpot_p99'] / r['tpot_p50']:8.2f} "
               f"{r['ttft_p50']:11.3f} {r['ttft_p99']:11.3f}")
     pd = results["pd"]
-    print(f"transfer: {pd['transfer_mb_per_req']:.1f} MB per request, {pd['transfer_gb_s']:.2f} GB/s "
+    print(f"transfer ({a.transport}): {pd['transfer_mb_per_req']:.1f} MB per request, {pd['transfer_gb_s']:.2f} GB/s "
           f"(TCP over the host, reservation to install: prefill compute included; compare with the GPU-to-GPU "
           f"bandwidth: {'n/a' if link is None else f'{link:.1f} GB/s'})")
     ratio = pd["tpot_p99"] / pd["tpot_p50"]
