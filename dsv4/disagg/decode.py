@@ -3,7 +3,8 @@
 An `AddRequest` naming a prefill engine (`kv_transfer`: its state server's HOST:PORT) is
 parked (handoff.Importer): its pages are reserved first (waiting while they are short), then a
 worker thread pulls the state (transport.py); the engine loop installs it and the request runs
-from the prompt's last token. A failed pull fails the request alone (502 lost / 503
+from the prompt's last token (a one-token prompt, or one asking for prompt logprobs, is computed
+here instead). A failed pull fails the request alone (502 lost / 503
 unreachable / 504 timed out / 502 layout mismatch) and releases its reservation; an abort
 during the pull cancels it (the prefill side drops its work). Transfer metrics go out with
 the engine stats.
@@ -42,7 +43,8 @@ class DecodeCore(EngineCore):
 
     # ---- inputs ------------------------------------------------------------------------
     def handle(self, message) -> None:
-        if isinstance(message, AddRequest) and message.kv_transfer and len(message.prompt_token_ids) > 1:
+        if isinstance(message, AddRequest) and message.kv_transfer and len(message.prompt_token_ids) > 1 \
+                and message.params.prompt_logprobs is None:      # (prompt logprobs need every prompt row here)
             self._park(message)
             return
         if isinstance(message, AbortRequests):

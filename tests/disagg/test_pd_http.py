@@ -154,6 +154,15 @@ def test_streaming_and_n(cluster, http):
     wait_idle(http, prefill.url, decode.url)
 
 
+def test_prompt_logprobs_are_computed_on_the_decode_engine(cluster, http):
+    prefill, decode, router, nixl = cluster
+    prompt = ids(20, seed=12)
+    got = complete(http, router.url, prompt, max_tokens=2, prompt_logprobs=1)["choices"][0]
+    want = complete(http, decode.url, prompt, max_tokens=2, prompt_logprobs=1)["choices"][0]
+    assert got["prompt_logprobs"] == want["prompt_logprobs"] and len(got["prompt_logprobs"]) == 20
+    assert got["text"] == want["text"]
+
+
 def test_unreachable_prefill_fails_alone(cluster, http):
     prefill, decode, router, nixl = cluster
     with socket.socket() as s:
