@@ -191,7 +191,7 @@ def main() -> int:
               f"{r['ttft_p50']:11.3f} {r['ttft_p99']:11.3f}")
     pd = results["pd"]
     print(f"transfer ({a.transport}): {pd['transfer_mb_per_req']:.1f} MB per request, {pd['transfer_gb_s']:.2f} GB/s "
-          f"(TCP over the host, reservation to install: prefill compute included; compare with the GPU-to-GPU "
+          f"(packed to host memory; reservation to install, prefill compute included; compare with the GPU-to-GPU "
           f"bandwidth: {'n/a' if link is None else f'{link:.1f} GB/s'})")
     ratio = pd["tpot_p99"] / pd["tpot_p50"]
     print(f"target PD TPOT p99 <= 1.2 x p50: {ratio:.2f} -> {'MET' if ratio <= 1.2 else 'MISSED'}")
