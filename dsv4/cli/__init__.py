@@ -15,6 +15,7 @@ SUBCOMMAND_MODULES = (
     "dsv4.cli.plan",
     "dsv4.cli.generate",
     "dsv4.cli.serve",
+    "dsv4.cli.router",
 )
 
 

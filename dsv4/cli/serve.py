@@ -41,6 +41,13 @@ def register(subparsers) -> None:
                        help="largest image file accepted (default: 20)")
     media.add_argument("--media-timeout", type=float, default=10.0, metavar="S",
                        help="seconds to fetch one remote image (default: 10)")
+    pd = p.add_argument_group("prefill/decode disaggregation (behind `dsv4 router`)")
+    pd.add_argument("--role", choices=("prefill", "decode"), default=None,
+                    help="serve as a prefill engine (computes prompts, sends their state) or a decode engine "
+                         "(pulls the state, streams the tokens); default: colocated")
+    pd.add_argument("--kv-transfer", default=None, metavar="JSON",
+                    help='with --role: {"host": ..., "port": N (prefill: its state server; 0 = any), '
+                         '"timeout": S (decode: per transfer, prefill included; default 30), "transport": "tcp"|"nixl"}')
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -56,7 +63,8 @@ def run(args) -> int:
     _check_model_dir(model_dir, config.tokenizer)
     names = args.served_model_name or [args.model or DEMO_NAME]
     settings = ServeSettings(model_dir=model_dir, model_names=names, engine=config, host=args.host,
-                             port=args.port, api_key=args.api_key, log_level=args.log_level, limits=limits)
+                             port=args.port, api_key=args.api_key, log_level=args.log_level, limits=limits,
+                             disagg=_disagg(args))
     try:
         server = APIServer(settings)
     except OSError as e:
@@ -96,6 +104,18 @@ def _limits(args):
                         args.media_timeout)
     return ServerLimits(max_body_bytes=int(args.max_request_body_mb * MB), max_batch_requests=args.max_batch_requests,
                         strict_api=args.strict_api, shutdown_timeout=args.shutdown_timeout, media=media)
+
+
+def _disagg(args):
+    if args.role is None:
+        if args.kv_transfer is not None:
+            raise SystemExit("dsv4 serve: --kv-transfer needs --role prefill|decode")
+        return None
+    from ..disagg.settings import parse_kv_transfer
+    try:
+        return parse_kv_transfer(args.role, args.kv_transfer)
+    except ValueError as e:
+        raise SystemExit(f"dsv4 serve: {e}") from None
 
 
 def _check_model_dir(model_dir: str, tokenizer: str | None) -> None:

@@ -41,6 +41,7 @@ class AddRequest(msgspec.Struct, tag=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     images: list[ImageItem] = []
+    kv_transfer: str | None = None      # decode role: the prefill engine holding its state (dsv4/disagg/)
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -119,6 +120,13 @@ class EngineStats(msgspec.Struct):
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = msgspec.field(default_factory=list)
+    # prefill/decode disaggregation (dsv4/disagg/): states pulled so far, their bytes and
+    # seconds (reservation to install), failed pulls; transfers in progress
+    kv_transfers: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_failures: int = 0
+    kv_transfers_pending: int = 0
 
 
 class StepOutputs(msgspec.Struct, tag=True):

@@ -54,6 +54,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.prefix_queries = 0      # tokens of admitted requests looked up in the prefix cache
         self.prefix_hits = 0         # of them, tokens resumed from it
+        # called with a request that finished normally, before its cache is released (a
+        # disaggregated prefill engine exports its state there: dsv4/disagg/prefill.py)
+        self.on_finish = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -152,6 +155,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if status is Status.FINISHED and self.on_finish is not None:
+            self.on_finish(req)
         self.cache.release(req)
         req.status = status
 

@@ -157,11 +157,13 @@ class EngineClient:
         return not self._dead and self.process is not None and self.process.is_alive()
 
     def submit(self, prompts: list[list[int]], params: list[SamplingParams], base_id: str,
-               images: list[ImageItem] | None = None) -> RequestGroup:
+               images: list[ImageItem] | None = None, kv_transfer: str | None = None) -> RequestGroup:
         """Queue one engine request per prompt (each with `images`, the image blocks of a chat
-        prompt); raises NotEncodable (nothing queued) when one of them cannot be encoded."""
+        prompt); raises NotEncodable (nothing queued) when one of them cannot be encoded.
+        `kv_transfer`: a decode engine pulls the prompts' state from that prefill engine
+        (dsv4/disagg/)."""
         ids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        frames = [_encode_request(AddRequest(rid, prompt, p, list(images or [])))
+        frames = [_encode_request(AddRequest(rid, prompt, p, list(images or []), kv_transfer))
                   for rid, prompt, p in zip(ids, prompts, params)]
         group = RequestGroup(self, ids)
         if self._dead or self._closing:

@@ -14,8 +14,8 @@ import dsv4
 PACKAGE = pathlib.Path(dsv4.__file__).parent
 # room -> rank; a room imports only rooms of lower rank (and itself)
 RANKS = {"config_parse": 0, "config": 0.5, "sampling_params": 0.5,
-         "text": 1, "structured": 1.5, "ops": 2, "model": 3, "assets": 3.5, "parallel": 3.7, "cache": 4, "engine": 5,
-         "serve": 6, "bench": 6, "cli": 7}
+         "text": 1, "structured": 1.5, "ops": 2, "model": 3, "assets": 3.5, "parallel": 3.7, "cache": 4,
+         "engine": 5, "disagg": 5.5, "serve": 6, "bench": 6, "router": 6.5, "cli": 7}
 
 
 def _modules() -> dict[str, pathlib.Path]:

@@ -24,6 +24,7 @@ from .chat_prompt import ChatPlan, plan_chat
 from ...engine.ipc import TokenOutput
 from ..chat_format.parsers import Delta, OutputParser, ParsedMessage
 from .errors import bad_request
+from ...disagg.settings import KV_TRANSFER_HEADER
 from .fields import with_header
 from .limits import check_batch
 from .protocol import ChatCompletionRequest, parse_body
@@ -118,7 +119,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     texts = TokenTexts(state.tokenizer)
     choices = [ChatChoice(i, plan, state, texts, req.include_reasoning) for i in range(req.n)]
     try:
-        group = state.client.submit([plan.prompt_ids] * req.n, plan.params, uuid.uuid4().hex, plan.images)
+        group = state.client.submit([plan.prompt_ids] * req.n, plan.params, uuid.uuid4().hex, plan.images,
+                                    request.headers.get(KV_TRANSFER_HEADER))
     except NotEncodable as e:
         raise bad_request(str(e)) from None
     tracker = state.metrics.track(req.n, len(plan.prompt_ids))

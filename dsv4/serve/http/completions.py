@@ -22,6 +22,7 @@ from ..client import NotEncodable
 from .chat_prompt import MAX_N, per_choice
 from .errors import bad_request
 from ...engine.ipc import TokenOutput
+from ...disagg.settings import KV_TRANSFER_HEADER
 from .fields import with_header
 from .limits import check_batch
 from .protocol import CompletionRequest, check_model, parse_body, resolve_max_tokens, sampling_params
@@ -177,7 +178,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     rid = "cmpl-" + request.headers.get("x-request-id", uuid.uuid4().hex)
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": plan.model}
     try:
-        group = state.client.submit([c.prompt.ids for c in choices], plan.params, uuid.uuid4().hex)
+        group = state.client.submit([c.prompt.ids for c in choices], plan.params, uuid.uuid4().hex,
+                                    request.headers.get(KV_TRANSFER_HEADER))
     except NotEncodable as e:
         raise bad_request(str(e)) from None
     prompt_tokens = sum(len(p.ids) for p in plan.prompts)

@@ -36,6 +36,7 @@ class ServeSettings:
     api_key: str | None = None
     log_level: str = "info"
     limits: ServerLimits = field(default_factory=ServerLimits)
+    disagg: object = None            # DisaggSettings (dsv4/disagg/settings.py) for --role prefill|decode
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -57,6 +58,9 @@ class APIServer:
         self.settings = settings
         self.sock = listen_socket(settings.host, settings.port)
         self.port = self.sock.getsockname()[1]
+        if settings.disagg is not None:
+            from ...disagg.serving import role_engine_target
+            engine_target = role_engine_target(settings.disagg)
         self.client = EngineClient(settings.model_dir, settings.engine, engine_target)
         self.uvicorn: GracefulServer | None = None
         self.engine_died = False
@@ -81,7 +85,11 @@ class APIServer:
             state = ServerState.create(self.client, s.model_dir, s.model_names, s.api_key, s.limits,
                                        s.engine.tokenizer)
             self.client.on_death = self._engine_died
-            config = uvicorn.Config(build_app(state, on_ready), log_level=s.log_level)
+            app = build_app(state, on_ready)
+            if s.disagg is not None:
+                from ...disagg.serving import add_disagg_routes
+                add_disagg_routes(app, state, s.disagg)
+            config = uvicorn.Config(app, log_level=s.log_level)
             self.uvicorn = GracefulServer(config, s.limits.shutdown_timeout, self.client.fail_all)
             self.uvicorn.run(sockets=[self.sock])
         except KeyboardInterrupt:

@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation (docs/architecture.md, "Disaggregation")."""
