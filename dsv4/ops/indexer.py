@@ -11,6 +11,7 @@ whatever the context length (never a [T, E] score table).
 import torch
 
 from .backend import use_triton
+from .kv_fp8 import is_packed, unpack_index_keys
 from .paged import PagedRows, index_width
 from .stream_topk import RunningTopk
 
@@ -21,8 +22,8 @@ TILE_ELEMS = 1 << 22   # bound on a tile's [tokens, heads or dim, entries] inter
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor | PagedRows,
                  topk: int, weight_scale: float = 1.0) -> torch.Tensor:
     """q [T, Hi, Di], weights [T, Hi] (w[t, h] = weights[t, h] * weight_scale, e.g. the
-    projection's output and index_heads^-0.5), keys [N, Di], cand [T, E] or a PagedRows of
-    width E (rows long, as its dense form).
+    projection's output and index_heads^-0.5), keys [N, Di] (or packed FP8 [N, Di + 4] uint8,
+    dsv4/ops/kv_fp8.py), cand [T, E] or a PagedRows of width E (rows long, as its dense form).
 
     Returns [T, min(topk, E)] flat rows of the chosen entries, -1 where fewer are valid.
     """
@@ -82,7 +83,8 @@ def _cand_tile(cand, start, stop, e0, e1) -> torch.Tensor:
 
 def _scores(q, weights, keys, cand) -> torch.Tensor:
     """q [t, Hi, Di], weights [t, Hi] fp32, cand [t, W] rows (-1 absent) -> [t, W] fp32."""
-    gathered = keys[cand.clamp(min=0)].float()                             # [t, W, Di]
+    gathered = keys[cand.clamp(min=0)]                                     # [t, W, Di] (or packed)
+    gathered = unpack_index_keys(gathered) if is_packed(keys) else gathered.float()
     scores = torch.relu(torch.einsum("thd,ted->the", q.float(), gathered)) * q.shape[-1] ** -0.5
     scores = (scores * weights[..., None]).sum(dim=1)                      # [t, W]
     return scores.masked_fill(cand < 0, float("-inf"))

@@ -207,3 +207,17 @@ def test_tiles_and_ties_are_the_reference(score_tile, topk, device, monkeypatch)
         want_rows, want_offsets = ref.indexer_topk_offsets(q, weights, keys, cpu, topk)
     assert torch.equal(offsets.cpu(), want_offsets) and torch.equal(rows.cpu(), want_rows)
     assert tri.tile_width(23, topk, 16) % 16 == 0 and tri.tile_width(23, topk) >= topk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_fp8_keys(dtype, device):
+    """FP8 keys (uint8 [N, Di + 4], dsv4/ops/kv_fp8.py) dequantised in the kernel: the scores
+    of the dequantised keys; the selection of the reference given the packed pool."""
+    from dsv4.ops.kv_fp8 import pack_index_keys, unpack_index_keys
+    q, weights, keys, cand = paged_inputs(9, 40, dtype, device, seed=4, Di=32)
+    packed = pack_index_keys(keys.float())
+    plain = unpack_index_keys(packed)
+    assert_scores_close(tri.indexer_scores(q, weights, packed, cand).cpu(),
+                        reference_scores(q.cpu(), weights.cpu(), plain.cpu(), cand.dense().cpu()))
+    got = tri.indexer_topk(q, weights, packed, cand, 7)
+    assert_same_selection(got, q, weights, plain, cand.dense(), 7)

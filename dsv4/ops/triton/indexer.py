@@ -39,7 +39,8 @@ def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, ou
                    stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
                    stride_kn, stride_kd, stride_ct, stride_ce, stride_ot,
                    HI_P: tl.constexpr, DI_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                   FP32_DOT: tl.constexpr, PAGED: tl.constexpr, PER_PAGE: tl.constexpr):
+                   FP32_DOT: tl.constexpr, PAGED: tl.constexpr, PER_PAGE: tl.constexpr,
+                   PACKED: tl.constexpr):
     # One program = token t x candidates [e0, e0 + BLOCK_E) of the tile [E0, E), written to
     # column e0 - E0 of out. The blocks of one token are adjacent program ids, so q[t] is read
     # from DRAM once and then served by L2.
@@ -68,8 +69,15 @@ def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, ou
     if tl.max(rows, axis=0) >= 0:
         q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                     mask=h_ok[:, None] & d_ok[None, :], other=0.0)            # [HI_P, DI_P]
-        k = tl.load(keys_ptr + rows[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=valid[:, None] & d_ok[None, :], other=0.0)          # [BLOCK_E, DI_P]
+        if PACKED:      # FP8 row: DI e4m3 bytes, then an fp32 scale (dsv4/ops/kv_fp8.py)
+            raw = tl.load(keys_ptr + rows[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                          mask=valid[:, None] & d_ok[None, :], other=0)
+            row_scale = tl.load((keys_ptr + rows * stride_kn + DI).to(tl.pointer_type(tl.float32)),
+                                mask=valid, other=0.0)
+            k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * row_scale[:, None]
+        else:
+            k = tl.load(keys_ptr + rows[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                        mask=valid[:, None] & d_ok[None, :], other=0.0)      # [BLOCK_E, DI_P]
         if FP32_DOT:            # fp32 or mixed inputs: exact fp32 products (no tf32)
             q = q.to(tl.float32)
             k = k.to(tl.float32)
@@ -116,9 +124,10 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, c
                    block_e: int = BLOCK_E, weight_scale: float = 1.0, e0: int = 0,
                    e1: int | None = None) -> torch.Tensor:
     """q [T, Hi, Di], weights [T, Hi] (x weight_scale), keys [N, Di], cand [T, E] (-1 = absent)
-    or a PagedRows of width E -> [T, e1 - e0] fp32: the scores of candidates [e0, e1) (all E
+    or a PagedRows of width E -> [T, e1 - e0] fp32 (keys may be packed FP8: uint8 [N, Di + 4]): the scores of candidates [e0, e1) (all E
     by default)."""
     T, Hi, Di = q.shape
+    packed = keys.dtype == torch.uint8          # FP8 keys [N, Di + 4] (dsv4/ops/kv_fp8.py)
     e1 = index_width(cand) if e1 is None else e1
     scores = torch.empty((T, e1 - e0), dtype=torch.float32, device=q.device)
     if T == 0 or e1 <= e0:
@@ -144,7 +153,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, c
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
         keys.stride(0), keys.stride(1), table.stride(0), table.stride(1), scores.stride(0),
         HI_P=hi_p, DI_P=di_p, BLOCK_E=block_e, FP32_DOT=fp32_dot, PAGED=paged, PER_PAGE=per_page,
-        num_warps=NUM_WARPS)
+        PACKED=packed, num_warps=NUM_WARPS)
     return scores
 
 
