@@ -10,7 +10,7 @@ import torch
 
 from ..cache.layout import CacheLayout
 from ..cache.manager import CacheManager
-from ..cache.sizing import memory_report, plan_cache
+from ..cache.sizing import memory_report, plan_cache, prefix_caching
 from ..config import ConfigError, EngineConfig
 from .outputs import RequestOutput
 from .inflight import HostCopy, PromptLogprobRows, StepInFlight
@@ -44,10 +44,11 @@ class LLMEngine:
             check_speculative(spec, self.model)
         self.cfg = self.model.cfg
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.tokenizer or model_dir)
-        self.layout = CacheLayout(self.cfg, spec_slots=config.spec_slots, with_mtp=spec is not None)
+        self.layout = CacheLayout(self.cfg, spec_slots=config.spec_slots, with_mtp=spec is not None,
+                                  kv_fp8=config.kv_cache_dtype == "fp8")
         self.plan = plan_cache(self.layout, config, DTYPES[config.dtype])
         self.max_model_len = self._max_model_len()
-        self.cache = CacheManager(self.layout, self.plan, prefix_caching=config.enable_prefix_caching)
+        self.cache = CacheManager(self.layout, self.plan, prefix_caching=prefix_caching(config))
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(self.model, self.layout, self.plan, self.cache, config.device,
                                   0 if config.enforce_eager else config.cuda_graph_max_bs,

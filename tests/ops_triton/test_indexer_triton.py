@@ -20,7 +20,7 @@ TIE_GAP = 1e-4          # relative gap between the k-th and (k+1)-th score for a
 
 
 def reference_scores(q, weights, keys, cand):
-    """[T, E] fp32: the reference's scores (the math of dsv4.ops.indexer._select)."""
+    """[T, E] fp32: the reference's scores (the math of dsv4.ops.indexer._scores)."""
     gathered = keys[cand.clamp(min=0)].float()                             # [T, E, Di]
     scores = torch.relu(torch.einsum("thd,ted->the", q.float(), gathered)) * q.shape[-1] ** -0.5
     scores = (scores * weights.float()[..., None]).sum(dim=1)
