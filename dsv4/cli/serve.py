@@ -63,6 +63,8 @@ def run(args) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
 
+    print(info.memory_report, flush=True)       # the memory plan, as `dsv4 plan` reports it
+
     def ready() -> None:
         print(f"dsv4 serve: ready at {server.url} (model {', '.join(names)}, max_model_len "
               f"{info.max_model_len})", flush=True)

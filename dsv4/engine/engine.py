@@ -10,6 +10,7 @@ import torch
 
 from ..cache.layout import CacheLayout
 from ..cache.manager import CacheManager
+from ..cache.report import loaded_weight_bytes, model_dtype_plan, plan_report
 from ..cache.sizing import memory_report, plan_cache, prefix_caching
 from ..config import ConfigError, EngineConfig
 from .outputs import RequestOutput
@@ -82,7 +83,11 @@ class LLMEngine:
         return want if want is not None else limit
 
     def memory_report(self) -> str:
-        return memory_report(self.layout, self.plan, DTYPES[self.config.dtype], self.max_model_len)
+        """The cache line, then the memory plan (`dsv4 plan`'s report, with the loaded weights)."""
+        dtype = DTYPES[self.config.dtype]
+        plan = plan_report(loaded_weight_bytes(self.model), self.layout, self.plan, dtype, self.max_model_len,
+                           model_dtype_plan(self.layout, self.plan, dtype, self.config.max_num_batched_tokens))
+        return memory_report(self.layout, self.plan, dtype, self.max_model_len) + "\n" + plan
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
