@@ -30,7 +30,9 @@ from ..stream_topk import RunningTopk
 BLOCK_E = 128       # candidates per program (best measured on an H200 for E >= 1k: benchmarks/kernels/indexer.py)
 NUM_WARPS = 4
 ROWS_BLOCK = 1024   # chosen positions per program of the paged rows kernel (top-k 512: one a token)
-SCORE_TILE = 1 << 24  # scores of one tile (fp32 + an int64 key each: 192 MiB); 1M context, T <= 64: one tile
+# scores of one tile: 64M (fp32 + int64 key + the merge's copy: ~1.3 GiB transient, whatever the
+# context); a decode step of T <= 256 tokens at 1M context (262,144 C4 entries) is one tile
+SCORE_TILE = 1 << 26
 
 
 @triton.jit
