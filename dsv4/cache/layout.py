@@ -4,6 +4,9 @@
   indexer-key slots (CSA layers) or 2 C128 slots (HCA layers). Entry e of ratio m sits on
   logical page e*m // 256, slot e % (256 // m).
 * sliding-window keys: request-private 128-slot pages, logical page = pos // 128, every layer.
+* with `kv_fp8` (`--kv-cache-dtype fp8`) SWA keys, C4 and C128 entries are packed FP8 rows
+  (584 bytes on V4) and indexer keys FP8 + an fp32 scale (132 bytes), dsv4/ops/kv_fp8.py;
+  the rings keep the model dtype.
 * compressor continuation: request-private rings addressed by position, `span + S` rows
   per request (span 8 for CSA compressor and indexer, 128 for HCA), S = speculative slots.
   The CSA rings have 4 more rows per request, never addressed by position: the staging rows
@@ -15,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import CSA_RATIO, HCA_RATIO, ModelConfig
+from ..ops.kv_fp8 import entry_bytes, index_key_bytes
 
 PAGE_TOKENS = 256
 SWA_PAGE_TOKENS = 128
@@ -33,6 +37,22 @@ class CacheLayout:
     cfg: ModelConfig
     spec_slots: int = 0          # S: most speculative tokens in flight
     with_mtp: bool = False       # also keep SWA keys for the MTP layer
+    kv_fp8: bool = False         # packed FP8 SWA keys, C4/C128 entries and indexer keys (ops/kv_fp8.py)
+
+    @property
+    def entry_width(self) -> int:
+        """Row width (C) of the SWA, C4 and C128 storage: D values, or packed bytes."""
+        c = self.cfg
+        return entry_bytes(c.head_dim, c.qk_rope_head_dim) if self.kv_fp8 else c.head_dim
+
+    @property
+    def index_width(self) -> int:
+        """Row width of the indexer-key storage: Di values, or packed bytes."""
+        return index_key_bytes(self.cfg.index_head_dim) if self.kv_fp8 else self.cfg.index_head_dim
+
+    def row_elem(self, elem: int) -> int:
+        """Bytes of one element of a packed-able kind: 1 (packed bytes) or the model dtype's."""
+        return 1 if self.kv_fp8 else elem
 
     @property
     def csa_layers(self) -> tuple[int, ...]:
@@ -90,13 +110,12 @@ class CacheLayout:
     # ---- bytes ------------------------------------------------------------------------
     def page_bytes(self, elem: int) -> int:
         """One 256-token compressed-history page across all layers."""
-        c = self.cfg
-        per_csa = (PAGE_TOKENS // CSA_RATIO) * (c.head_dim + c.index_head_dim)
-        per_hca = (PAGE_TOKENS // HCA_RATIO) * c.head_dim
-        return elem * (len(self.csa_layers) * per_csa + len(self.hca_layers) * per_hca)
+        per_csa = (PAGE_TOKENS // CSA_RATIO) * (self.entry_width + self.index_width)
+        per_hca = (PAGE_TOKENS // HCA_RATIO) * self.entry_width
+        return self.row_elem(elem) * (len(self.csa_layers) * per_csa + len(self.hca_layers) * per_hca)
 
     def swa_page_bytes(self, elem: int) -> int:
-        return elem * SWA_PAGE_TOKENS * self.cfg.head_dim * self.num_swa_layers
+        return self.row_elem(elem) * SWA_PAGE_TOKENS * self.entry_width * self.num_swa_layers
 
     def ring_bytes(self, elem: int) -> int:
         """Compressor rings of one request (kv + gate, all compressed layers)."""

@@ -9,7 +9,7 @@ import torch
 from ..config import EngineConfig
 from .checkpoint import CheckpointFormat
 from .layout import PAGE_TOKENS, CacheLayout, CachePlan, default_checkpoints, dtype_bytes
-from .storage import storage_shapes
+from .storage import storage_dtype, storage_shapes
 
 # storage kinds (cache/storage.py) -> the component a report names
 COMPONENTS = {"swa": "sliding-window pages", "c4": "C4 entries (CSA)", "idx": "indexer keys (CSA)",
@@ -18,12 +18,18 @@ COMPONENTS = {"swa": "sliding-window pages", "c4": "C4 entries (CSA)", "idx": "i
               "hring_kv": "HCA compressor rings", "hring_gate": "HCA compressor rings"}
 
 
+def prefix_caching(config: EngineConfig) -> bool:
+    """Whether the engine keeps a prefix cache: asked for, and the KV rows are not packed FP8
+    (a checkpoint is one flat buffer of the model dtype, cache/checkpoint.py)."""
+    return config.enable_prefix_caching and config.kv_cache_dtype != "fp8"
+
+
 def plan_cache(layout: CacheLayout, config: EngineConfig, dtype: torch.dtype) -> CachePlan:
     """`num_pages` when given; else split `cache_memory_gb` (or 90% of the device's free memory,
     1 GiB on the CPU) between rings, SWA pages, prefix-cache checkpoints (with prefix caching;
     `num_checkpoints` or `layout.default_checkpoints`) and history pages."""
     c = config
-    ckpt = CheckpointFormat(layout, dtype).nbytes() if c.enable_prefix_caching else 0
+    ckpt = CheckpointFormat(layout, dtype).nbytes() if prefix_caching(c) else 0
     if c.num_pages is not None:
         swa = layout.swa_pages_needed(c.max_num_seqs, c.max_num_batched_tokens)
         checkpoints = 0 if not ckpt else (c.num_checkpoints if c.num_checkpoints is not None
@@ -45,7 +51,8 @@ def cache_components(layout: CacheLayout, plan: CachePlan, dtype: torch.dtype) -
     included): exactly the sum of its tensors' bytes."""
     out: dict[str, int] = {}
     for kind, shape in storage_shapes(layout, plan).items():
-        out[COMPONENTS[kind]] = out.get(COMPONENTS[kind], 0) + math.prod(shape) * dtype_bytes(dtype)
+        nbytes = math.prod(shape) * dtype_bytes(storage_dtype(layout, kind, dtype))
+        out[COMPONENTS[kind]] = out.get(COMPONENTS[kind], 0) + nbytes
     if plan.num_checkpoints:
         out["prefix-cache checkpoints"] = plan.num_checkpoints * CheckpointFormat(layout, dtype).nbytes()
     return out
@@ -75,7 +82,8 @@ def memory_report(layout: CacheLayout, plan: CachePlan, dtype: torch.dtype, max_
     fit = requests_that_fit(plan, max_model_len)
     parts = cache_components(layout, plan, dtype)
     detail = ", ".join(f"{name} {nbytes / 2**20:.1f}" for name, nbytes in parts.items())
-    return (f"KV cache: {plan.num_pages} history pages x {PAGE_TOKENS} tokens = {plan.max_tokens} tokens, "
+    kv = "packed FP8" if layout.kv_fp8 else str(dtype).removeprefix("torch.")
+    return (f"KV cache ({kv}): {plan.num_pages} history pages x {PAGE_TOKENS} tokens = {plan.max_tokens} tokens, "
             f"{plan.num_swa_pages} sliding-window pages, {plan.max_num_seqs} request slots, "
             f"{plan.num_checkpoints} prefix-cache checkpoints, {sum(parts.values()) / 2**20:.1f} MiB ({detail} MiB); {fit} request(s) of "
             f"max_model_len {max_model_len} fit at once"

@@ -9,6 +9,9 @@ One tensor per kind, [units, layers of the kind, rows per unit, C]:
                                                     then the staging rows (layout.py)
   hca rings  [slots + 1, L_hca, 128 + S, D]        HCA compressor continuation (kv, gate)
 
+(with `layout.kv_fp8`, swa / c4 / c128 / idx are uint8 rows of packed FP8, dsv4/ops/kv_fp8.py:
+C = layout.entry_width / index_width bytes),
+
 and, with a prefix cache, `checkpoints` [num_checkpoints, numel]: one flat checkpoint a row
 (checkpoint.py: the private rows a request resumes from at a page boundary),
 
@@ -32,16 +35,24 @@ def storage_shapes(layout: CacheLayout, plan: CachePlan) -> dict[str, tuple[int,
     """Every storage tensor's shape [units (+1 scratch), layers of the kind, rows per unit, C]:
     what KVStorage allocates and what the planner (cache/sizing.py) counts."""
     c, csa, hca = layout.cfg, len(layout.csa_layers), len(layout.hca_layers)
-    D, Di = c.head_dim, c.index_head_dim
+    D, Di, row, irow = c.head_dim, c.index_head_dim, layout.entry_width, layout.index_width
     pages, swa_pages, slots = plan.num_pages + 1, plan.num_swa_pages + 1, plan.max_num_seqs + 1
-    shapes = {"swa": (swa_pages, layout.num_swa_layers, SWA_PAGE_TOKENS, D),
-              "c4": (pages, csa, PAGE_TOKENS // CSA_RATIO, D),
-              "idx": (pages, csa, PAGE_TOKENS // CSA_RATIO, Di),
-              "c128": (pages, hca, PAGE_TOKENS // HCA_RATIO, D)}
+    shapes = {"swa": (swa_pages, layout.num_swa_layers, SWA_PAGE_TOKENS, row),
+              "c4": (pages, csa, PAGE_TOKENS // CSA_RATIO, row),
+              "idx": (pages, csa, PAGE_TOKENS // CSA_RATIO, irow),
+              "c128": (pages, hca, PAGE_TOKENS // HCA_RATIO, row)}
     for name, layers, ring, width in (("ring", csa, layout.csa_ring_rows, 2 * D),
                                       ("iring", csa, layout.csa_ring_rows, 2 * Di), ("hring", hca, layout.hca_ring, D)):
         shapes[f"{name}_kv"] = shapes[f"{name}_gate"] = (slots, layers, ring, width)
     return shapes
+
+
+PACKABLE = ("swa", "c4", "idx", "c128")
+
+
+def storage_dtype(layout: CacheLayout, kind: str, dtype: torch.dtype) -> torch.dtype:
+    """The element type of a kind's tensor: uint8 for the packed FP8 kinds, else `dtype`."""
+    return torch.uint8 if layout.kv_fp8 and kind in PACKABLE else dtype
 
 
 class KVStorage:
@@ -50,7 +61,7 @@ class KVStorage:
         self.scratch_page, self.scratch_swa_page, self.scratch_slot = (plan.num_pages, plan.num_swa_pages,
                                                                        plan.max_num_seqs)
         self.ring_slots = plan.max_num_seqs + 1
-        self.kinds = {name: torch.zeros(shape, dtype=dtype, device=device)
+        self.kinds = {name: torch.zeros(shape, dtype=storage_dtype(layout, name, dtype), device=device)
                       for name, shape in storage_shapes(layout, plan).items()}
         self.layers = [self._layer_views(layer) for layer in range(layout.num_swa_layers)]
         self.checkpoint_format = CheckpointFormat(layout, dtype) if plan.num_checkpoints else None

@@ -15,6 +15,9 @@ HELP = {
     "max_model_len": "prompt + output tokens of one request (default: model max or what the cache holds)",
     "num_pages": "256-token history pages in the KV cache (default: from the memory budget)",
     "cache_memory_gb": "KV cache budget in GiB (default: 1 on CPU, 90%% of free GPU memory)",
+    "kv_cache_dtype": "auto (the model dtype) or fp8: DeepSeek's released packed rows (FP8 e4m3 with UE8M0 scales "
+                      "per 64 channels + bf16 RoPE part, 584 bytes an entry; FP8 indexer keys with an fp32 scale), "
+                      "quantised where written; turns the prefix cache off",
     "spec_slots": "speculative tokens the private cache state can roll back",
     "seed": "engine seed for unseeded sampling",
     "ops_backend": "auto (Triton kernels on CUDA) or reference (torch ops only)",

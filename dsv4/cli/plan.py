@@ -8,7 +8,6 @@ import torch
 from .args import positive_int
 from .engine_args import add_engine_args, engine_config
 
-GIB = 2**30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -23,11 +22,12 @@ def register(subparsers) -> None:
 
 def run(args) -> int:
     from ..cache.layout import CacheLayout
-    from ..cache.sizing import cache_components, plan_cache, requests_that_fit
+    from ..cache.report import model_dtype_plan, plan_report
+    from ..cache.sizing import plan_cache, requests_that_fit
     config = engine_config(args)
     cfg = _model_config(args.model)
     dtype = DTYPES[config.dtype]
-    layout = CacheLayout(cfg, spec_slots=config.spec_slots)
+    layout = CacheLayout(cfg, spec_slots=config.spec_slots, kv_fp8=config.kv_cache_dtype == "fp8")
     try:
         plan = plan_cache(layout, config, dtype)
     except ValueError as e:
@@ -36,15 +36,11 @@ def run(args) -> int:
     kinds = {0: "sliding", 4: "CSA", 128: "HCA"}
     mix = ", ".join(f"{cfg.compress_ratios.count(r)} {name}" for r, name in kinds.items() if r in cfg.compress_ratios)
     print(f"{args.model}: {cfg.num_hidden_layers} layers ({mix}), {config.dtype}")
-    _section("weights", _weights(cfg, dtype, config))
-    _section("KV cache (as allocated, scratch units included)", cache_components(layout, plan, dtype))
+    print(plan_report(_weights(cfg, dtype, config), layout, plan, dtype, tokens,
+                      model_dtype_plan(layout, plan, dtype, config.max_num_batched_tokens)))
     if config.tensor_parallel_size > 1:
         _per_rank(cfg, dtype, config, layout, plan)
-    fit = requests_that_fit(plan, tokens)
-    bound = "request slots" if fit == plan.max_num_seqs else "history pages"
-    print(f"fits: {plan.max_tokens} tokens of history ({plan.num_pages} pages of 256); "
-          f"{fit} request(s) of {tokens} tokens at once (bounded by {bound})")
-    if fit == 0:
+    if requests_that_fit(plan, tokens) == 0:
         raise SystemExit(f"--request-tokens: a request of {tokens} tokens does not fit this cache; "
                          f"raise --cache-memory-gb or --num-pages")
     return 0
@@ -94,12 +90,3 @@ def _weights(cfg, dtype: torch.dtype, config) -> dict[str, int]:
         f"routed experts ({p.n_routed_experts} per layer)": int(routed_bytes),
         "embedding and head": (p.embed + p.head) * elem,
     }
-
-
-def _section(title: str, parts: dict[str, int]) -> None:
-    width = max(len(k) for k in parts) + 2
-    unit, scale = ("GiB", GIB) if sum(parts.values()) >= GIB else ("MiB", 2**20)
-    print(f"{title}:")
-    for name, nbytes in parts.items():
-        print(f"  {name:<{width}} {nbytes / scale:10.3f} {unit}")
-    print(f"  {'total':<{width}} {sum(parts.values()) / scale:10.3f} {unit}")

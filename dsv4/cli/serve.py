@@ -80,6 +80,8 @@ def run(args) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
 
+    print(info.memory_report, flush=True)       # the memory plan, as `dsv4 plan` reports it
+
     def ready() -> None:
         print(f"dsv4 serve: ready at {server.url} (model {', '.join(names)}, max_model_len "
               f"{info.max_model_len})", flush=True)
@@ -111,6 +113,9 @@ def _disagg(args):
         if args.kv_transfer is not None:
             raise SystemExit("dsv4 serve: --kv-transfer needs --role prefill|decode")
         return None
+    if getattr(args, "kv_cache_dtype", "auto") == "fp8":
+        raise SystemExit("dsv4 serve: --role: the transferred state does not hold packed FP8 KV rows yet; "
+                         "use --kv-cache-dtype auto")
     from ..disagg.settings import parse_kv_transfer
     try:
         return parse_kv_transfer(args.role, args.kv_transfer)

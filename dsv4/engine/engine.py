@@ -11,7 +11,8 @@ import torch
 
 from ..cache.layout import CacheLayout
 from ..cache.manager import CacheManager
-from ..cache.sizing import memory_report, plan_cache
+from ..cache.report import loaded_weight_bytes, model_dtype_plan, plan_report
+from ..cache.sizing import memory_report, plan_cache, prefix_caching
 from ..cache.tiers import TierOptions
 from ..config import ConfigError, EngineConfig
 from .outputs import RequestOutput
@@ -58,10 +59,11 @@ class LLMEngine:
             check_speculative(spec, self.model)
         self.cfg = self.model.cfg
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.tokenizer or model_dir)
-        self.layout = CacheLayout(self.cfg, spec_slots=config.spec_slots, with_mtp=spec is not None)
+        self.layout = CacheLayout(self.cfg, spec_slots=config.spec_slots, with_mtp=spec is not None,
+                                  kv_fp8=config.kv_cache_dtype == "fp8")
         self.plan = plan_cache(self.layout, config, DTYPES[config.dtype])
         self.max_model_len = self._max_model_len()
-        self.cache = CacheManager(self.layout, self.plan, prefix_caching=config.enable_prefix_caching)
+        self.cache = CacheManager(self.layout, self.plan, prefix_caching=prefix_caching(config))
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(self.model, self.layout, self.plan, self.cache, config.device,
                                   0 if config.enforce_eager else config.cuda_graph_max_bs,
@@ -122,8 +124,12 @@ class LLMEngine:
         return want if want is not None else limit
 
     def memory_report(self) -> str:
-        return memory_report(self.layout, self.plan, DTYPES[self.config.dtype], self.max_model_len,
-                             self.config.tensor_parallel_size)
+        """The cache line, then the memory plan (`dsv4 plan`'s report, with the loaded weights)."""
+        dtype = DTYPES[self.config.dtype]
+        plan = plan_report(loaded_weight_bytes(self.model), self.layout, self.plan, dtype, self.max_model_len,
+                           model_dtype_plan(self.layout, self.plan, dtype, self.config.max_num_batched_tokens))
+        return memory_report(self.layout, self.plan, dtype, self.max_model_len,
+                             self.config.tensor_parallel_size) + "\n" + plan
 
     def close(self) -> None:
         """Stop the other ranks of a parallel run (nothing to do for one process)."""

@@ -15,9 +15,9 @@ class OneSequence:
     """A cache for one sequence of up to `n` tokens, pages in order; `batch(tokens)` is the
     ForwardBatch of a whole prefill of `tokens` (every row's logits) on the model's device."""
 
-    def __init__(self, model, n: int, with_mtp: bool = False):
+    def __init__(self, model, n: int, with_mtp: bool = False, kv_fp8: bool = False):
         self.device = next(model.parameters()).device
-        self.layout = CacheLayout(model.cfg, with_mtp=with_mtp)
+        self.layout = CacheLayout(model.cfg, with_mtp=with_mtp, kv_fp8=kv_fp8)
         self.pages, self.swa_pages = -(-n // PAGE_TOKENS), -(-n // SWA_PAGE_TOKENS)
         plan = CachePlan(num_pages=self.pages, num_swa_pages=self.swa_pages, max_num_seqs=1)
         self.storage = KVStorage(self.layout, plan, model.dtype, self.device)
@@ -29,8 +29,9 @@ class OneSequence:
 
 
 @torch.no_grad()
-def full_logits(model, token_ids: list[int]) -> torch.Tensor:
-    """One prefill of `token_ids` -> fp32 logits [len, vocab] for every position."""
-    one = OneSequence(model, len(token_ids))
+def full_logits(model, token_ids: list[int], kv_fp8: bool = False) -> torch.Tensor:
+    """One prefill of `token_ids` -> fp32 logits [len, vocab] for every position (kv_fp8: with
+    the packed FP8 KV cache)."""
+    one = OneSequence(model, len(token_ids), kv_fp8=kv_fp8)
     fb = one.batch(token_ids)
     return model.logits(model(fb, one.storage.layers)[fb.logits_rows])

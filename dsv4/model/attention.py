@@ -8,6 +8,7 @@ from torch import nn
 
 from ..config import CSA_RATIO, HCA_RATIO, ModelConfig
 from ..ops.attention import sparse_attention
+from ..ops.kv_fp8 import is_packed, write_entries
 from ..ops.rope import apply_rope, norm_rope, rope_cos_sin
 from ..ops.translate import translate_topk
 from .compressor import Indexer, make_compressor
@@ -22,6 +23,7 @@ class Attention(nn.Module):
         self.layer, self.ratio = layer, ratio
         self.heads, self.head_dim, self.groups = cfg.num_attention_heads, cfg.head_dim, cfg.o_groups
         self.eps, self.scale = cfg.rms_norm_eps, cfg.head_dim ** -0.5
+        self.rope_dims = cfg.qk_rope_head_dim
         self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank, dtype)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = Linear(cfg.q_lora_rank, self.heads * self.head_dim, dtype)
@@ -50,14 +52,18 @@ class Attention(nn.Module):
         q_a, kv_proj, *rest = fused_linear(x, self._input_linears())   # column slices of one GEMM
         q_res = self.q_norm(q_a)
         q = norm_rope(self.wq_b(q_res).unflatten(-1, (self.heads, self.head_dim)), None, self.eps, cos, sin)
-        norm_rope(kv_proj, self.kv_norm.weight, self.kv_norm.eps, cos, sin, out=kv.swa, rows=fb.swa_write)
+        if is_packed(kv.swa):        # FP8 KV: quantised where written (dsv4/ops/kv_fp8.py)
+            keys = norm_rope(kv_proj, self.kv_norm.weight, self.kv_norm.eps, cos, sin)
+            write_entries(kv.swa, fb.swa_write, keys, self.rope_dims)
+        else:
+            norm_rope(kv_proj, self.kv_norm.weight, self.kv_norm.eps, cos, sin, out=kv.swa, rows=fb.swa_write)
         sources = [(kv.swa, fb.swa)]
         if self.ratio == CSA_RATIO:
             sources.append((kv.c4, self._select(rest, q_res, fb, kv, rope, cos, sin, topk)))
         elif self.ratio == HCA_RATIO:
             self.compressor(*rest, fb.hca, kv.ring_kv, kv.ring_gate, kv.c128, rope.entries(fb.hca))
             sources.append((kv.c128, fb.c128))
-        out = sparse_attention(q, sources, self.attn_sink, self.scale)
+        out = sparse_attention(q, sources, self.attn_sink, self.scale, self.rope_dims)
         out = apply_rope(out, cos, sin, inverse=True)
         return self.wo_b(self._grouped_wo_a(out))
 

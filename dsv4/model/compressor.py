@@ -7,6 +7,7 @@ from torch import nn
 from ..config import CSA_RATIO, HCA_RATIO, ModelConfig
 from ..ops.compress import close_groups, ring_write
 from ..ops.indexer import indexer_topk, indexer_topk_offsets
+from ..ops.kv_fp8 import is_packed, write_entries, write_index_keys
 from ..ops.rope import apply_rope
 from ..ops.paged import PagedRows
 from .forward_batch import CompressPlan
@@ -23,6 +24,8 @@ class Compressor(nn.Module):
     def __init__(self, cfg: ModelConfig, ratio: int, dim: int, dtype: torch.dtype):
         super().__init__()
         self.ratio, self.overlap = ratio, ratio == CSA_RATIO
+        self.dim, self.rope_dims = dim, cfg.qk_rope_head_dim
+        self.index_keys = False      # the indexer's compressor: its packed rows are FP8 index keys
         width = 2 * dim if self.overlap else dim
         self.wkv = Linear(cfg.hidden_size, width, dtype)
         self.wgate = Linear(cfg.hidden_size, width, dtype)
@@ -34,7 +37,17 @@ class Compressor(nn.Module):
         """kv = wkv(x), gate = wgate(x) [T, width] (the attention's fused GEMM computes them).
         Close this step's groups into `pool` (RoPE at entry_cos_sin [G, R]), then move the
         step's tail into the ring."""
-        if plan.rows.shape[0]:
+        if plan.rows.shape[0] and is_packed(pool):      # FP8 KV: close into model-dtype rows, then pack
+            G = plan.rows.shape[0]
+            entries = torch.empty((G, self.dim), dtype=ring_kv.dtype, device=ring_kv.device)
+            close_groups(ring_kv, ring_gate, kv, gate, plan.rows, plan.ring_rows, self.ape, self.overlap,
+                         self.norm.weight, self.norm.eps, *entry_cos_sin, entries,
+                         torch.arange(G, device=entries.device))
+            if self.index_keys:
+                write_index_keys(pool, plan.entry_slot, entries)
+            else:
+                write_entries(pool, plan.entry_slot, entries, self.rope_dims)
+        elif plan.rows.shape[0]:
             close_groups(ring_kv, ring_gate, kv, gate, plan.rows, plan.ring_rows, self.ape, self.overlap,
                          self.norm.weight, self.norm.eps, *entry_cos_sin, pool, plan.entry_slot)
         if plan.ring_dst.shape[0]:
@@ -51,6 +64,7 @@ class Indexer(nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, self.heads * self.dim, dtype)
         self.weights_proj = Linear(cfg.hidden_size, self.heads, dtype)
         self.compressor = Compressor(cfg, CSA_RATIO, self.dim, dtype)
+        self.compressor.index_keys = True
 
     def select(self, weights: torch.Tensor, q_res: torch.Tensor, cand: PagedRows, keys: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -75,3 +75,14 @@ def test_check_reports_kept_fp8_dense_agreement(checkpoints, capsys):
     assert quant_gemm.FP8_DENSE_GEMM == "w8a16"                    # restored after the run
     with pytest.raises(SystemExit, match="--fp8-gemm needs --keep-fp8-dense"):
         main(["check", "--model", checkpoints["fp8"], "--fp8-gemm", "w8a8"])
+
+
+def test_check_reports_the_fp8_kv_gap(checkpoints, capsys):
+    """--kv-cache-dtype fp8: the oracle gap with the packed FP8 KV cache, under the FP8 tolerance
+    (median position, greedy agreement), larger than the model-dtype cache's gap."""
+    code, out = run_check(capsys, "--model", checkpoints["deepseek"], "--kv-cache-dtype", "fp8", "--json")
+    result = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and result["ok"] is True and result["kv_cache_dtype"] == "fp8"
+    assert result["tolerance"] == 5e-2 and result["argmax_agree"] >= 0.85
+    assert 1e-4 * result["ref_scale"] < result["max_abs_diff"]            # FP8 is not the fp32 cache
+    assert result["median_abs_diff"] <= 5e-2 * result["ref_scale"]

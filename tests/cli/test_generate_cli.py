@@ -47,8 +47,9 @@ def test_generate_reports_memory(checkpoint, capsys):
     capsys.readouterr()
     assert generate(checkpoint, "--show-memory", "--max-model-len", "1024") == 0
     out = capsys.readouterr().out
-    [memory] = [line for line in out.splitlines() if "pages" in line]
+    [memory] = [line for line in out.splitlines() if "history pages x" in line]
     assert re.search(r"\b8 history pages x 256 tokens = 2048 tokens\b", memory)
+    assert "weights:" in out and "fits: 2048 tokens of history" in out        # then the memory plan
     assert re.search(r"\b4 request slots\b", memory)
     assert re.search(r"\b2 request\(s\) of max_model_len 1024 fit at once", memory)
     assert len(token_lines(out)) == 1

@@ -45,3 +45,29 @@ def test_cli_refuses_a_request_that_never_fits(capsys):
         main(["plan", "--model", "random:tiny", "--num-pages", "4", "--request-tokens", "5000"])
     with pytest.raises(SystemExit, match="--model"):
         main(["plan", "--model", "/nonexistent/checkpoint"])
+
+
+def test_fp8_planned_bytes_equal_the_allocated_tensors():
+    layout = CacheLayout(preset_config("tiny"), kv_fp8=True)
+    plan = CachePlan(num_pages=5, num_swa_pages=4, max_num_seqs=2)
+    storage = KVStorage(layout, plan, torch.bfloat16, "cpu")
+    assert sum(cache_components(layout, plan, torch.bfloat16).values()) == storage.nbytes()
+    assert storage.kinds["swa"].dtype == storage.kinds["idx"].dtype == torch.uint8
+    assert storage.kinds["c4"].shape[-1] == 88 and storage.kinds["idx"].shape[-1] == 36     # 48+32+1 -> 88; 32+4
+    assert storage.kinds["ring_kv"].dtype == torch.bfloat16
+
+
+def test_cli_fp8_shows_the_capacity_gain(capsys):
+    args = ["plan", "--model", "random:flash-slice:6", "--dtype", "bfloat16", "--cache-memory-gb", "40",
+            "--request-tokens", "1000000"]
+    assert main(args + ["--no-enable-prefix-caching"]) == 0        # FP8 KV keeps no checkpoints either
+    plain = capsys.readouterr().out
+    assert main(args + ["--kv-cache-dtype", "fp8"]) == 0
+    fp8 = capsys.readouterr().out
+    tokens = [int(out.split("fits: ")[1].split()[0]) for out in (plain, fp8)]
+    assert tokens[1] >= 1.7 * tokens[0]                        # the target
+    gain = float(fp8.split("FP8 KV: ")[1].split("x")[0])
+    assert gain == pytest.approx(tokens[1] / tokens[0], rel=1e-2)
+    assert "packed FP8" in fp8 and "FP8 KV:" not in plain
+    with pytest.raises(SystemExit, match="--kv-cache-dtype"):
+        main(["plan", "--model", "random:tiny", "--kv-cache-dtype", "int4"])

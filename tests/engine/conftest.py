@@ -114,24 +114,30 @@ def indexer_gaps():
     """Record, for every indexer top-k call of the forwards inside, the score gap between the
     k-th and (k+1)-th candidate of each query row (inf where at most k are causal)."""
     import dsv4.ops.indexer as ix
-    original, calls = ix._select, []
+    from dsv4.ops.kv_fp8 import is_packed, unpack_index_keys
+    from dsv4.ops.paged import dense_index
+    original, calls = ix._topk, []
 
-    def spy(q, weights, keys, cand, k):
-        scores = torch.relu(torch.einsum("thd,ted->the", q.float(), keys[cand.clamp(min=0)].float()))
-        scores = (scores * q.shape[-1] ** -0.5 * weights.float()[..., None]).sum(dim=1)
-        scores = scores.masked_fill(cand < 0, float("-inf"))
+    def spy(q, weights, keys, cand, topk, weight_scale):
+        dense = dense_index(cand)
+        k = min(topk, dense.shape[1])
+        gathered = keys[dense.clamp(min=0)]
+        gathered = unpack_index_keys(gathered) if is_packed(keys) else gathered.float()
+        scores = torch.relu(torch.einsum("thd,ted->the", q.float(), gathered))
+        scores = (scores * q.shape[-1] ** -0.5 * (weights.float() * weight_scale)[..., None]).sum(dim=1)
+        scores = scores.masked_fill(dense < 0, float("-inf"))
         gap = torch.full((q.shape[0],), float("inf"))
         if scores.shape[1] > k:
             top = scores.topk(k + 1, dim=-1).values
             gap = torch.where(torch.isfinite(top[:, k]), top[:, k - 1] - top[:, k], gap)
         calls.append(gap)
-        return original(q, weights, keys, cand, k)
+        return original(q, weights, keys, cand, topk, weight_scale)
 
-    ix._select = spy
+    ix._topk = spy
     try:
         yield calls
     finally:
-        ix._select = original
+        ix._topk = original
 
 
 def tie_positions(model, ids: list[int]) -> list[int]:

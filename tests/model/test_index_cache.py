@@ -21,6 +21,7 @@ import dsv4.ops.indexer as indexer_ops
 import dsv4.model.attention as attention_module
 from dsv4.engine.oneshot import OneSequence, full_logits
 from dsv4.model.weights import load_model
+from dsv4.ops.paged import dense_index
 
 from test_oracle import CONFIGS, assert_matches
 
@@ -66,23 +67,25 @@ def replace_shared_selections(pattern: str):
 def boundary_gaps():
     """Every selection's score gap between the k-th and (k+1)-th candidate (inf where at most k
     are causal): the comparisons are well posed only without ties there."""
-    inner, gaps = indexer_ops._select, []
+    inner, gaps = indexer_ops._topk, []
 
-    def spy(q, weights, keys, cand, k):
-        scores = torch.relu(torch.einsum("thd,ted->the", q.float(), keys[cand.clamp(min=0)].float()))
-        scores = (scores * q.shape[-1] ** -0.5 * weights.float()[..., None]).sum(dim=1)
-        scores = scores.masked_fill(cand < 0, float("-inf"))
+    def spy(q, weights, keys, cand, topk, weight_scale):
+        dense = dense_index(cand)
+        k = min(topk, dense.shape[1])
+        scores = torch.relu(torch.einsum("thd,ted->the", q.float(), keys[dense.clamp(min=0)].float()))
+        scores = (scores * q.shape[-1] ** -0.5 * (weights.float() * weight_scale)[..., None]).sum(dim=1)
+        scores = scores.masked_fill(dense < 0, float("-inf"))
         if scores.shape[1] > k:
             top = scores.topk(k + 1, dim=-1).values
             gap = top[:, k - 1] - top[:, k]
             gaps.append(float(gap[torch.isfinite(top[:, k])].min()))
-        return inner(q, weights, keys, cand, k)
+        return inner(q, weights, keys, cand, topk, weight_scale)
 
-    indexer_ops._select = spy
+    indexer_ops._topk = spy
     try:
         yield gaps
     finally:
-        indexer_ops._select = inner
+        indexer_ops._topk = inner
 
 
 def model_at(ckpt, freq):

@@ -87,19 +87,36 @@ def indexer_inputs(T, width, Hi=4, Di=16, seed=0):
     return q, torch.randn(T, Hi, generator=g), torch.randn(n, Di, generator=g), cand
 
 
+class RowsAtCalls:
+    """Records the shape of every PagedRows.rows_at result."""
+
+    def __init__(self, monkeypatch):
+        self.shapes = []
+        rows_at = PagedRows.rows_at
+
+        def spy(paged, k, start=0, stop=None):
+            out = rows_at(paged, k, start, stop)
+            self.shapes.append(tuple(out.shape))
+            return out
+        monkeypatch.setattr(PagedRows, "rows_at", spy)
+
+
 @pytest.mark.parametrize("topk", [5, 24, 100])            # fewer than width, width, more
 def test_indexer_paged_is_dense(monkeypatch, topk):
     monkeypatch.setattr(indexer_ops, "QUERY_BLOCK", 8)
-    calls = DenseCalls(monkeypatch)
+    monkeypatch.setattr(indexer_ops, "TILE_ELEMS", 8 * 4 * 6)      # 6-entry tiles (or k wide)
+    calls = RowsAtCalls(monkeypatch)
     q, weights, keys, cand = indexer_inputs(29, 24)
     dense = cand.dense()
-    calls.sizes.clear()
+    calls.shapes.clear()
     with backend.forced("reference"):
         got = indexer_ops.indexer_topk(q, weights, keys, cand, topk, 0.5)
         want = indexer_ops.indexer_topk(q, weights, keys, dense, topk, 0.5)
     assert got.shape == (29, min(topk, 24)) and got.dtype == torch.long
     assert torch.equal(got, want)
-    assert calls.sizes and max(calls.sizes) <= 8
+    tiles = calls.shapes[:-1]                     # the last call turns the chosen offsets into rows
+    assert tiles and max(t for t, _ in tiles) <= 8, "the reference builds the rows block by block"
+    assert max(w for _, w in tiles) <= max(6, min(topk, 24)), "and tile by tile"
     n = (cand.hi - cand.lo).clamp(min=0, max=24)
     assert torch.equal((got >= 0).sum(1), n.clamp(max=got.shape[1]))
 

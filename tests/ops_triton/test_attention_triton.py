@@ -192,3 +192,28 @@ def test_paged_dispatch(device, monkeypatch):
                                                          sources[0][1].lo[:4], sources[0][1].hi[:4])),
                                        per_page=16, pitch=48, width=16))]
     assert not triton_attention.supports(q, short, sinks)           # a token count other than T
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mix, splits", [("both", 3), ("second", 1)])
+def test_packed_fp8_pools(device, dtype, mix, splits, monkeypatch):
+    """Packed FP8 pools (dsv4/ops/kv_fp8.py; D = 64 with 16 RoPE channels: one partial scale
+    block) read in the kernel: the reference's result given the packed pools (which dequantises
+    the addressed rows), paged and dense sources, mixed with a plain pool; the dispatch of
+    ops.attention sends packed pools to the kernel."""
+    from dsv4.ops.kv_fp8 import pack_entries
+    q, sources, sinks = paged_inputs(device, 13, dtype)
+    sources[1] = (sources[1][0], sources[1][1].dense())
+    packed = [(pack_entries(kv.float(), 16), idx) if mix in ("both", name) else (kv, idx)
+              for (kv, idx), name in zip(sources, ("first", "second"))]
+    assert triton_attention.supports(q, packed, sinks, 16) and not triton_attention.supports(q, packed, sinks)
+    out = triton_attention.sparse_attention(q, packed, sinks, 0.125, rope_dims=16, num_splits=splits, block_k=16)
+    with backend.forced("reference"):
+        want = attention_ops.sparse_attention(q, packed, sinks, 0.125, 16)
+    torch.testing.assert_close(out.float(), want.float(), **TOL[dtype])
+    calls = []
+    monkeypatch.setattr(attention_ops, "use_triton", lambda t: True)
+    kernel = triton_attention.sparse_attention
+    monkeypatch.setattr(triton_attention, "sparse_attention", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+    attention_ops.sparse_attention(q, packed, sinks, 0.125, 16)
+    assert calls == [{"rope_dims": 16}]

@@ -20,7 +20,7 @@ TIE_GAP = 1e-4          # relative gap between the k-th and (k+1)-th score for a
 
 
 def reference_scores(q, weights, keys, cand):
-    """[T, E] fp32: the reference's scores (the math of dsv4.ops.indexer._select)."""
+    """[T, E] fp32: the reference's scores (the math of dsv4.ops.indexer._scores)."""
     gathered = keys[cand.clamp(min=0)].float()                             # [T, E, Di]
     scores = torch.relu(torch.einsum("thd,ted->the", q.float(), gathered)) * q.shape[-1] ** -0.5
     scores = (scores * weights.float()[..., None]).sum(dim=1)
@@ -186,3 +186,38 @@ def test_paged_dispatch(device, monkeypatch):
     assert len(calls) == 1
     monkeypatch.undo()                                   # the reference again, for the comparison
     assert_same_selection(got, q, weights, keys, cand.dense(), 6)
+
+
+@pytest.mark.parametrize("score_tile", [1, 40, 1 << 24])
+@pytest.mark.parametrize("topk", [3, 10])
+def test_tiles_and_ties_are_the_reference(score_tile, topk, device, monkeypatch):
+    """Small-integer inputs (exact sums in any order, many exact ties): the streamed top-k of
+    every tiling (SCORE_TILE 1: tiles of k entries rounded to a block) is the reference's
+    selection, offsets and rows alike (score desc, ties to the lower offset)."""
+    monkeypatch.setattr(tri, "SCORE_TILE", score_tile)
+    cand, n = random_paged(23, 300, per_page=4, pitch=8, seed=topk, device=device)
+    g = torch.Generator().manual_seed(score_tile % 97)
+    q = torch.randint(-1, 2, (23, 2, 16), generator=g).float()
+    weights = torch.randint(0, 2, (23, 2), generator=g).float()
+    keys = torch.randint(-1, 2, (n, 16), generator=g).float()
+    rows, offsets = tri.indexer_topk_offsets(q.to(device), weights.to(device), keys.to(device), cand, topk)
+    cpu = PagedRows(*(v.cpu() for v in (cand.pages, cand.req, cand.lo, cand.hi)), cand.per_page, cand.pitch,
+                    cand.width)
+    with backend.forced("reference"):
+        want_rows, want_offsets = ref.indexer_topk_offsets(q, weights, keys, cpu, topk)
+    assert torch.equal(offsets.cpu(), want_offsets) and torch.equal(rows.cpu(), want_rows)
+    assert tri.tile_width(23, topk, 16) % 16 == 0 and tri.tile_width(23, topk) >= topk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_fp8_keys(dtype, device):
+    """FP8 keys (uint8 [N, Di + 4], dsv4/ops/kv_fp8.py) dequantised in the kernel: the scores
+    of the dequantised keys; the selection of the reference given the packed pool."""
+    from dsv4.ops.kv_fp8 import pack_index_keys, unpack_index_keys
+    q, weights, keys, cand = paged_inputs(9, 40, dtype, device, seed=4, Di=32)
+    packed = pack_index_keys(keys.float())
+    plain = unpack_index_keys(packed)
+    assert_scores_close(tri.indexer_scores(q, weights, packed, cand).cpu(),
+                        reference_scores(q.cpu(), weights.cpu(), plain.cpu(), cand.dense().cpu()))
+    got = tri.indexer_topk(q, weights, packed, cand, 7)
+    assert_same_selection(got, q, weights, plain, cand.dense(), 7)

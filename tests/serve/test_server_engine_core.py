@@ -122,6 +122,8 @@ def test_ready_message_describes_the_engine(core):
     ready = ready_message(core.engine)
     assert ready.max_model_len == 512 and ready.num_pages == 8 and ready.vocab_size == core.engine.cfg.vocab_size
     assert ready.max_request_tokens == 512 and "KV cache" in ready.memory_report
+    for line in ("weights:", "routed experts", "C4 entries (CSA)", "fits: 2048 tokens of history"):   # `dsv4 plan`'s report
+        assert line in ready.memory_report, line
 
 
 def test_start_up_failures_name_the_model_and_memory():

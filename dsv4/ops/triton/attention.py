@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kv_fp8 import entry_bytes
 from ..paged import PagedRows
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -46,12 +47,15 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _attend(q, m, l, acc, kv_ptr, idx_ptr, stride_kv, lo, hi, qk_scale, dims, d_ok,
             base, pitch, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
-            PAGED: tl.constexpr, PER_PAGE: tl.constexpr):
+            PAGED: tl.constexpr, PER_PAGE: tl.constexpr,
+            PACKED: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr):
     """Online softmax of one token's q [H_BLOCK, BLOCK_D] over its key slots [lo, hi) of one
     source, a slot naming a row of the pool kv_ptr (-1: unused). Dense: idx_ptr points at the
     token's index row. Paged: at its request's page-table row; slot k is item base + k, on row
     page[(base + k) // PER_PAGE] * pitch + (base + k) % PER_PAGE (the caller bounds hi by the
-    range's length). Carries m, l [H_BLOCK] (log2 units) and acc [H_BLOCK, BLOCK_D] fp32."""
+    range's length). Carries m, l [H_BLOCK] (log2 units) and acc [H_BLOCK, BLOCK_D] fp32.
+    PACKED: the pool holds FP8 rows (dsv4/ops/kv_fp8.py: NOPE e4m3 bytes, ROPE bf16 values,
+    a UE8M0 byte per 64 NOPE channels), dequantised here to q's dtype (exact for bf16)."""
     for start in range(lo, hi, BLOCK_K):
         slots = start + tl.arange(0, BLOCK_K)
         if PAGED:   # rows in int32 (fewer registers): 2^31 pool rows would not fit in GPU memory
@@ -67,8 +71,19 @@ def _attend(q, m, l, acc, kv_ptr, idx_ptr, stride_kv, lo, hi, qk_scale, dims, d_
         else:
             idx = tl.load(idx_ptr + slots, mask=slots < hi, other=-1).to(tl.int64)
         valid = idx >= 0                                                            # [BLOCK_K]
-        k = tl.load(kv_ptr + idx[:, None] * stride_kv + dims[None, :],
-                    mask=valid[:, None] & d_ok[None, :], other=0.0)                 # [BLOCK_K, BLOCK_D]
+        if PACKED:
+            row = kv_ptr + idx[:, None] * stride_kv                                 # uint8 row starts
+            is_nope = (dims < NOPE)[None, :]
+            nope_ok = valid[:, None] & is_nope
+            raw = tl.load(row + dims[None, :], mask=nope_ok, other=0)
+            code = tl.load(row + (NOPE + 2 * ROPE) + dims[None, :] // 64, mask=nope_ok, other=127)
+            vals = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.exp2(code.to(tl.float32) - 127.0)
+            roped = tl.load((row + NOPE).to(tl.pointer_type(tl.bfloat16)) + (dims[None, :] - NOPE),
+                            mask=valid[:, None] & (~is_nope) & d_ok[None, :], other=0.0)
+            k = tl.where(is_nope, vals, roped.to(tl.float32)).to(q.dtype)           # [BLOCK_K, BLOCK_D]
+        else:
+            k = tl.load(kv_ptr + idx[:, None] * stride_kv + dims[None, :],
+                        mask=valid[:, None] & d_ok[None, :], other=0.0)             # [BLOCK_K, BLOCK_D]
         if FP32_DOT:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee" if FP32_DOT else "tf32") * qk_scale  # [H_BLOCK, BLOCK_K]
@@ -108,7 +123,8 @@ def _sparse_attn_kernel(
         stride_kv0, stride_i0, stride_kv1, stride_i1, pitch0, pitch1,
         D: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
         SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,  # SPLIT: num_splits > 1, write partials
-        PAGED0: tl.constexpr, PER_PAGE0: tl.constexpr, PAGED1: tl.constexpr, PER_PAGE1: tl.constexpr):
+        PAGED0: tl.constexpr, PER_PAGE0: tl.constexpr, PAGED1: tl.constexpr, PER_PAGE1: tl.constexpr,
+        PACKED0: tl.constexpr, PACKED1: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr):
     n_hb = tl.cdiv(H, H_BLOCK)
     pid = tl.program_id(0)                      # token-major: the head blocks of a token are adjacent (L2 reuse)
     t = (pid // n_hb).to(tl.int64)
@@ -132,10 +148,10 @@ def _sparse_attn_kernel(
     row0, base0, n0 = _slots(idx0_ptr, req0_ptr, lo0_ptr, hi0_ptr, stride_i0, t, W0, PAGED0)
     row1, base1, n1 = _slots(idx1_ptr, req1_ptr, lo1_ptr, hi1_ptr, stride_i1, t, W1, PAGED1)
     m, l, acc = _attend(q, m, l, acc, kv0_ptr, row0, stride_kv0, first, tl.minimum(last, n0), qk_scale,
-                        dims, d_ok, base0, pitch0, BLOCK_K, FP32_DOT, PAGED0, PER_PAGE0)
+                        dims, d_ok, base0, pitch0, BLOCK_K, FP32_DOT, PAGED0, PER_PAGE0, PACKED0, NOPE, ROPE)
     m, l, acc = _attend(q, m, l, acc, kv1_ptr, row1, stride_kv1, tl.maximum(first, W0) - W0,
                         tl.minimum(last - W0, n1), qk_scale, dims, d_ok, base1, pitch1, BLOCK_K, FP32_DOT,
-                        PAGED1, PER_PAGE1)
+                        PAGED1, PER_PAGE1, PACKED1, NOPE, ROPE)
 
     if not SPLIT:
         out = acc / (l + tl.exp2(sink - m))[:, None]
@@ -187,15 +203,23 @@ def _index_ok(idx: torch.Tensor | PagedRows, T: int) -> bool:
     return idx.dim() == 2 and idx.shape[0] == T and idx.dtype in INDEX_DTYPES
 
 
+def _pool_ok(kv: torch.Tensor, q: torch.Tensor, rope_dims: int) -> bool:
+    """A pool of q's dtype and width, or packed FP8 rows of q's width (with rope_dims > 0)."""
+    if kv.dim() != 2 or kv.stride(1) != 1:
+        return False
+    if kv.dtype == torch.uint8:
+        return 0 < rope_dims < q.shape[2] and kv.shape[1] == entry_bytes(q.shape[2], rope_dims)
+    return kv.dtype == q.dtype and kv.shape[1] == q.shape[2]
+
+
 def supports(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor | PagedRows]],
-             sinks: torch.Tensor) -> bool:
+             sinks: torch.Tensor, rope_dims: int = 0) -> bool:
     """Inputs the kernel takes; anything else goes to the reference. One or two sources, pools
-    of q's dtype (fp32/fp16/bf16) with contiguous rows (pools are never copied), each indexed
-    by a dense table or a PagedRows."""
+    of q's dtype (fp32/fp16/bf16) or packed FP8 rows (rope_dims: the RoPE'd channels) with
+    contiguous rows (pools are never copied), each indexed by a dense table or a PagedRows."""
     return (q.dim() == 3 and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
             and 1 <= len(sources) <= 2 and sinks.shape == (q.shape[1],)
-            and all(kv.dim() == 2 and kv.dtype == q.dtype and kv.shape[1] == q.shape[2] and kv.stride(1) == 1
-                    and _index_ok(idx, q.shape[0]) for kv, idx in sources))
+            and all(_pool_ok(kv, q, rope_dims) and _index_ok(idx, q.shape[0]) for kv, idx in sources))
 
 
 def _source_args(kv: torch.Tensor, idx: torch.Tensor | PagedRows) -> tuple:
@@ -232,7 +256,8 @@ PREFILL_TILES, DECODE_TILES, PREFILL_FROM = (64, 64, 8, 2), (16, 32, 8, 2), 1024
 
 
 def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor | PagedRows]],
-                     sinks: torch.Tensor, scale: float, *, h_block: int | None = None, block_k: int | None = None,
+                     sinks: torch.Tensor, scale: float, *, rope_dims: int = 0, h_block: int | None = None,
+                     block_k: int | None = None,
                      num_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None) -> torch.Tensor:
     """q [T, H, D]; sources [(kv [N, D], idx [T, K] or PagedRows of width K)] (one or two; idx
@@ -241,7 +266,7 @@ def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
     (CUDA only). No host sync (CUDA graphs): a PagedRows' width, per_page and pitch are ints.
     Defaults (D = 512, bf16, sm_90, Triton 3.9 ahead-of-time): 103 registers, no spills, 50 KB
     of shared memory; the keys go through cp.async. benchmarks/kernels/attention.py times others."""
-    assert supports(q, sources, sinks), "sparse_attention (triton): unsupported inputs, use the reference"
+    assert supports(q, sources, sinks, rope_dims), "sparse_attention (triton): unsupported inputs, use the reference"
     T, H, D = q.shape
     out = torch.empty_like(q)
     if T == 0:
@@ -280,6 +305,7 @@ def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
         D=D, H_BLOCK=h_block, BLOCK_K=block_k, BLOCK_D=block_d, SPLIT=splits > 1,
         FP32_DOT=q.dtype == torch.float32 or INTERPRETING,
         PAGED0=paged0, PER_PAGE0=per_page0, PAGED1=paged1, PER_PAGE1=per_page1,
+        PACKED0=kv0.dtype == torch.uint8, PACKED1=kv1.dtype == torch.uint8, NOPE=D - rope_dims, ROPE=rope_dims,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _merge_splits_kernel[(T * n_hb,)](

@@ -1,8 +1,11 @@
-"""Lightning indexer in Triton: the [T, E] scores in one kernel, then torch.topk.
+"""Lightning indexer in Triton: scores of one tile of entries in one kernel, merged into a
+running top-k (dsv4/ops/stream_topk.py: score desc, ties to the lower offset, the reference's
+order), tile after tile.
 
-The reference (dsv4/ops/indexer.py, the definition) gathers a [T, E, Di] fp32 copy of the
-candidate keys; here each program reads its key rows straight from the pool by index, so
-nothing bigger than the [T, E] fp32 scores is ever materialised.
+The reference (dsv4/ops/indexer.py, the definition) gathers key tiles in torch; here each
+program reads its key rows straight from the pool by index. A tile holds at most SCORE_TILE
+scores (or T x k), so a step's memory is O(T * k + tile) at any context length; a decode
+step up to SCORE_TILE / T entries is one tile.
 
 score(t, j) = sum_h w[t, h] * ReLU(q[t, h] . keys[cand[t, j]]) * Di^-0.5   (fp32)
             = -inf where cand[t, j] < 0.
@@ -13,6 +16,7 @@ kernel turns the chosen positions into rows (PagedRows.rows_at where the score i
 pass instead of a dozen torch ops), so scores and selection are bit-identical to those of its
 dense form. `indexer_topk_offsets` has the same kernel also write the chosen positions
 (offsets into each token's range, IndexCache's raw top-k: dsv4/ops/translate.py).
+The tiling depends only on T, k and the width, never on the data (CUDA-graph safe).
 """
 import os
 
@@ -21,26 +25,32 @@ import triton
 import triton.language as tl
 
 from ..paged import PagedRows, index_width
+from ..stream_topk import RunningTopk
 
 BLOCK_E = 128       # candidates per program (best measured on an H200 for E >= 1k: benchmarks/kernels/indexer.py)
 NUM_WARPS = 4
 ROWS_BLOCK = 1024   # chosen positions per program of the paged rows kernel (top-k 512: one a token)
+# scores of one tile: 64M (fp32 + int64 key + the merge's copy: ~1.3 GiB transient, whatever the
+# context); a decode step of T <= 256 tokens at 1M context (262,144 C4 entries) is one tile
+SCORE_TILE = 1 << 26
 
 
 @triton.jit
 def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, out_ptr,
-                   E, HI, DI, n_eblk, scale, pitch,
+                   E0, E, HI, DI, n_eblk, scale, pitch,
                    stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
                    stride_kn, stride_kd, stride_ct, stride_ce, stride_ot,
                    HI_P: tl.constexpr, DI_P: tl.constexpr, BLOCK_E: tl.constexpr,
-                   FP32_DOT: tl.constexpr, PAGED: tl.constexpr, PER_PAGE: tl.constexpr):
-    # One program = token t x candidates [e0, e0 + BLOCK_E). The E blocks of one token are
-    # adjacent program ids, so q[t] is read from DRAM once and then served by L2.
+                   FP32_DOT: tl.constexpr, PAGED: tl.constexpr, PER_PAGE: tl.constexpr,
+                   PACKED: tl.constexpr):
+    # One program = token t x candidates [e0, e0 + BLOCK_E) of the tile [E0, E), written to
+    # column e0 - E0 of out. The blocks of one token are adjacent program ids, so q[t] is read
+    # from DRAM once and then served by L2.
     # Dense: cand_ptr is cand [T, E]. Paged: the page table [R, P], candidate j of token t is
     # item lo[t] + j of request req[t] (req/lo/hi unused when dense).
     pid = tl.program_id(0).to(tl.int64)
     t = pid // n_eblk
-    offs_e = (pid % n_eblk) * BLOCK_E + tl.arange(0, BLOCK_E)                 # [BLOCK_E]
+    offs_e = E0 + (pid % n_eblk) * BLOCK_E + tl.arange(0, BLOCK_E)            # [BLOCK_E]
     offs_h = tl.arange(0, HI_P)                                               # [HI_P]
     offs_d = tl.arange(0, DI_P)                                               # [DI_P]
     h_ok, d_ok, e_ok = offs_h < HI, offs_d < DI, offs_e < E
@@ -61,8 +71,15 @@ def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, ou
     if tl.max(rows, axis=0) >= 0:
         q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                     mask=h_ok[:, None] & d_ok[None, :], other=0.0)            # [HI_P, DI_P]
-        k = tl.load(keys_ptr + rows[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                    mask=valid[:, None] & d_ok[None, :], other=0.0)          # [BLOCK_E, DI_P]
+        if PACKED:      # FP8 row: DI e4m3 bytes, then an fp32 scale (dsv4/ops/kv_fp8.py)
+            raw = tl.load(keys_ptr + rows[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                          mask=valid[:, None] & d_ok[None, :], other=0)
+            row_scale = tl.load((keys_ptr + rows * stride_kn + DI).to(tl.pointer_type(tl.float32)),
+                                mask=valid, other=0.0)
+            k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * row_scale[:, None]
+        else:
+            k = tl.load(keys_ptr + rows[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                        mask=valid[:, None] & d_ok[None, :], other=0.0)      # [BLOCK_E, DI_P]
         if FP32_DOT:            # fp32 or mixed inputs: exact fp32 products (no tf32)
             q = q.to(tl.float32)
             k = k.to(tl.float32)
@@ -73,52 +90,49 @@ def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, ou
         w = w.to(tl.float32) * scale                                          # [HI_P]
         s = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0)                # [BLOCK_E]
         scores = tl.where(valid, s, float("-inf"))
-    tl.store(out_ptr + t * stride_ot + offs_e, scores, mask=e_ok)
+    tl.store(out_ptr + t * stride_ot + (offs_e - E0), scores, mask=e_ok)
 
 
 @triton.jit
-def _chosen_rows_kernel(pos_ptr, val_ptr, pages_ptr, req_ptr, lo_ptr, out_ptr, off_ptr, K, n_kblk, pitch,
-                        stride_pr, stride_pc, PER_PAGE: tl.constexpr, BLOCK: tl.constexpr,
-                        WRITE_OFFSETS: tl.constexpr):
-    # positions/scores/out/offsets [T, K] contiguous: out = the pool row of item lo[t] + pos where
-    # the score is finite (so pos < hi - lo: the rest scored -inf), else -1; offsets (when
-    # WRITE_OFFSETS) = pos where the score is finite, else -1.
+def _chosen_rows_kernel(pos_ptr, pages_ptr, req_ptr, lo_ptr, out_ptr, K, n_kblk, pitch,
+                        stride_pr, stride_pc, PER_PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    # positions/out [T, K] contiguous: out = the pool row of item lo[t] + pos where pos >= 0 (a
+    # chosen entry, so pos < hi - lo: the rest scored -inf), else -1.
     pid = tl.program_id(0).to(tl.int64)
     t = pid // n_kblk
     offs = t * K + (pid % n_kblk) * BLOCK + tl.arange(0, BLOCK)
     ok = (pid % n_kblk) * BLOCK + tl.arange(0, BLOCK) < K
-    chosen = ok & (tl.load(val_ptr + offs, mask=ok, other=float("-inf")) > float("-inf"))
-    pos = tl.load(pos_ptr + offs, mask=chosen, other=0)
+    pos = tl.load(pos_ptr + offs, mask=ok, other=-1)
+    chosen = ok & (pos >= 0)
     item = tl.load(lo_ptr + t).to(tl.int32) + pos.to(tl.int32)
     page = tl.load(pages_ptr + tl.load(req_ptr + t).to(tl.int64) * stride_pr + (item // PER_PAGE) * stride_pc,
                    mask=chosen, other=-1).to(tl.int64)
     tl.store(out_ptr + offs, tl.where(chosen, page * pitch + item % PER_PAGE, -1), mask=ok)
-    if WRITE_OFFSETS:
-        tl.store(off_ptr + offs, tl.where(chosen, pos.to(tl.int64), -1), mask=ok)
 
 
-def _chosen_rows(cand: PagedRows, top, offsets: torch.Tensor | None = None) -> torch.Tensor:
-    """torch.where(top.values > -inf, cand.rows_at(top.indices), -1) in one kernel; with
-    `offsets` ([T, k] long) also torch.where(top.values > -inf, top.indices, -1) into it."""
-    T, k = top.indices.shape
-    out = torch.empty((T, k), dtype=torch.long, device=top.indices.device)
+def _chosen_rows(cand: PagedRows, offsets: torch.Tensor) -> torch.Tensor:
+    """cand.rows_at(offsets) for chosen offsets ([T, k] long, -1 = none) in one kernel."""
+    T, k = offsets.shape
+    out = torch.empty((T, k), dtype=torch.long, device=offsets.device)
     block = min(ROWS_BLOCK, triton.next_power_of_2(k))
     n_kblk = triton.cdiv(k, block)
     _chosen_rows_kernel[(T * n_kblk,)](
-        top.indices.contiguous(), top.values.contiguous(), cand.pages, cand.req.contiguous(),
-        cand.lo.contiguous(), out, out if offsets is None else offsets, k, n_kblk, cand.pitch, cand.pages.stride(0),
-        cand.pages.stride(1), PER_PAGE=cand.per_page, BLOCK=block, WRITE_OFFSETS=offsets is not None, num_warps=4)
+        offsets.contiguous(), cand.pages, cand.req.contiguous(), cand.lo.contiguous(), out, k, n_kblk,
+        cand.pitch, cand.pages.stride(0), cand.pages.stride(1), PER_PAGE=cand.per_page, BLOCK=block, num_warps=4)
     return out
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor | PagedRows,
-                   block_e: int = BLOCK_E, weight_scale: float = 1.0) -> torch.Tensor:
+                   block_e: int = BLOCK_E, weight_scale: float = 1.0, e0: int = 0,
+                   e1: int | None = None) -> torch.Tensor:
     """q [T, Hi, Di], weights [T, Hi] (x weight_scale), keys [N, Di], cand [T, E] (-1 = absent)
-    or a PagedRows of width E -> [T, E] fp32."""
+    or a PagedRows of width E -> [T, e1 - e0] fp32 (keys may be packed FP8: uint8 [N, Di + 4]): the scores of candidates [e0, e1) (all E
+    by default)."""
     T, Hi, Di = q.shape
-    E = index_width(cand)
-    scores = torch.empty((T, E), dtype=torch.float32, device=q.device)
-    if T == 0 or E == 0:
+    packed = keys.dtype == torch.uint8          # FP8 keys [N, Di + 4] (dsv4/ops/kv_fp8.py)
+    e1 = index_width(cand) if e1 is None else e1
+    scores = torch.empty((T, e1 - e0), dtype=torch.float32, device=q.device)
+    if T == 0 or e1 <= e0:
         return scores
     if isinstance(cand, PagedRows):
         table, req, lo, hi = cand.pages, cand.req.contiguous(), cand.lo.contiguous(), cand.hi.contiguous()
@@ -126,7 +140,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, c
     else:
         table = req = lo = hi = cand
         paged, per_page, pitch = False, 1, 1
-    n_eblk = triton.cdiv(E, block_e)
+    n_eblk = triton.cdiv(e1 - e0, block_e)
     # tl.dot needs every dimension >= 16 on the GPU; the padding is masked.
     hi_p = max(16, triton.next_power_of_2(Hi))
     di_p = max(16, triton.next_power_of_2(Di))
@@ -137,12 +151,29 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, c
                 or os.environ.get("TRITON_INTERPRET") == "1")
     _scores_kernel[(T * n_eblk,)](
         q, weights, keys, table, req, lo, hi, scores,
-        E, Hi, Di, n_eblk, Di ** -0.5 * weight_scale, pitch,
+        e0, e1, Hi, Di, n_eblk, Di ** -0.5 * weight_scale, pitch,
         q.stride(0), q.stride(1), q.stride(2), weights.stride(0), weights.stride(1),
         keys.stride(0), keys.stride(1), table.stride(0), table.stride(1), scores.stride(0),
         HI_P=hi_p, DI_P=di_p, BLOCK_E=block_e, FP32_DOT=fp32_dot, PAGED=paged, PER_PAGE=per_page,
-        num_warps=NUM_WARPS)
+        PACKED=packed, num_warps=NUM_WARPS)
     return scores
+
+
+def tile_width(T: int, k: int, block_e: int = BLOCK_E) -> int:
+    """Entries per tile: SCORE_TILE / T, at least k, a multiple of block_e."""
+    width = max(k, SCORE_TILE // max(T, 1), 1)
+    return triton.cdiv(width, block_e) * block_e
+
+
+def _topk_offsets(q, weights, keys, cand, k, weight_scale) -> torch.Tensor:
+    """[T, k] chosen offsets (-1 = none), tile after tile into a running top-k."""
+    T, E = q.shape[0], index_width(cand)
+    running = RunningTopk(T, k, q.device)
+    width = tile_width(T, k)
+    for e0 in range(0, E, width):
+        running.add(indexer_scores(q, weights, keys, cand, weight_scale=weight_scale, e0=e0,
+                                   e1=min(e0 + width, E)), e0)
+    return running.offsets()
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor | PagedRows,
@@ -153,22 +184,19 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, can
     T, k = q.shape[0], min(topk, index_width(cand))
     if T == 0 or k == 0:
         return torch.full((T, k), -1, dtype=torch.long if paged else cand.dtype, device=q.device)
-    # Selection as the reference's _select (scores are finite or -inf: `> -inf` is its isfinite,
-    # one kernel instead of three, and a scalar -1 needs no filled tensor).
-    top = indexer_scores(q, weights, keys, cand, weight_scale=weight_scale).topk(k, dim=-1)
+    offsets = _topk_offsets(q, weights, keys, cand, k, weight_scale)
     if paged:
-        return _chosen_rows(cand, top)
-    return torch.where(top.values > float("-inf"), cand.gather(1, top.indices), -1)
+        return _chosen_rows(cand, offsets)
+    return torch.where(offsets >= 0, cand.gather(1, offsets.clamp(min=0)), -1)
 
 
 def indexer_topk_offsets(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: PagedRows, topk: int,
                          weight_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as dsv4.ops.indexer.indexer_topk_offsets: (rows, offsets) [T, min(topk, E)]
-    long, from one scores kernel, one top-k and one kernel writing both."""
+    long."""
     T, k = q.shape[0], min(topk, cand.width)
     if T == 0 or k == 0:
         return (torch.full((T, k), -1, dtype=torch.long, device=q.device),
                 torch.full((T, k), -1, dtype=torch.long, device=q.device))
-    offsets = torch.empty((T, k), dtype=torch.long, device=q.device)     # every element written below
-    top = indexer_scores(q, weights, keys, cand, weight_scale=weight_scale).topk(k, dim=-1)
-    return _chosen_rows(cand, top, offsets), offsets
+    offsets = _topk_offsets(q, weights, keys, cand, k, weight_scale)
+    return _chosen_rows(cand, offsets), offsets
