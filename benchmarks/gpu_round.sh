@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Several GPU benchmarks in one device call, each under its own time limit:
+#   bash benchmarks/gpu_round.sh OUT_DIR STEP[:SECONDS] ...
+# STEP is a module of benchmarks/ (run as `python3 -m benchmarks.STEP` with OUT=OUT_DIR/STEP, its
+# output in OUT_DIR/STEP.txt) or one of:
+#   kernels   the kernel tests compiled on the GPU (tests/ops_triton, tests/ops)
+#   host_path benchmarks/host_path.sh; prefix_cache benchmarks/prefix_cache.sh
+# Wheels in .whl/ are installed into /tmp/site first (see benchmarks/gpu_check.sh).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=$1; shift
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+t0=$(date +%s)
+for spec in "$@"; do
+  step=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=240
+  s0=$(date +%s)
+  case $step in
+    kernels) DSV4_TRITON_DEVICE=cuda timeout "$limit" python3 -m pytest -q -n 14 -p no:cacheprovider \
+               tests/ops_triton tests/ops > "$OUT/kernels.txt" 2>&1 ;;
+    host_path|prefix_cache) timeout "$limit" bash "benchmarks/$step.sh" "$OUT/$step" > "$OUT/$step.txt" 2>&1 ;;
+    *) OUT=$OUT/$step timeout "$limit" python3 -m "benchmarks.$step" > "$OUT/$step.txt" 2>&1 ;;
+  esac
+  rc=$?
+  echo "=== $step: rc $rc, $(( $(date +%s) - s0 )) s (total $(( $(date +%s) - t0 )) s)"
+  tail -n 25 "$OUT/$step.txt"
+done
