@@ -303,8 +303,7 @@ class LLMEngine:
             [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.num_pending) for r in reqs],
             self.cfg.vocab_size, "cpu", self.eos_token_id, self.generator)
         if self.grammars:                      # only rows under a grammar get a mask
-            batch.grammar = step_mask([self.grammars.get(r.request_id) for r in reqs], self.cfg.vocab_size,
-                                      self.grammars.batch)
+            batch.grammar = step_mask([self.grammars.get(r.request_id) for r in reqs], self.cfg.vocab_size)
         pending = [(j, r.pending_row) for j, r in enumerate(reqs) if r.num_pending and r.params.has_penalties]
         batch, rows_t, pending_t = upload_tree((batch, torch.tensor(rows), torch.tensor(pending).view(-1, 2)),
                                                self.runner.h2d)

@@ -20,22 +20,14 @@ def words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def step_mask(grammars: list[RequestGrammar | None], vocab_size: int, batch=None) -> GrammarMask | None:
-    """One row per sampling row (None: unconstrained) -> the mask of the constrained rows.
-    batch: an xgrammar `BatchGrammarMatcher` filling several rows on its threads (the rows'
-    grammars share one special-token filter, `Grammars.keep`)."""
+def step_mask(grammars: list[RequestGrammar | None], vocab_size: int) -> GrammarMask | None:
+    """One row per sampling row (None: unconstrained) -> the mask of the constrained rows."""
     rows = [i for i, g in enumerate(grammars) if g is not None and g.constrains]
     if not rows:
         return None
     bitmask = torch.empty(len(rows), words(vocab_size), dtype=torch.int32)
-    if batch is not None and len(rows) > 1:
-        batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in rows], bitmask)
-        keep = grammars[rows[0]].keep
-        if keep is not None:
-            bitmask &= keep
-    else:
-        for n, i in enumerate(rows):
-            grammars[i].fill(bitmask, n)
+    for n, i in enumerate(rows):
+        grammars[i].fill(bitmask, n)
     return GrammarMask(torch.tensor(rows, dtype=torch.long), bitmask)
 
 

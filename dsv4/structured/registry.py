@@ -3,8 +3,6 @@
 never sees one never imports xgrammar."""
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..sampling_params import StructuredOutputs
@@ -22,8 +20,6 @@ class Grammars:
         self.vocab_size = vocab_size
         self.keep = special_token_filter(tokenizer, vocab_size)
         self._requests: dict[str, RequestGrammar] = {}
-        import xgrammar
-        self.batch = xgrammar.BatchGrammarMatcher(max_threads=min(8, os.cpu_count() or 1))   # step_mask's fills
 
     def add(self, request_id: str, spec: StructuredOutputs) -> RequestGrammar:
         """Raises grammars.GrammarError (a ValueError naming the problem) for a bad constraint."""
