@@ -138,7 +138,7 @@ def main(argv=None) -> int:
     folder = args.disk_dir or tempfile.mkdtemp(prefix="dsv4-kv-tiers-")
     os.makedirs(folder, exist_ok=True)
     base = dict(device=device, dtype="float32" if args.smoke else "bfloat16", max_num_batched_tokens=8192,
-                max_num_seqs=32, cache_memory_gb=0.5 if args.smoke else 24)
+                max_num_seqs=32, cache_memory_gb=0.5 if args.smoke else 8)
     t_all = time.perf_counter()
     eng = LLMEngine(args.model, EngineConfig(**base, host_cache_gb=args.host_gb, disk_cache_dir=folder,
                                              disk_cache_gb=4 * args.host_gb))
