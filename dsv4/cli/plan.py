@@ -90,3 +90,12 @@ def _weights(cfg, dtype: torch.dtype, config) -> dict[str, int]:
         f"routed experts ({p.n_routed_experts} per layer)": int(routed_bytes),
         "embedding and head": (p.embed + p.head) * elem,
     }
+
+
+def _section(title: str, parts: dict[str, int]) -> None:
+    width = max(len(k) for k in parts) + 2
+    unit, scale = ("GiB", 2**30) if sum(parts.values()) >= 2**30 else ("MiB", 2**20)
+    print(f"{title}:")
+    for name, nbytes in parts.items():
+        print(f"  {name:<{width}} {nbytes / scale:10.3f} {unit}")
+    print(f"  {'total':<{width}} {sum(parts.values()) / scale:10.3f} {unit}")

@@ -76,6 +76,8 @@ class ModelRunner:
         process only, `EngineConfig` refuses vision with tensor parallelism)."""
         counts = [s.logits for s in seqs]
         first = [row if n else -1 for row, n in zip(accumulate([0] + counts), counts)]
+        for s in seqs:                  # the persistent tables follow the chunks (on every rank)
+            self.tables.sync(s.slot, s.page_table, s.swa_table)
         if images is None and self.graphs is not None and self.graphs.accepts(seqs):
             self.graphs.tables = self.tables      # (graphs a test installs read them too)
             if self.keep_hidden:
@@ -127,7 +129,6 @@ class ModelRunner:
         known = req.known_tokens(start, c.num_tokens)
         known += req.spec_token_ids[:c.num_tokens - len(known)] if c.num_logits else []   # drafts to verify
         missing = c.num_tokens - len(known)              # the pending token, still on the device
-        self.tables.sync(held.slot, held.pages, held.swa_pages)
         return SeqChunk(slot=held.slot, start=start, token_ids=known + [0] * missing,
                         page_table=held.pages, swa_table=held.swa_pages, logits=logits,
                         stage=self.cache.stage(req, start, c.num_tokens),

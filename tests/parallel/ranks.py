@@ -63,8 +63,8 @@ class Recorder:
         self.logits: list[torch.Tensor] = []
         run = self.engine.runner.run_seqs
 
-        def recording(seqs, fill=None):
-            out = run(seqs, fill)
+        def recording(seqs, fill=None, images=None):
+            out = run(seqs, fill, images)
             self.logits.append(out.logits.clone())
             return out
         self.engine.runner.run_seqs = recording

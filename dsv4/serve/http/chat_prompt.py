@@ -60,7 +60,7 @@ def plan_chat(req: ChatCompletionRequest, state: ServerState) -> ChatPlan:
     prefill = _prefill(req, mode)
     messages, images = take_images([m.model_dump(exclude_none=True) for m in req.messages])
     prompt = _prompt_text(req, state, messages, thinking, effort, continuing, generation_prompt)
-    prompt_ids, items = image_prompt(prompt + prefill, images, state, state.limits.media)
+    prompt_ids, items = image_prompt(prompt + prefill, images, state, state.limits.media if images else None)
     top = _top_logprobs(req)
     info = state.info
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
