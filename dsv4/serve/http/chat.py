@@ -119,8 +119,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     texts = TokenTexts(state.tokenizer)
     choices = [ChatChoice(i, plan, state, texts, req.include_reasoning) for i in range(req.n)]
     try:
-        group = state.client.submit([plan.prompt_ids] * req.n, plan.params, uuid.uuid4().hex, plan.images,
-                                    request.headers.get(KV_TRANSFER_HEADER))
+        group = state.client.submit([plan.prompt_ids] * req.n, plan.params, uuid.uuid4().hex, images=plan.images,
+                                    kv_transfer=request.headers.get(KV_TRANSFER_HEADER))
     except NotEncodable as e:
         raise bad_request(str(e)) from None
     tracker = state.metrics.track(req.n, len(plan.prompt_ids))

@@ -179,7 +179,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": plan.model}
     try:
         group = state.client.submit([c.prompt.ids for c in choices], plan.params, uuid.uuid4().hex,
-                                    request.headers.get(KV_TRANSFER_HEADER))
+                                    kv_transfer=request.headers.get(KV_TRANSFER_HEADER))
     except NotEncodable as e:
         raise bad_request(str(e)) from None
     prompt_tokens = sum(len(p.ids) for p in plan.prompts)
