@@ -23,6 +23,8 @@ class StepLogits:
     num_rows: list[int]             # per chunk: rows it has (its last num_rows tokens)
     hidden: torch.Tensor | None = None   # [T, hc_mult, hidden] final residual streams of every token
                                          # row, chunks in order (keep_hidden: what drafters read)
+    taps: torch.Tensor | None = None     # [T, n_taps * hidden] the DSpark target layers' input
+                                         # streams, hc-averaged, concatenated (keep_taps)
 
 
 @dataclass
@@ -40,15 +42,16 @@ class PendingFill:
 
 class ModelRunner:
     def __init__(self, model, layout: CacheLayout, plan: CachePlan, cache: CacheManager, device,
-                 cuda_graph_max_bs: int = 0, keep_hidden: bool = False):
+                 cuda_graph_max_bs: int = 0, keep_hidden: bool = False, keep_taps: bool = False):
         """cuda_graph_max_bs > 0 on a CUDA device: uniform steps (every request the same number
         of tokens, all with logits) up to that batch replay CUDA graphs. keep_hidden: every step
-        also returns its final residual streams (StepLogits.hidden)."""
+        also returns its final residual streams (StepLogits.hidden); keep_taps: and the DSpark
+        target layers' streams (StepLogits.taps; such steps run eagerly)."""
         self.model, self.layout, self.cache, self.device = model, layout, cache, device
-        self.keep_hidden = keep_hidden
+        self.keep_hidden, self.keep_taps = keep_hidden, keep_taps
         self.storage = KVStorage(layout, plan, model.dtype, device)
         self.h2d = HostToDevice(device)
-        use_graphs = cuda_graph_max_bs > 0 and torch.device(device).type == "cuda"
+        use_graphs = cuda_graph_max_bs > 0 and torch.device(device).type == "cuda" and not keep_taps
         self.graphs = StepGraphs(model, self.storage, cuda_graph_max_bs, capture=True, h2d=self.h2d,
                                  keep_streams=keep_hidden) if use_graphs else None
 
@@ -68,9 +71,10 @@ class ModelRunner:
         fb = upload_tree(build_step(seqs, self.layout, self.storage.ring_slots), self.h2d)
         if fill is not None:
             fill.apply(fb.token_ids, self.h2d)
-        hidden = self.model(fb, self.storage.layers)
+        taps = [] if self.keep_taps else None
+        hidden = self.model(fb, self.storage.layers, taps)
         return StepLogits(self.model.logits(hidden[fb.logits_rows]), first, counts,
-                          hidden if self.keep_hidden else None)
+                          hidden if self.keep_hidden else None, torch.cat(taps, -1) if taps else None)
 
     def _seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
         req, held = c.request, self.cache.seq(c.request)

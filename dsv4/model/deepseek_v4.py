@@ -70,12 +70,15 @@ class DeepseekV4(nn.Module):
         self.register_buffer("compress_freq", compress_inv_freq(cfg), persistent=False)
         self.mtp = nn.ModuleList()  # filled by dsv4.model.mtp.attach_mtp when the checkpoint has it
 
-    def forward(self, fb: ForwardBatch, kv: list[LayerKV]) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch, kv: list[LayerKV], taps: list | None = None) -> torch.Tensor:
         """One step over the batch -> final residual streams [T, N, hidden]. kv[l]: layer l's
-        cache views (KVStorage.layers)."""
+        cache views (KVStorage.layers). taps: appended, for each of cfg.dspark_target_layer_ids,
+        that layer's input streams averaged over hc [T, hidden] (what DSpark reads)."""
         rope, topk = RopeTables(fb, self.main_freq, self.compress_freq), SharedTopk()
         h = self.embed(fb.token_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, block in enumerate(self.layers):
+            if taps is not None and i in self.cfg.dspark_target_layer_ids:
+                taps.append(h.mean(dim=1))
             h = block(h, fb, kv[i], rope, topk)
         return h
 

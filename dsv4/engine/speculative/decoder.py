@@ -39,10 +39,15 @@ class SpeculativeDecoder:
         self.model, self.runner, self.cache = model, runner, cache
         self.vocab, self.window = model.cfg.vocab_size, model.cfg.sliding_window
         self.eos_token_id, self.generator = eos_token_id, generator
-        graphs = None
-        if runner.graphs is not None:      # CUDA graphs on: the drafts of uniform steps replay too
-            graphs = DraftGraphs(model, runner.storage, runner.graphs.max_bs, capture=True, h2d=runner.h2d)
-        self.proposer = MTPProposer(model, runner.storage, runner.h2d, graphs)
+        self.dspark = spec_config.method == "dspark"
+        if self.dspark:
+            from .dspark import DSparkProposer
+            self.proposer = DSparkProposer(model, runner.storage, runner.h2d, spec_config.confidence_threshold)
+        else:
+            graphs = None
+            if runner.graphs is not None:      # CUDA graphs on: the drafts of uniform steps replay too
+                graphs = DraftGraphs(model, runner.storage, runner.graphs.max_bs, capture=True, h2d=runner.h2d)
+            self.proposer = MTPProposer(model, runner.storage, runner.h2d, graphs)
         self.stats = SpecStats()
         self._draft_probs: dict[str, tuple[Request, torch.Tensor]] = {}   # rid -> (request, q [k, V])
 
@@ -135,7 +140,7 @@ class SpeculativeDecoder:
                 works.append(work)
         if not works:
             return
-        proposals = self.proposer.propose(works, step.hidden, self._draft_batch)
+        proposals = self.proposer.propose(works, step.taps if self.dspark else step.hidden, self._draft_batch)
         drafting = [w for w in works if w.num_drafts > 0]
         host = torch.cat([d for d, _ in proposals]).tolist() if proposals else []
         first = 0
