@@ -159,7 +159,8 @@ class SpeculativeDecoder:
         start, end = req.num_computed, req.num_computed + c.num_tokens
         emitted_now = len(emitted) - c.num_rejected if emitted is not None else 1
         room = req.params.max_tokens - len(req.output_token_ids) - emitted_now   # tokens still to come
-        lo = max(start, known - self.window)
+        # DSpark: every position (a prefix-cache checkpoint then holds the drafter's window keys too)
+        lo = start if self.dspark else max(start, known - self.window)
         if room <= 1 or lo >= end:
             return None                             # no more drafts, or nothing a draft's window reads
         n_known = max(0, min(end, known - 1) - lo)  # positions t whose x_{t+1} was known before the step

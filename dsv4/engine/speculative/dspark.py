@@ -1,8 +1,7 @@
 """The DSpark drafter (docs/speculative.md, "DSpark"; the math in model/dspark.py).
 
 Per request after each step (`DraftWork`, shared with the MTP drafter):
-* window: the committed positions of the step that a later block's window can reach get their
-  window keys (main_x of the step's target-layer taps, one key per draft stage) in the
+* window: the committed positions of the step get their window keys (main_x of the step's target-layer taps, one key per draft stage) in the
   stages' SWA cache layers. A verify chunk's rows past the accepted ones are not committed and
   write nothing; the block reads positions up to the anchor only.
 * block: for a drafting request, the block [x_{t+1}, noise x (B - 1)] at positions t+1 .. t+B
@@ -60,13 +59,17 @@ class DSparkProposer:
         logits, x = run_block(self.model, anchors, anchor_pos, dense_index(fb.swa), self.storage.layers)
         batch = batch_of([w.request for w in works])
         drafts, qs, conf = markov_drafts(self.model, logits, x, anchors, max(w.num_drafts for w in works),
-                                         lambda lg, i: sample_drafts(lg, batch))
+                                         lambda lg, i: self._sample(lg, i, works, batch))
         keep = self._keep(conf, [w.num_drafts for w in works])
         out = []
         for r, (w, n) in enumerate(zip(works, keep)):
             greedy = w.request.params.is_greedy or qs[0] is None or n == 0
             out.append((drafts[r, :n], None if greedy else torch.stack([q[r] for q in qs[:n]])))
         return out
+
+    def _sample(self, logits: torch.Tensor, i: int, works: list[DraftWork], batch):
+        """Draft i of every work from its Markov-corrected logits [R, V] -> (drafts [R], q or None)."""
+        return sample_drafts(logits, batch)
 
     def _keep(self, conf: torch.Tensor, wanted: list[int]) -> list[int]:
         """How many leading drafts each request verifies: those whose confidence probability
