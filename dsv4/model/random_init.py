@@ -45,6 +45,10 @@ PRESETS = {
 # the tiny model with a DSpark drafter: three window-only draft stages (mtp.0..2)
 PRESETS["tiny-dspark"] = dict(PRESETS["tiny"], compress_ratios=[0, 4, 128, 4, 0, 0, 0], dspark_block_size=4,
                               dspark_noise_token_id=511, dspark_target_layer_ids=[1, 2, 3], dspark_markov_rank=16)
+# the Flash slice with Flash-0731's DSpark drafter shape (block 5, rank 256, three stages)
+PRESETS["flash-slice-dspark"] = dict(PRESETS["flash-slice"], compress_ratios=FLASH_RATIOS[:6] + [0, 0, 0],
+                                     dspark_block_size=5, dspark_noise_token_id=128799,
+                                     dspark_target_layer_ids=[3, 4, 5], dspark_markov_rank=256)
 # presets built in the released format (FP8 projections, MXFP4 experts) by `random:` specs
 RELEASED_PRESETS = ("flash", "pro")
 _COMMON = dict(scoring_func="sqrtsoftplus", hc_sinkhorn_iters=20, hc_eps=1e-6, rms_norm_eps=1e-6,
