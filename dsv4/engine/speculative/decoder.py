@@ -161,14 +161,14 @@ class SpeculativeDecoder:
         room = req.params.max_tokens - len(req.output_token_ids) - emitted_now   # tokens still to come
         # DSpark: every position (a prefix-cache checkpoint then holds the drafter's window keys too)
         lo = start if self.dspark else max(start, known - self.window)
-        if room <= 1 or lo >= end:
+        if (room <= 1 and not self.dspark) or lo >= end:
             return None                             # no more drafts, or nothing a draft's window reads
         n_known = max(0, min(end, known - 1) - lo)  # positions t whose x_{t+1} was known before the step
         tokens = req.known_tokens(lo + 1, n_known) + (emitted[:end - lo - n_known] if emitted else [])
         anchor_pos, k = -1, 0
         if emitted is not None:
             anchor_pos = known - 2 + emitted_now     # the last accepted position
-            k = self._reserve_chain(req, min(self.k, room - 1), anchor_pos, end)
+            k = max(0, self._reserve_chain(req, min(self.k, room - 1), anchor_pos, end))
         held = self.cache.seq(req)
         return DraftWork(req, held.slot, held.pages, held.swa_pages, lo, tokens, hidden_row + lo - start,
                          anchor=anchor_pos - lo if emitted is not None else -1, num_drafts=k)
