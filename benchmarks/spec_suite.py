@@ -294,8 +294,8 @@ def table(result: dict) -> str:
     if "dspark" in result:
         lines.append("== DSpark (random drafter weights): greedy identity and drafter cost per step (eager)")
         for name, row in result["dspark"].items():
-            lines.append(f"{name:<14} plain {row['plain_ms_per_step']:.2f} ms/step  dspark {row['dspark_ms_per_step']:.2f} "
-                         f"ms/step of which draft {row['draft_ms_per_step']:.2f} ms  equal "
+            lines.append(f"{name:<14} plain {row['plain_ms_per_step']:.2f} ms/step  "
+                         f"dspark {row['dspark_ms_per_step']:.2f} ms/step of which draft {row['draft_ms_per_step']:.2f} ms  equal "
                          f"{row['sequences_equal_plain']}  accept len {row.get('spec_mean_acceptance_length', 0):.2f}")
     return "\n".join(lines)
 

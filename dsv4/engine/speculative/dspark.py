@@ -1,8 +1,8 @@
 """The DSpark drafter (docs/speculative.md, "DSpark"; the math in model/dspark.py).
 
 Per request after each step (`DraftWork`, shared with the MTP drafter):
-* window: the committed positions of the step get their window keys (main_x of the step's target-layer taps, one key per draft stage) in the
-  stages' SWA cache layers. A verify chunk's rows past the accepted ones are not committed and
+* window: the committed positions of the step get their window keys (main_x of the step's
+  target-layer taps, one key per draft stage) in the stages' SWA cache layers. A verify chunk's rows past the accepted ones are not committed and
   write nothing; the block reads positions up to the anchor only.
 * block: for a drafting request, the block [x_{t+1}, noise x (B - 1)] at positions t+1 .. t+B
   (t = the last accepted position, the work's anchor row) runs through the stages; its keys stay
