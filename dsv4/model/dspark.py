@@ -37,13 +37,14 @@ class MarkovHead(nn.Module):
 
     def __init__(self, vocab: int, rank: int, dtype: torch.dtype):
         super().__init__()
-        self.markov_w1 = param(vocab, rank, dtype=dtype)
-        self.markov_w2 = param(vocab, rank, dtype=dtype)
+        self.markov_w1, self.markov_w2 = nn.Module(), nn.Module()       # checkpoint: markov_w{1,2}.weight
+        self.markov_w1.weight = param(vocab, rank, dtype=dtype)
+        self.markov_w2.weight = param(vocab, rank, dtype=dtype)
 
     def forward(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """prev [R] long -> (bias [R, V] fp32, embedding [R, r])."""
-        e = self.markov_w1[prev]
-        return torch.nn.functional.linear(e, self.markov_w2).float(), e
+        e = self.markov_w1.weight[prev]
+        return torch.nn.functional.linear(e, self.markov_w2.weight).float(), e
 
 
 class ConfidenceHead(nn.Module):

@@ -86,7 +86,8 @@ def reference(model, taps, anchor, n):
     last = st[-1]
     y = hc_head(h, last.hc_head_fn, last.hc_head_base, last.hc_head_scale, c.rms_norm_eps, c.hc_eps)
     base = _rms(y, last.norm.weight) @ model.head.weight.float().T
-    w1, w2, proj = last.markov_head.markov_w1, last.markov_head.markov_w2, last.confidence_head.proj.weight
+    w1, w2 = last.markov_head.markov_w1.weight, last.markov_head.markov_w2.weight
+    proj = last.confidence_head.proj.weight
     prev, drafts, conf = anchor, [], []
     for i in range(n):
         logits = base[i] + w2 @ w1[prev]
@@ -164,6 +165,18 @@ def test_dspark_config_errors_name_the_field(field, value):
     with pytest.raises(ConfigError) as e:
         ModelConfig.from_dict(_cfg(**{field: value}))
     assert e.value.args[0].startswith(field) or field in str(e.value)
+
+
+def test_checkpoint_names_are_the_released_ones(model):
+    """The DSpark tensors under the names of the released checkpoints (docs/speculative.md)."""
+    names = {n for n, _ in model.named_parameters() if n.startswith("mtp.")}
+    for want in ("mtp.0.main_proj.weight", "mtp.0.main_norm.weight", "mtp.2.norm.weight", "mtp.2.hc_head_fn",
+                 "mtp.2.hc_head_base", "mtp.2.hc_head_scale", "mtp.2.markov_head.markov_w1.weight",
+                 "mtp.2.markov_head.markov_w2.weight", "mtp.2.confidence_head.proj.weight",
+                 "mtp.1.attn.wkv.weight", "mtp.1.attn.attn_sink", "mtp.1.ffn.gate.weight", "mtp.1.hc_attn_fn"):
+        assert want in names, want
+    assert not any(n.startswith("mtp.1.main_proj") or n.startswith("mtp.0.markov") or ".e_proj" in n
+                   or ".compressor" in n for n in names)
 
 
 def test_dspark_stages_must_be_window_only():
