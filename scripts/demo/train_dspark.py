@@ -159,9 +159,9 @@ def main(argv=None) -> int:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        curve.append((float(loss), acc))
+        curve.append((loss.item(), acc))
         if step % max(1, args.steps // 20) == 0 or step == 1:
-            log(f"step {step}/{args.steps} loss {float(loss):.3f} row accuracy {acc:.3f} ({time.time() - t0:.0f}s)")
+            log(f"step {step}/{args.steps} loss {curve[-1][0]:.3f} row accuracy {acc:.3f} ({time.time() - t0:.0f}s)")
     export(model, DEMO_DIR, args.out)
     with open(os.path.join(args.out, "dspark_train.json"), "w") as f:
         json.dump({"steps": args.steps, "curve": curve}, f)
