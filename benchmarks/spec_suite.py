@@ -9,7 +9,12 @@
 2. `random:flash-slice:6` (bf16): the main model's cost of a verify step of q = k + 1 tokens
    per request vs a decode step (q = 1) at batch 1, 8 and 64, context 1024, both through CUDA
    graphs; cost(q) / cost(1) is the acceptance length at which verifying pays for itself
-   (the drafter's own cost not included: the slice has no MTP block).
+   (the drafter's own cost not included: the slice has no MTP block);
+3. DSpark (random weights, so acceptance is not meaningful): greedy sequences equal to plain
+   decode in fp32 on `random:tiny-dspark`, and on `random:flash-slice-dspark::n_routed_experts=32`
+   (the slice + Flash-0731's drafter shape; 32 experts to fit beside part 2's model) in bf16
+   the drafter's cost per step (window keys + block + Markov / confidence heads, eager) beside the
+   step's, at batch 1 and 8 (the figure a trained drafter's acceptance must pay for).
 
     python -m benchmarks.spec_suite --out DIR [--max-tokens 128] [--ks 1,2,3] [--dry-run-cpu]
 
@@ -150,6 +155,75 @@ def fp32_identity(device: str, k: int, max_tokens: int, n_prompts: int) -> dict:
     return result
 
 
+# ---- 3. DSpark: identity and drafter cost ------------------------------------------------------
+def dspark_runs(device: str, spec: str, k: int, batches: list[int], max_tokens: int) -> dict:
+    """Plain vs DSpark k on random DSpark models: fp32 greedy identity on `random:tiny-dspark`
+    (batch max(batches)), then on `spec` in bf16 seconds per step and per draft at each batch."""
+    from dsv4.config import EngineConfig
+    from dsv4.engine.engine import LLMEngine
+    from dsv4.model.random_model import build_random_model
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for dtype, model_spec in (("float32", "random:tiny-dspark"), ("bfloat16", spec)):
+        model = build_random_model(model_spec, device, getattr(torch, dtype))
+        vocab = model.cfg.vocab_size
+        for batch in (batches[-1:] if dtype == "float32" else batches):
+            prompts = [torch.randint(2, vocab - 1, (64,), generator=g).tolist() for _ in range(batch)]
+            seqs, row = {}, {}
+            for kk in (0, k):
+                cfg = EngineConfig(device=device, dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=4096,
+                                   num_pages=batch * 2 + 8, max_model_len=1024, enforce_eager=True,
+                                   speculative_config={"method": "dspark", "num_speculative_tokens": kk} if kk
+                                   else None)
+                eng = LLMEngine(model_spec, cfg, model=model)
+                draft_s = _time_drafts(eng, device)
+                generate(eng, prompts[:1], 4, "warm")
+                draft_s[0] = 0.0
+                steps0 = _count_steps(eng)
+                done, _, after = generate(eng, prompts, max_tokens, f"d{kk}-")
+                seqs[kk] = done
+                name = "dspark" if kk else "plain"
+                row[f"{name}_ms_per_step"] = 1e3 * after / max(1, steps0[0] - 1)
+                row[f"{name}_tokens_per_s"] = sum(len(t) - 1 for t in done.values()) / after
+                if kk:
+                    row["draft_ms_per_step"] = 1e3 * draft_s[0] / max(1, steps0[0] - 1)
+                    row.update(eng.spec.stats.summary())
+            row["sequences_equal_plain"] = sum(seqs[0][i] == seqs[k][i] for i in seqs[0])
+            out[f"{dtype} b{batch}"] = row
+            log(f"dspark {model_spec} {dtype} batch {batch}: {row}")
+        del model
+    return out
+
+
+def _time_drafts(eng, device: str) -> list[float]:
+    """Accumulate the seconds the DSpark drafter takes (a one-element list, reset by the caller)."""
+    total = [0.0]
+    if eng.spec is None:
+        return total
+    propose = eng.spec.proposer.propose
+
+    def timed(*a):
+        _sync(device)
+        t0 = time.perf_counter()
+        r = propose(*a)
+        _sync(device)
+        total[0] += time.perf_counter() - t0
+        return r
+    eng.spec.proposer.propose = timed
+    return total
+
+
+def _count_steps(eng) -> list[int]:
+    """Count the engine's steps from now on (a one-element list)."""
+    n, step = [0], eng.step
+
+    def counted():
+        n[0] += 1
+        return step()
+    eng.step = counted
+    return n
+
+
 # ---- 2. slice: verify step cost ----------------------------------------------------------------
 def verify_cost(device: str, spec: str, batches: list[int], qs: list[int], ctx: int, reps: int) -> dict:
     """Median seconds of the runner's step (CUDA graph) with q tokens per request, all rows with
@@ -217,6 +291,12 @@ def table(result: dict) -> str:
         qs = sorted(int(k[1:-3]) for k in row if k.endswith("_ms"))
         lines.append(f"{name:<5} " + "  ".join(f"q{q} {row[f'q{q}_ms']:.3f} ms ({row[f'q{q}_vs_q1']:.2f}x)"
                                                for q in qs))
+    if "dspark" in result:
+        lines.append("== DSpark (random drafter weights): greedy identity and drafter cost per step (eager)")
+        for name, row in result["dspark"].items():
+            lines.append(f"{name:<14} plain {row['plain_ms_per_step']:.2f} ms/step  "
+                         f"dspark {row['dspark_ms_per_step']:.2f} ms/step of which draft {row['draft_ms_per_step']:.2f} ms  equal "
+                         f"{row['sequences_equal_plain']}  accept len {row.get('spec_mean_acceptance_length', 0):.2f}")
     return "\n".join(lines)
 
 
@@ -232,12 +312,15 @@ def main() -> int:
     p.add_argument("--slice", default="random:flash-slice:6")
     p.add_argument("--skip-demo", action="store_true")
     p.add_argument("--skip-slice", action="store_true")
+    p.add_argument("--dspark", default="random:flash-slice-dspark::n_routed_experts=32",
+                   help="the DSpark model of part 3's cost")
+    p.add_argument("--skip-dspark", action="store_true")
     p.add_argument("--dry-run-cpu", action="store_true", help="tiny sizes on the CPU, to test the suite itself")
     args = p.parse_args()
     device, dtype = ("cpu", "float32") if args.dry_run_cpu else ("cuda", "bfloat16")
     if args.dry_run_cpu:
         args.max_tokens, args.prompts, args.batches, args.ctx, args.reps = 12, 2, "1,2", 300, 2
-        args.slice = "random:tiny"
+        args.slice, args.dspark = "random:tiny", "random:tiny-dspark"
     ks = [int(k) for k in args.ks.split(",")]
     os.makedirs(args.out, exist_ok=True)
     result = {"info": {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
@@ -248,6 +331,9 @@ def main() -> int:
     if not args.skip_slice:
         result["verify"] = verify_cost(device, args.slice, [int(b) for b in args.batches.split(",")],
                                        [1] + [k + 1 for k in ks], args.ctx, args.reps)
+    if not args.skip_dspark:
+        result["dspark"] = dspark_runs(device, args.dspark, 4, [int(b) for b in args.batches.split(",")][:2],
+                                       min(args.max_tokens, 64))
     text = table(result)
     print(text)
     with open(os.path.join(args.out, "spec_suite.json"), "w") as f:

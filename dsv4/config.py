@@ -45,6 +45,12 @@ class ModelConfig:
     mlp_layer_types: tuple[str, ...] = ()
     mtp_compress_ratio: int = 0
     num_nextn_predict_layers: int = 1
+    # DSpark block drafter (docs/speculative.md "DSpark"): 0 = none; its draft stages are the
+    # num_nextn_predict_layers `mtp.*` blocks (sliding window only)
+    dspark_block_size: int = 0
+    dspark_noise_token_id: int = 0
+    dspark_target_layer_ids: tuple[int, ...] = ()
+    dspark_markov_rank: int = 0
     index_n_heads: int = 64
     index_head_dim: int = 128
     index_topk: int = 512
@@ -144,6 +150,10 @@ class ModelConfig:
             d["index_topk_pattern"] = self.index_topk_pattern
         if self.vision is not None:
             d.update(vision_dict(self.vision))
+        if self.dspark_block_size:
+            d.update(dspark_block_size=self.dspark_block_size, dspark_noise_token_id=self.dspark_noise_token_id,
+                     dspark_target_layer_ids=list(self.dspark_target_layer_ids),
+                     dspark_markov_rank=self.dspark_markov_rank)
         if self.quant_method:
             d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
                                         "activation_scheme": "dynamic",
@@ -181,7 +191,7 @@ class ModelConfig:
         return d
 
 
-SPECULATIVE_METHODS = ("mtp",)
+SPECULATIVE_METHODS = ("mtp", "dspark")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -190,10 +200,12 @@ class SpeculativeConfig:
     """Speculative decoding (docs/architecture.md, "Speculative decoding"): `method` drafts
     `num_speculative_tokens` tokens per request and step, verified in the next step. `model`:
     a draft checkpoint folder (`dsv4 convert --extract-mtp`) whose MTP blocks replace the
-    model's own."""
+    model's own. `confidence_threshold` (method "dspark"): only the leading drafts whose
+    confidence head probability is at least this are verified (0: all k)."""
     method: str = "mtp"
     num_speculative_tokens: int = 1
     model: str | None = None
+    confidence_threshold: float = 0.0
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -205,6 +217,11 @@ class SpeculativeConfig:
                                                     f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         if self.model is not None and not isinstance(self.model, str):
             raise ConfigError("speculative_config", f"model: expected a folder path, got {self.model!r}")
+        c = self.confidence_threshold
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
+            raise ConfigError("speculative_config", f"confidence_threshold: expected a number in [0, 1], got {c!r}")
+        if c and self.method != "dspark":
+            raise ConfigError("speculative_config", "confidence_threshold: only for method 'dspark'")
 
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
@@ -223,7 +240,7 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ConfigError("speculative_config", f"unknown key(s) {unknown}; known: method, "
-                                                    f"num_speculative_tokens, model")
+                                                    f"num_speculative_tokens, model, confidence_threshold")
         return cls(**value)
 
 

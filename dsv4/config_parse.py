@@ -122,7 +122,13 @@ def parse_model_config(d: dict[str, Any], model_config: type):
     n = kw["num_hidden_layers"]
     n_mtp = kw.setdefault("num_nextn_predict_layers", 1)
     _check_kv_heads(d)
+    kw.update(parse_dspark(d, n, kw["vocab_size"]))
+    if kw.get("dspark_block_size") and isinstance(d.get("compress_ratios"), list) and len(d["compress_ratios"]) > n:
+        n_mtp = kw["num_nextn_predict_layers"] = len(d["compress_ratios"]) - n   # the draft stages
     kw["compress_ratios"], kw["mtp_compress_ratio"] = _parse_ratios(d, n, n_mtp)
+    if kw.get("dspark_block_size") and any(d.get("compress_ratios", [])[n:]):
+        raise ConfigError("compress_ratios", f"DSpark draft stages are sliding-window only: expected 0 for "
+                                             f"entries {n}.., got {d['compress_ratios'][n:]}")
     kw["mlp_layer_types"] = _parse_mlp_types(d, n)
     head_dim = kw.get("head_dim", 512)
     kw["qk_rope_head_dim"] = _parse_rope_dim(d, head_dim)
@@ -150,6 +156,27 @@ def parse_model_config(d: dict[str, Any], model_config: type):
     cfg = model_config(**kw)
     _validate(cfg)
     return cfg
+
+
+def parse_dspark(d, n: int, vocab: int) -> dict[str, Any]:
+    """The DSpark drafter's fields (docs/speculative.md "DSpark"): all or nothing, once
+    `dspark_block_size` is given."""
+    names = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids", "dspark_markov_rank")
+    if d.get("dspark_block_size") is None:
+        return {}
+    for name in names:
+        if d.get(name) is None:
+            raise ConfigError(name, "is required when dspark_block_size is set")
+    out = {name: _positive_int(d, name) for name in ("dspark_block_size", "dspark_markov_rank")}
+    noise = d["dspark_noise_token_id"]
+    if isinstance(noise, bool) or not isinstance(noise, int) or not 0 <= noise < vocab:
+        raise ConfigError("dspark_noise_token_id", f"expected a token id in [0, {vocab}), got {noise!r}")
+    ids = d["dspark_target_layer_ids"]
+    if (not isinstance(ids, list) or not ids or len(set(ids)) != len(ids)
+            or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n for i in ids)):
+        raise ConfigError("dspark_target_layer_ids", f"expected distinct main layer ids in [0, {n}), got {ids!r}")
+    out.update(dspark_noise_token_id=noise, dspark_target_layer_ids=tuple(ids))
+    return out
 
 
 def _positive_int(d, name) -> int:

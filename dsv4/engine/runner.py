@@ -27,6 +27,8 @@ class StepLogits:
     num_rows: list[int]             # per chunk: rows it has (its last num_rows tokens)
     hidden: torch.Tensor | None = None   # [T, hc_mult, hidden] final residual streams of every token
                                          # row, chunks in order (keep_hidden: what drafters read)
+    taps: torch.Tensor | None = None     # [T, n_taps * hidden] the DSpark target layers' input
+                                         # streams, hc-averaged, concatenated (keep_taps)
 
 
 @dataclass
@@ -44,16 +46,17 @@ class PendingFill:
 
 class ModelRunner:
     def __init__(self, model, layout: CacheLayout, plan: CachePlan, cache: CacheManager, device,
-                 cuda_graph_max_bs: int = 0, keep_hidden: bool = False):
+                 cuda_graph_max_bs: int = 0, keep_hidden: bool = False, keep_taps: bool = False):
         """cuda_graph_max_bs > 0 on a CUDA device: uniform steps (every request the same number
         of tokens, all with logits) up to that batch replay CUDA graphs. keep_hidden: every step
-        also returns its final residual streams (StepLogits.hidden)."""
+        also returns its final residual streams (StepLogits.hidden); keep_taps: and the DSpark
+        target layers' streams (StepLogits.taps; such steps run eagerly)."""
         self.model, self.layout, self.cache, self.device = model, layout, cache, device
-        self.keep_hidden = keep_hidden
+        self.keep_hidden, self.keep_taps = keep_hidden, keep_taps
         self.storage = KVStorage(layout, plan, model.dtype, device)
         self.h2d = HostToDevice(device)
         self.tables = PersistentTables(self.storage.ring_slots)   # page tables by slot, kept between steps
-        use_graphs = cuda_graph_max_bs > 0 and torch.device(device).type == "cuda"
+        use_graphs = cuda_graph_max_bs > 0 and torch.device(device).type == "cuda" and not keep_taps
         self.graphs = StepGraphs(model, self.storage, cuda_graph_max_bs, capture=True, h2d=self.h2d,
                                  keep_streams=keep_hidden) if use_graphs else None
         self.vision = VisionEncoder(model) if model.cfg.vision is not None else None
@@ -87,10 +90,10 @@ class ModelRunner:
         fb = upload_tree(build_step(seqs, self.layout, self.storage.ring_slots, tables=self.tables), self.h2d)
         if fill is not None:
             fill.apply(fb.token_ids, self.h2d)
-        extra = (images,) if images is not None else ()
-        hidden = self.model(fb, self.storage.layers, *extra)
+        taps = [] if self.keep_taps else None
+        hidden = self.model(fb, self.storage.layers, images, taps)
         return StepLogits(self.model.logits(hidden[fb.logits_rows]), first, counts,
-                          hidden if self.keep_hidden else None)
+                          hidden if self.keep_hidden else None, torch.cat(taps, -1) if taps else None)
 
     def _images(self, chunks: list[ScheduledChunk], seqs: list[SeqChunk]) -> ImageRows | None:
         """The step's image block rows (docs/vision.md), the images it needs encoded together."""

@@ -76,10 +76,13 @@ class DeepseekV4(nn.Module):
             for name in ("image_start", "image_end", "image_newline", "image_pad"):
                 setattr(self, name, param(cfg.hidden_size, dtype=dtype))
 
-    def forward(self, fb: ForwardBatch, kv: list[LayerKV], images: ImageRows | None = None) -> torch.Tensor:
+    def forward(self, fb: ForwardBatch, kv: list[LayerKV], images: ImageRows | None = None,
+                taps: list | None = None) -> torch.Tensor:
         """One step over the batch -> final residual streams [T, N, hidden]. kv[l]: layer l's
         cache views (KVStorage.layers). images: the step's image block rows, whose embeddings
-        replace the token embeddings and which the router sends by the vision bias."""
+        replace the token embeddings and which the router sends by the vision bias. taps:
+        appended, for each of cfg.dspark_target_layer_ids, that layer's input streams averaged
+        over hc [T, hidden] (what DSpark reads)."""
         rope, topk = RopeTables(fb, self.main_freq, self.compress_freq), SharedTopk()
         x = self.embed(fb.token_ids)
         mask = None
@@ -87,6 +90,8 @@ class DeepseekV4(nn.Module):
             x, mask = x.index_copy(0, images.rows, images.embeds.to(x.dtype)), images.mask
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for i, block in enumerate(self.layers):
+            if taps is not None and i in self.cfg.dspark_target_layer_ids:
+                taps.append(h.mean(dim=1))
             h = block(h, fb, kv[i], rope, topk, mask)
         return h
 

@@ -40,7 +40,11 @@ class MTPBlock(Block):
 
 
 def attach_mtp(model: DeepseekV4) -> None:
-    """Create the checkpoint's MTP blocks (num_nextn_predict_layers of them) on the model."""
+    """Create the checkpoint's MTP blocks (num_nextn_predict_layers of them) on the model; a
+    DSpark checkpoint's `mtp.*` blocks are its draft stages (model/dspark.py)."""
     cfg = model.cfg
+    if cfg.dspark_block_size:
+        from .dspark import attach_dspark
+        return attach_dspark(model)
     for k in range(cfg.num_nextn_predict_layers):
         model.mtp.append(MTPBlock(cfg, k, model.dtype, model.fp8_experts, model.mxfp4_experts))

@@ -42,6 +42,13 @@ PRESETS = {
                 num_hash_layers=3, index_n_heads=64, index_head_dim=128, index_topk=1024,
                 sliding_window=128, hc_mult=4, max_position_embeddings=1048576),
 }
+# the tiny model with a DSpark drafter: three window-only draft stages (mtp.0..2)
+PRESETS["tiny-dspark"] = dict(PRESETS["tiny"], compress_ratios=[0, 4, 128, 4, 0, 0, 0], dspark_block_size=4,
+                              dspark_noise_token_id=511, dspark_target_layer_ids=[1, 2, 3], dspark_markov_rank=16)
+# the Flash slice with Flash-0731's DSpark drafter shape (block 5, rank 256, three stages)
+PRESETS["flash-slice-dspark"] = dict(PRESETS["flash-slice"], compress_ratios=FLASH_RATIOS[:6] + [0, 0, 0],
+                                     dspark_block_size=5, dspark_noise_token_id=128799,
+                                     dspark_target_layer_ids=[3, 4, 5], dspark_markov_rank=256)
 # presets built in the released format (FP8 projections, MXFP4 experts) by `random:` specs
 RELEASED_PRESETS = ("flash", "pro")
 # a tiny DeepSeek-V4-Flash-Vision (docs/vision.md): the tiny model with a 2-layer tower

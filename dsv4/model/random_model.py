@@ -88,6 +88,9 @@ def build_random_model(spec: str, device="cpu", dtype: torch.dtype = torch.float
         return _build_released(cfg, device, dtype, seed, fp8, keep_mxfp4, keep_fp8_dense, shard or Shard())
     with torch.device(device):
         model = DeepseekV4(cfg, dtype, (fp8, fp8), keep_mxfp4)
+        if cfg.dspark_block_size:                  # a DSpark preset: its draft stages too
+            from .mtp import attach_mtp
+            attach_mtp(model)
         if keep_fp8_dense:
             keep_dense(model)
     gen = torch.Generator(device=device).manual_seed(seed)

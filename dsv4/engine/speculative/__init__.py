@@ -9,9 +9,14 @@ from ...config import ConfigError, SpeculativeConfig
 def check_speculative(spec: SpeculativeConfig, model) -> None:
     """Give `model` the draft checkpoint's MTP blocks when `spec.model` names one, then check
     that it can draft: ConfigError naming `speculative_config` otherwise."""
+    if spec.method == "dspark":
+        return _check_dspark(spec, model)
     if spec.model is not None:
         from ...model.draft import load_draft
         load_draft(model, spec.model)
+    if model.cfg.dspark_block_size:
+        raise ConfigError("speculative_config", "method 'mtp': the model's mtp.* blocks are DSpark stages "
+                                                "(dspark_block_size is set); use method 'dspark'")
     if not len(model.mtp):
         raise ConfigError("speculative_config", "method 'mtp': the model has no MTP block (config "
                                                 f"num_nextn_predict_layers = {model.cfg.num_nextn_predict_layers}, "
@@ -21,3 +26,17 @@ def check_speculative(spec: SpeculativeConfig, model) -> None:
         raise ConfigError("speculative_config", f"method 'mtp': MTP blocks with compress ratio "
                                                 f"{model.cfg.mtp_compress_ratio} are not supported (sliding "
                                                 "window only: ratio 0)")
+
+
+def _check_dspark(spec: SpeculativeConfig, model) -> None:
+    cfg = model.cfg
+    if spec.model is not None:
+        raise ConfigError("speculative_config", "method 'dspark': \"model\" is not supported (the DSpark "
+                                                "stages come with the checkpoint)")
+    if not cfg.dspark_block_size or not len(model.mtp):
+        raise ConfigError("speculative_config", "method 'dspark': the model has no DSpark drafter (config "
+                                                "dspark_block_size unset or no mtp.* weights loaded)")
+    if spec.num_speculative_tokens > cfg.dspark_block_size:
+        raise ConfigError("speculative_config", f"num_speculative_tokens: at most dspark_block_size = "
+                                                f"{cfg.dspark_block_size} for method 'dspark', got "
+                                                f"{spec.num_speculative_tokens}")

@@ -39,10 +39,15 @@ class SpeculativeDecoder:
         self.model, self.runner, self.cache = model, runner, cache
         self.vocab, self.window = model.cfg.vocab_size, model.cfg.sliding_window
         self.eos_token_id, self.generator = eos_token_id, generator
-        graphs = None
-        if runner.graphs is not None:      # CUDA graphs on: the drafts of uniform steps replay too
-            graphs = DraftGraphs(model, runner.storage, runner.graphs.max_bs, capture=True, h2d=runner.h2d)
-        self.proposer = MTPProposer(model, runner.storage, runner.h2d, graphs)
+        self.dspark = spec_config.method == "dspark"
+        if self.dspark:
+            from .dspark import DSparkProposer
+            self.proposer = DSparkProposer(model, runner.storage, runner.h2d, spec_config.confidence_threshold)
+        else:
+            graphs = None
+            if runner.graphs is not None:      # CUDA graphs on: the drafts of uniform steps replay too
+                graphs = DraftGraphs(model, runner.storage, runner.graphs.max_bs, capture=True, h2d=runner.h2d)
+            self.proposer = MTPProposer(model, runner.storage, runner.h2d, graphs)
         self.stats = SpecStats()
         self._draft_probs: dict[str, tuple[Request, torch.Tensor]] = {}   # rid -> (request, q [k, V])
         # [(request, drafts)] per verified chunk -> structured.masks.GrammarMask of its rows, or None
@@ -140,7 +145,7 @@ class SpeculativeDecoder:
                 works.append(work)
         if not works:
             return
-        proposals = self.proposer.propose(works, step.hidden, self._draft_batch)
+        proposals = self.proposer.propose(works, step.taps if self.dspark else step.hidden, self._draft_batch)
         drafting = [w for w in works if w.num_drafts > 0]
         host = torch.cat([d for d, _ in proposals]).tolist() if proposals else []
         first = 0
@@ -159,15 +164,16 @@ class SpeculativeDecoder:
         start, end = req.num_computed, req.num_computed + c.num_tokens
         emitted_now = len(emitted) - c.num_rejected if emitted is not None else 1
         room = req.params.max_tokens - len(req.output_token_ids) - emitted_now   # tokens still to come
-        lo = max(start, known - self.window)
-        if room <= 1 or lo >= end:
+        # DSpark: every position (a prefix-cache checkpoint then holds the drafter's window keys too)
+        lo = start if self.dspark else max(start, known - self.window)
+        if (room <= 1 and not self.dspark) or lo >= end:
             return None                             # no more drafts, or nothing a draft's window reads
         n_known = max(0, min(end, known - 1) - lo)  # positions t whose x_{t+1} was known before the step
         tokens = req.known_tokens(lo + 1, n_known) + (emitted[:end - lo - n_known] if emitted else [])
         anchor_pos, k = -1, 0
         if emitted is not None:
             anchor_pos = known - 2 + emitted_now     # the last accepted position
-            k = self._reserve_chain(req, min(self.k, room - 1), anchor_pos, end)
+            k = max(0, self._reserve_chain(req, min(self.k, room - 1), anchor_pos, end))
         held = self.cache.seq(req)
         return DraftWork(req, held.slot, held.pages, held.swa_pages, lo, tokens, hidden_row + lo - start,
                          anchor=anchor_pos - lo if emitted is not None else -1, num_drafts=k)
