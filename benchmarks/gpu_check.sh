@@ -11,11 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-out}}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+source benchmarks/wheels.sh
 t0=$(date +%s)
 DSV4_TRITON_DEVICE=cuda python3 -m pytest -q -n 14 -p no:cacheprovider tests/ops_triton tests/ops \
   > "$OUT/pytest_ops_cuda.txt" 2>&1

@@ -8,9 +8,5 @@ cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-out}}
 shift || true
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+source benchmarks/wheels.sh
 python3 -m benchmarks.host_path --out "$OUT/host_path.json" "$@" 2>&1 | tee "$OUT/host_path.txt"

@@ -21,10 +21,6 @@ fi
 OUT=${1:-${OUT:-out}}
 shift || true
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+source benchmarks/wheels.sh
 python3 -m benchmarks.prefix_check 2>&1 | tee "$OUT/prefix_check.txt"
 python3 -m benchmarks.prefix_cache --out "$OUT/prefix_cache.json" "$@" 2>&1 | tee "$OUT/prefix_cache.txt"
