@@ -89,7 +89,7 @@ def sequence_loss(model, one: OneSequence, ids: torch.Tensor, anchors: int, gen:
     cfg, P, W = model.cfg, ids.shape[0], model.cfg.sliding_window
     with torch.no_grad():
         taps = []
-        model(one.batch(ids.tolist()), one.storage.layers, taps)
+        model(one.batch(ids.tolist()), one.storage.layers, taps=taps)
         taps = torch.cat(taps, -1)
     dev = ids.device
     kv = [LayerKV(swa=torch.zeros(P, cfg.head_dim, device=dev)) for _ in
