@@ -1,8 +1,10 @@
 """The host path at high concurrency, one command (docs/architecture.md, "Engine").
 
 1. Host profile: the engine's own work per step and request, the model forward stubbed (zeros
-   for the streams, a fixed logits row), at each concurrency of --profile-concurrency, plus
-   the functions that take the most time (cProfile, cumulative) at the largest.
+   for the streams, a fixed logits row), each step's outputs taken on through the engine core,
+   the wire and the API process (benchmarks/host_sections.py), at each concurrency of
+   --profile-concurrency: wall time, the breakdown by component, and the functions that take
+   the most time (cProfile, own time) at the largest.
 2. Server: `dsv4 serve` on the demo model (start-up time from its log), `dsv4 bench serve`
    (--input-len-token prompts, --output-len tokens, --num-prompts requests) cold at
    concurrency 1, then warm at --concurrency; then `dsv4 bench throughput` on the same
@@ -12,6 +14,8 @@
 
     python -m benchmarks.host_path                 # H200, ~3 min
     python -m benchmarks.host_path --smoke         # CPU, tiny sizes, seconds
+    python -m benchmarks.host_path --only-profile  # the host profile alone (c64, c256)
+    python -m benchmarks.host_path --only-profile --device cpu --dtype float32   # the same, no GPU
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import tempfile
 import time
 import urllib.request
 
-BASELINE_TOK_S, TPOT_TARGET_MS = 6438.0, 6.0
+BASELINE_TOK_S, TPOT_TARGET_MS, HOST_TARGET_US = 6438.0, 6.0, 25.0
 READY = re.compile(r"ready at (http://\S+)")
 STARTUP = re.compile(r"engine core ready in ([0-9.]+) s")
 WARMUP = re.compile(r"warm-up: .*")
@@ -64,56 +68,76 @@ def stub_forward(engine) -> None:
     m, cfg = engine.model, engine.model.cfg
     logits = torch.zeros(4096, cfg.vocab_size, device=engine.config.device)
     logits[:, 2:] = torch.arange(cfg.vocab_size - 2, device=logits.device) % 7   # argmax: a fixed token
-    m.forward = lambda fb, layers: torch.zeros(fb.num_tokens, cfg.hc_mult, cfg.hidden_size, device=logits.device)
+    m.forward = lambda fb, layers, *rest: torch.zeros(fb.num_tokens, cfg.hc_mult, cfg.hidden_size, device=logits.device)
     m.logits = lambda hidden: logits[:hidden.shape[0]]
     m.head_input = lambda streams: streams[:, 0]
     m.head_logits = lambda head_in: logits[:head_in.shape[0]]
 
 
 def host_profile(args, concurrency: int) -> dict:
+    """The engine at `concurrency` decoding requests, its forward stubbed, each step's outputs
+    taken through the engine core, the wire and the API process (host_sections.ServePath):
+    wall time per step, the breakdown by component, and cProfile's top functions."""
     import torch
     from dsv4.assets import demo_model_dir
     from dsv4.config import EngineConfig
     from dsv4.engine.cuda_graphs import StepGraphs
     from dsv4.engine.engine import LLMEngine
     from dsv4.sampling_params import SamplingParams
+    from .host_sections import Sections, ServePath, breakdown, instrument
     cfg = EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=concurrency, enable_prefix_caching=False,
                        max_num_batched_tokens=max(2048, args.input_len * 4), enforce_eager=True,
-                       max_model_len=args.input_len + args.output_len + args.profile_steps + 16,
+                       max_model_len=args.input_len + args.output_len + 3 * args.profile_steps + 16,
                        cache_memory_gb=4.0)      # (the server started after this needs the rest)
     engine = LLMEngine(demo_model_dir(), cfg)
     stub_forward(engine)
     runner = engine.runner         # the padded (graph) step of a GPU, run eagerly: its host work
     runner.graphs = StepGraphs(engine.model, runner.storage, concurrency, capture=False, h2d=runner.h2d)
+    sections = Sections()
+    serve = ServePath(engine, sections)
     rng = random.Random(0)
     vocab = engine.cfg.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=args.output_len + args.profile_steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len + 3 * args.profile_steps + 8, ignore_eos=True)
     for i in range(concurrency):
-        engine.add_request(str(i), [rng.randrange(2, vocab) for _ in range(args.input_len)], params)
+        serve.add(str(i), [rng.randrange(2, vocab) for _ in range(args.input_len)], params)
     while any(r.num_computed < args.input_len for r in engine.requests.values()):
-        engine.step()
+        serve.step()
     for _ in range(3):
-        engine.step()
+        serve.step()
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    sync()
-    start = time.perf_counter()
+    walls, cpus = {}, {}
+    for name, step in (("engine", engine.step), ("serve", serve.step)):
+        sync()
+        start, cpu = time.perf_counter(), time.thread_time()
+        for _ in range(args.profile_steps):
+            step()
+        sync()
+        walls[name] = (time.perf_counter() - start) / args.profile_steps
+        cpus[name] = (time.thread_time() - cpu) / args.profile_steps
+    assert len(engine.requests) == concurrency, "a request finished inside the measured steps"
+    instrument(engine, sections)
+    sections.reset()
     for _ in range(args.profile_steps):
-        engine.step()
-    sync()
-    per_step = (time.perf_counter() - start) / args.profile_steps
+        serve.step()
+    rows, host = breakdown(sections.seconds, args.profile_steps, concurrency)
+    sections.restore()
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(args.profile_steps):
-        engine.step()
+        serve.step()
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
-    del engine, runner
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    serve.close()
+    del engine, runner, serve
     gc.collect()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()
-    return {"concurrency": concurrency, "ms_per_step": per_step * 1e3,
-            "us_per_request_step": per_step / concurrency * 1e6, "profile": text.getvalue()}
+    return {"concurrency": concurrency, "ms_per_step": walls["serve"] * 1e3,
+            "us_per_request_step": walls["serve"] / concurrency * 1e6,
+            "cpu_us_per_request_step": cpus["serve"] / concurrency * 1e6,
+            "engine_cpu_us_per_request_step": cpus["engine"] / concurrency * 1e6,
+            "host_us_per_request_step": host, "breakdown_us": rows, "profile": text.getvalue()}
 
 
 # ---- 2. server and offline -------------------------------------------------------------------
@@ -204,9 +228,12 @@ def offline(args) -> dict:
 
 # ---- 3. the table ----------------------------------------------------------------------------
 def table(profiles: list[dict], serve: dict | None, concurrency: int) -> tuple[str, bool]:
-    lines = ["host work per step (model forward stubbed):"]
-    lines += [f"  c{p['concurrency']:<4} {p['ms_per_step']:8.2f} ms/step  {p['us_per_request_step']:7.1f} us/request/step"
-              for p in profiles]
+    lines = ["host work per step (model forward stubbed; us per running request per step):"]
+    for p in profiles:
+        lines.append(f"  c{p['concurrency']:<4} wall {p['ms_per_step']:7.2f} ms/step = {p['us_per_request_step']:6.1f} us; "
+                     f"CPU {p['cpu_us_per_request_step']:6.1f} us (engine.step alone {p['engine_cpu_us_per_request_step']:6.1f}); "
+                     f"host parts {p['host_us_per_request_step']:6.1f} us (target <= {HOST_TARGET_US:g}), by part (CPU us):")
+        lines += [f"      {name:<34} {us:7.2f}" for name, us in p["breakdown_us"]]
     ok = True
     if serve is not None:
         cold, warm1, warm = serve["cold_c1"], serve["warm_c1"], serve["warm_c"]
