@@ -95,6 +95,7 @@ def host_profile(args, concurrency: int) -> dict:
     runner.graphs = StepGraphs(engine.model, runner.storage, concurrency, capture=False, h2d=runner.h2d)
     sections = Sections()
     serve = ServePath(engine, sections)
+    gc.freeze()                    # as the engine-core process does once it is loaded (engine/core.py)
     rng = random.Random(0)
     vocab = engine.cfg.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.output_len + 3 * args.profile_steps + 8, ignore_eos=True)
@@ -116,6 +117,7 @@ def host_profile(args, concurrency: int) -> dict:
         cpus[name] = (time.thread_time() - cpu) / args.profile_steps
     assert len(engine.requests) == concurrency, "a request finished inside the measured steps"
     instrument(engine, sections)
+    sections.time_gc()
     sections.reset()
     for _ in range(args.profile_steps):
         serve.step()
@@ -130,6 +132,7 @@ def host_profile(args, concurrency: int) -> dict:
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
     serve.close()
     del engine, runner, serve
+    gc.unfreeze()
     gc.collect()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()

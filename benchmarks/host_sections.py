@@ -28,6 +28,23 @@ class Sections:
         self._children: list[float] = []     # per open wrapped call: time spent in wrapped calls inside
         self._undo: list[tuple[object, str, object]] = []
 
+    def time_gc(self) -> None:
+        """Charge Python's garbage collections to their own component (not to the call they
+        interrupt)."""
+        import gc
+        started = []
+
+        def on_gc(phase, info):
+            if phase == "start":
+                started.append(self.clock())
+            elif started:
+                spent = self.clock() - started.pop()
+                self.seconds[f"gc (generation {info['generation']})"] += spent
+                if self._children:
+                    self._children[-1] += spent
+        gc.callbacks.append(on_gc)
+        self._undo.append((gc.callbacks, on_gc, None))
+
     def wrap(self, owner, attr: str, component: str) -> None:
         """Replace owner.attr (a callable) by a timed one charging its own time to `component`."""
         inner = getattr(owner, attr)
@@ -48,7 +65,9 @@ class Sections:
 
     def restore(self) -> None:
         for owner, attr, old in reversed(self._undo):
-            if old is None:
+            if isinstance(owner, list):
+                owner.remove(attr)
+            elif old is None:
                 delattr(owner, attr)
             else:
                 setattr(owner, attr, old)

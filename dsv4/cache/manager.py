@@ -46,6 +46,8 @@ class SeqCache:
     staged: int = 0                      # the boundary whose overlap rows its staging ring rows hold
     node: Node | None = None             # the tree node at `committed`
     decode_node: Node | None = None      # the checkpoint it took past its prompt (replaced by the next one)
+    trimmed: int = 0                     # SWA pages below this logical page are freed (-1); `reserve` never
+                                         # takes one there again: num_computed only grows while the record lives
 
     @property
     def holds_nothing(self) -> bool:
@@ -78,13 +80,16 @@ class CacheManager:
         return self.seqs.get(req.request_id) or SeqCache()
 
     # ---- reserving -------------------------------------------------------------------------
-    def _needs(self, req, num_new: int) -> tuple[int, list[int]]:
-        held = self.seq(req)
+    def _needs(self, req, num_new: int, held: SeqCache) -> tuple[int, list[int]]:
+        """(history pages to allocate, logical SWA pages to allocate) for [num_computed, + num_new)."""
         end = req.num_computed + num_new
         history = max(0, -(-end // PAGE_TOKENS) - len(held.pages))
         first = max(0, req.num_computed - self.layout.swa_keep) // SWA_PAGE_TOKENS
         last = (end - 1) // SWA_PAGE_TOKENS
-        swa = [p for p in range(first, last + 1) if p >= len(held.swa_pages) or held.swa_pages[p] < 0]
+        swa_pages = held.swa_pages
+        if first <= last < len(swa_pages) and min(swa_pages[first:last + 1]) >= 0:
+            return history, []          # every SWA page held already (a decode step, mostly): checked in C
+        swa = [p for p in range(first, last + 1) if p >= len(swa_pages) or swa_pages[p] < 0]
         return history, swa
 
     def available_pages(self) -> int:
@@ -92,20 +97,26 @@ class CacheManager:
         return self.pages.num_free + (self.pages.num_reclaimable if self.prefix is not None else 0)
 
     def can_reserve(self, req, num_new: int) -> bool:
-        history, swa = self._needs(req, num_new)
+        held = self.seq(req)
+        return self._fits(held, *self._needs(req, num_new, held))
+
+    def _fits(self, held: SeqCache, history: int, swa: list[int]) -> bool:
         return (history <= self.available_pages() and self.swa.can_allocate(len(swa))
-                and (self.seq(req).slot is not None or bool(self.free_slots)))
+                and (held.slot is not None or bool(self.free_slots)))
 
     def reserve(self, req, num_new: int) -> bool:
         """Hold everything positions [num_computed, num_computed + num_new) need; all or nothing."""
-        if not self.can_reserve(req, num_new):
+        held = self.seq(req)
+        history, swa = self._needs(req, num_new, held)
+        if not self._fits(held, history, swa):
             return False
-        history, swa = self._needs(req, num_new)
+        if not history and not swa and held.slot is not None:
+            return True                 # holds it all already (a decode step inside its pages)
         if history > self.pages.num_free:
             self.prefix.evict(history - self.pages.num_free)
             if history > self.pages.num_free:
                 return False
-        held = self.seqs.setdefault(req.request_id, SeqCache())
+        held = self.seqs.setdefault(req.request_id, held)
         if held.slot is None:
             held.slot = self.free_slots.pop()
         held.pages.extend(self.pages.allocate(history))
@@ -120,8 +131,11 @@ class CacheManager:
         if held is None:
             return
         keep_from = max(0, req.num_computed - self.layout.swa_keep) // SWA_PAGE_TOKENS
+        if keep_from <= held.trimmed:
+            return          # nothing newly behind the window (pages are never taken below `trimmed`)
         self.swa.free([p for p in held.swa_pages[:keep_from] if p >= 0])
         held.swa_pages[:keep_from] = [-1] * min(keep_from, len(held.swa_pages))
+        held.trimmed = keep_from
 
     def release(self, req) -> None:
         """Free everything the request holds (finish, abort, preemption); the prefix cache keeps
@@ -224,6 +238,8 @@ class CacheManager:
             return
         known = len(req.prompt_token_ids) + len(req.output_token_ids)
         top = min(req.num_computed, known) // PAGE_TOKENS * PAGE_TOKENS
+        if top <= held.committed:
+            return                      # no boundary in (committed, top]: most steps
         for L in sorted({held.staged, top}):
             if held.committed < L <= top:
                 held.committed = L

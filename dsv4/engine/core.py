@@ -17,6 +17,7 @@ still fail are aborted and reported with 500, the others go on.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import sys
@@ -183,6 +184,7 @@ def run_engine_core(model_dir: str, config, addresses: Addresses, parent_pid: in
         outbox.close(linger=2000)
         sys.exit(1)
     engine.check_stop_strings = False      # the API process does (serve/client.py, text/stop_watch.py)
+    gc.freeze()     # the start-up's objects (model, tokenizer, plans) are never scanned by a full collection again
     log.info("engine core ready in %.1f s (load, cache, warm-up)", time.perf_counter() - started)
     outbox.send(encode(ready_message(engine)))
     try:

@@ -9,6 +9,7 @@ removes the IPC folder.
 """
 from __future__ import annotations
 
+import gc
 import socket
 import sys
 from collections.abc import Callable
@@ -90,6 +91,7 @@ class APIServer:
                 from ...disagg.serving import add_disagg_routes
                 add_disagg_routes(app, state, s.disagg)
             config = uvicorn.Config(app, log_level=s.log_level)
+            gc.freeze()     # start-up objects (app, tokenizer) out of the full collections that run while serving
             self.uvicorn = GracefulServer(config, s.limits.shutdown_timeout, self.client.fail_all)
             self.uvicorn.run(sockets=[self.sock])
         except KeyboardInterrupt:
