@@ -21,14 +21,13 @@ from ..model.vision.engine_checks import check_images
 from ..model.vision.spans import ImageSpan
 from .request import Request, Status
 from .runner import ModelRunner, StepLogits
-from .sampler import (Sampler, SamplingBatch, SamplingRow, compute_prompt_logprobs, count_pending,
-                      make_generator)
+from .sampler import Sampler, compute_prompt_logprobs, count_pending, make_generator
+from .sampling_inputs import SamplingInputs
 from ..sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from ..structured.masks import step_mask, verify_mask
 from ..text.stop import StopChecker, StopResult
 from ..text.stop_watch import StopStringWatch
-from .upload import upload_tree
 
 log = logging.getLogger("dsv4.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -80,6 +79,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.eos_token_id = self.tokenizer.eos_id if self.tokenizer is not None else self.cfg.eos_token_id
+        self.sampling_inputs = SamplingInputs(self.cfg.vocab_size, self.eos_token_id, self.generator, self.runner.h2d)
         self.spec = None            # the speculative decoder (engine/speculative/), when configured
         if spec is not None:
             from .speculative.decoder import SpeculativeDecoder
@@ -300,17 +300,13 @@ class LLMEngine:
             return None, None
         reqs = [chunks[i].request for i in idx]
         rows = [step.first_row[i] + step.num_rows[i] - 1 for i in idx]
-        batch = SamplingBatch.build(
-            [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.num_pending) for r in reqs],
-            self.cfg.vocab_size, "cpu", self.eos_token_id, self.generator)
+        grammar = None
         if self.grammars:                      # only rows under a grammar get a mask
-            batch.grammar = step_mask([self.grammars.get(r.request_id) for r in reqs], self.cfg.vocab_size)
-        pending = [(j, r.pending_row) for j, r in enumerate(reqs) if r.num_pending and r.params.has_penalties]
-        batch, rows_t, pending_t = upload_tree((batch, torch.tensor(rows), torch.tensor(pending).view(-1, 2)),
-                                               self.runner.h2d)
-        if pending:
+            grammar = step_mask([self.grammars.get(r.request_id) for r in reqs], self.cfg.vocab_size)
+        batch, rows_t, pending_t = self.sampling_inputs.batch(reqs, rows, grammar)
+        if pending_t is not None:
             count_pending(batch.penalties, pending_t[:, 0], prev[pending_t[:, 1]])
-        logits = step.logits[:len(rows)] if rows == list(range(len(rows))) else step.logits[rows_t]
+        logits = step.logits[:len(rows)] if rows_t is None else step.logits[rows_t]
         out = self.sampler(logits, batch)
         return out.token_ids, HostCopy([out.token_ids, out.logprobs, out.top_ids, out.top_logprobs])
 

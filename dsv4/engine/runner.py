@@ -123,19 +123,21 @@ class ModelRunner:
         return {"eager_steps": 2, "graph_shapes": len(shapes)}
 
     def _seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
-        req, held = c.request, self.cache.seq(c.request)
+        req, held, n = c.request, self.cache.seq(c.request), c.num_tokens
         start = req.num_computed
         if req.wants_prompt_logprobs and start < len(req.prompt_token_ids):
-            logits = c.num_tokens
+            logits = n
         else:
-            logits = min(max(c.num_logits or 0, 1 if c.completes else 0), c.num_tokens)
-        known = req.known_tokens(start, c.num_tokens)
-        known += req.spec_token_ids[:c.num_tokens - len(known)] if c.num_logits else []   # drafts to verify
-        missing = c.num_tokens - len(known)              # the pending token, still on the device
-        return SeqChunk(slot=held.slot, start=start, token_ids=known + [0] * missing,
+            logits = min(max(c.num_logits or 0, 1 if c.completes else 0), n)
+        known = req.known_tokens(start, n)
+        if c.num_logits:
+            known += req.spec_token_ids[:n - len(known)]     # drafts to verify
+        if len(known) < n:
+            known += [0] * (n - len(known))             # the pending token, still on the device
+        return SeqChunk(slot=held.slot, start=start, token_ids=known,
                         page_table=held.pages, swa_table=held.swa_pages, logits=logits,
-                        stage=self.cache.stage(req, start, c.num_tokens),
-                        images=blocks_in_chunk(req.images, start, c.num_tokens))
+                        stage=self.cache.stage(req, start, n),
+                        images=blocks_in_chunk(req.images, start, n) if req.images else ())
 
 
 def _pending_fill(chunks: list[ScheduledChunk], seqs: list[SeqChunk],

@@ -67,14 +67,19 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         self.cache.poll_tiers()
         chunks: list[ScheduledChunk] = []
-        order = sorted(self.running, key=lambda r: (not r.is_decoding, r.arrival))
+        remaining = {id(r): r.num_remaining for r in self.running}     # (each read once: a property)
+        order = sorted(self.running, key=lambda r: (not (r.status is Status.RUNNING and remaining[id(r)] == 1),
+                                                     r.arrival))       # decodes first, then oldest first
         used = 0                    # tokens of `chunks` (kept as a sum: O(1) a request)
         for req in order:
             budget = self.max_tokens - used
             if budget <= 0 or req.status is not Status.RUNNING:     # < 0: an image block ran over
                 continue
-            drafts = len(req.spec_token_ids) if req.is_decoding else 0
-            n = atomic_chunk(req.images, req.num_computed, min(req.num_remaining + drafts, budget))
+            left = req.num_remaining        # (a preemption in this loop may have reset it)
+            drafts = len(req.spec_token_ids) if left == 1 else 0     # decoding: RUNNING, one token left
+            n = min(left + drafts, budget)
+            if req.images:
+                n = atomic_chunk(req.images, req.num_computed, n)
             before = len(chunks)
             if self._reserve_or_preempt(req, n, chunks):
                 chunks.append(ScheduledChunk(req, n, n if drafts else None))

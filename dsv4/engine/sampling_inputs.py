@@ -1,0 +1,47 @@
+"""The sampler's per-row inputs on the device, kept between steps (docs/architecture.md, "Engine").
+
+A `SamplingBatch` is a function of the rows' requests: their parameters and generators, and —
+only for penalties, the min_tokens ban and grammar masks — their tokens so far. When a step
+samples the same requests in the same order as the previous one and none of those per-step
+parts is in use, the previous step's batch (already on the device, never written by the
+sampler) is the batch this step would build: it is reused, with no Python pass over the rows
+and no upload. Any join, leave or reorder, any penalty, ban or grammar rebuilds it.
+"""
+from __future__ import annotations
+
+import torch
+
+from .request import Request
+from .sampler import SamplingBatch, SamplingRow
+from .upload import HostToDevice, upload_tree
+
+
+class SamplingInputs:
+    def __init__(self, vocab_size: int, eos_token_id: int | None, generator: torch.Generator,
+                 h2d: HostToDevice):
+        self.vocab_size, self.eos_token_id, self.generator, self.h2d = vocab_size, eos_token_id, generator, h2d
+        self._reqs: tuple[Request, ...] = ()      # the requests of `_batch`'s rows, in order
+        self._batch: SamplingBatch | None = None  # on the device; None: nothing to reuse
+        self.builds = 0                           # batches built so far (how often reuse failed)
+
+    def batch(self, reqs: list[Request], rows: list[int], grammar=None
+              ) -> tuple[SamplingBatch, torch.Tensor | None, torch.Tensor | None]:
+        """(the batch on the device, `rows` on the device or None when rows == range(len(rows)),
+        the (row, pending row) pairs whose pending token counts toward penalties as [P, 2] on
+        the device, or None when there are none). `grammar`: the step's GrammarMask (None: no
+        row is under one)."""
+        key = tuple(reqs)
+        plain = rows == list(range(len(rows)))
+        if grammar is None and self._batch is not None and key == self._reqs:
+            rows_t = None if plain else self.h2d.upload([torch.tensor(rows)])[0]
+            return self._batch, rows_t, None
+        self.builds += 1
+        batch = SamplingBatch.build(
+            [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.num_pending) for r in reqs],
+            self.vocab_size, "cpu", self.eos_token_id, self.generator)
+        batch.grammar = grammar
+        pending = [(j, r.pending_row) for j, r in enumerate(reqs) if r.num_pending and r.params.has_penalties]
+        batch, rows_t, pending_t = upload_tree((batch, torch.tensor(rows), torch.tensor(pending).view(-1, 2)), self.h2d)
+        reusable = grammar is None and batch.penalties is None and batch.banned is None
+        self._reqs, self._batch = (key, batch) if reusable else ((), None)
+        return batch, None if plain else rows_t, pending_t if pending else None
