@@ -29,8 +29,9 @@ def test_packed_batch_equals_the_direct_one():
 def test_mixed_dtypes_and_empty_tensors_round_trip():
     h2d = HostToDevice("cpu", num_buffers=1, pack=True)
     tensors = [torch.tensor([True, False, True]), torch.arange(5, dtype=torch.long),
-               torch.empty(0, 3, dtype=torch.long), torch.tensor([0.5, -2.0]), torch.ones(2, 3, dtype=torch.bfloat16)]
-    tree = (tensors[0], (tensors[1], tensors[2]), tensors[3], tensors[4])
+               torch.empty(0, 3, dtype=torch.long), torch.tensor([0.5, -2.0]), torch.ones(2, 3, dtype=torch.bfloat16),
+               torch.arange(6, dtype=torch.int32).view(2, 3).t()]      # not contiguous: packed in order
+    tree = (tensors[0], (tensors[1], tensors[2]), tensors[3], tensors[4], tensors[5])
     moved = upload_tree(tree, h2d)
     assert isinstance(moved[1], tuple)
     for (_, x), (_, y) in zip(tensor_leaves(tree), tensor_leaves(moved)):
