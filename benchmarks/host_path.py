@@ -148,7 +148,8 @@ def host_profile(args, concurrency: int) -> dict:
             "us_per_request_step": walls["serve"] / concurrency * 1e6,
             "cpu_us_per_request_step": cpus["serve"] / concurrency * 1e6,
             "engine_cpu_us_per_request_step": cpus["engine"] / concurrency * 1e6,
-            "host_us_per_request_step": host, "breakdown_us": rows, "profile": text.getvalue()}
+            "host_us_per_request_step": host["all"], "engine_core_us_per_request_step": host["engine_core"],
+            "api_us_per_request_step": host["api"], "breakdown_us": rows, "profile": text.getvalue()}
 
 
 # ---- 2. server and offline -------------------------------------------------------------------
@@ -243,7 +244,9 @@ def table(profiles: list[dict], serve: dict | None, concurrency: int) -> tuple[s
     for p in profiles:
         lines.append(f"  c{p['concurrency']:<4} wall {p['ms_per_step']:7.2f} ms/step = {p['us_per_request_step']:6.1f} us; "
                      f"CPU {p['cpu_us_per_request_step']:6.1f} us (engine.step alone {p['engine_cpu_us_per_request_step']:6.1f}); "
-                     f"host parts {p['host_us_per_request_step']:6.1f} us (target <= {HOST_TARGET_US:g}), by part (CPU us):")
+                     f"host parts {p['host_us_per_request_step']:6.1f} us: engine-core process "
+                     f"{p['engine_core_us_per_request_step']:6.1f} (target <= {HOST_TARGET_US:g}), API process "
+                     f"{p['api_us_per_request_step']:6.1f}; by part (CPU us):")
         lines += [f"      {name:<34} {us:7.2f}" for name, us in p["breakdown_us"]]
     ok = True
     if serve is not None:

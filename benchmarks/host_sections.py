@@ -154,7 +154,11 @@ class ServePath:
         return made
 
 
-def breakdown(seconds: dict[str, float], steps: int, concurrency: int) -> tuple[list[tuple[str, float]], float]:
-    """[(component, us per request per step)] largest first, and the host total (device parts out)."""
+def breakdown(seconds: dict[str, float], steps: int, concurrency: int) -> tuple[list[tuple[str, float]], dict]:
+    """[(component, us per request per step)] largest first, and the host totals (device parts
+    out): all, the engine-core process's (whose loop paces the steps) and the API process's
+    (which runs beside it)."""
     rows = sorted(((k, v / steps / concurrency * 1e6) for k, v in seconds.items()), key=lambda r: -r[1])
-    return rows, sum(v for k, v in rows if k not in DEVICE)
+    api = sum(v for k, v in rows if k.startswith("api:"))
+    host = sum(v for k, v in rows if k not in DEVICE)
+    return rows, {"all": host, "engine_core": host - api, "api": api}

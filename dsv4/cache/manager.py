@@ -108,10 +108,10 @@ class CacheManager:
         """Hold everything positions [num_computed, num_computed + num_new) need; all or nothing."""
         held = self.seq(req)
         history, swa = self._needs(req, num_new, held)
-        if not self._fits(held, history, swa):
-            return False
         if not history and not swa and held.slot is not None:
             return True                 # holds it all already (a decode step inside its pages)
+        if not self._fits(held, history, swa):
+            return False
         if history > self.pages.num_free:
             self.prefix.evict(history - self.pages.num_free)
             if history > self.pages.num_free:

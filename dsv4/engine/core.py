@@ -110,7 +110,7 @@ class EngineCore:
         """Everything of `out` not forwarded before (a step that raised may have appended
         tokens whose output was lost)."""
         sent = self._sent[out.request_id]
-        new = TokenOutput(out.request_id, list(out.token_ids[sent:]))
+        new = TokenOutput(out.request_id, out.token_ids[sent:])
         self._generated += len(new.token_ids)
         if out.logprobs is not None:
             new.logprobs = [list(entry.items()) for entry in out.logprobs[sent:]]
