@@ -1,0 +1,105 @@
+"""The sampler's inputs kept on the device between steps (engine/sampling_inputs.py): reused
+only while the sampled requests and everything the batch depends on are unchanged, and an
+engine that reuses them gives exactly the tokens, logprobs and finish reasons of one that
+rebuilds every step (invariant 5), through joins, leaves, seeded and unseeded sampling, logit
+bias, min_tokens bans and penalties."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.engine.request import Request
+from dsv4.engine.sampling_inputs import SamplingInputs
+from dsv4.engine.upload import HostToDevice
+from dsv4.sampling_params import SamplingParams
+from dsv4.structured.masks import GrammarMask
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+VOCAB, EOS = 64, 0
+
+
+def _req(rid: str, **params) -> Request:
+    return Request(rid, [1, 2, 3], SamplingParams(**params), arrival=0)
+
+
+def _inputs() -> SamplingInputs:
+    return SamplingInputs(VOCAB, EOS, torch.Generator().manual_seed(0), HostToDevice("cpu"))
+
+
+def test_reused_only_while_the_same_requests_sample_in_the_same_order():
+    si = _inputs()
+    a, b = _req("a", temperature=0), _req("b", temperature=0.7, top_k=5, seed=3, logprobs=2)
+    first, rows_t, pending = si.batch([a, b], [0, 1])
+    assert rows_t is None and pending is None and si.builds == 1
+    turn = si.h2d.turn
+    again, _, _ = si.batch([a, b], [0, 1])
+    assert again is first and si.builds == 1 and si.h2d.turn == turn       # no build, no upload
+    _, rows_t, _ = si.batch([a, b], [2, 5])                                 # other logits rows: only they go up
+    assert rows_t.tolist() == [2, 5] and si.builds == 1
+    swapped, _, _ = si.batch([b, a], [0, 1])
+    assert swapped is not first and si.builds == 2 and swapped.is_greedy.tolist() == [False, True]
+    c = _req("c", temperature=0)
+    joined, _, _ = si.batch([b, a, c], [0, 1, 2])
+    assert si.builds == 3 and joined.is_greedy.tolist() == [False, True, True]
+    grammar = GrammarMask(torch.tensor([0]), torch.full((1, 2), -1, dtype=torch.int32))
+    masked, _, _ = si.batch([b, a, c], [0, 1, 2], grammar)
+    assert torch.equal(masked.grammar.bitmask, grammar.bitmask) and si.builds == 4
+    si.batch([b, a, c], [0, 1, 2])
+    assert si.builds == 5                                                   # a masked batch is never kept
+
+
+def test_penalties_and_active_min_tokens_bans_rebuild_every_step():
+    si = _inputs()
+    pen = _req("p", temperature=0, repetition_penalty=1.2)
+    for n in range(3):
+        batch, _, _ = si.batch([pen], [0])
+        assert batch.penalties is not None and si.builds == n + 1
+    banned = _req("m", temperature=0, min_tokens=2)
+    for n in range(2):
+        batch, _, _ = si.batch([banned], [0])
+        assert batch.banned is not None
+        banned.output_token_ids.append(5)
+    assert si.builds == 5
+    lifted, _, _ = si.batch([banned], [0])
+    assert lifted.banned is None and si.builds == 6
+    assert si.batch([banned], [0])[0] is lifted and si.builds == 6
+
+
+def _params(i: int) -> SamplingParams:
+    kinds = [dict(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=2),
+             dict(temperature=0.9, top_k=20, seed=7, max_tokens=12, ignore_eos=True),
+             dict(temperature=0.8, max_tokens=10, ignore_eos=True),                    # the shared generator
+             dict(temperature=0.0, max_tokens=14, ignore_eos=True, logit_bias={5: 2.0}),
+             dict(temperature=0.7, top_p=0.9, seed=11, max_tokens=11, min_tokens=6, ignore_eos=True),
+             dict(temperature=0.0, max_tokens=6, ignore_eos=True, frequency_penalty=0.3)]
+    return SamplingParams(**kinds[i % len(kinds)])
+
+
+def _drive(engine, prompts, arrivals):
+    done, step = {}, 0
+    while step < 500:
+        for i, p in enumerate(prompts):
+            if arrivals[i] == step:
+                engine.add_request(str(i), p, _params(i))
+        if step > max(arrivals) and not engine.has_unfinished():
+            return done
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        step += 1
+    raise AssertionError("engine still busy")
+
+
+def test_reusing_engine_equals_rebuilding_engine(tiny):
+    prompts = [tiny.ids(n, seed=300 + n) for n in (6, 33, 12, 20, 9, 15)]
+    arrivals = [0, 0, 1, 4, 4, 12]          # the penalty request joins after the others settled
+    reuse = tiny.engine(max_num_batched_tokens=64, max_num_seqs=6, num_pages=16)
+    rebuild = tiny.engine(max_num_batched_tokens=64, max_num_seqs=6, num_pages=16)
+    si = rebuild.sampling_inputs
+    plain = si.batch
+    si.batch = lambda *args: (setattr(si, "_batch", None), plain(*args))[1]       # never reuse
+    a, b = _drive(reuse, prompts, arrivals), _drive(rebuild, prompts, arrivals)
+    assert sorted(a) == sorted(b) == [str(i) for i in range(len(prompts))]
+    for rid in a:
+        x, y = a[rid], b[rid]
+        assert x.token_ids == y.token_ids and (x.finish_reason, x.stop_reason) == (y.finish_reason, y.stop_reason)
+        assert x.logprobs == y.logprobs, rid
+    assert 0 < reuse.sampling_inputs.builds < si.builds, (reuse.sampling_inputs.builds, si.builds)
