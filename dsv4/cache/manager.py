@@ -233,8 +233,10 @@ class CacheManager:
         """After a step: share the request's pages up to the page boundaries its known, computed
         tokens reached (the staged one and the last one) and checkpoint them while their private
         rows are still in place."""
+        if self.prefix is None:
+            return
         held = self.seqs.get(req.request_id)
-        if self.prefix is None or held is None:
+        if held is None:
             return
         known = len(req.prompt_token_ids) + len(req.output_token_ids)
         top = min(req.num_computed, known) // PAGE_TOKENS * PAGE_TOKENS

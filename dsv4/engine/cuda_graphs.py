@@ -20,8 +20,9 @@ import logging
 
 import torch
 
-from ..cache.addressing import Scratch, SeqChunk, StepShape, build_step, step_widths
+from ..cache.addressing import Scratch, SeqChunk, StepShape, build_step
 from ..cache.layout import SWA_PAGE_TOKENS
+from ..config import CSA_RATIO, HCA_RATIO
 from ..model.forward_batch import ForwardBatch
 from .upload import HostToDevice, replace_leaves, tensor_leaves
 
@@ -98,10 +99,10 @@ class StepGraphs:
 
     def shape(self, seqs: list[SeqChunk]) -> StepShape:
         W, q = self.layout.cfg.sliding_window, len(seqs[0].token_ids)
-        e4, e128, _ = step_widths(seqs, W)
+        end = max(s.start for s in seqs) + q       # (step_widths' E4 and E128; its SWA columns are not needed)
         # the SWA pages q tokens and their windows can span, at any alignment: one shape for all
-        return StepShape(seqs=batch_bucket(len(seqs), self.max_bs), tokens=q, e4=width_bucket(e4),
-                         e128=width_bucket(e128), swa_pages=(W + q - 2) // SWA_PAGE_TOKENS + 2)
+        return StepShape(seqs=batch_bucket(len(seqs), self.max_bs), tokens=q, e4=width_bucket(end // CSA_RATIO),
+                         e128=width_bucket(end // HCA_RATIO), swa_pages=(W + q - 2) // SWA_PAGE_TOKENS + 2)
 
     def run(self, seqs: list[SeqChunk], fill=None) -> torch.Tensor:
         """seqs: the step's uniform chunks -> fp32 logits [R * q, vocab] of its real rows.
