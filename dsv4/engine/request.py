@@ -22,7 +22,7 @@ class Status(enum.Enum):
     ABORTED = "aborted"
 
 
-@dataclass
+@dataclass(eq=False)      # identity: the scheduler's `in` / `remove` on its lists compare by `is`, not field by field
 class Request:
     request_id: str
     prompt_token_ids: list[int]
