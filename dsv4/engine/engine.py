@@ -282,15 +282,16 @@ class LLMEngine:
         if step.values is None:
             return []
         tokens, lps, top_ids, top_lps = step.values.get()
-        outputs = []
+        outputs, chunks, append = [], step.chunks, self._append
+        commit = self.cache.commit if self.cache.prefix is not None else None    # (a no-op without one)
         for row, i in enumerate(step.sampled):
-            req = step.chunks[i].request
+            req = chunks[i].request
             if req.is_finished:             # finished after this step was launched: surplus row
                 continue
             req.num_pending -= 1
-            outputs.append(self._append(req, tokens[row], lps[row], top_ids[row], top_lps[row]))
-            if not req.is_finished:
-                self.cache.commit(req)      # a boundary whose last token was still pending at launch
+            outputs.append(append(req, tokens[row], lps[row], top_ids[row], top_lps[row]))
+            if commit is not None and not req.is_finished:
+                commit(req)                 # a boundary whose last token was still pending at launch
         return outputs
 
     def _sample(self, chunks: list[ScheduledChunk], idx: list[int], step: StepLogits, prev: torch.Tensor | None):
