@@ -75,13 +75,13 @@ class Scheduler:
             budget = self.max_tokens - used
             if budget <= 0 or req.status is not Status.RUNNING:     # < 0: an image block ran over
                 continue
-            left = req.num_remaining        # (a preemption in this loop may have reset it)
+            left = remaining[id(req)]       # (still RUNNING: a preemption in this loop did not touch it)
             drafts = len(req.spec_token_ids) if left == 1 else 0     # decoding: RUNNING, one token left
             n = min(left + drafts, budget)
             if req.images:
                 n = atomic_chunk(req.images, req.num_computed, n)
             before = len(chunks)
-            if self._reserve_or_preempt(req, n, chunks):
+            if self.cache.reserve(req, n) or self._reserve_or_preempt(req, n, chunks):
                 chunks.append(ScheduledChunk(req, n, n if drafts else None))
             # a preemption may have withdrawn chunks: count again then
             used = used + n if len(chunks) == before + 1 else sum(c.num_tokens for c in chunks)
