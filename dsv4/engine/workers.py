@@ -93,11 +93,15 @@ def load_rank_model(model_dir: str, config, comm: Comm):
     parallel transform cuts it and the shard moves to the rank's device."""
     from ..model.random_model import is_random_spec
     from ..model.weights import load_model
+    from ..parallel.expert_parallel import apply_dp_expert_parallel
     from ..parallel.tensor_parallel import apply_tensor_parallel
     build_on = comm.device if is_random_spec(model_dir) else "cpu"
     model = load_model(model_dir, build_on, DTYPES[config.dtype], keep_fp8=config.keep_fp8,
                        keep_mxfp4=config.keep_mxfp4, overrides=config.model_overrides())
-    apply_tensor_parallel(model, comm, expert_parallel=config.enable_expert_parallel)
+    if config.data_parallel_size > 1:
+        apply_dp_expert_parallel(model, comm)
+    else:
+        apply_tensor_parallel(model, comm, expert_parallel=config.enable_expert_parallel)
     return model.to(comm.device)
 
 
@@ -118,7 +122,7 @@ class Workers:
     @classmethod
     def start(cls, model_dir: str, config) -> "Workers":
         set_no_multicast_env()
-        size, port = config.tensor_parallel_size, free_port()
+        size, port = config.world_size, free_port()
         ctx = multiprocessing.get_context("spawn")
         procs = [ctx.Process(target=worker_main, name=f"dsv4-rank{r}", daemon=True,
                              args=(r, size, port, model_dir, config, os.getpid())) for r in range(1, size)]
@@ -138,7 +142,11 @@ class Workers:
     def send_step(self, seqs: list, fill, num_sampled: int) -> None:
         dst, src = ([], []) if fill is None else (fill.dst.tolist(), fill.src.tolist())
         ops = self.checkpoints.take() if self.checkpoints is not None else []
-        self._guarded(self.comm.broadcast_object, StepMessage(seqs, dst, src, num_sampled, ops))
+        self.send(StepMessage(seqs, dst, src, num_sampled, ops))
+
+    def send(self, message) -> None:
+        """A step description to every rank (engine/data_parallel.py sends its own kind)."""
+        self._guarded(self.comm.broadcast_object, message)
 
     def _guarded(self, fn, *args):
         """fn(*args); a collective that fails because a rank died ends this process as the
@@ -226,14 +234,19 @@ def worker_main(rank: int, size: int, port: int, model_dir: str, config, parent_
     comm = Comm.init(rank, size, port, config.device)
     model = load_rank_model(model_dir, config, comm)
     runner = _worker_runner(model, comm, config)
-    run_steps(runner, comm)
+    if config.data_parallel_size > 1:
+        from .data_parallel import run_dp_steps
+        run_dp_steps(runner, comm)
+    else:
+        run_steps(runner, comm)
     _with_timeout(comm.close, 30.0)
 
 
 def _worker_runner(model, comm: Comm, config):
     from .runner import ModelRunner
     layout, plan = comm.broadcast_object()
-    graphs = 0 if config.enforce_eager else config.cuda_graph_max_bs
+    # (no CUDA graphs under data-parallel attention: the MoE's padded size changes each step)
+    graphs = 0 if config.enforce_eager or config.data_parallel_size > 1 else config.cuda_graph_max_bs
     return ModelRunner(model, layout, plan, None, comm.device, graphs)
 
 
