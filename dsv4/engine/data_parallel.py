@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.manager import CacheManager
+from ..config import ConfigError, EngineConfig, ModelConfig
 from ..parallel.comm import Comm
 from ..parallel.expert_parallel import idle_step
 from .request import Request, Status
@@ -187,6 +188,16 @@ class DPRunner:
         """Nothing ahead of the first step: every rank would have to run the warm-up steps in
         lockstep (their MoE collectives meet), and there are no CUDA graphs to capture."""
         return {"eager_steps": 0, "graph_shapes": 0}
+
+
+def check_expert_split(model_dir: str, config: EngineConfig) -> None:
+    """Before any rank starts: every DP rank gets the same number of whole routed experts."""
+    from ..model.random_model import is_random_spec, parse_spec
+    overrides = config.model_overrides()
+    cfg = parse_spec(model_dir, overrides) if is_random_spec(model_dir) else ModelConfig.from_dir(model_dir, overrides)
+    E, n = cfg.n_routed_experts, config.data_parallel_size
+    if E % n:
+        raise ConfigError("data_parallel_size", f"{n} ranks do not split the model's {E} routed experts evenly")
 
 
 def dp_engine_parts(model, layout, plan, config, workers) -> tuple[DPCaches, DPScheduler, DPRunner]:

@@ -48,6 +48,9 @@ class LLMEngine:
                 raise ConfigError(parallel, "every rank loads its own shard: give the engine the "
                                             "model's folder or random: spec, not a built model")
             from .workers import Workers, load_rank_model
+            if config.data_parallel_size > 1:
+                from .data_parallel import check_expert_split
+                check_expert_split(model_dir, config)
             self.workers = Workers.start(model_dir, config)
             model = load_rank_model(model_dir, config, self.workers.comm)
         self.model = model if model is not None else load_model(model_dir, config.device, DTYPES[config.dtype],
