@@ -46,13 +46,13 @@ def test_engine_over_two_ranks_equals_one_process(one_process, config):
             assert all(abs(got[t] - want[t]) <= 1e-4 for t in want)
 
 
-KILL_A_RANK = textwrap.dedent(f"""
+KILL_A_RANK = textwrap.dedent("""
     import sys
-    sys.path.insert(0, {os.path.dirname(__file__)!r})
+    sys.path.insert(0, {tests!r})
     from dsv4.engine.llm import LLM
     from dsv4.sampling_params import SamplingParams
     from ranks import MODEL, SMALL, prompts
-    llm = LLM(MODEL, tensor_parallel_size=2, **SMALL)
+    llm = LLM(MODEL, **{parallel}, **SMALL)
     engine = llm.engine
     engine.add_request("a", prompts([30])[0], SamplingParams(max_tokens=200, temperature=0.0))
     engine.step()
@@ -63,9 +63,12 @@ KILL_A_RANK = textwrap.dedent(f"""
 """)
 
 
-def test_a_dead_rank_ends_the_engine_with_an_error():
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
+                                      dict(data_parallel_size=2, enable_expert_parallel=True)])
+def test_a_dead_rank_ends_the_engine_with_an_error(parallel):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", KILL_A_RANK], capture_output=True, text=True, timeout=240, env=env)
+    script = KILL_A_RANK.format(tests=os.path.dirname(__file__), parallel=parallel)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
     assert "parallel rank dsv4-rank1 exited" in done.stderr
     assert "still running" not in done.stdout
