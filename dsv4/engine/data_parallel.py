@@ -36,12 +36,19 @@ from ..parallel.expert_parallel import idle_step
 from .request import Request, Status
 from .runner import ModelRunner, PendingFill, StepLogits, _pending_fill
 from .scheduler import ScheduledChunk, Scheduler
-from .workers import StepMessage
+
+
+@dataclass
+class RankPart:
+    """One DP rank's part of a step."""
+    seqs: list                      # [SeqChunk], the rank's chunks in order
+    fill_dst: list[int]             # PendingFill rows (empty: none); src indexes the whole step's samples
+    fill_src: list[int]
 
 
 @dataclass
 class DPStepMessage:
-    parts: list[StepMessage]        # per DP rank: its chunks and pending-token rows
+    parts: list[RankPart]           # per DP rank
     num_sampled: int                # tokens rank 0 samples over all ranks, broadcast after the step
 
     def logit_rows(self) -> list[int]:
@@ -177,7 +184,7 @@ class DPRunner:
             mine = [i for i, cr in enumerate(ranks) if cr == r]
             fill = _pending_fill([chunks[i] for i in mine], [seqs[i] for i in mine], prev_tokens)
             dst, src = ([], []) if fill is None else (fill.dst.tolist(), fill.src.tolist())
-            parts.append(StepMessage([seqs[i] for i in mine], dst, src, 0, []))
+            parts.append(RankPart([seqs[i] for i in mine], dst, src))
             fills.append(fill)
         msg = DPStepMessage(parts, sum(c.completes for c in chunks))
         self.workers.send(msg)
