@@ -13,6 +13,9 @@ still on the device (async scheduling) and the prefix-cache copies rank 0 made s
 step (`RecordedCheckpoints`); every rank builds the same `ForwardBatch` from it and
 keeps the sampled tokens rank 0 broadcasts, so `PendingFill` works on every rank.
 
+Under data-parallel attention (`--data-parallel-size`) the step description is one part per
+rank and ranks 1..n-1 run `data_parallel.run_dp_steps` instead of `run_steps`.
+
 Failure rules: a rank that dies (or fails to start) ends rank 0's process with exit code 1
 (`Workers.on_death`): the API process then fails the requests in flight with 5xx and shuts
 down (serve/client.py). A worker exits when rank 0 is gone. `shutdown` gives every step a
