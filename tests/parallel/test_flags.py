@@ -50,6 +50,12 @@ def test_cli_names_the_dp_flag():
     assert str(e.value).startswith("--data-parallel-size")
 
 
+def test_a_disaggregated_role_refuses_dp():
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--role", "prefill", "--data-parallel-size", "2", "--enable-expert-parallel"])
+    assert "--data-parallel-size" in str(e.value) and "--role" in str(e.value)
+
+
 def test_experts_that_do_not_split_over_the_dp_ranks_are_refused_before_any_rank_starts():
     from dsv4.engine.engine import LLMEngine
     with pytest.raises(ConfigError) as e:          # random:tiny has 8 routed experts
