@@ -169,6 +169,8 @@ class DPRunner:
     """Rank 0's runner: splits a step's chunks by rank, sends every rank its part, runs its
     own and returns the whole step's logits in the order of the chunks."""
 
+    graphs = None                   # no CUDA graphs under DP (parallel/expert_parallel.py: shapes change each step)
+
     def __init__(self, local: ModelRunner, caches: DPCaches, comm: Comm):
         self.local, self.caches, self.comm = local, caches, comm
         self.storage, self.h2d, self.model = local.storage, local.h2d, local.model
