@@ -34,7 +34,7 @@ from ..config import ConfigError, EngineConfig, ModelConfig
 from ..parallel.comm import Comm
 from ..parallel.expert_parallel import idle_step
 from .request import Request, Status
-from .runner import ModelRunner, PendingFill, StepLogits, _pending_fill
+from .runner import ModelRunner, PendingFill, StepLogits, pending_fill
 from .scheduler import ScheduledChunk, Scheduler
 
 
@@ -180,11 +180,11 @@ class DPRunner:
     def execute(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None = None) -> StepLogits:
         n = self.comm.size
         ranks = [self.caches.rank_of[c.request.request_id] for c in chunks]
-        seqs = [self.local._seq_chunk(c) for c in chunks]      # (the seq / stage of each request's rank)
+        seqs = [self.local.seq_chunk(c) for c in chunks]      # (the seq / stage of each request's rank)
         parts, fills = [], []
         for r in range(n):
             mine = [i for i, cr in enumerate(ranks) if cr == r]
-            fill = _pending_fill([chunks[i] for i in mine], [seqs[i] for i in mine], prev_tokens)
+            fill = pending_fill([chunks[i] for i in mine], [seqs[i] for i in mine], prev_tokens)
             dst, src = ([], []) if fill is None else (fill.dst.tolist(), fill.src.tolist())
             parts.append(RankPart([seqs[i] for i in mine], dst, src))
             fills.append(fill)

@@ -66,8 +66,8 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None = None) -> StepLogits:
         """`prev_tokens`: the sampled tokens of the step in flight, for requests whose last
         token is still pending (Request.num_pending)."""
-        seqs = [self._seq_chunk(c) for c in chunks]
-        fill = _pending_fill(chunks, seqs, prev_tokens)
+        seqs = [self.seq_chunk(c) for c in chunks]
+        fill = pending_fill(chunks, seqs, prev_tokens)
         if self.workers is not None:
             self.workers.send_step(seqs, fill, num_sampled=sum(c.completes for c in chunks))
         return self.run_seqs(seqs, fill, self._images(chunks, seqs))
@@ -122,7 +122,8 @@ class ModelRunner:
                 shapes += self.graphs.warmup(max_model_len, max_num_seqs, q)
         return {"eager_steps": 2, "graph_shapes": len(shapes)}
 
-    def _seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
+    def seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
+        """What every rank needs of chunk `c` (its request's records in `self.cache`)."""
         req, held = c.request, self.cache.seq(c.request)
         start = req.num_computed
         if req.wants_prompt_logprobs and start < len(req.prompt_token_ids):
@@ -138,7 +139,7 @@ class ModelRunner:
                         images=blocks_in_chunk(req.images, start, c.num_tokens))
 
 
-def _pending_fill(chunks: list[ScheduledChunk], seqs: list[SeqChunk],
+def pending_fill(chunks: list[ScheduledChunk], seqs: list[SeqChunk],
                   prev_tokens: torch.Tensor | None) -> PendingFill | None:
     """Rows whose token the step in flight sampled: position `known` (the first unknown one)
     of each request whose chunk reaches past its known tokens."""

@@ -46,9 +46,13 @@ def test_plan_prints_each_dp_ranks_share(capsys):
     assert main(["plan", "--model", "random:flash-slice:2", "--data-parallel-size", "2", "--enable-expert-parallel",
                  "--num-pages", "64"]) == 0
     out = capsys.readouterr().out
-    whole = {k: float(v) for k, v in re.findall(r"^  (\w[\w ()]+?)\s+([\d.]+) GiB", out[:out.index("per rank of 2")], re.M)}
-    section = out[out.index("per rank of 2 (data-parallel attention"):]
-    rank = {k: float(v) for k, v in re.findall(r"^  (\w[\w ()]+?)\s+([\d.]+) GiB", section, re.M)}
+    split = out.index("per rank of 2 (data-parallel attention")
+    whole, rank = (_gib_lines(text) for text in (out[:split], out[split:]))
     assert abs(rank["routed experts (256 per layer)"] - whole["routed experts (256 per layer)"] / 2) < 0.002
     assert rank["attention projections"] == whole["attention projections"]     # attention stays whole
     assert "KV cache (its own requests)" in rank
+
+
+def _gib_lines(text: str) -> dict[str, float]:
+    """`  name   1.234 GiB` lines of a plan section -> {name: GiB}."""
+    return {k: float(v) for k, v in re.findall(r"^  (\w[\w ()]+?)\s+([\d.]+) GiB", text, re.M)}

@@ -1,5 +1,6 @@
-"""`dsv4 serve --tensor-parallel-size 2` (or `--data-parallel-size 2 --enable-expert-parallel`) when rank 1 dies mid-request: the request in flight
-fails with a 5xx (an error, not a hang) and the server exits with code 1."""
+"""`dsv4 serve --tensor-parallel-size 2` (or `--data-parallel-size 2 --enable-expert-parallel`)
+when rank 1 dies mid-request: the request in flight fails with a 5xx (an error, not a hang)
+and the server exits with code 1."""
 from __future__ import annotations
 
 import json
