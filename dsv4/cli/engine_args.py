@@ -55,7 +55,8 @@ HELP = {
                             "the whole KV cache (one shared K=V head)",
     "data_parallel_size": "ranks running attention on their own requests with their own KV cache, new requests "
                           "to the least loaded rank; needs --enable-expert-parallel (routed experts split E/N); "
-                          "no CUDA graphs or prefix cache under DP yet",
+                          "--max-num-seqs, --max-num-batched-tokens and the cache budget are per rank; no CUDA "
+                          "graphs or prefix cache under DP yet",
     "enable_expert_parallel": "split the routed experts E/N over the ranks (each expert whole on one rank)",
 }
 # config.json keys that have a flag of their own (the rest of an override comes from --hf-overrides)
