@@ -97,3 +97,33 @@ def _assert_the_run_covers_its_cases(ours: Recorded) -> None:
     assert any(0 < start < prompt for step in ours.steps for _, start, _, prompt in step), "no chunked prefill"
     assert any({start < prompt for _, start, _, prompt in rank_step} == {True, False}
                for rank in by_rank for rank_step in rank), "no step mixing a prefill chunk and a decode on a rank"
+
+
+def test_memory_report_shows_each_ranks_own_cache():
+    engine = LLMEngine(MODEL, EngineConfig(**SMALL, **DP))
+    try:
+        report = engine.memory_report()
+    finally:
+        engine.close()
+    assert "on each of 2 data-parallel ranks, each for its own requests" in report
+    assert "routed experts" in report
+
+
+def test_an_idle_rank_skips_the_mtp_blocks(tmp_path):
+    """A checkpoint with MTP blocks (loaded, not run without drafting): the idle rank joins the
+    main layers' MoE collectives only, as the busy rank's forward runs."""
+    from dsv4.engine.llm import LLM
+    from dsv4.model.random_init import preset_config, random_state, save_checkpoint
+    cfg = preset_config("tiny")
+    save_checkpoint(cfg, random_state(cfg, seed=3, with_mtp=True), str(tmp_path))
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+
+    def run(**config):
+        llm = LLM(str(tmp_path), **{**SMALL, **config})
+        try:
+            assert len(llm.engine.model.mtp) == cfg.num_nextn_predict_layers > 0
+            return [o.token_ids for o in llm.generate(prompt_token_ids=prompts([20], seed=8), sampling_params=params,
+                                                       use_tqdm=False)]
+        finally:
+            llm.engine.close()
+    assert run(**DP) == run()
