@@ -34,7 +34,7 @@ from ..config import ConfigError, EngineConfig, ModelConfig
 from ..parallel.comm import Comm
 from ..parallel.expert_parallel import idle_step
 from .request import Request, Status
-from .runner import ModelRunner, PendingFill, StepLogits, pending_fill
+from .runner import ModelRunner, PendingFill, StepLogits, WarmupMessage, pending_fill
 from .scheduler import ScheduledChunk, Scheduler
 
 
@@ -193,10 +193,11 @@ class DPRunner:
         logits = run_part(self.local, self.comm, parts[0].seqs, fills[0], msg.logit_rows())
         return StepLogits(logits, *_rows_in_chunk_order(seqs, ranks, msg.logit_rows()))
 
-    def warmup(self, *args, **kwargs) -> dict:
-        """Nothing ahead of the first step: every rank would have to run the warm-up steps in
-        lockstep (their MoE collectives meet), and there are no CUDA graphs to capture."""
-        return {"eager_steps": 0, "graph_shapes": 0}
+    def warmup(self, *args) -> dict:
+        """Every rank runs the same warm-up steps (`ModelRunner.warmup`: eager steps on scratch
+        rows; their MoE collectives meet); no CUDA graphs to capture."""
+        self.workers.send(WarmupMessage(args))
+        return self.local.warmup(*args)
 
 
 def check_expert_split(model_dir: str, config: EngineConfig) -> None:
@@ -251,9 +252,12 @@ def run_dp_steps(runner: ModelRunner, comm: Comm) -> None:
     """Ranks 1..n-1: run rank 0's steps until told to stop."""
     prev = None                   # the last step's sampled tokens (all ranks'), on this rank's device
     while True:
-        msg: DPStepMessage | None = comm.broadcast_object()
+        msg: DPStepMessage | WarmupMessage | None = comm.broadcast_object()
         if msg is None:
             return
+        if isinstance(msg, WarmupMessage):
+            runner.warmup(*msg.args)
+            continue
         own = msg.parts[comm.rank]
         fill = PendingFill(torch.tensor(own.fill_dst), torch.tensor(own.fill_src), prev) if own.fill_dst else None
         run_part(runner, comm, own.seqs, fill, msg.logit_rows())

@@ -44,6 +44,13 @@ class PendingFill:
         token_ids[dst] = self.prev[src]
 
 
+@dataclass
+class WarmupMessage:
+    """Rank 0 to the other ranks of a parallel run: run `ModelRunner.warmup(*args)` now, as
+    rank 0 does (their collectives meet; engine/workers.py)."""
+    args: tuple
+
+
 class ModelRunner:
     def __init__(self, model, layout: CacheLayout, plan: CachePlan, cache: CacheManager, device,
                  cuda_graph_max_bs: int = 0, keep_hidden: bool = False, keep_taps: bool = False):
@@ -110,7 +117,10 @@ class ModelRunner:
         """Before the first request: compile the kernels of eager steps (a one-token step and a
         prefill chunk of the whole token budget) and run every CUDA-graph shape of uniform
         steps of `uniform_tokens` tokens (capturing it). Every step reads and writes only the
-        storage's scratch units, so no request's state changes. Returns what ran."""
+        storage's scratch units, so no request's state changes. Returns what ran. Rank 0 of a
+        parallel run has every rank run it alongside."""
+        if self.workers is not None:
+            self.workers.send(WarmupMessage((max_model_len, max_num_seqs, max_num_batched_tokens, uniform_tokens)))
         scratch = Scratch(self.storage.scratch_page, self.storage.scratch_swa_page, self.storage.scratch_slot)
         for n in sorted({1, max(1, min(max_num_batched_tokens, max_model_len - 1))}):
             fb = upload_tree(build_step([scratch_chunk(scratch, 0, n)], self.layout, self.storage.ring_slots), self.h2d)

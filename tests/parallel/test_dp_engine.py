@@ -49,6 +49,7 @@ class Recorded:
         work = {rid: prompts([n], seed=i)[0] for i, (rid, (n, _, _)) in enumerate(ARRIVALS.items())}
         done, step = {}, 0
         try:
+            self.engine.warmup()     # (as on CUDA) every rank runs it alongside rank 0, on scratch rows only
             while len(done) < len(ARRIVALS):
                 for rid, (_, max_tokens, at) in ARRIVALS.items():
                     if at == step:

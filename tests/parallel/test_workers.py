@@ -1,7 +1,7 @@
 """The engine over ranks (engine/workers.py): rank 0 schedules and samples, rank 1 (a spawned
 process) runs the steps rank 0 describes. Greedy tokens equal the one-process engine's and
 logprobs agree within fp32 tolerance, with async scheduling on (pending tokens filled on every
-rank from the broadcast samples); shutdown leaves no rank behind; a rank that dies ends the
+rank from the broadcast samples) and after a warm-up every rank runs alongside; shutdown leaves no rank behind; a rank that dies ends the
 engine's process with an error instead of a hang."""
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ WORK = prompts([150, 30, 7], seed=4)
 def _generate(**config):
     llm = LLM(MODEL, **{**SMALL, **config})
     try:
+        llm.engine.warmup()          # (as on CUDA) every rank runs it alongside rank 0, on scratch rows only
         return llm.generate(prompt_token_ids=WORK, sampling_params=PARAMS, use_tqdm=False), llm.engine
     finally:
         llm.engine.close()
