@@ -3,7 +3,8 @@
 requests on its own cache, the routed experts split over the two. Greedy tokens equal the
 one-process engine's (invariant 5) and the logits every token is sampled from agree within the
 fp32 tolerance, over a run with chunked prefill, mixed prefill/decode steps, a request arriving
-mid-run (to the least loaded rank) and steps where one rank (either) has no requests."""
+mid-run (to the least loaded rank) and steps where one rank (either) has no requests. The
+memory report (the serve log) shows each rank's own cache."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -87,6 +88,7 @@ def test_dp2_ep2_engine_equals_one_process(one_process, async_scheduling):
             err = float((a - b).abs().max() / b.abs().max())
             assert err <= REL_TOL, f"request {rid}, token {i}: logits differ by {err:.3g} x max|ref|"
     _assert_the_run_covers_its_cases(ours)
+    assert "on each of 2 data-parallel ranks, each for its own requests" in ours.engine.memory_report()
 
 
 def _assert_the_run_covers_its_cases(ours: Recorded) -> None:
@@ -98,16 +100,6 @@ def _assert_the_run_covers_its_cases(ours: Recorded) -> None:
     assert any(0 < start < prompt for step in ours.steps for _, start, _, prompt in step), "no chunked prefill"
     assert any({start < prompt for _, start, _, prompt in rank_step} == {True, False}
                for rank in by_rank for rank_step in rank), "no step mixing a prefill chunk and a decode on a rank"
-
-
-def test_memory_report_shows_each_ranks_own_cache():
-    engine = LLMEngine(MODEL, EngineConfig(**SMALL, **DP))
-    try:
-        report = engine.memory_report()
-    finally:
-        engine.close()
-    assert "on each of 2 data-parallel ranks, each for its own requests" in report
-    assert "routed experts" in report
 
 
 def test_an_idle_rank_skips_the_mtp_blocks(tmp_path):
