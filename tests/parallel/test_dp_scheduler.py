@@ -1,7 +1,7 @@
 """Rank 0's scheduling over DP ranks (dsv4/engine/data_parallel.py), without processes: new
 requests go to the least loaded rank, each rank schedules its own budget, a request's cache
 calls go to its rank's records, and `only` (the engine core's one-by-one retry) shows one
-request on every rank."""
+request on every rank; a rank short of pages preempts its own requests only."""
 from __future__ import annotations
 
 from dsv4.cache.layout import CacheLayout, CachePlan
@@ -63,3 +63,20 @@ def test_only_shows_one_request_on_every_rank():
         sched.finish(b)
     assert b.status is Status.FINISHED
     assert {r.request_id for r in sched.running} == {"r0", "r2"} and not sched.waiting
+
+
+def test_a_rank_short_of_pages_preempts_its_own_requests_only():
+    plan = CachePlan(num_pages=2, num_swa_pages=16, max_num_seqs=4, num_checkpoints=0)
+    caches = DPCaches(CacheLayout(preset_config("tiny")), plan, 2)
+    sched = DPScheduler(caches, 1024, plan.max_num_seqs)
+    a, b, c = _request(0, 250), _request(1, 250), _request(2, 250)
+    for r in (a, b, c):                         # a, c on rank 0 (one page each: its two pages), b on rank 1
+        sched.add(r)
+    for ch in sched.schedule():
+        sched.advance(ch.request, ch.num_tokens)
+    for r in (a, b, c):                         # each grows past its first page
+        r.output_token_ids += [1] * 10
+    chunks = sched.schedule()
+    assert {ch.request.request_id for ch in chunks} == {"r0", "r1"}
+    assert c.status is Status.WAITING and c.num_preemptions == 1 and caches.rank_of["r2"] == 0
+    assert [r.request_id for r in sched.ranks[0].waiting] == ["r2"] and b.num_preemptions == 0
