@@ -42,11 +42,15 @@ class LLMEngine:
         self.config, self.workers = config, None
         if model is not None:
             config.check_no_model_overrides()
-        if config.tensor_parallel_size > 1:       # ranks 1..n-1 start; this process is rank 0
+        parallel = "data_parallel_size" if config.data_parallel_size > 1 else "tensor_parallel_size"
+        if config.world_size > 1:                 # ranks 1..n-1 start; this process is rank 0
             if model is not None:
-                raise ConfigError("tensor_parallel_size", "every rank loads its own shard: give the engine the "
-                                                          "model's folder or random: spec, not a built model")
+                raise ConfigError(parallel, "every rank loads its own shard: give the engine the "
+                                            "model's folder or random: spec, not a built model")
             from .workers import Workers, load_rank_model
+            if config.data_parallel_size > 1:
+                from .data_parallel import check_expert_split
+                check_expert_split(model_dir, config)
             self.workers = Workers.start(model_dir, config)
             model = load_rank_model(model_dir, config, self.workers.comm)
         self.model = model if model is not None else load_model(model_dir, config.device, DTYPES[config.dtype],
@@ -63,19 +67,23 @@ class LLMEngine:
                                   kv_fp8=config.kv_cache_dtype == "fp8")
         self.plan = plan_cache(self.layout, config, DTYPES[config.dtype])
         self.max_model_len = self._max_model_len()
-        self.cache = CacheManager(self.layout, self.plan, prefix_caching=prefix_caching(config))
-        self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.layout, self.plan, self.cache, config.device,
-                                  0 if config.enforce_eager else config.cuda_graph_max_bs,
-                                  keep_hidden=spec is not None,
-                                  keep_taps=spec is not None and spec.method == "dspark")
+        if config.data_parallel_size > 1:     # one scheduler, a step per DP rank (engine/data_parallel.py)
+            from .data_parallel import dp_engine_parts
+            self.cache, self.scheduler, self.runner = dp_engine_parts(self.model, self.layout, self.plan, config,
+                                                                      self.workers)
+        else:
+            self.cache = CacheManager(self.layout, self.plan, prefix_caching=prefix_caching(config))
+            self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs)
+            self.runner = ModelRunner(self.model, self.layout, self.plan, self.cache, config.device,
+                                      0 if config.enforce_eager else config.cuda_graph_max_bs,
+                                      keep_hidden=spec is not None,
+                                      keep_taps=spec is not None and spec.method == "dspark")
         self.cache.bind(self.runner.storage, TierOptions.from_config(config))
         if self.workers is not None:
             self.workers.send_cache(self.layout, self.plan, self.runner.storage)
             if self.cfg.vision is not None:
                 self.workers.shutdown()
-                raise ConfigError("tensor_parallel_size", "vision checkpoints run on one process (the tower is "
-                                                          "not sharded yet)")
+                raise ConfigError(parallel, "vision checkpoints run on one process (the tower is not sharded yet)")
             self.runner.workers = self.workers
         self.sampler = Sampler()
         self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
@@ -129,8 +137,8 @@ class LLMEngine:
         dtype = DTYPES[self.config.dtype]
         plan = plan_report(loaded_weight_bytes(self.model), self.layout, self.plan, dtype, self.max_model_len,
                            model_dtype_plan(self.layout, self.plan, dtype, self.config.max_num_batched_tokens))
-        return memory_report(self.layout, self.plan, dtype, self.max_model_len,
-                             self.config.tensor_parallel_size) + "\n" + plan
+        return memory_report(self.layout, self.plan, dtype, self.max_model_len, self.config.tensor_parallel_size,
+                             self.config.data_parallel_size) + "\n" + plan
 
     def close(self) -> None:
         """Stop the other ranks of a parallel run (nothing to do for one process)."""
