@@ -1,10 +1,17 @@
 """Structured outputs on the GPU, one command: decode tokens/s of the demo model at batch 64 with
 every request under a JSON-schema constraint against the same batch with none (target >= 0.9x;
 docs/architecture.md, "Structured outputs"). CUDA graphs and async scheduling on: each step's
-masks are computed on the host while the GPU runs the forward, and applied in the sampler.
+masks are filled on the host (a worker thread for a large batch) while the GPU runs the forward
+and the main thread appends the previous step's tokens, and applied in the sampler.
 
     python -m benchmarks.structured_output [--batch 64] [--tokens 256] [--repeats 3]
     python -m benchmarks.structured_output --smoke        # tiny, on the CPU, in seconds
+    python -m benchmarks.structured_output --host [--batch 64] [--tokens 64]   # forward stubbed
+
+`--host` replaces the model's forward by constant logits (benchmarks/host_path.py) and reports
+the same ratio over the host's work alone, with how long the main thread waited for the masks
+per step: the bound on the ratio of a host-bound step. On the CPU the forward is synchronous,
+so the full run shows the masks' cost against a slow forward and little of the overlap.
 
 The schema forces a long JSON string (minLength), so every request decodes exactly --tokens
 tokens either way. Checks: every constrained output is accepted token by token by a fresh
@@ -46,15 +53,71 @@ def workload(engine, batch: int, tokens: int, constrained: bool, tag: str) -> di
         max_tokens=tokens, temperature=0.0, ignore_eos=not constrained, structured=spec)) for i in range(batch)}
 
 
+class MaskWaits:
+    """Time the main thread spends in `PendingMask.result()` (waiting for the worker's fill)."""
+
+    def __init__(self):
+        from dsv4.structured import masks
+        self.seconds, self.calls, self._result = 0.0, 0, masks.PendingMask.result
+        timer = self
+
+        def result(pending):
+            start = time.perf_counter()
+            try:
+                return timer._result(pending)
+            finally:
+                timer.seconds += time.perf_counter() - start
+                timer.calls += 1
+        masks.PendingMask.result = result
+
+    def close(self) -> None:
+        from dsv4.structured import masks
+        masks.PendingMask.result = self._result
+
+
+def host_only(args) -> None:
+    """The ratio over the host's work: the forward stubbed, the padded step run eagerly."""
+    from benchmarks.host_path import stub_forward
+    from dsv4.engine.cuda_graphs import StepGraphs
+    engine = LLMEngine(demo_model_dir(), EngineConfig(device="cpu", async_scheduling="on", enforce_eager=True,
+                                                      max_num_seqs=max(args.batch * 2, 8), num_pages=64))
+    stub_forward(engine)
+    stub = engine.model.forward                      # (eager prefill steps pass images and taps too)
+    engine.model.forward = lambda fb, layers, *rest: stub(fb, layers)
+    engine.runner.graphs = StepGraphs(engine.model, engine.runner.storage, args.batch, capture=False,
+                                      h2d=engine.runner.h2d)
+    run(engine, workload(engine, args.batch, 4, True, "w"))
+    times = {True: [], False: []}
+    waits = MaskWaits()
+    try:
+        for r in range(args.repeats):
+            for constrained in (False, True):
+                waits.seconds = waits.calls = 0
+                done, dt = run(engine, workload(engine, args.batch, args.tokens, constrained, f"{int(constrained)}-{r}-"))
+                assert all(len(o.token_ids) == args.tokens for o in done.values()), "a request stopped early"
+                times[constrained].append((dt, waits.seconds / max(waits.calls, 1)))
+    finally:
+        waits.close()
+    (plain, _), (cons, wait) = min(times[False]), min(times[True])
+    print(f"\nhost work only (forward stubbed, CPU), batch {args.batch}, {args.tokens} tokens (best of {args.repeats})")
+    print(f"ms per step: no constraint {plain / args.tokens * 1e3:.3f}, JSON schema {cons / args.tokens * 1e3:.3f}; "
+          f"ratio {plain / cons:.3f}; main thread waited {wait * 1e3:.3f} ms per step for the masks")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
+    ap.add_argument("--host", action="store_true", help="the model's forward stubbed: host work only, on the CPU")
     args = ap.parse_args()
     if args.smoke:
         args.batch, args.tokens, args.repeats = 4, 8, 1
+    if args.host or args.smoke:
+        host_only(args)
+    if args.host:
+        return
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     engine = LLMEngine(demo_model_dir(), EngineConfig(device=device, async_scheduling="on",
                                                       max_num_seqs=max(args.batch * 2, 8), num_pages=512 if device == "cuda" else 64))
