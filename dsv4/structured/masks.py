@@ -60,6 +60,7 @@ class MaskFiller:
         import xgrammar
         self.batch = xgrammar.BatchGrammarMatcher(max_threads=1)   # one C++ call for all rows
         self.keep, self.width = keep, words(vocab_size)
+        self.thread_min_rows = THREAD_MIN_ROWS     # (benchmarks/structured_output.py compares both ways)
         self.buffer = torch.empty(0, self.width, dtype=torch.int32)
         self._worker: ThreadPoolExecutor | None = None     # started by the first threaded fill
         self._filling: Future | None = None                # the worker's last fill
@@ -90,7 +91,7 @@ class MaskFiller:
                 live.append(n)
                 matchers.append(grammars[i].matcher)
         filling = None
-        if len(live) >= THREAD_MIN_ROWS:
+        if len(live) >= self.thread_min_rows:
             filling = self._fill_on_worker(matchers, bitmask, live)
         elif live:
             self.batch.batch_fill_next_token_bitmask(matchers, bitmask, live)
