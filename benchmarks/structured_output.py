@@ -8,10 +8,16 @@ and the main thread appends the previous step's tokens, and applied in the sampl
     python -m benchmarks.structured_output --smoke        # tiny, on the CPU, in seconds
     python -m benchmarks.structured_output --host [--batch 64] [--tokens 64]   # forward stubbed
 
+Three runs each time: no constraint; JSON with the masks filled on the worker thread (the
+default, structured/masks.py); JSON with them filled inline on the main thread
+(`MaskFiller.thread_min_rows` above the batch). Each constrained row reports the main thread's
+ms per step in `MaskFiller.start` (the hand-off to the worker, or the whole inline fill) and in
+`PendingMask.result` (waiting for the worker).
+
 `--host` replaces the model's forward by constant logits (benchmarks/host_path.py) and reports
-the same ratio over the host's work alone, with how long the main thread waited for the masks
-per step: the bound on the ratio of a host-bound step. On the CPU the forward is synchronous,
-so the full run shows the masks' cost against a slow forward and little of the overlap.
+the same over the host's work alone: the bound on the ratio of a host-bound step. On the CPU the
+masked fill itself is host work too (on a GPU it is three kernels), and the forward is
+synchronous, so the full CPU run shows the masks against a slow forward and little overlap.
 
 The schema forces a long JSON string (minLength), so every request decodes exactly --tokens
 tokens either way. Checks: every constrained output is accepted token by token by a fresh
