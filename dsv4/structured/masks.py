@@ -5,11 +5,13 @@ it and cost nothing. The sampler applies it as one masked fill (engine/sampler.p
 Decode steps go through `MaskFiller` (docs/architecture.md, "Structured outputs"): the rows are
 filled into one preallocated buffer by a single xgrammar batch call, which releases the GIL, on
 a worker thread, so the engine's bookkeeping of the previous step runs on the main thread
-meanwhile; `PendingMask.result()` joins it. Every mask is ANDed with the special-token filter
-once, over all its rows."""
+meanwhile; `PendingMask.result()` joins it, or fills on the calling thread if the worker never
+picked the fill up (a busy host): the worst case is an inline fill. Every mask is ANDed with
+the special-token filter once, over all its rows."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -20,6 +22,9 @@ from .matcher import RequestGrammar
 # Fewer constrained rows than this are filled on the calling thread: handing the work to the
 # worker and back costs about as much as filling a handful of rows.
 THREAD_MIN_ROWS = 8
+# How long `start` waits for the worker to pick a fill up before going on (its GIL hand-off needs
+# the OS to run the worker thread); a fill still not picked up by `result()` is done there.
+HANDOFF_WAIT_S = 2e-4
 
 
 @dataclass
@@ -37,15 +42,21 @@ class PendingMask:
     """A mask whose rows may still be being filled on the worker thread."""
 
     def __init__(self, rows: list[int], bitmask: torch.Tensor, keep: torch.Tensor | None,
-                 covers_all: bool, filling: Future | None):
+                 covers_all: bool, filling: Future | None = None, fill: Callable[[], None] | None = None):
+        """filling: the worker's future of `fill` (None: already filled)."""
         self.rows = torch.tensor(rows, dtype=torch.long)
-        self.bitmask, self.keep, self.covers_all, self.filling = bitmask, keep, covers_all, filling
+        self.bitmask, self.keep, self.covers_all = bitmask, keep, covers_all
+        self.filling, self.fill = filling, fill
 
     def result(self) -> GrammarMask:
-        """Wait for the fill (re-raising its error), clear the special tokens; the bitmask is a
-        view of the filler's buffer, valid until its next `start`."""
+        """Wait for the fill (re-raising its error), or do it here if the worker has not begun
+        it; clear the special tokens. The bitmask is a view of the filler's buffer, valid until
+        its next `start`."""
         if self.filling is not None:
-            self.filling.result()
+            if self.filling.cancel():
+                self.fill()
+            else:
+                self.filling.result()
             self.filling = None
         if self.keep is not None:
             self.bitmask &= self.keep
@@ -69,7 +80,8 @@ class MaskFiller:
         """Wait for a fill still running (one whose step failed before its `result()`): the
         buffer and the matchers are free afterwards. Its error, if any, was the step's."""
         if self._filling is not None:
-            self._filling.exception()
+            if not self._filling.cancel():
+                self._filling.exception()
             self._filling = None
 
     def start(self, grammars: list[RequestGrammar | None]) -> PendingMask | None:
@@ -90,28 +102,30 @@ class MaskFiller:
             else:
                 live.append(n)
                 matchers.append(grammars[i].matcher)
-        filling = None
-        if len(live) >= self.thread_min_rows:
-            filling = self._fill_on_worker(matchers, bitmask, live)
-        elif live:
+        def fill() -> None:
             self.batch.batch_fill_next_token_bitmask(matchers, bitmask, live)
-        covers_all = len(rows) == len(grammars)
-        return PendingMask(rows, bitmask, self.keep, covers_all, filling)
 
-    def _fill_on_worker(self, matchers, bitmask: torch.Tensor, indices: list[int]) -> Future:
-        """Hand the fill to the worker and wait until it runs: the worker needs the GIL to
-        start, and the caller's pure-Python work could otherwise hold it for a whole switch
-        interval. The worker gives the GIL back inside xgrammar's call."""
+        covers_all = len(rows) == len(grammars)
+        if len(live) >= self.thread_min_rows:
+            return PendingMask(rows, bitmask, self.keep, covers_all, self._fill_on_worker(fill), fill)
+        if live:
+            fill()
+        return PendingMask(rows, bitmask, self.keep, covers_all)
+
+    def _fill_on_worker(self, fill: Callable[[], None]) -> Future:
+        """Hand `fill` to the worker and give it up to HANDOFF_WAIT_S to begin: it needs the GIL
+        to start, which the caller's pure-Python work would otherwise hold for up to a whole
+        switch interval. The worker gives the GIL back inside xgrammar's call."""
         if self._worker is None:
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-grammar-masks")
         started = threading.Event()
 
-        def fill() -> None:
+        def run() -> None:
             started.set()
-            self.batch.batch_fill_next_token_bitmask(matchers, bitmask, indices)
+            fill()
 
-        self._filling = self._worker.submit(fill)
-        started.wait()
+        self._filling = self._worker.submit(run)
+        started.wait(HANDOFF_WAIT_S)
         return self._filling
 
     def close(self) -> None:

@@ -244,6 +244,7 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch):
     and the fill is joined just before sampling. Tokens equal a run with async scheduling off."""
     from dsv4.structured import masks
     from dsv4.structured.matcher import RequestGrammar
+    monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # wait for the worker: no inline fallback
     eng = engine_of(async_scheduling="on")
     n = masks.THREAD_MIN_ROWS
     reqs = {f"o{i}": (p, SamplingParams(max_tokens=6, temperature=0.0, structured=KINDS["json"]))
@@ -281,10 +282,14 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch):
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in sync.items()}
 
 
-def test_mask_filler_reuses_one_buffer_and_matches_xgrammar(engine_of):
+@pytest.mark.parametrize("handoff", [None, 0.0])
+def test_mask_filler_reuses_one_buffer_and_matches_xgrammar(engine_of, monkeypatch, handoff):
     """Threaded and inline fills give xgrammar's own per-matcher masks (special tokens cleared)
-    in one buffer reused from step to step; no constrained row -> no mask at all."""
+    in one buffer reused from step to step; no constrained row -> no mask at all. handoff None:
+    the worker always fills; 0: a fill it has not begun is taken back by result()."""
+    from dsv4.structured import masks
     from dsv4.structured.masks import THREAD_MIN_ROWS
+    monkeypatch.setattr(masks, "HANDOFF_WAIT_S", handoff)
     eng = engine_of(async_scheduling="off")
     grammars = eng._grammars()
     ids = [f"m{i}" for i in range(THREAD_MIN_ROWS + 2)]
