@@ -316,3 +316,16 @@ def test_mask_filler_reuses_one_buffer_and_matches_xgrammar(engine_of, monkeypat
     finally:
         for rid in ids:
             grammars.drop(rid)
+
+
+def test_masked_fill_in_place_when_every_row_has_a_grammar():
+    import xgrammar
+    from dsv4.engine.sampler import apply_grammar_mask
+    from dsv4.structured.masks import GrammarMask
+    vocab = 100
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    logits = torch.randn(3, vocab)
+    ours, theirs = logits.clone(), logits.clone()
+    apply_grammar_mask(ours, GrammarMask(torch.arange(3), bitmask, covers_all=True))
+    xgrammar.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab)
+    assert torch.equal(ours, theirs) and torch.isinf(ours).any()
