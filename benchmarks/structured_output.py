@@ -188,7 +188,8 @@ def main() -> None:
     table(f"structured outputs, demo model on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}",
           args, best)
     ratio = best[VARIANTS[0]][0] / min(best[VARIANTS[1]][0], best[VARIANTS[2]][0])
-    print(f"best constrained ratio {ratio:.3f} (target >= {TARGET}): {'MET' if ratio >= TARGET else 'MISSED'}")
+    verdict = ('MET' if ratio >= TARGET else 'MISSED') if device == "cuda" else "not judged on the CPU"
+    print(f"best constrained ratio {ratio:.3f} (target >= {TARGET}, on the GPU): {verdict}")
     print(f"grammar outputs accepted by a fresh matcher: yes; unconstrained tokens unchanged: {'yes' if same else 'NO'}")
     if not same:
         raise SystemExit(1)
