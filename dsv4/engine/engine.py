@@ -25,7 +25,6 @@ from .sampler import (Sampler, SamplingBatch, SamplingRow, compute_prompt_logpro
                       make_generator)
 from ..sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
-from ..structured.masks import step_mask, verify_mask
 from ..text.stop import StopChecker, StopResult
 from ..text.stop_watch import StopStringWatch
 from .upload import upload_tree
@@ -144,6 +143,8 @@ class LLMEngine:
         """Stop the other ranks of a parallel run (nothing to do for one process)."""
         if self.workers is not None:
             self.workers.shutdown()
+        if self.grammars is not None:
+            self.grammars.close()
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -228,7 +229,7 @@ class LLMEngine:
             raise
         previous, self._inflight = self._inflight, launched
         if previous is not None:
-            outputs += self._complete(previous)
+            outputs += self._complete(previous, following=launched)
         if launched.sample_later is not None:      # grammars needed the previous step's tokens
             with torch.inference_mode():
                 launched.sample_later()
@@ -266,8 +267,9 @@ class LLMEngine:
         if self.spec is None:
             sampled = [i for i, c in enumerate(chunks) if c.completes]
             if self._grammar_waits(chunks, sampled):   # (never with workers: see _must_wait)
-                tokens = values = None
-                later = lambda: launched.set_sampled(*self._sample(chunks, sampled, step, prev))  # noqa: E731
+                tokens = values = None              # masks started by _complete (its `following`)
+                later = lambda: launched.set_sampled(*self._sample(chunks, sampled, step, prev,  # noqa: E731
+                                                                   launched.masks))
             else:
                 tokens, values = self._sample(chunks, sampled, step, prev)
                 if self.workers is not None and tokens is not None:
@@ -284,12 +286,19 @@ class LLMEngine:
         launched = StepInFlight(chunks, sampled, tokens, values, lps, sample_later=later)
         return launched
 
-    def _complete(self, step: StepInFlight) -> list[RequestOutput]:
+    def _complete(self, step: StepInFlight, following: StepInFlight | None = None) -> list[RequestOutput]:
+        """Read `step` back and append its tokens. `following`: the step launched after it; if its
+        sampling waits for grammar masks, their fill starts as soon as the matchers have taken
+        this step's tokens and runs while the rest of this bookkeeping does."""
         for rows in step.prompt_logprobs:
             self._record_prompt_logprobs(rows)
         if step.values is None:
             return []
         tokens, lps, top_ids, top_lps = step.values.get()
+        if self.grammars:
+            self._accept_tokens(step, tokens)
+        if following is not None and following.sample_later is not None:
+            following.masks = self._start_masks(following.chunks, following.sampled)
         outputs = []
         for row, i in enumerate(step.sampled):
             req = step.chunks[i].request
@@ -301,18 +310,23 @@ class LLMEngine:
                 self.cache.commit(req)      # a boundary whose last token was still pending at launch
         return outputs
 
-    def _sample(self, chunks: list[ScheduledChunk], idx: list[int], step: StepLogits, prev: torch.Tensor | None):
+    def _sample(self, chunks: list[ScheduledChunk], idx: list[int], step: StepLogits, prev: torch.Tensor | None,
+                masks=None):
         """-> (sampled tokens [N] on the device, their HostCopy), or (None, None). `prev`: the
-        sampled tokens of the step in flight before this one (pending tokens' penalties)."""
+        sampled tokens of the step in flight before this one (pending tokens' penalties).
+        `masks`: the rows' grammar masks, already started (else started here: they fill while
+        the sampling batch is built)."""
         if not idx:
             return None, None
+        if masks is None:
+            masks = self._start_masks(chunks, idx)
         reqs = [chunks[i].request for i in idx]
         rows = [step.first_row[i] + step.num_rows[i] - 1 for i in idx]
         batch = SamplingBatch.build(
             [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.num_pending) for r in reqs],
             self.cfg.vocab_size, "cpu", self.eos_token_id, self.generator)
-        if self.grammars:                      # only rows under a grammar get a mask
-            batch.grammar = step_mask([self.grammars.get(r.request_id) for r in reqs], self.cfg.vocab_size)
+        if masks is not None:                  # only rows under a grammar get a mask
+            batch.grammar = masks.result()
         pending = [(j, r.pending_row) for j, r in enumerate(reqs) if r.num_pending and r.params.has_penalties]
         batch, rows_t, pending_t = upload_tree((batch, torch.tensor(rows), torch.tensor(pending).view(-1, 2)),
                                                self.runner.h2d)
@@ -329,6 +343,24 @@ class LLMEngine:
             self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, self.eos_token_id)
         return self.grammars
 
+    @torch.inference_mode()
+    def _start_masks(self, chunks: list[ScheduledChunk], idx: list[int]):
+        """The grammar masks of sampling rows `idx` (structured/masks.PendingMask), or None."""
+        if not self.grammars:
+            return None
+        return self.grammars.step_masks([chunks[i].request.request_id for i in idx])
+
+    def _accept_tokens(self, step: StepInFlight, tokens: list[int]) -> None:
+        """Advance the matchers by the step's tokens, in row order (before `_append` runs, so the
+        next step's masks can start filling). Rows past a request's finishing token (speculative
+        rows) may be taken too: its matcher is dropped when it finishes."""
+        self.grammars.masks.idle()
+        for row, i in enumerate(step.sampled):
+            req = step.chunks[i].request
+            grammar = None if req.is_finished else self.grammars.get(req.request_id)
+            if grammar is not None:
+                grammar.accept(tokens[row])
+
     def _grammar_waits(self, chunks: list[ScheduledChunk], idx: list[int]) -> bool:
         """Whether a row to sample is under a grammar while its last token is still on the
         device: its mask needs that token, so sampling waits for the previous step's read-back
@@ -341,7 +373,7 @@ class LLMEngine:
         """The verify rows' masks (per chunk, its request and drafts), or None."""
         if not self.grammars:
             return None
-        return verify_mask([(self.grammars.get(r.request_id), d) for r, d in chunks], self.cfg.vocab_size)
+        return self.grammars.verify_masks([(r.request_id, d) for r, d in chunks])
 
     def _prompt_logprobs(self, req: Request, c: ScheduledChunk, step: StepLogits, i: int):
         start, n_prompt = req.num_computed, len(req.prompt_token_ids)
@@ -363,10 +395,7 @@ class LLMEngine:
             req.prompt_logprobs.append({t: lp, **dict(zip(ids, lps))})
 
     def _append(self, req: Request, token: int, logprob: float, top_ids, top_lps) -> RequestOutput:
-        req.output_token_ids.append(token)
-        grammar = self.grammars.get(req.request_id) if self.grammars else None
-        if grammar is not None:
-            grammar.accept(token)
+        req.output_token_ids.append(token)      # (its grammar took the token in _accept_tokens)
         if req.params.logprobs is not None:
             req.logprobs.append({token: logprob, **dict(zip(top_ids, top_lps))})
         result = self._stops[req.request_id].check(req.output_token_ids)    # EOS, stop ids, lengths
@@ -384,7 +413,7 @@ class LLMEngine:
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
             self._stops.pop(req.request_id, None)
-            if grammar is not None:
+            if self.grammars is not None:
                 self.grammars.drop(req.request_id)
             self._watches.pop(req.request_id, None)
         return self.output_of(req, [token])
