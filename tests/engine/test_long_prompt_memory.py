@@ -4,8 +4,8 @@ streams its scores in tiles), and its last-position logits equal a whole-prompt 
 (invariant 5: chunks keep what they read).
 
 The model is the tiny preset cut to one CSA layer (the one whose indexer scores every causal
-C4 entry) with one small indexer head, so the O(T * E) work of the indexer, which is its
-nature, stays a few seconds of CPU. Peak process memory is the kernel's high-water mark of the
+C4 entry) with one small indexer head: the indexer's O(T * E) work, which is its nature (2^29
+token-entry pairs here, twice: chunked and whole), is most of the test's ~25 s of one CPU core. Peak process memory is the kernel's high-water mark of the
 resident set (VmHWM, reset through /proc/self/clear_refs), measured around the engine's whole
 life: cache allocation, every chunk, the result."""
 from __future__ import annotations

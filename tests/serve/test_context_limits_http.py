@@ -19,7 +19,7 @@ pytest_plugins = ["serve.server_fixtures"]
 SPEC = "random:tiny::vocab_size=8192"     # the demo tokenizer's vocabulary
 PAGES = 2
 CACHE_TOKENS = PAGES * 256
-LIMIT = f"maximum context length is {CACHE_TOKENS} tokens (set by the KV cache: {PAGES} pages of 256 tokens"
+LIMIT = f"maximum context length is {CACHE_TOKENS} tokens (set by the KV cache ({PAGES} pages of 256 tokens))"
 
 
 @pytest.fixture(scope="module")
