@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import CSA_RATIO, HCA_RATIO, ModelConfig
+from ..config import CSA_RATIO, HCA_RATIO, ConfigError, ModelConfig
 from ..ops.kv_fp8 import entry_bytes, index_key_bytes
 
 PAGE_TOKENS = 256
@@ -149,10 +149,11 @@ class CacheLayout:
         fixed += checkpoints * checkpoint_bytes
         pages = (budget_bytes - fixed) // page
         if pages < 1:
-            raise ValueError(f"cache memory budget of {budget_bytes / 2**20:.1f} MiB is too small: "
-                             f"{fixed / 2**20:.1f} MiB go to rings and sliding-window pages of "
-                             f"{max_num_seqs} requests and {checkpoints} prefix-cache checkpoints; lower "
-                             f"max_num_seqs or raise the budget")
+            raise ConfigError("cache_memory_gb", f"cache memory budget of {budget_bytes / 2**20:.1f} MiB is too "
+                              f"small: {fixed / 2**20:.1f} MiB go to rings and sliding-window pages of "
+                              f"{max_num_seqs} requests and {checkpoints} prefix-cache checkpoints, and one "
+                              f"history page needs {page / 2**20:.2f} MiB more; lower --max-num-seqs or "
+                              f"raise --cache-memory-gb")
         return CachePlan(num_pages=int(pages), num_swa_pages=swa_pages, max_num_seqs=max_num_seqs,
                          num_checkpoints=int(checkpoints))
 

@@ -24,15 +24,18 @@ def run(args) -> int:
     from ..cache.layout import CacheLayout
     from ..cache.report import model_dtype_plan, plan_report
     from ..cache.sizing import plan_cache, requests_that_fit
+    from ..config import ConfigError
+    from ..engine.context_limit import context_limit
     config = engine_config(args)
     cfg = _model_config(args.model)
     dtype = DTYPES[config.dtype]
     layout = CacheLayout(cfg, spec_slots=config.spec_slots, kv_fp8=config.kv_cache_dtype == "fp8")
-    try:
+    try:               # the same start-up checks as the engine's (a max_model_len no request could use)
         plan = plan_cache(layout, config, dtype)
-    except ValueError as e:
-        raise SystemExit(f"--cache-memory-gb: {e}") from None
-    tokens = args.request_tokens or min(config.max_model_len or cfg.max_position_embeddings, plan.max_tokens)
+        limit = context_limit(cfg, plan, config)
+    except ConfigError as e:
+        raise SystemExit(f"--{e.field.replace('_', '-')}: {e}") from None
+    tokens = args.request_tokens or limit.tokens
     kinds = {0: "sliding", 4: "CSA", 128: "HCA"}
     mix = ", ".join(f"{cfg.compress_ratios.count(r)} {name}" for r, name in kinds.items() if r in cfg.compress_ratios)
     print(f"{args.model}: {cfg.num_hidden_layers} layers ({mix}), {config.dtype}")

@@ -15,6 +15,7 @@ from ..cache.report import loaded_weight_bytes, model_dtype_plan, plan_report
 from ..cache.sizing import memory_report, plan_cache, prefix_caching
 from ..cache.tiers import TierOptions
 from ..config import ConfigError, EngineConfig
+from .context_limit import context_limit
 from .outputs import RequestOutput
 from .inflight import HostCopy, PromptLogprobRows, StepInFlight
 from ..model.vision.engine_checks import check_images
@@ -65,7 +66,8 @@ class LLMEngine:
         self.layout = CacheLayout(self.cfg, spec_slots=config.spec_slots, with_mtp=spec is not None,
                                   kv_fp8=config.kv_cache_dtype == "fp8")
         self.plan = plan_cache(self.layout, config, DTYPES[config.dtype])
-        self.max_model_len = self._max_model_len()
+        limit = context_limit(self.cfg, self.plan, config)
+        self.max_model_len, self.context_limit = limit.tokens, limit.source
         if config.data_parallel_size > 1:     # one scheduler, a step per DP rank (engine/data_parallel.py)
             from .data_parallel import dp_engine_parts
             self.cache, self.scheduler, self.runner = dp_engine_parts(self.model, self.layout, self.plan, config,
@@ -123,14 +125,6 @@ class LLMEngine:
         return done
 
     # ---- set-up ---------------------------------------------------------------------
-    def _max_model_len(self) -> int:
-        want = self.config.max_model_len
-        limit = min(self.cfg.max_position_embeddings, self.plan.max_tokens)
-        if want is not None and want > self.cfg.max_position_embeddings:
-            raise ConfigError("max_model_len", f"{want} exceeds the model's max_position_embeddings "
-                                               f"{self.cfg.max_position_embeddings}")
-        return want if want is not None else limit
-
     def memory_report(self) -> str:
         """The cache line, then the memory plan (`dsv4 plan`'s report, with the loaded weights)."""
         dtype = DTYPES[self.config.dtype]
@@ -175,12 +169,12 @@ class LLMEngine:
                              f"[0, {self.cfg.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens do not fit max_model_len {self.max_model_len} "
-                             f"(the prompt plus at least one generated token)")
+                             f"(the prompt plus at least one generated token; set by {self.context_limit})")
         params.validate(self.cfg.vocab_size)
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds max_model_len {self.max_model_len}")
+                             f"exceeds max_model_len {self.max_model_len} (set by {self.context_limit})")
         chunk = self.config.max_num_batched_tokens
         if not self.cache.fits_ever(total, chunk):
             # name the prompt when it cannot fit even with a single generated token
