@@ -21,47 +21,11 @@ from dsv4.cache.manager import CacheManager
 from dsv4.cache.storage import KVStorage
 from dsv4.cache.tiers import TierOptions
 from dsv4.cache.tiers.movers import Mover
-from dsv4.cache.tiers.streams import InlineStreams
 from dsv4.engine.request import Request, Status
 from dsv4.engine.scheduler import Scheduler
 from dsv4.model.random_init import preset_config
 from dsv4.sampling_params import SamplingParams
-
-
-class Later:
-    """An event of a `DeferredStreams`: complete when the stream gets there (or when waited for)."""
-
-    def __init__(self, stream: "DeferredStreams"):
-        self.stream, self.fired = stream, False
-
-    def query(self) -> bool:
-        return self.fired
-
-    def synchronize(self) -> None:
-        self.stream.waits += 1
-        self.stream.reach(self)
-
-
-class DeferredStreams(InlineStreams):
-    """A side stream whose copies are done at once but whose events complete, in order, only
-    when `fire` advances it (as a real stream's do, some steps later); `waits` counts host waits."""
-
-    def __init__(self, rng: random.Random):
-        super().__init__("cpu")
-        self.rng, self.pending, self.waits = rng, [], 0
-
-    def record(self) -> Later:
-        self.pending.append(Later(self))
-        return self.pending[-1]
-
-    def reach(self, event: Later) -> None:
-        while event in self.pending:
-            self.pending.pop(0).fired = True
-
-    def fire(self) -> None:
-        """Advance the stream by a random number of events (often none)."""
-        for _ in range(min(len(self.pending), max(0, self.rng.randint(-2, 3)))):
-            self.pending.pop(0).fired = True
+from tier_streams import DeferredStreams
 
 
 def make(tmp_path, rng, background: bool) -> Scheduler:
