@@ -37,7 +37,7 @@ def make(tmp_path, rng, background: bool) -> Scheduler:
     tail = storage.checkpoint_format.nbytes()
     cache.bind(storage, TierOptions(host_bytes=8 * page + 2 * tail, disk_dir=str(tmp_path),
                                     disk_bytes=12 * page + 3 * tail, background=background))
-    cache.tiers.mover = Mover(DeferredStreams(rng))
+    cache.tiers.mover = Mover(DeferredStreams(rng), cache.tiers.codec)
     return Scheduler(cache, 300, 6)
 
 

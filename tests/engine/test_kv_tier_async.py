@@ -40,7 +40,7 @@ def test_offload_and_restore_beside_decodes_never_wait(tiny):
     eng = tiny.engine(max_num_batched_tokens=256, max_num_seqs=6, num_pages=60, host_cache_gb=0.02)
     streams = DeferredStreams(random.Random(3))
     tiers = eng.cache.tiers
-    tiers.mover = Mover(streams)
+    tiers.mover = Mover(streams, tiers.codec)
     plain = tiny.engine(max_num_batched_tokens=256, max_num_seqs=6, num_pages=60, enable_prefix_caching=False)
 
     # 1. the long prompt prefills (offloading 256, 512, 768) while the others decode

@@ -3,14 +3,15 @@
 A mover starts a copy and returns a `Ticket`; the tiers poll it. Two stages per store:
 `packed` (the source pages have been read: the GPU may reuse them) and `done` (the host rows
 are written). Everything runs on the `Streams`' side stream (streams.py), ordered after the work
-the main stream has queued so far: a store gathers its pages into a device staging buffer in a
-fixed number of kernels (codec.py), records `packed`, then copies the staging buffer to the
-pinned host rows in pieces of at most COPY_BYTES (a small copy of the main stream, e.g. a
-step's sampled tokens, never queues behind a whole prefix); a load copies host rows into a
-staging buffer the same way and scatters it into the pages. What the step's thread does per
-copy is a handful of launches whatever the number of pages, and it never waits: `Ticket.finish`
-(once `done`) makes the main stream, not the host, wait for a load before anything reads its
-pages. With `InlineStreams` (a CPU cache) both stages are done on return.
+the main stream has queued so far: a store gathers its pages into the device staging buffer
+(allocated once) in a fixed number of kernels (codec.py), records `packed` after the last
+gather, and copies the staging rows to the pinned host rows in pieces of at most COPY_BYTES
+(so a small copy of the main stream, e.g. a step's sampled tokens, never queues behind a whole
+prefix); a load copies host rows into the staging buffer the same way and scatters them into
+the pages. A copy larger than the buffer runs in rounds. What the step's thread does per copy
+is a handful of launches per round, and it never waits: `Ticket.finish` (once `done`) makes
+the main stream, not the host, wait for a load before anything reads its pages. With
+`InlineStreams` (a CPU cache) both stages are done on return.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import torch
 from .codec import PageCodec
 from .streams import InlineStreams, make_streams
 
-COPY_BYTES = 8 << 20     # largest single host <-> device copy: about 0.15 ms of PCIe on an H200
+COPY_BYTES = 8 << 20       # largest single host <-> device copy: about 0.15 ms of PCIe on an H200
+STAGING_BYTES = 64 << 20   # the device staging buffer (one page row at least)
 
 
 class Ticket:
@@ -61,50 +63,62 @@ def runs(slots: list[int], limit: int | None = None) -> list[tuple[int, int, int
 
 
 class Mover:
-    def __init__(self, streams: InlineStreams):
-        self.streams = streams
-        self.device = streams.device
+    """Copies of `codec`'s pages through one device staging buffer of at most STAGING_BYTES,
+    allocated once: a copy larger than it runs in rounds, which the side stream orders (a round
+    reuses the buffer only after the previous round's host copies), so no copy allocates
+    device memory or waits on the host."""
 
-    def _piece_rows(self, rows: torch.Tensor) -> int:
-        return max(1, COPY_BYTES // max(1, rows.shape[1] * rows.element_size()))
+    def __init__(self, streams: InlineStreams, codec: PageCodec):
+        self.streams, self.codec, self.device = streams, codec, streams.device
+        rows = max(1, STAGING_BYTES // (codec.numel * torch.empty((), dtype=codec.dtype).element_size()))
+        self.staging = torch.empty(rows, codec.numel, dtype=codec.dtype, device=self.device)
 
-    def store(self, codec: PageCodec, pages: list[int], rows: torch.Tensor, slots: list[int],
+    def _rounds(self, n: int):
+        """(first, count) of each round of `n` pages."""
+        step = self.staging.shape[0]
+        return [(i, min(step, n - i)) for i in range(0, n, step)]
+
+    def store(self, pages: list[int], rows: torch.Tensor, slots: list[int],
               tail: torch.Tensor | None, tail_row: torch.Tensor | None) -> Ticket:
         """Pack history pages `pages` into host rows `rows[slots]`, and `tail` into `tail_row`."""
-        s = self.streams
+        s, staging = self.streams, self.staging
         tail_copy = tail.clone() if tail is not None else None    # on the main stream: its slot may be reused
         s.after_main()
         with s.side():
             index = s.upload(pages)
-            staging = torch.empty(len(pages), codec.numel, dtype=codec.dtype, device=self.device)
-            if pages:
-                codec.gather(index, staging)
-            packed = s.record()
-            for i, slot, n in runs(slots, self._piece_rows(rows)):
-                rows[slot:slot + n].copy_(staging[i:i + n], non_blocking=True)
             if tail_copy is not None:
                 tail_row.copy_(tail_copy, non_blocking=True)
+            packed = None
+            for first, n in self._rounds(len(pages)):
+                self.codec.gather(index[first:first + n], staging[:n])
+                if first + n == len(pages):
+                    packed = s.record()
+                for i, slot, k in runs(slots[first:first + n], piece_rows(rows)):
+                    rows[slot:slot + k].copy_(staging[i:i + k], non_blocking=True)
             done = s.record()
-        return Ticket(s, packed, done, keep=(index, staging, tail_copy))
+        return Ticket(s, packed, done, keep=(index, tail_copy))
 
-    def load(self, codec: PageCodec, rows: torch.Tensor, slots: list[int], pages: list[int],
-             tail_row: torch.Tensor) -> Ticket:
+    def load(self, rows: torch.Tensor, slots: list[int], pages: list[int], tail_row: torch.Tensor) -> Ticket:
         """Unpack host rows `rows[slots]` into history pages `pages`; the tail to the device."""
-        s = self.streams
+        s, staging = self.streams, self.staging
         s.after_main()                       # the pages may still be read by queued steps of their last owner
         with s.side():
             index = s.upload(pages)
-            staging = torch.empty(len(pages), codec.numel, dtype=codec.dtype, device=self.device)
-            for i, slot, n in runs(slots, self._piece_rows(rows)):
-                staging[i:i + n].copy_(rows[slot:slot + n], non_blocking=True)
-            if pages:
-                codec.scatter(staging, index)
+            for first, n in self._rounds(len(pages)):
+                for i, slot, k in runs(slots[first:first + n], piece_rows(rows)):
+                    staging[i:i + k].copy_(rows[slot:slot + k], non_blocking=True)
+                self.codec.scatter(staging[:n], index[first:first + n])
             tail = tail_row.to(self.device, copy=True, non_blocking=True)
             done = s.record()
-        t = Ticket(s, None, done, keep=(index, staging), to_main=True)
+        t = Ticket(s, None, done, keep=(index,), to_main=True)
         t.tail = tail
         return t
 
 
-def make_mover(device) -> Mover:
-    return Mover(make_streams(device))
+def piece_rows(rows: torch.Tensor) -> int:
+    """Rows of `rows` in one host <-> device copy of at most COPY_BYTES."""
+    return max(1, COPY_BYTES // max(1, rows.shape[1] * rows.element_size()))
+
+
+def make_mover(codec: PageCodec) -> Mover:
+    return Mover(make_streams(codec.storage.kinds["c4"].device), codec)

@@ -137,7 +137,7 @@ class Restoring:
         hp.acquire(host_keys)
         ht.acquire([tail_key])
         hp.touch(reversed(keys[:depth]))
-        ticket = self.mover.load(self.codec, hp.rows, [hp.index[k].slot for k in host_keys], new, ht.row(tail_key))
+        ticket = self.mover.load(hp.rows, [hp.index[k].slot for k in host_keys], new, ht.row(tail_key))
         tier = "disk" if tail_key in self._from_disk else "host"
         self._from_disk.discard(tail_key)
         self._read.discard(tail_key)

@@ -41,7 +41,7 @@ class Storing:
         page_entries, tail_entry = made
         src = [gpu_pages[i] for i in new]
         self.pages.incref(src)                # until packed
-        ticket = self.mover.store(self.codec, src, hp.rows, [e.slot for e in page_entries],
+        ticket = self.mover.store(src, hp.rows, [e.slot for e in page_entries],
                                   tail if want_tail else None, ht.rows[tail_entry.slot] if want_tail else None)
         nbytes = len(src) * self.page_bytes + want_tail * self.tail_bytes
         self.stores.append(StoreJob(ticket, src, [keys[i] for i in new], keys[-1] if want_tail else None,
