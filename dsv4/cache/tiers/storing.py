@@ -6,7 +6,7 @@ L): the prefix's history pages the host lacks and the tail at L are copied into 
 entries by the mover; the GPU pages keep one extra reference until *packed* (then the GPU may
 evict and reuse them), the host entries become readable when *stored*. A stored prefix is then
 written to disk as one group file (disk_writes.py). On the step's thread: bookkeeping of O(pages)
-dictionary operations and a fixed number of launches (movers.py); nothing waits.
+dictionary operations and a few launches per staging round (movers.py); nothing waits.
 """
 from __future__ import annotations
 
