@@ -1,15 +1,20 @@
-"""Long context on one H200, one command: batch-1 decode step time at 4k .. 1M context and a
-128k prefill, with model-dtype (bf16) and packed FP8 KV (`--kv-cache-dtype fp8`), peak memory,
-and correctness checks on the device (docs/architecture.md, "Cache").
+"""Long context on one H200: batch-1 decode step time at 4k .. 1M context beside its roofline
+bound, batch-64 decode at 4k and 32k, prefill of 128k, 512k and 1M tokens, with model-dtype
+(bf16) and packed FP8 KV (`--kv-cache-dtype fp8`), peak memory, and correctness checks on the
+device (docs/architecture.md, "Cache").
 
-    python -m benchmarks.long_context --out DIR [--budget-s 220]      # H200, about 3.5 minutes
-    python -m benchmarks.long_context --out DIR --smoke                # CPU, tiny, seconds
+    python -m benchmarks.long_context --out DIR [--budget-s 220] [--cases decode,batch,prefill]   # H200
+    python -m benchmarks.long_context --out DIR --smoke                # CPU, tiny, under a minute
+
+The batch-1 decode part takes about 3.5 minutes on an H200; batch and prefill (the 512k and 1M
+prompts) need more than one device call's time after it: run them as their own call
+(`--cases batch,prefill --budget-s 540`). Cases past --budget-s are skipped and named.
 
 Model: `random:flash-slice:6` (V4-Flash layers 0-5: 2 sliding, 2 CSA, 2 HCA; 256 bf16 experts),
 built once. Decode: batch 1 at a synthetic context of N tokens (bench/offline.py: the cache
 "holds" N - 1 tokens, step cost depends on positions and page tables, not values), CUDA graphs
-and async scheduling on, the mean step over --decode-tokens. Prefill: one request of 128k
-random tokens in --chunk-token chunks (eager fast path), time to its first token. Peak memory:
+and async scheduling on, the mean step over --decode-tokens. Prefill: one request of N random
+tokens in 16k-token chunks (eager fast path), time to its first token. Peak memory:
 torch.cuda.max_memory_allocated over each case (weights included).
 
 Checks on the device, before timing: (1) the streamed indexer top-k (Triton, entries in tiles
@@ -18,13 +23,19 @@ entries (1M positions) with exact-sum inputs (many ties: the order is part of th
 (2) greedy tokens of the fast path (Triton kernels + CUDA graphs) equal the reference path's
 (torch ops, eager) on a tiny fp32 model, for bf16-shaped and FP8 KV alike.
 
+Each decode time is printed beside its roofline bound (dsv4/bench/roofline.py: weights, the
+SWA keys, the top-k CSA entries, every HCA entry and the indexer's O(E) reads of all c // 4
+indexer keys, at the KV dtype's bytes). Batch 64: decode of 64 requests at a synthetic 4k and
+32k context, FP8 and model-dtype KV, in tokens/s.
+
 Targets printed: the issue's (1M decode within 1.25x of 4k decode; FP8 KV holds >= 1.7x the
-tokens of bf16 KV in the same memory) and SGLang's published V4-Flash figure (batch-1 decode
-266 -> 240 tokens/s between 4k and 900k: 1.11x).
+tokens of bf16 KV in the same memory; 1M prefill completes) and SGLang's published V4-Flash
+figure (batch-1 decode 266 -> 240 tokens/s between 4k and 900k: 1.11x).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -33,6 +44,7 @@ import time
 import torch
 
 from dsv4.bench import offline as bo
+from dsv4.bench.roofline import Precision, bound_seconds, decode_step_cost
 from dsv4.config import EngineConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.model.weights import load_model
@@ -41,9 +53,11 @@ from dsv4.sampling_params import SamplingParams
 T0 = time.perf_counter()
 SPEC = "random:flash-slice:6"
 MAX_POS = 1048576
-GPU = dict(contexts=(4096, 16384, 131072, 524288, MAX_POS - 128), prefill=131072, chunk=16384, decode_tokens=32,
-           greedy=(600, 48))
-SMOKE = dict(contexts=(512, 2048, 8192), prefill=1024, chunk=256, decode_tokens=4, greedy=(100, 8))
+GPU = dict(contexts=(4096, 16384, 131072, 524288, MAX_POS - 128), prefill=(131072, 524288, MAX_POS - 16),
+           chunk=16384, decode_tokens=32, greedy=(600, 48), batch=64, batch_contexts=(4096, 32768))
+SMOKE = dict(contexts=(512, 2048, 8192), prefill=(1024, 2048), chunk=256, decode_tokens=4, greedy=(100, 8),
+             batch=4, batch_contexts=(512, 2048))
+CASES = ("decode", "batch", "prefill")
 TARGET_1M_VS_4K = 1.25
 SGLANG_900K_VS_4K = 266 / 240
 FP8_CAPACITY = 1.7
@@ -119,13 +133,26 @@ def check_greedy(device: str, n_prompt: int, n_new: int) -> dict:
 
 
 # ---- timings --------------------------------------------------------------------------
-def decode_case(model, device, dtype, kv, n, tokens) -> dict:
+def kv_precision(dtype: str, kv: str) -> Precision:
+    """Bytes per stored element for the roofline: the model dtype's everywhere, or with the
+    packed FP8 KV rows (584 B per 512-dim vector, indexer keys 132 B per 128-dim key)."""
+    elem = 2.0 if dtype == "bfloat16" else 4.0
+    base = Precision.uniform(elem, elem)
+    return base if kv == "auto" else dataclasses.replace(base, kv_bytes=584 / 512, index_kv_bytes=132 / 128)
+
+
+def decode_case(model, device, dtype, kv, n, tokens, batch: int = 1) -> dict:
+    """`batch` requests decoding at a synthetic context of n tokens: the mean step, tokens/s
+    (batch / step), and the roofline bound of that step (indexer O(E) reads included)."""
     reset_peak(device)
-    eng = engine(SPEC if device != "cpu" else "random:tiny", model, device, dtype, kv, max_num_seqs=1,
-                 max_num_batched_tokens=256, num_pages=n // 256 + 4, max_model_len=n + tokens + 8)
-    bo.time_one(eng, 1, n, tokens, True, "warm")            # captures every graph shape the run needs
-    step = bo.time_one(eng, 1, n, tokens, True, "run")["step_times"][0]
-    out = {"step_ms": step * 1e3, "tok_per_s": 1 / step, "peak_gb": peak_gb(device),
+    eng = engine(SPEC if device != "cpu" else "random:tiny", model, device, dtype, kv, max_num_seqs=batch,
+                 max_num_batched_tokens=max(256, batch), num_pages=batch * (n // 256 + 2) + 4,
+                 max_model_len=n + tokens + 8)
+    bo.time_one(eng, batch, n, tokens, True, "warm")            # captures every graph shape the run needs
+    step = bo.time_one(eng, batch, n, tokens, True, "run")["step_times"][0]
+    bound = bound_seconds(decode_step_cost(model.cfg, batch, n + tokens // 2, kv_precision(dtype, kv)))
+    out = {"batch": batch, "step_ms": step * 1e3, "tok_per_s": batch / step, "bound_ms": bound * 1e3,
+           "of_roofline": bound / step, "peak_gb": peak_gb(device),
            "cache_tokens": eng.plan.max_tokens, "cache_mib": eng.runner.storage.nbytes() / 2**20}
     del eng
     return out
@@ -176,14 +203,14 @@ def run(args) -> dict:
     log(f"capacity in 40 GiB: {results['capacity_40gib']}")
     model = load_model(SPEC if not args.smoke else "random:tiny", device, getattr(torch, dtype))
     log("model loaded")
-    cases = [("decode", kv, n) for n in sizes["contexts"] for kv in ("auto", "fp8")]
-    cases += [("prefill", kv, sizes["prefill"]) for kv in ("auto", "fp8")]
-    for kind, kv, n in cases:
+    for kind, kv, n in planned_cases(sizes, args.cases):
         if time.perf_counter() - T0 > args.budget_s:
             log(f"budget spent: {kind} {n} {kv} and later cases skipped")
             break
         if kind == "decode":
             r = decode_case(model, device, dtype, kv, n, sizes["decode_tokens"])
+        elif kind == "batch":
+            r = decode_case(model, device, dtype, kv, n, sizes["decode_tokens"], sizes["batch"])
         else:
             r = prefill_case(model, device, dtype, kv, n, sizes["chunk"])
         results["cases"][f"{kind} {n} {kv}"] = r
@@ -191,21 +218,47 @@ def run(args) -> dict:
     return results
 
 
+def planned_cases(sizes: dict, kinds: tuple[str, ...]) -> list[tuple[str, str, int]]:
+    """(kind, kv, tokens) in running order: batch-1 decode by context, batch decode (FP8 KV
+    first: the issue's case), prefill by length."""
+    cases = {"decode": [("decode", kv, n) for n in sizes["contexts"] for kv in ("auto", "fp8")],
+             "batch": [("batch", kv, n) for kv in ("fp8", "auto") for n in sizes["batch_contexts"]],
+             "prefill": [("prefill", kv, n) for n in sizes["prefill"] for kv in ("auto", "fp8")]}
+    return [c for kind in CASES if kind in kinds for c in cases[kind]]
+
+
 def table(results: dict, sizes: dict) -> str:
     c = results["cases"]
-    lines = [f"long context on {results['device']} ({SPEC}, batch 1)", "",
+    lines = [f"long context on {results['device']} ({SPEC}; decode at batch 1 unless named; roofline bound: "
+             f"H200 HBM and tensor cores, indexer O(E) reads counted)", "",
              "| case | bf16 KV | FP8 KV | FP8 / bf16 |", "|---|---|---|---|"]
+    decode = lambda r: (f"{r['step_ms']:.2f} ms, bound {r['bound_ms']:.3g} ms = {100 * r['of_roofline']:.3g}% of "
+                        f"roofline ({r['peak_gb'] or 0:.1f} GB)") if r else "—"
     for n in sizes["contexts"]:
         a, f = c.get(f"decode {n} auto"), c.get(f"decode {n} fp8")
-        cell = lambda r: f"{r['step_ms']:.2f} ms ({r['peak_gb'] or 0:.1f} GB)" if r else "—"
         ratio = f"{f['step_ms'] / a['step_ms']:.2f}x" if a and f else "—"
-        lines.append(f"| decode ctx {n} | {cell(a)} | {cell(f)} | {ratio} |")
-    n = sizes["prefill"]
-    a, f = c.get(f"prefill {n} auto"), c.get(f"prefill {n} fp8")
-    cell = lambda r: f"{r['tok_per_s']:,.0f} tok/s ({r['peak_gb'] or 0:.1f} GB)" if r else "—"
-    lines.append(f"| prefill {n} | {cell(a)} | {cell(f)} | "
-                 f"{(a['s'] / f['s']) if a and f else 0:.2f}x speed |")
+        lines.append(f"| decode ctx {n} | {decode(a)} | {decode(f)} | {ratio} |")
+    batch = lambda r: f"{r['tok_per_s']:,.0f} tok/s, {decode(r)}" if r else "—"
+    for n in sizes["batch_contexts"]:
+        a, f = c.get(f"batch {n} auto"), c.get(f"batch {n} fp8")
+        ratio = f"{f['tok_per_s'] / a['tok_per_s']:.2f}x" if a and f else "—"
+        lines.append(f"| batch {sizes['batch']} decode ctx {n} | {batch(a)} | {batch(f)} | {ratio} speed |")
+    prefill = lambda r: f"{r['s']:.1f} s, {r['tok_per_s']:,.0f} tok/s ({r['peak_gb'] or 0:.1f} GB)" if r else "—"
+    for n in sizes["prefill"]:
+        a, f = c.get(f"prefill {n} auto"), c.get(f"prefill {n} fp8")
+        ratio = f"{a['s'] / f['s']:.2f}x speed" if a and f else "—"
+        lines.append(f"| prefill {n} | {prefill(a)} | {prefill(f)} | {ratio} |")
     lines.append("")
+    lo, hi = sizes["batch_contexts"][0], sizes["batch_contexts"][-1]
+    for kv in ("fp8", "auto"):
+        a, z = c.get(f"batch {lo} {kv}"), c.get(f"batch {hi} {kv}")
+        if a and z:
+            lines.append(f"batch {sizes['batch']}, {kv} KV: {z['tok_per_s']:,.0f} tok/s at ctx {hi} vs "
+                         f"{a['tok_per_s']:,.0f} at ctx {lo} ({z['tok_per_s'] / a['tok_per_s']:.2f}x)")
+    longest = sizes["prefill"][-1]
+    for kv in ("auto", "fp8"):
+        done = f"prefill {longest} {kv}" in c
+        lines.append(f"prefill of {longest} tokens, {kv} KV: {'completed' if done else 'NOT RUN (budget or error)'}")
     first, last = sizes["contexts"][0], sizes["contexts"][-1]
     for kv in ("auto", "fp8"):
         a, z = c.get(f"decode {first} {kv}"), c.get(f"decode {last} {kv}")
@@ -227,7 +280,13 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--budget-s", type=float, default=220.0, help="skip the remaining timings after this")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model and contexts: the script itself")
+    p.add_argument("--cases", default=",".join(CASES),
+                   help=f"comma-separated parts to time, in this order: {', '.join(CASES)} (default: all)")
     args = p.parse_args()
+    args.cases = tuple(k.strip() for k in args.cases.split(",") if k.strip())
+    unknown = sorted(set(args.cases) - set(CASES))
+    if unknown:
+        p.error(f"--cases: unknown part(s) {unknown}; known: {', '.join(CASES)}")
     results = run(args)
     text = table(results, SMOKE if args.smoke else GPU)
     print(text, flush=True)

@@ -1,6 +1,7 @@
 """One GPU vs two (docs/architecture.md, "Parallelism"): `random:flash-slice:6` on one GPU, with
 tensor parallelism 2 (the engine over two ranks: CUDA graphs and async scheduling on) and with
-data-parallel attention + expert parallelism 2 (one engine per rank in lockstep, eager).
+data-parallel attention + expert parallelism 2 (the engine over two DP ranks,
+engine/data_parallel.py; and, for the MoE dispatch times, one engine per rank in lockstep).
 
     python -m benchmarks.multi_gpu            # nvidia-h200-x2, about 3 minutes
     python -m benchmarks.multi_gpu --smoke    # CPU, gloo, the tiny model, seconds
@@ -110,15 +111,16 @@ def _gap(entry: dict) -> float:
     return top[0] - top[1] if len(top) > 1 else float("inf")
 
 
-def run_engine(s: dict, tp: int, work) -> dict:
+def run_engine(s: dict, name: str, work, **parallel) -> dict:
+    """The engine with `parallel` settings (none: one GPU)."""
     from dsv4.engine.engine import LLMEngine
-    log(f"engine, tensor parallel {tp}: loading {s['model']}")
-    engine = LLMEngine(s["model"], engine_config(s, tensor_parallel_size=tp, enable_expert_parallel=False))
+    log(f"engine, {name}: loading {s['model']}")
+    engine = LLMEngine(s["model"], engine_config(s, **parallel))
     try:
         out = {"decode": {b: decode_ms(engine, s, b, seed=b) for b in s["batches"]}}
         out["prefill"] = prefill_ms(engine, s)
         out["tokens"], out["gaps"] = greedy(engine, s, work)
-        log(f"  tp {tp}: {out['decode']} ms/step decode, prefill {out['prefill']:.1f} ms, async "
+        log(f"  {name}: {out['decode']} ms/step decode, prefill {out['prefill']:.1f} ms, async "
             f"{engine.async_scheduling}, graphs {engine.runner.graphs is not None}")
         return out
     finally:
@@ -271,21 +273,23 @@ def agreement(ours, ref) -> str:
     return f"{same}/{sum(len(b) for b in ref)}"
 
 
-def report(s: dict, one: dict, tp: dict, ranks: list[dict], num_layers: int) -> tuple[str, bool]:
+def report(s: dict, one: dict, tp: dict, dp_engine: dict, ranks: list[dict], num_layers: int) -> tuple[str, bool]:
     dp = {"decode": {int(b): max(r["decode"][str(b)] if str(b) in r["decode"] else r["decode"][b] for r in ranks)
                      for b in s["batches"]},
           "prefill": max(r["prefill"] for r in ranks),
           "tokens": [t for pair in zip(*[r["tokens"] for r in ranks]) for t in pair]}
     b1, bN = s["batches"]
     lines = [f"model {s['model']} ({num_layers} layers), {s['dtype']}, {s['device']}",
-             f"{'':10} {'decode b' + str(b1):>12} {'decode b' + str(bN):>12} {'prefill ' + str(s['prefill']):>14}"
+             f"{'':22} {'decode b' + str(b1):>12} {'decode b' + str(bN):>12} {'prefill ' + str(s['prefill']):>14}"
              f" {'greedy = 1 GPU':>15}"]
     tp_bad = first_clear_difference(tp["tokens"], one["tokens"], one["gaps"])
-    for name, r, agree in (("1 GPU", one, "-"), ("TP 2", tp, agreement(tp["tokens"], one["tokens"])),
-                           ("DP+EP 2", dp, agreement(dp["tokens"], one["tokens"]))):
-        lines.append(f"{name:10} {r['decode'][b1]:10.2f}ms {r['decode'][bN]:10.2f}ms {r['prefill']:12.1f}ms {agree:>15}")
-    for name, r in (("TP 2", tp), ("DP+EP 2", dp)):
-        lines.append(f"{name + ' / 1 GPU':10} {r['decode'][b1] / one['decode'][b1]:11.2f}x "
+    rows = (("1 GPU", one, "-"), ("TP 2", tp, agreement(tp["tokens"], one["tokens"])),
+            ("DP+EP 2", dp_engine, agreement(dp_engine["tokens"], one["tokens"])),
+            ("DP+EP lockstep", dp, agreement(dp["tokens"], one["tokens"])))
+    for name, r, agree in rows:
+        lines.append(f"{name:22} {r['decode'][b1]:10.2f}ms {r['decode'][bN]:10.2f}ms {r['prefill']:12.1f}ms {agree:>15}")
+    for name, r, _ in rows[1:]:
+        lines.append(f"{name + ' / 1 GPU':22} {r['decode'][b1] / one['decode'][b1]:11.2f}x "
                      f"{r['decode'][bN] / one['decode'][bN]:11.2f}x {r['prefill'] / one['prefill']:13.2f}x")
     ar = ranks[0]["all_reduce"]
     small, big = str(s["sizes"][0]), str(s["sizes"][1])
@@ -317,10 +321,11 @@ def main(argv=None) -> int:
     from dsv4.model.weights import model_config
     cfg = model_config(s["model"])
     work = prompts(4, s["prompt"], cfg.vocab_size, seed=99)
-    one = run_engine(s, 1, work)
-    tp = run_engine(s, 2, work)
+    one = run_engine(s, "1 GPU", work)
+    tp = run_engine(s, "TP 2", work, tensor_parallel_size=2)
+    dp_engine = run_engine(s, "DP+EP 2", work, data_parallel_size=2, enable_expert_parallel=True)
     ranks = run_rank_job(s, work)
-    text, ok = report(s, one, tp, ranks, cfg.num_hidden_layers)
+    text, ok = report(s, one, tp, dp_engine, ranks, cfg.num_hidden_layers)
     print(text, flush=True)
     return 0 if ok else 1
 

@@ -362,17 +362,25 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(name, f"expected a positive integer, got {v!r}")
-        if self.data_parallel_size > 1:
-            raise ConfigError("data_parallel_size", "data-parallel attention runs in dsv4.parallel.expert_parallel "
-                                                    "(model level, benchmarks/multi_gpu.py); the engine does not "
-                                                    "schedule over several DP ranks yet: use --tensor-parallel-size")
-        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
-            raise ConfigError("enable_expert_parallel", "needs --tensor-parallel-size above 1")
-        if self.tensor_parallel_size > 1 and self.speculative_config is not None:
-            raise ConfigError("speculative_config", "speculative decoding does not run under tensor parallelism yet")
-        if self.tensor_parallel_size > 1 and self.host_cache_gb:
+        dp, tp = self.data_parallel_size, self.tensor_parallel_size
+        if dp > 1 and tp > 1:
+            raise ConfigError("data_parallel_size", f"{dp} with tensor_parallel_size {tp}: data-parallel attention "
+                                                    "runs one whole attention per rank (tensor_parallel_size 1)")
+        if dp > 1 and not self.enable_expert_parallel:
+            raise ConfigError("data_parallel_size", f"{dp} needs --enable-expert-parallel: the DP ranks split the "
+                                                    "routed experts E/N (docs/architecture.md, Parallelism)")
+        if self.enable_expert_parallel and self.world_size == 1:
+            raise ConfigError("enable_expert_parallel", "needs --tensor-parallel-size or --data-parallel-size above 1")
+        if self.world_size > 1 and self.speculative_config is not None:
+            raise ConfigError("speculative_config", "speculative decoding does not run over several ranks yet")
+        if self.world_size > 1 and self.host_cache_gb:
             raise ConfigError("host_cache_gb", "the host / disk tiers restore pages on one rank only: "
-                                               "not under tensor parallelism yet")
+                                               "not under tensor or data parallelism yet")
+
+    @property
+    def world_size(self) -> int:
+        """Processes (ranks) of the run: tensor_parallel_size x data_parallel_size (one of them is 1)."""
+        return self.tensor_parallel_size * self.data_parallel_size
 
     def _set_speculative(self) -> None:
         """Parse `speculative_config`; spec_slots (the positions the private cache state can roll

@@ -119,7 +119,7 @@ class CheckpointFormat:
         if bool((pages < 0).any()):
             raise RuntimeError(f"SWA page of positions [{int(positions[0])}, {int(positions[-1]) + 1}) not held")
         device = storage.kinds["swa"].device
-        return pages.to(device), (positions % SWA_PAGE_TOKENS).to(device)
+        return _upload(pages, device), _upload(positions % SWA_PAGE_TOKENS, device)
 
     def _rows(self, storage, section: Section, swa_table, slot, L, staged: bool) -> torch.Tensor:
         """[layers, rows, width] of `section` at positions [L - rows, L)."""
@@ -129,7 +129,7 @@ class CheckpointFormat:
             return blocks[pages, :, rows].transpose(0, 1)         # [rows, layers, D] -> [layers, rows, D]
         cap = storage.layout.csa_ring
         rows = torch.arange(cap, cap + OVERLAP) if staged else positions % cap
-        return blocks[slot][:, rows.to(blocks.device)]
+        return blocks[slot][:, _upload(rows, blocks.device)]
 
     def _put_rows(self, storage, section: Section, swa_table, slot, L, data: torch.Tensor) -> None:
         positions, blocks = self._positions(section, L), storage.kinds[section.kind]
@@ -137,7 +137,7 @@ class CheckpointFormat:
             pages, rows = self._swa_index(storage, swa_table, positions)
             blocks[pages, :, rows] = data.transpose(0, 1)
         else:
-            blocks[slot][:, (positions % storage.layout.csa_ring).to(blocks.device)] = data
+            blocks[slot][:, _upload(positions % storage.layout.csa_ring, blocks.device)] = data
 
     # ---- a unit outside the cache --------------------------------------------------------
     def unit(self, buf: torch.Tensor, L: int) -> CheckpointUnit:
@@ -174,3 +174,12 @@ def from_bytes(blob: bytes) -> CheckpointUnit:
     if not sep or data.numel() != meta["numel"]:
         raise CheckpointMismatch(f"checkpoint data truncated: {data.numel()} of {meta.get('numel')} elements")
     return CheckpointUnit(meta["signature"], int(meta["position"]), data)
+
+
+def _upload(index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host index tensor on the cache's device without a host wait: a plain `.to("cuda")` of
+    pageable memory synchronizes the stream (the step in flight); a pinned copy is only queued
+    (commit and admission run while the previous step runs, docs/architecture.md "Engine")."""
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import CSA_RATIO, HCA_RATIO, ModelConfig
+from ..config import CSA_RATIO, HCA_RATIO, ConfigError, ModelConfig
 from ..ops.kv_fp8 import entry_bytes, index_key_bytes
 
 PAGE_TOKENS = 256
@@ -135,7 +135,9 @@ class CacheLayout:
              num_checkpoints: int | None = None) -> "CachePlan":
         """Split a memory budget: rings and SWA pages for `max_num_seqs`, prefix-cache checkpoints
         of `checkpoint_bytes` each (none when 0; `num_checkpoints`, or `default_checkpoints`), the
-        rest history pages."""
+        rest history pages. Without compressed layers a history page holds no bytes: then as
+        many pages as `max_num_seqs` requests at the model's longest context use (the page
+        allocator keeps host bookkeeping per page, so a budget of bytes must not count them)."""
         swa_pages = self.swa_pages_needed(max_num_seqs, max_chunk)
         page = max(self.page_bytes(elem), 1)
         # + one scratch unit of each kind (storage.py): the budget holds what is allocated
@@ -148,11 +150,14 @@ class CacheLayout:
             checkpoints = max(2 * max_num_seqs, (budget_bytes - fixed) // (CHECKPOINT_EVERY * page + checkpoint_bytes))
         fixed += checkpoints * checkpoint_bytes
         pages = (budget_bytes - fixed) // page
+        if not self.page_bytes(elem):    # no compressed layer: a page holds nothing, the budget bounds none
+            pages = min(pages, max_num_seqs * -(-self.cfg.max_position_embeddings // PAGE_TOKENS))
         if pages < 1:
-            raise ValueError(f"cache memory budget of {budget_bytes / 2**20:.1f} MiB is too small: "
-                             f"{fixed / 2**20:.1f} MiB go to rings and sliding-window pages of "
-                             f"{max_num_seqs} requests and {checkpoints} prefix-cache checkpoints; lower "
-                             f"max_num_seqs or raise the budget")
+            raise ConfigError("cache_memory_gb", f"cache memory budget of {budget_bytes / 2**20:.1f} MiB is too "
+                              f"small: {fixed / 2**20:.1f} MiB go to rings and sliding-window pages of "
+                              f"{max_num_seqs} requests and {checkpoints} prefix-cache checkpoints, and one "
+                              f"history page needs {page / 2**20:.2f} MiB more; lower --max-num-seqs or "
+                              f"raise --cache-memory-gb")
         return CachePlan(num_pages=int(pages), num_swa_pages=swa_pages, max_num_seqs=max_num_seqs,
                          num_checkpoints=int(checkpoints))
 

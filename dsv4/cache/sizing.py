@@ -19,9 +19,10 @@ COMPONENTS = {"swa": "sliding-window pages", "c4": "C4 entries (CSA)", "idx": "i
 
 
 def prefix_caching(config: EngineConfig) -> bool:
-    """Whether the engine keeps a prefix cache: asked for, and the KV rows are not packed FP8
-    (a checkpoint is one flat buffer of the model dtype, cache/checkpoint.py)."""
-    return config.enable_prefix_caching and config.kv_cache_dtype != "fp8"
+    """Whether the engine keeps a prefix cache: asked for, the KV rows are not packed FP8
+    (a checkpoint is one flat buffer of the model dtype, cache/checkpoint.py), and one DP rank
+    (under data-parallel attention each rank has its own pages: no prefix cache there yet)."""
+    return config.enable_prefix_caching and config.kv_cache_dtype != "fp8" and config.data_parallel_size == 1
 
 
 def plan_cache(layout: CacheLayout, config: EngineConfig, dtype: torch.dtype) -> CachePlan:
@@ -67,24 +68,34 @@ def requests_that_fit(plan: CachePlan, tokens: int) -> int:
     return min(plan.num_pages // max(-(-tokens // PAGE_TOKENS), 1), plan.max_num_seqs)
 
 
-def per_rank_report(layout: CacheLayout, plan: CachePlan, dtype: torch.dtype, tensor_parallel_size: int) -> str:
-    """What each rank of a tensor-parallel run holds of the cache: all of it. V4 has one
-    shared K=V head (and the compressors' and indexer's keys are per token, not per head), so
-    splitting heads splits no cache: every rank allocates the plan's whole storage."""
+def per_rank_report(layout: CacheLayout, plan: CachePlan, dtype: torch.dtype, tensor_parallel_size: int,
+                    data_parallel_size: int = 1) -> str:
+    """What each rank of a parallel run holds of the cache. Tensor parallel: all of it (V4 has
+    one shared K=V head, and the compressors' and indexer's keys are per token, not per head,
+    so splitting heads splits no cache). Data-parallel attention: each rank the plan's whole
+    storage too, but for its own requests (no replicated KV): N ranks hold N times the tokens."""
     total = cache_bytes(layout, plan, dtype)
+    if data_parallel_size > 1:
+        n = data_parallel_size
+        return (f"per rank: {total / 2**20:.1f} MiB of KV cache on each of {n} data-parallel ranks, each for its own "
+                f"requests ({n * total / 2**20:.1f} MiB in all; {plan.max_tokens} tokens and {plan.max_num_seqs} "
+                f"request slots per rank, {n * plan.max_tokens} tokens in all)")
     return (f"per rank: {total / 2**20:.1f} MiB of KV cache on each of {tensor_parallel_size} tensor-parallel "
             f"ranks ({tensor_parallel_size * total / 2**20:.1f} MiB in all; one shared K=V head: every rank holds "
             f"the whole cache)")
 
 
 def memory_report(layout: CacheLayout, plan: CachePlan, dtype: torch.dtype, max_model_len: int,
-                  tensor_parallel_size: int = 1) -> str:
+                  tensor_parallel_size: int = 1, data_parallel_size: int = 1) -> str:
     fit = requests_that_fit(plan, max_model_len)
     parts = cache_components(layout, plan, dtype)
     detail = ", ".join(f"{name} {nbytes / 2**20:.1f}" for name, nbytes in parts.items())
     kv = "packed FP8" if layout.kv_fp8 else str(dtype).removeprefix("torch.")
+    ranks = tensor_parallel_size * data_parallel_size
     return (f"KV cache ({kv}): {plan.num_pages} history pages x {PAGE_TOKENS} tokens = {plan.max_tokens} tokens, "
             f"{plan.num_swa_pages} sliding-window pages, {plan.max_num_seqs} request slots, "
             f"{plan.num_checkpoints} prefix-cache checkpoints, {sum(parts.values()) / 2**20:.1f} MiB ({detail} MiB); {fit} request(s) of "
             f"max_model_len {max_model_len} fit at once"
-            + ("" if tensor_parallel_size == 1 else "; " + per_rank_report(layout, plan, dtype, tensor_parallel_size)))
+            + ("" if data_parallel_size == 1 else " on each rank")
+            + ("" if ranks == 1 else "; " + per_rank_report(layout, plan, dtype, tensor_parallel_size,
+                                                              data_parallel_size)))

@@ -24,15 +24,18 @@ def run(args) -> int:
     from ..cache.layout import CacheLayout
     from ..cache.report import model_dtype_plan, plan_report
     from ..cache.sizing import plan_cache, requests_that_fit
+    from ..config import ConfigError
+    from ..engine.context_limit import context_limit
     config = engine_config(args)
     cfg = _model_config(args.model)
     dtype = DTYPES[config.dtype]
     layout = CacheLayout(cfg, spec_slots=config.spec_slots, kv_fp8=config.kv_cache_dtype == "fp8")
-    try:
+    try:               # the same start-up checks as the engine's (a max_model_len no request could use)
         plan = plan_cache(layout, config, dtype)
-    except ValueError as e:
-        raise SystemExit(f"--cache-memory-gb: {e}") from None
-    tokens = args.request_tokens or min(config.max_model_len or cfg.max_position_embeddings, plan.max_tokens)
+        limit = context_limit(cfg, plan, config)
+    except ConfigError as e:
+        raise SystemExit(f"--{e.field.replace('_', '-')}: {e}") from None
+    tokens = args.request_tokens or limit.tokens
     kinds = {0: "sliding", 4: "CSA", 128: "HCA"}
     mix = ", ".join(f"{cfg.compress_ratios.count(r)} {name}" for r, name in kinds.items() if r in cfg.compress_ratios)
     print(f"{args.model}: {cfg.num_hidden_layers} layers ({mix}), {config.dtype}")
@@ -40,6 +43,8 @@ def run(args) -> int:
                       model_dtype_plan(layout, plan, dtype, config.max_num_batched_tokens)))
     if config.tensor_parallel_size > 1:
         _per_rank(cfg, dtype, config, layout, plan)
+    elif config.data_parallel_size > 1:
+        _per_dp_rank(cfg, dtype, config, layout, plan)
     if requests_that_fit(plan, tokens) == 0:
         raise SystemExit(f"--request-tokens: a request of {tokens} tokens does not fit this cache; "
                          f"raise --cache-memory-gb or --num-pages")
@@ -59,6 +64,18 @@ def _per_rank(cfg, dtype, config, layout, plan) -> None:
     rank = {**weights, **{k: int(v) for k, v in split.items()}, "KV cache (whole)": cache_bytes(layout, plan, dtype)}
     _section(f"per rank of {n} (tensor parallel{', experts split E/N' if config.enable_expert_parallel else ''})", rank)
     print(per_rank_report(layout, plan, dtype, n))
+
+
+def _per_dp_rank(cfg, dtype, config, layout, plan) -> None:
+    """One rank of --data-parallel-size N --enable-expert-parallel (dsv4/parallel/
+    expert_parallel.py): the routed experts / N, every other weight whole, and a whole cache
+    of its own for its own requests."""
+    from ..cache.sizing import cache_bytes, per_rank_report
+    n, weights = config.data_parallel_size, _weights(cfg, dtype, config)
+    rank = {k: v // n if k.startswith("routed") else v for k, v in weights.items()}
+    rank["KV cache (its own requests)"] = cache_bytes(layout, plan, dtype)
+    _section(f"per rank of {n} (data-parallel attention, experts split E/N)", rank)
+    print(per_rank_report(layout, plan, dtype, 1, n))
 
 
 def _model_config(spec: str):

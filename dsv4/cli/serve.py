@@ -116,6 +116,9 @@ def _disagg(args):
     if getattr(args, "kv_cache_dtype", "auto") == "fp8":
         raise SystemExit("dsv4 serve: --role: the transferred state does not hold packed FP8 KV rows yet; "
                          "use --kv-cache-dtype auto")
+    if getattr(args, "data_parallel_size", 1) > 1:
+        raise SystemExit("dsv4 serve: --role: a prefill/decode engine sends one rank's cache; "
+                         "--data-parallel-size spreads requests over several: use it without --role")
     from ..disagg.settings import parse_kv_transfer
     try:
         return parse_kv_transfer(args.role, args.kv_transfer)

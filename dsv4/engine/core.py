@@ -161,6 +161,7 @@ def ready_message(engine) -> Ready:
     return Ready(max_model_len=engine.max_model_len, vocab_size=engine.cfg.vocab_size,
                  eos_token_id=engine.eos_token_id, num_pages=plan.num_pages, max_num_seqs=plan.max_num_seqs,
                  max_request_tokens=min(engine.max_model_len, plan.num_pages * 256),
+                 context_limit=engine.context_limit,
                  memory_report=engine.memory_report(),
                  vision=vision_dict(engine.cfg.vision) if engine.cfg.vision is not None else None)
 
@@ -202,6 +203,9 @@ def _load_engine(model_dir: str, config):
 
 
 def _startup_message(model_dir: str, error: BaseException) -> str:
+    from ..config import ConfigError
+    if isinstance(error, ConfigError):           # a setting the model or the cache cannot serve
+        return f"--{error.field.replace('_', '-')}: {error}"
     text = f"{type(error).__name__}: {error}"
     if isinstance(error, MemoryError) or "out of memory" in str(error).lower():
         text += " (lower --cache-memory-gb / --num-pages / --max-model-len, or use a larger device)"

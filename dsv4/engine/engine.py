@@ -15,6 +15,7 @@ from ..cache.report import loaded_weight_bytes, model_dtype_plan, plan_report
 from ..cache.sizing import memory_report, plan_cache, prefix_caching
 from ..cache.tiers import TierOptions
 from ..config import ConfigError, EngineConfig
+from .context_limit import context_limit
 from .outputs import RequestOutput
 from .inflight import HostCopy, PromptLogprobRows, StepInFlight
 from ..model.vision.engine_checks import check_images
@@ -25,7 +26,6 @@ from .sampler import Sampler, compute_prompt_logprobs, count_pending, make_gener
 from .sampling_inputs import SamplingInputs
 from ..sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
-from ..structured.masks import step_mask, verify_mask
 from ..text.stop import StopChecker, StopResult
 from ..text.stop_watch import StopStringWatch
 
@@ -41,11 +41,15 @@ class LLMEngine:
         self.config, self.workers = config, None
         if model is not None:
             config.check_no_model_overrides()
-        if config.tensor_parallel_size > 1:       # ranks 1..n-1 start; this process is rank 0
+        parallel = "data_parallel_size" if config.data_parallel_size > 1 else "tensor_parallel_size"
+        if config.world_size > 1:                 # ranks 1..n-1 start; this process is rank 0
             if model is not None:
-                raise ConfigError("tensor_parallel_size", "every rank loads its own shard: give the engine the "
-                                                          "model's folder or random: spec, not a built model")
+                raise ConfigError(parallel, "every rank loads its own shard: give the engine the "
+                                            "model's folder or random: spec, not a built model")
             from .workers import Workers, load_rank_model
+            if config.data_parallel_size > 1:
+                from .data_parallel import check_expert_split
+                check_expert_split(model_dir, config)
             self.workers = Workers.start(model_dir, config)
             model = load_rank_model(model_dir, config, self.workers.comm)
         self.model = model if model is not None else load_model(model_dir, config.device, DTYPES[config.dtype],
@@ -61,20 +65,25 @@ class LLMEngine:
         self.layout = CacheLayout(self.cfg, spec_slots=config.spec_slots, with_mtp=spec is not None,
                                   kv_fp8=config.kv_cache_dtype == "fp8")
         self.plan = plan_cache(self.layout, config, DTYPES[config.dtype])
-        self.max_model_len = self._max_model_len()
-        self.cache = CacheManager(self.layout, self.plan, prefix_caching=prefix_caching(config))
-        self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.model, self.layout, self.plan, self.cache, config.device,
-                                  0 if config.enforce_eager else config.cuda_graph_max_bs,
-                                  keep_hidden=spec is not None,
-                                  keep_taps=spec is not None and spec.method == "dspark")
+        limit = context_limit(self.cfg, self.plan, config)
+        self.max_model_len, self.context_limit = limit.tokens, limit.source
+        if config.data_parallel_size > 1:     # one scheduler, a step per DP rank (engine/data_parallel.py)
+            from .data_parallel import dp_engine_parts
+            self.cache, self.scheduler, self.runner = dp_engine_parts(self.model, self.layout, self.plan, config,
+                                                                      self.workers)
+        else:
+            self.cache = CacheManager(self.layout, self.plan, prefix_caching=prefix_caching(config))
+            self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs)
+            self.runner = ModelRunner(self.model, self.layout, self.plan, self.cache, config.device,
+                                      0 if config.enforce_eager else config.cuda_graph_max_bs,
+                                      keep_hidden=spec is not None,
+                                      keep_taps=spec is not None and spec.method == "dspark")
         self.cache.bind(self.runner.storage, TierOptions.from_config(config))
         if self.workers is not None:
             self.workers.send_cache(self.layout, self.plan, self.runner.storage)
             if self.cfg.vision is not None:
                 self.workers.shutdown()
-                raise ConfigError("tensor_parallel_size", "vision checkpoints run on one process (the tower is "
-                                                          "not sharded yet)")
+                raise ConfigError(parallel, "vision checkpoints run on one process (the tower is not sharded yet)")
             self.runner.workers = self.workers
         self.sampler = Sampler()
         self.generator = torch.Generator(device=config.device).manual_seed(config.seed)
@@ -116,26 +125,20 @@ class LLMEngine:
         return done
 
     # ---- set-up ---------------------------------------------------------------------
-    def _max_model_len(self) -> int:
-        want = self.config.max_model_len
-        limit = min(self.cfg.max_position_embeddings, self.plan.max_tokens)
-        if want is not None and want > self.cfg.max_position_embeddings:
-            raise ConfigError("max_model_len", f"{want} exceeds the model's max_position_embeddings "
-                                               f"{self.cfg.max_position_embeddings}")
-        return want if want is not None else limit
-
     def memory_report(self) -> str:
         """The cache line, then the memory plan (`dsv4 plan`'s report, with the loaded weights)."""
         dtype = DTYPES[self.config.dtype]
         plan = plan_report(loaded_weight_bytes(self.model), self.layout, self.plan, dtype, self.max_model_len,
                            model_dtype_plan(self.layout, self.plan, dtype, self.config.max_num_batched_tokens))
-        return memory_report(self.layout, self.plan, dtype, self.max_model_len,
-                             self.config.tensor_parallel_size) + "\n" + plan
+        return memory_report(self.layout, self.plan, dtype, self.max_model_len, self.config.tensor_parallel_size,
+                             self.config.data_parallel_size) + "\n" + plan
 
     def close(self) -> None:
         """Stop the other ranks of a parallel run (nothing to do for one process)."""
         if self.workers is not None:
             self.workers.shutdown()
+        if self.grammars is not None:
+            self.grammars.close()
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -166,12 +169,12 @@ class LLMEngine:
                              f"[0, {self.cfg.vocab_size})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens do not fit max_model_len {self.max_model_len} "
-                             f"(the prompt plus at least one generated token)")
+                             f"(the prompt plus at least one generated token; set by {self.context_limit})")
         params.validate(self.cfg.vocab_size)
         total = len(ids) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"max_tokens: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds max_model_len {self.max_model_len}")
+                             f"exceeds max_model_len {self.max_model_len} (set by {self.context_limit})")
         chunk = self.config.max_num_batched_tokens
         if not self.cache.fits_ever(total, chunk):
             # name the prompt when it cannot fit even with a single generated token
@@ -220,7 +223,7 @@ class LLMEngine:
             raise
         previous, self._inflight = self._inflight, launched
         if previous is not None:
-            outputs += self._complete(previous)
+            outputs += self._complete(previous, following=launched)
         if launched.sample_later is not None:      # grammars needed the previous step's tokens
             with torch.inference_mode():
                 launched.sample_later()
@@ -258,8 +261,9 @@ class LLMEngine:
         if self.spec is None:
             sampled = [i for i, c in enumerate(chunks) if c.completes]
             if self._grammar_waits(chunks, sampled):   # (never with workers: see _must_wait)
-                tokens = values = None
-                later = lambda: launched.set_sampled(*self._sample(chunks, sampled, step, prev))  # noqa: E731
+                tokens = values = None              # masks started by _complete (its `following`)
+                later = lambda: launched.set_sampled(*self._sample(chunks, sampled, step, prev,  # noqa: E731
+                                                                   launched.masks))
             else:
                 tokens, values = self._sample(chunks, sampled, step, prev)
                 if self.workers is not None and tokens is not None:
@@ -276,12 +280,19 @@ class LLMEngine:
         launched = StepInFlight(chunks, sampled, tokens, values, lps, sample_later=later)
         return launched
 
-    def _complete(self, step: StepInFlight) -> list[RequestOutput]:
+    def _complete(self, step: StepInFlight, following: StepInFlight | None = None) -> list[RequestOutput]:
+        """Read `step` back and append its tokens. `following`: the step launched after it; if its
+        sampling waits for grammar masks, their fill starts as soon as the matchers have taken
+        this step's tokens and runs while the rest of this bookkeeping does."""
         for rows in step.prompt_logprobs:
             self._record_prompt_logprobs(rows)
         if step.values is None:
             return []
         tokens, lps, top_ids, top_lps = step.values.get()
+        if self.grammars:
+            self._accept_tokens(step, tokens)
+        if following is not None and following.sample_later is not None:
+            following.masks = self._start_masks(following.chunks, following.sampled)
         outputs, chunks, append = [], step.chunks, self._append
         commit = self.cache.commit if self.cache.prefix is not None else None    # (a no-op without one)
         for row, i in enumerate(step.sampled):
@@ -294,17 +305,19 @@ class LLMEngine:
                 commit(req)                 # a boundary whose last token was still pending at launch
         return outputs
 
-    def _sample(self, chunks: list[ScheduledChunk], idx: list[int], step: StepLogits, prev: torch.Tensor | None):
+    def _sample(self, chunks: list[ScheduledChunk], idx: list[int], step: StepLogits, prev: torch.Tensor | None,
+                masks=None):
         """-> (sampled tokens [N] on the device, their HostCopy), or (None, None). `prev`: the
-        sampled tokens of the step in flight before this one (pending tokens' penalties)."""
+        sampled tokens of the step in flight before this one (pending tokens' penalties).
+        `masks`: the rows' grammar masks, already started (else started here: they fill while
+        the sampling batch is built)."""
         if not idx:
             return None, None
+        if masks is None:
+            masks = self._start_masks(chunks, idx)
         reqs = [chunks[i].request for i in idx]
         rows = [step.first_row[i] + step.num_rows[i] - 1 for i in idx]
-        grammar = None
-        if self.grammars:                      # only rows under a grammar get a mask
-            grammar = step_mask([self.grammars.get(r.request_id) for r in reqs], self.cfg.vocab_size)
-        batch, rows_t, pending_t = self.sampling_inputs.batch(reqs, rows, grammar)
+        batch, rows_t, pending_t = self.sampling_inputs.batch(reqs, rows, masks)
         if pending_t is not None:
             count_pending(batch.penalties, pending_t[:, 0], prev[pending_t[:, 1]])
         logits = step.logits[:len(rows)] if rows_t is None else step.logits[rows_t]
@@ -318,6 +331,24 @@ class LLMEngine:
             self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, self.eos_token_id)
         return self.grammars
 
+    @torch.inference_mode()
+    def _start_masks(self, chunks: list[ScheduledChunk], idx: list[int]):
+        """The grammar masks of sampling rows `idx` (structured/masks.PendingMask), or None."""
+        if not self.grammars:
+            return None
+        return self.grammars.step_masks([chunks[i].request.request_id for i in idx])
+
+    def _accept_tokens(self, step: StepInFlight, tokens: list[int]) -> None:
+        """Advance the matchers by the step's tokens, in row order (before `_append` runs, so the
+        next step's masks can start filling). Rows past a request's finishing token (speculative
+        rows) may be taken too: its matcher is dropped when it finishes."""
+        self.grammars.masks.idle()
+        for row, i in enumerate(step.sampled):
+            req = step.chunks[i].request
+            grammar = None if req.is_finished else self.grammars.get(req.request_id)
+            if grammar is not None:
+                grammar.accept(tokens[row])
+
     def _grammar_waits(self, chunks: list[ScheduledChunk], idx: list[int]) -> bool:
         """Whether a row to sample is under a grammar while its last token is still on the
         device: its mask needs that token, so sampling waits for the previous step's read-back
@@ -330,7 +361,7 @@ class LLMEngine:
         """The verify rows' masks (per chunk, its request and drafts), or None."""
         if not self.grammars:
             return None
-        return verify_mask([(self.grammars.get(r.request_id), d) for r, d in chunks], self.cfg.vocab_size)
+        return self.grammars.verify_masks([(r.request_id, d) for r, d in chunks])
 
     def _prompt_logprobs(self, req: Request, c: ScheduledChunk, step: StepLogits, i: int):
         start, n_prompt = req.num_computed, len(req.prompt_token_ids)
@@ -352,10 +383,7 @@ class LLMEngine:
             req.prompt_logprobs.append({t: lp, **dict(zip(ids, lps))})
 
     def _append(self, req: Request, token: int, logprob: float, top_ids, top_lps) -> RequestOutput:
-        req.output_token_ids.append(token)
-        grammar = self.grammars.get(req.request_id) if self.grammars else None
-        if grammar is not None:
-            grammar.accept(token)
+        req.output_token_ids.append(token)      # (its grammar took the token in _accept_tokens)
         if req.params.logprobs is not None:
             req.logprobs.append({token: logprob, **dict(zip(top_ids, top_lps))})
         result = self._stops[req.request_id].check(req.output_token_ids)    # EOS, stop ids, lengths
@@ -373,7 +401,7 @@ class LLMEngine:
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
             self._stops.pop(req.request_id, None)
-            if grammar is not None:
+            if self.grammars is not None:
                 self.grammars.drop(req.request_id)
             self._watches.pop(req.request_id, None)
         return self.output_of(req, [token])

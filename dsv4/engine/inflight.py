@@ -56,6 +56,7 @@ class StepInFlight:
     # set when sampling waits for the previous step's tokens (grammar masks): the engine calls
     # it after reading that step back, before anything reads `tokens` or `values`
     sample_later: Callable[[], None] | None = None
+    masks: object | None = None      # structured/masks.PendingMask its sampling waits for (or None)
 
     def set_sampled(self, tokens: torch.Tensor | None, values: HostCopy | None) -> None:
-        self.tokens, self.values, self.sample_later = tokens, values, None
+        self.tokens, self.values, self.sample_later, self.masks = tokens, values, None, None

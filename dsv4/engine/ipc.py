@@ -69,6 +69,7 @@ class Ready(msgspec.Struct, tag=True):
     max_request_tokens: int     # prompt + output tokens that fit the cache even alone
     memory_report: str
     vision: dict | None = None  # the model's vision_* config fields (None: text only; docs/vision.md)
+    context_limit: str = ""     # what sets max_model_len (engine/context_limit.py), for 4xx messages
 
 
 class StartupFailed(msgspec.Struct, tag=True):

@@ -44,6 +44,13 @@ class PendingFill:
         token_ids[dst] = self.prev[src]
 
 
+@dataclass
+class WarmupMessage:
+    """Rank 0 to the other ranks of a parallel run: run `ModelRunner.warmup(*args)` now, as
+    rank 0 does (their collectives meet; engine/workers.py)."""
+    args: tuple
+
+
 class ModelRunner:
     def __init__(self, model, layout: CacheLayout, plan: CachePlan, cache: CacheManager, device,
                  cuda_graph_max_bs: int = 0, keep_hidden: bool = False, keep_taps: bool = False):
@@ -66,8 +73,8 @@ class ModelRunner:
     def execute(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None = None) -> StepLogits:
         """`prev_tokens`: the sampled tokens of the step in flight, for requests whose last
         token is still pending (Request.num_pending)."""
-        seqs = [self._seq_chunk(c) for c in chunks]
-        fill = _pending_fill(chunks, seqs, prev_tokens)
+        seqs = [self.seq_chunk(c) for c in chunks]
+        fill = pending_fill(chunks, seqs, prev_tokens)
         if self.workers is not None:
             self.workers.send_step(seqs, fill, num_sampled=sum(c.completes for c in chunks))
         return self.run_seqs(seqs, fill, self._images(chunks, seqs))
@@ -110,7 +117,10 @@ class ModelRunner:
         """Before the first request: compile the kernels of eager steps (a one-token step and a
         prefill chunk of the whole token budget) and run every CUDA-graph shape of uniform
         steps of `uniform_tokens` tokens (capturing it). Every step reads and writes only the
-        storage's scratch units, so no request's state changes. Returns what ran."""
+        storage's scratch units, so no request's state changes. Returns what ran. Rank 0 of a
+        parallel run has every rank run it alongside."""
+        if self.workers is not None:
+            self.workers.send(WarmupMessage((max_model_len, max_num_seqs, max_num_batched_tokens, uniform_tokens)))
         scratch = Scratch(self.storage.scratch_page, self.storage.scratch_swa_page, self.storage.scratch_slot)
         for n in sorted({1, max(1, min(max_num_batched_tokens, max_model_len - 1))}):
             fb = upload_tree(build_step([scratch_chunk(scratch, 0, n)], self.layout, self.storage.ring_slots), self.h2d)
@@ -122,7 +132,8 @@ class ModelRunner:
                 shapes += self.graphs.warmup(max_model_len, max_num_seqs, q)
         return {"eager_steps": 2, "graph_shapes": len(shapes)}
 
-    def _seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
+    def seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
+        """What every rank needs of chunk `c` (its request's records in `self.cache`)."""
         req, held, n = c.request, self.cache.seq(c.request), c.num_tokens
         start = req.num_computed
         if req.wants_prompt_logprobs and start < len(req.prompt_token_ids):
@@ -140,7 +151,7 @@ class ModelRunner:
                         images=blocks_in_chunk(req.images, start, n) if req.images else ())
 
 
-def _pending_fill(chunks: list[ScheduledChunk], seqs: list[SeqChunk],
+def pending_fill(chunks: list[ScheduledChunk], seqs: list[SeqChunk],
                   prev_tokens: torch.Tensor | None) -> PendingFill | None:
     """Rows whose token the step in flight sampled: position `known` (the first unknown one)
     of each request whose chunk reaches past its known tokens."""

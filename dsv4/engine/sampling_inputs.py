@@ -24,24 +24,26 @@ class SamplingInputs:
         self._batch: SamplingBatch | None = None  # on the device; None: nothing to reuse
         self.builds = 0                           # batches built so far (how often reuse failed)
 
-    def batch(self, reqs: list[Request], rows: list[int], grammar=None
+    def batch(self, reqs: list[Request], rows: list[int], masks=None
               ) -> tuple[SamplingBatch, torch.Tensor | None, torch.Tensor | None]:
         """(the batch on the device, `rows` on the device or None when rows == range(len(rows)),
         the (row, pending row) pairs whose pending token counts toward penalties as [P, 2] on
-        the device, or None when there are none). `grammar`: the step's GrammarMask (None: no
-        row is under one)."""
+        the device, or None when there are none). `masks`: the rows' grammar masks being filled
+        (structured/masks.PendingMask; None: no row is under a grammar), waited for once the
+        batch is built."""
         key = tuple(reqs)
         plain = rows == list(range(len(rows)))
-        if grammar is None and self._batch is not None and key == self._reqs:
+        if masks is None and self._batch is not None and key == self._reqs:
             rows_t = None if plain else self.h2d.upload([torch.tensor(rows)])[0]
             return self._batch, rows_t, None
         self.builds += 1
         batch = SamplingBatch.build(
             [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.num_pending) for r in reqs],
             self.vocab_size, "cpu", self.eos_token_id, self.generator)
-        batch.grammar = grammar
+        if masks is not None:
+            batch.grammar = masks.result()
         pending = [(j, r.pending_row) for j, r in enumerate(reqs) if r.num_pending and r.params.has_penalties]
         batch, rows_t, pending_t = upload_tree((batch, torch.tensor(rows), torch.tensor(pending).view(-1, 2)), self.h2d)
-        reusable = grammar is None and batch.penalties is None and batch.banned is None
+        reusable = masks is None and batch.penalties is None and batch.banned is None
         self._reqs, self._batch = (key, batch) if reusable else ((), None)
         return batch, None if plain else rows_t, pending_t if pending else None

@@ -13,6 +13,9 @@ still on the device (async scheduling) and the prefix-cache copies rank 0 made s
 step (`RecordedCheckpoints`); every rank builds the same `ForwardBatch` from it and
 keeps the sampled tokens rank 0 broadcasts, so `PendingFill` works on every rank.
 
+Under data-parallel attention (`--data-parallel-size`) the step description is one part per
+rank and ranks 1..n-1 run `data_parallel.run_dp_steps` instead of `run_steps`.
+
 Failure rules: a rank that dies (or fails to start) ends rank 0's process with exit code 1
 (`Workers.on_death`): the API process then fails the requests in flight with 5xx and shuts
 down (serve/client.py). A worker exits when rank 0 is gone. `shutdown` gives every step a
@@ -93,11 +96,15 @@ def load_rank_model(model_dir: str, config, comm: Comm):
     parallel transform cuts it and the shard moves to the rank's device."""
     from ..model.random_model import is_random_spec
     from ..model.weights import load_model
+    from ..parallel.expert_parallel import apply_dp_expert_parallel
     from ..parallel.tensor_parallel import apply_tensor_parallel
     build_on = comm.device if is_random_spec(model_dir) else "cpu"
     model = load_model(model_dir, build_on, DTYPES[config.dtype], keep_fp8=config.keep_fp8,
                        keep_mxfp4=config.keep_mxfp4, overrides=config.model_overrides())
-    apply_tensor_parallel(model, comm, expert_parallel=config.enable_expert_parallel)
+    if config.data_parallel_size > 1:
+        apply_dp_expert_parallel(model, comm)
+    else:
+        apply_tensor_parallel(model, comm, expert_parallel=config.enable_expert_parallel)
     return model.to(comm.device)
 
 
@@ -118,7 +125,7 @@ class Workers:
     @classmethod
     def start(cls, model_dir: str, config) -> "Workers":
         set_no_multicast_env()
-        size, port = config.tensor_parallel_size, free_port()
+        size, port = config.world_size, free_port()
         ctx = multiprocessing.get_context("spawn")
         procs = [ctx.Process(target=worker_main, name=f"dsv4-rank{r}", daemon=True,
                              args=(r, size, port, model_dir, config, os.getpid())) for r in range(1, size)]
@@ -138,7 +145,11 @@ class Workers:
     def send_step(self, seqs: list, fill, num_sampled: int) -> None:
         dst, src = ([], []) if fill is None else (fill.dst.tolist(), fill.src.tolist())
         ops = self.checkpoints.take() if self.checkpoints is not None else []
-        self._guarded(self.comm.broadcast_object, StepMessage(seqs, dst, src, num_sampled, ops))
+        self.send(StepMessage(seqs, dst, src, num_sampled, ops))
+
+    def send(self, message) -> None:
+        """A step description to every rank (engine/data_parallel.py sends its own kind)."""
+        self._guarded(self.comm.broadcast_object, message)
 
     def _guarded(self, fn, *args):
         """fn(*args); a collective that fails because a rank died ends this process as the
@@ -226,25 +237,33 @@ def worker_main(rank: int, size: int, port: int, model_dir: str, config, parent_
     comm = Comm.init(rank, size, port, config.device)
     model = load_rank_model(model_dir, config, comm)
     runner = _worker_runner(model, comm, config)
-    run_steps(runner, comm)
+    if config.data_parallel_size > 1:
+        from .data_parallel import run_dp_steps
+        run_dp_steps(runner, comm)
+    else:
+        run_steps(runner, comm)
     _with_timeout(comm.close, 30.0)
 
 
 def _worker_runner(model, comm: Comm, config):
     from .runner import ModelRunner
     layout, plan = comm.broadcast_object()
-    graphs = 0 if config.enforce_eager else config.cuda_graph_max_bs
+    # (no CUDA graphs under data-parallel attention: the MoE's padded size changes each step)
+    graphs = 0 if config.enforce_eager or config.data_parallel_size > 1 else config.cuda_graph_max_bs
     return ModelRunner(model, layout, plan, None, comm.device, graphs)
 
 
 @torch.inference_mode()
 def run_steps(runner, comm: Comm) -> None:
-    from .runner import PendingFill
+    from .runner import PendingFill, WarmupMessage
     prev = None                   # the last step's sampled tokens, on this rank's device
     while True:
-        msg: StepMessage | None = comm.broadcast_object()
+        msg: StepMessage | WarmupMessage | None = comm.broadcast_object()
         if msg is None:
             return
+        if isinstance(msg, WarmupMessage):
+            runner.warmup(*msg.args)
+            continue
         fill = PendingFill(torch.tensor(msg.fill_dst), torch.tensor(msg.fill_src), prev) if msg.fill_dst else None
         replay_checkpoint_ops(runner.storage, msg.checkpoint_ops)
         runner.run_seqs(msg.seqs, fill)

@@ -22,12 +22,6 @@ PRESETS = {
                  n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, routed_scaling_factor=1.5,
                  compress_ratios=[0, 4, 128, 4, 0], num_hash_layers=1, index_n_heads=16, index_head_dim=32,
                  index_topk=16, sliding_window=32, hc_mult=4, max_position_embeddings=65536),
-    "flash-slice": dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=6, num_attention_heads=64,
-                        head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
-                        moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
-                        num_experts_per_tok=6, routed_scaling_factor=1.5, compress_ratios=FLASH_RATIOS[:6] + [0],
-                        num_hash_layers=3, index_n_heads=64, index_head_dim=128, index_topk=512,
-                        sliding_window=128, hc_mult=4, max_position_embeddings=1048576),
     # the released configurations (all layers; built in the released format, dsv4/model/random_released.py)
     "flash": dict(vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64,
                   head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
@@ -42,6 +36,8 @@ PRESETS = {
                 num_hash_layers=3, index_n_heads=64, index_head_dim=128, index_topk=1024,
                 sliding_window=128, hc_mult=4, max_position_embeddings=1048576),
 }
+# the first six layers of V4-Flash (two SWA-only, then C4 / C128 alternating) and its MTP layer
+PRESETS["flash-slice"] = dict(PRESETS["flash"], num_hidden_layers=6, compress_ratios=FLASH_RATIOS[:6] + [0])
 # the tiny model with a DSpark drafter: three window-only draft stages (mtp.0..2)
 PRESETS["tiny-dspark"] = dict(PRESETS["tiny"], compress_ratios=[0, 4, 128, 4, 0, 0, 0], dspark_block_size=4,
                               dspark_noise_token_id=511, dspark_target_layer_ids=[1, 2, 3], dspark_markov_rank=16)

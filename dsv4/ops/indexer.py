@@ -58,9 +58,13 @@ def _topk(q, weights, keys, cand, topk, weight_scale):
     for start in range(0, T if k else 0, QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, T)
         width = entry_tile(stop - start, max(Hi, Di), k)
+        widest = _shared_ranges(cand, start, stop) if paged else None
         for e0 in range(0, index_width(cand), width):
             e1 = min(e0 + width, index_width(cand))
-            scores = _scores(q[start:stop], weights[start:stop], keys, _cand_tile(cand, start, stop, e0, e1))
+            if widest is None:
+                scores = _scores(q[start:stop], weights[start:stop], keys, _cand_tile(cand, start, stop, e0, e1))
+            else:
+                scores = _shared_scores(q[start:stop], weights[start:stop], keys, cand, start, stop, widest, e0, e1)
             running.add(scores, e0, slice(start, stop))
     offsets = running.offsets()
     if paged:
@@ -79,6 +83,30 @@ def _cand_tile(cand, start, stop, e0, e1) -> torch.Tensor:
     if isinstance(cand, PagedRows):
         return cand.rows_at(torch.arange(e0, e1, device=cand.req.device)[None, :], start, stop)
     return cand[start:stop, e0:e1]
+
+
+def _shared_ranges(cand: PagedRows, start: int, stop: int) -> int | None:
+    """When tokens [start, stop) are one request's and their ranges start at one lo (a prefill
+    chunk), column e is the same pool row for all of them, valid up to each one's hi: the
+    token with the widest range (whose rows cover every other's); else None."""
+    req, lo = cand.req[start:stop], cand.lo[start:stop]
+    if not (bool((req == req[0]).all()) and bool((lo == lo[0]).all())):
+        return None
+    return start + int(cand.hi[start:stop].argmax())
+
+
+def _shared_scores(q, weights, keys, cand: PagedRows, start, stop, widest, e0, e1) -> torch.Tensor:
+    """`_scores` of columns [e0, e1) for a block with shared ranges (`_shared_ranges`): the
+    tile's keys are gathered once ([W, Di], not [t, W, Di]); each token masks the columns past
+    its own range. -> [t, W] fp32."""
+    cols = torch.arange(e0, e1, device=cand.req.device)
+    rows = cand.rows_at(cols[None, :], widest, widest + 1)[0]              # [W], -1 past the widest range
+    gathered = keys[rows.clamp(min=0)]
+    gathered = unpack_index_keys(gathered) if is_packed(keys) else gathered.float()
+    scores = torch.relu(torch.einsum("thd,ed->the", q.float(), gathered)) * q.shape[-1] ** -0.5
+    scores = (scores * weights[..., None]).sum(dim=1)                      # [t, W]
+    span = (cand.hi[start:stop] - cand.lo[start:stop])[:, None]
+    return scores.masked_fill((cols[None, :] >= span) | (rows[None, :] < 0), float("-inf"))
 
 
 def _scores(q, weights, keys, cand) -> torch.Tensor:

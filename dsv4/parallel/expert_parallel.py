@@ -63,12 +63,18 @@ def idle_step(model) -> None:
     H = model.cfg.hidden_size
     x = torch.empty(0, H, dtype=model.dtype, device=model.embed.weight.device)
     ids = torch.empty(0, dtype=torch.long, device=x.device)
-    for moe in _moes(model):
+    for moe in _forward_moes(model):
         moe(x, ids)
 
 
 def _moes(model) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def _forward_moes(model) -> list[MoE]:
+    """The MoEs a step's forward runs, in its order: the main layers' (not the MTP blocks',
+    which only drafting runs)."""
+    return [m for layer in model.layers for m in layer.modules() if isinstance(m, MoE)]
 
 
 def _dispatch_forward(moe: MoE, comm: Comm, step: DPStep, dispatch: str):

@@ -1,39 +1,144 @@
 """A step's token bitmask, built on the host (xgrammar's layout: int32 words, bit t % 32 of word
 t // 32 set = token t allowed) for the rows that have a grammar; rows without one are not in
-it and cost nothing. The sampler applies it as one masked fill (engine/sampler.py)."""
+it and cost nothing. The sampler applies it as one masked fill (engine/sampler.py).
+
+Decode steps go through `MaskFiller` (docs/architecture.md, "Structured outputs"): the rows are
+filled into one preallocated buffer by a single xgrammar batch call, which releases the GIL, on
+a worker thread, so the engine's bookkeeping of the previous step runs on the main thread
+meanwhile; `PendingMask.result()` joins it, or fills on the calling thread if the worker never
+picked the fill up (a busy host): the worst case is an inline fill. Every mask is ANDed with
+the special-token filter once, over all its rows."""
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from .matcher import RequestGrammar
 
+# Fewer constrained rows than this are filled on the calling thread: handing the work to the
+# worker and back costs about as much as filling a handful of rows.
+THREAD_MIN_ROWS = 8
+# How long `start` waits for the worker to pick a fill up before going on (its GIL hand-off needs
+# the OS to run the worker thread); a fill still not picked up by `result()` is done there.
+HANDOFF_WAIT_S = 2e-4
+
 
 @dataclass
 class GrammarMask:
     rows: torch.Tensor        # [R] long: the sampling rows the mask applies to
     bitmask: torch.Tensor     # [R, ceil(V / 32)] int32
+    covers_all: bool = False  # rows == 0..R-1 are every row of the batch: masked in place
 
 
 def words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-def step_mask(grammars: list[RequestGrammar | None], vocab_size: int) -> GrammarMask | None:
-    """One row per sampling row (None: unconstrained) -> the mask of the constrained rows."""
-    rows = [i for i, g in enumerate(grammars) if g is not None and g.constrains]
-    if not rows:
-        return None
-    bitmask = torch.empty(len(rows), words(vocab_size), dtype=torch.int32)
-    for n, i in enumerate(rows):
-        grammars[i].fill(bitmask, n)
-    return GrammarMask(torch.tensor(rows, dtype=torch.long), bitmask)
+class PendingMask:
+    """A mask whose rows may still be being filled on the worker thread."""
+
+    def __init__(self, rows: list[int], bitmask: torch.Tensor, keep: torch.Tensor | None,
+                 covers_all: bool, filling: Future | None = None, fill: Callable[[], None] | None = None):
+        """filling: the worker's future of `fill` (None: already filled)."""
+        self.rows = torch.tensor(rows, dtype=torch.long)
+        self.bitmask, self.keep, self.covers_all = bitmask, keep, covers_all
+        self.filling, self.fill = filling, fill
+
+    def result(self) -> GrammarMask:
+        """Wait for the fill (re-raising its error), or do it here if the worker has not begun
+        it; clear the special tokens. The bitmask is a view of the filler's buffer, valid until
+        its next `start`."""
+        if self.filling is not None:
+            if self.filling.cancel():
+                self.fill()
+            else:
+                self.filling.result()
+            self.filling = None
+        if self.keep is not None:
+            self.bitmask &= self.keep
+        return GrammarMask(self.rows, self.bitmask, self.covers_all)
 
 
-def verify_mask(grammars: list[tuple[RequestGrammar | None, list[int]]], vocab_size: int) -> GrammarMask | None:
+class MaskFiller:
+    """The masks of decode steps, one at a time, into a buffer reused from step to step (grown
+    to the largest batch seen). Created with the engine's grammars (`registry.Grammars`)."""
+
+    def __init__(self, vocab_size: int, keep: torch.Tensor | None):
+        import xgrammar
+        self.batch = xgrammar.BatchGrammarMatcher(max_threads=1)   # one C++ call for all rows
+        self.keep, self.width = keep, words(vocab_size)
+        self.thread_min_rows = THREAD_MIN_ROWS     # (benchmarks/structured_output.py compares both ways)
+        self.buffer = torch.empty(0, self.width, dtype=torch.int32)
+        self._worker: ThreadPoolExecutor | None = None     # started by the first threaded fill
+        self._filling: Future | None = None                # the worker's last fill
+
+    def idle(self) -> None:
+        """Wait for a fill still running (one whose step failed before its `result()`): the
+        buffer and the matchers are free afterwards. Its error, if any, was the step's."""
+        if self._filling is not None:
+            if not self._filling.cancel():
+                self._filling.exception()
+            self._filling = None
+
+    def start(self, grammars: list[RequestGrammar | None]) -> PendingMask | None:
+        """One entry per sampling row (None: unconstrained) -> the pending mask of the rows
+        whose grammar constrains the next token, or None when there is none. The matchers must
+        not change until `result()` returns."""
+        rows = [i for i, g in enumerate(grammars) if g is not None and g.constrains]
+        if not rows:
+            return None
+        self.idle()
+        if self.buffer.shape[0] < len(rows):
+            self.buffer = torch.empty(max(len(rows), 2 * self.buffer.shape[0]), self.width, dtype=torch.int32)
+        bitmask = self.buffer[:len(rows)]
+        live, matchers = [], []
+        for n, i in enumerate(rows):
+            if grammars[i].finished:
+                grammars[i].fill(bitmask, n)              # EOS only: xgrammar refuses to fill it
+            else:
+                live.append(n)
+                matchers.append(grammars[i].matcher)
+        def fill() -> None:
+            self.batch.batch_fill_next_token_bitmask(matchers, bitmask, live)
+
+        covers_all = len(rows) == len(grammars)
+        if len(live) >= self.thread_min_rows:
+            return PendingMask(rows, bitmask, self.keep, covers_all, self._fill_on_worker(fill), fill)
+        if live:
+            fill()
+        return PendingMask(rows, bitmask, self.keep, covers_all)
+
+    def _fill_on_worker(self, fill: Callable[[], None]) -> Future:
+        """Hand `fill` to the worker and give it up to HANDOFF_WAIT_S to begin: it needs the GIL
+        to start, which the caller's pure-Python work would otherwise hold for up to a whole
+        switch interval. The worker gives the GIL back inside xgrammar's call."""
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-grammar-masks")
+        started = threading.Event()
+
+        def run() -> None:
+            started.set()
+            fill()
+
+        self._filling = self._worker.submit(run)
+        started.wait(HANDOFF_WAIT_S)
+        return self._filling
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+
+def verify_mask(grammars: list[tuple[RequestGrammar | None, list[int]]], vocab_size: int,
+                keep: torch.Tensor | None = None) -> GrammarMask | None:
     """Per verify chunk (its grammar, its drafts), in row order: len(drafts) + 1 rows each, row j
-    masked as after drafts[:j] (the matcher is rolled back after)."""
+    masked as after drafts[:j] (the matcher is rolled back after). Filled on the calling
+    thread: speculative steps run synchronously."""
     total = sum(len(d) + 1 for g, d in grammars if g is not None)
     if total == 0:
         return None
@@ -45,7 +150,10 @@ def verify_mask(grammars: list[tuple[RequestGrammar | None, list[int]]], vocab_s
             rows += [first + j if m else -1 for j, m in enumerate(masked)]
             used += len(drafts) + 1
         first += len(drafts) + 1
-    keep = [n for n, r in enumerate(rows) if r >= 0]
-    if not keep:
+    keep_rows = [n for n, r in enumerate(rows) if r >= 0]
+    if not keep_rows:
         return None
-    return GrammarMask(torch.tensor([rows[n] for n in keep], dtype=torch.long), bitmask[keep])
+    bitmask = bitmask[keep_rows]
+    if keep is not None:
+        bitmask &= keep
+    return GrammarMask(torch.tensor([rows[n] for n in keep_rows], dtype=torch.long), bitmask)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 
 class RequestGrammar:
-    def __init__(self, compiled, think_end_id: int | None, after_think: bool, keep=None):
-        """keep: [ceil(V / 32)] int32 words ANDed into every mask (clears the special tokens
-        no grammar may produce: xgrammar reads every added token as its text)."""
+    def __init__(self, compiled, think_end_id: int | None, after_think: bool, end_row):
+        """end_row: [ceil(V / 32)] int32, EOS's bit alone: the mask once the grammar has ended
+        (xgrammar refuses to fill a terminated matcher). The special tokens no grammar may
+        produce are cleared by structured/masks.py, once per mask."""
         import xgrammar
         self.matcher = xgrammar.GrammarMatcher(compiled, max_rollback_tokens=-1)
-        self.keep = keep
+        self.end_row = end_row
         self.think_end_id = think_end_id
         self.open = not after_think or think_end_id is None
         self.errors = 0
@@ -38,10 +39,12 @@ class RequestGrammar:
         return ok
 
     def fill(self, bitmask, row: int) -> None:
-        """Row `row` of the int32 bitmask [R, ceil(V/32)] <- the tokens allowed next."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
-        if self.keep is not None:
-            bitmask[row] &= self.keep
+        """Row `row` of the int32 bitmask [R, ceil(V/32)] <- the tokens allowed next (EOS
+        alone once the grammar has ended, e.g. under ignore_eos)."""
+        if self.matcher.is_terminated():
+            bitmask[row] = self.end_row
+        else:
+            self.matcher.fill_next_token_bitmask(bitmask, row)
 
     def fill_drafts(self, bitmask, first_row: int, drafts: list[int]) -> list[bool]:
         """Rows first_row .. first_row + len(drafts) <- the masks after drafts[:j], j = 0..len;

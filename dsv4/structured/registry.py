@@ -8,6 +8,7 @@ import torch
 from ..sampling_params import StructuredOutputs
 from ..text.tokens import DSML, EOS, SPECIAL_TOKENS, THINK_END
 from .compiler import GrammarCache
+from .masks import MaskFiller, verify_mask
 from .matcher import RequestGrammar
 
 
@@ -19,11 +20,13 @@ class Grammars:
         self.think_end_id = tokenizer.token_to_id(THINK_END)
         self.vocab_size = vocab_size
         self.keep = special_token_filter(tokenizer, vocab_size)
+        self.end_row = only_token(eos_token_id, vocab_size)
+        self.masks = MaskFiller(vocab_size, self.keep)      # decode steps' masks
         self._requests: dict[str, RequestGrammar] = {}
 
     def add(self, request_id: str, spec: StructuredOutputs) -> RequestGrammar:
         """Raises grammars.GrammarError (a ValueError naming the problem) for a bad constraint."""
-        grammar = RequestGrammar(self.cache.get(spec), self.think_end_id, spec.after_think, self.keep)
+        grammar = RequestGrammar(self.cache.get(spec), self.think_end_id, spec.after_think, self.end_row)
         self._requests[request_id] = grammar
         return grammar
 
@@ -35,6 +38,26 @@ class Grammars:
 
     def __len__(self) -> int:
         return len(self._requests)
+
+    def step_masks(self, request_ids: list[str]):
+        """One id per sampling row -> masks.PendingMask of the rows under a grammar (filled on
+        the worker thread for a large batch), or None."""
+        return self.masks.start([self._requests.get(rid) for rid in request_ids])
+
+    def verify_masks(self, chunks: list[tuple[str, list[int]]]):
+        """Per verify chunk (its request id, its drafts) -> masks.GrammarMask of its rows, or None."""
+        return verify_mask([(self._requests.get(rid), d) for rid, d in chunks], self.vocab_size, self.keep)
+
+    def close(self) -> None:
+        self.masks.close()
+
+
+def only_token(token_id: int, vocab_size: int) -> torch.Tensor:
+    """[ceil(V / 32)] int32 with the bit of `token_id` alone set."""
+    row = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
+    bit = token_id % 32
+    row[token_id // 32] = 1 << bit if bit != 31 else -2**31
+    return row
 
 
 def special_token_filter(tokenizer, vocab_size: int) -> torch.Tensor:

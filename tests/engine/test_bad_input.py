@@ -118,3 +118,40 @@ def test_max_model_len_above_the_models_is_a_config_error(short_model):
         LLMEngine(short_model, EngineConfig(max_num_batched_tokens=64, max_num_seqs=2, num_pages=4,
                                             max_model_len=129))
     assert isinstance(e.value, ValueError) and e.value.field == "max_model_len"
+
+
+# ---- the KV cache as the limit (docs/architecture.md, "Serving": bad input) -----------------
+def test_request_that_cannot_fit_the_cache_is_rejected(tiny, h):
+    """On a cache of 2 history pages (512 tokens) max_model_len defaults to 512 and names the
+    cache as its source; a request of exactly 512 tokens is accepted and completes; one past it
+    is refused at once, costing nothing; the engine keeps serving throughout."""
+    eng = tiny.engine(max_num_batched_tokens=256, max_num_seqs=2, num_pages=2)
+    assert eng.max_model_len == 512 and eng.context_limit == "the KV cache (2 pages of 256 tokens)"
+    initial = h.free_counts(eng)
+    ids = tiny.ids(600, seed=71)
+    eng.add_request("ok", ids[:400], greedy(112))          # 512 tokens: exactly fits
+    with pytest.raises(ValueError, match=r"^max_tokens: .* exceeds max_model_len 512 \(set by the KV cache"):
+        eng.add_request("too-long-output", ids[:100], greedy(413))
+    with pytest.raises(ValueError, match=r"^prompt: 513 tokens do not fit max_model_len 512 .*the KV cache"):
+        eng.add_request("too-long-prompt", ids[:513], greedy(1))
+    assert set(eng.requests) == {"ok"} and len(eng.scheduler.waiting) == 1
+    done = drain(eng)
+    assert len(done["ok"]) == 112 and h.free_counts(eng) == initial
+
+
+@pytest.mark.parametrize("sizing, field", [(dict(num_pages=2), "num_pages"),
+                                           (dict(cache_memory_gb=0.002), "cache_memory_gb")])
+def test_max_model_len_beyond_the_cache_is_a_config_error(tiny, sizing, field):
+    """--max-model-len that no request could use, the cache holding fewer tokens for one
+    request alone: a start-up error naming the flag that sized the cache."""
+    with pytest.raises(ConfigError, match=r"holds \d+ tokens .* too few for one request of max_model_len 4096") as e:
+        tiny.engine(max_num_batched_tokens=64, max_num_seqs=2, max_model_len=4096, **sizing)
+    assert e.value.field == field
+    fits = tiny.engine(max_num_batched_tokens=64, max_num_seqs=2, **sizing)     # the default fits the cache
+    assert fits.max_model_len == fits.plan.max_tokens < 4096
+
+
+def test_cache_budget_below_one_page_names_the_flag(tiny):
+    with pytest.raises(ConfigError, match=r"cache memory budget of .* too small") as e:
+        tiny.engine(cache_memory_gb=1e-5, max_num_seqs=4)
+    assert e.value.field == "cache_memory_gb"

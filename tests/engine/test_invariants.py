@@ -219,27 +219,3 @@ def test_preemption_frees_every_page(tiny, h):
         compared += h.check_greedy_against_reference(tokens, tiny.ref_logits(p + tokens), len(p),
                                                      ties[0] if ties else None)
     assert compared >= 500, f"only {compared} of 750 greedy tokens compared before a tie"
-
-
-# ---- a request that can never fit is rejected ---------------------------------------------
-def test_request_that_cannot_fit_is_rejected(tiny, h):
-    """On a cache of 2 history pages (512 tokens) with max_model_len 4096, a request needing
-    more pages than exist is refused at once with a ValueError that says so; one of exactly
-    512 tokens is accepted and completes; the engine keeps serving throughout."""
-    eng = tiny.engine(max_num_batched_tokens=256, max_num_seqs=2, num_pages=2, max_model_len=4096)
-    initial = h.free_counts(eng)
-    ids = tiny.ids(600, seed=71)
-    eng.add_request("ok", ids[:400], greedy(112))          # 512 tokens: exactly fits
-    with pytest.raises(ValueError, match=r"^max_tokens: .*cannot fit the KV cache"):
-        eng.add_request("too-long-output", ids[:100], greedy(413))
-    with pytest.raises(ValueError, match=r"^prompt: .*cannot fit the KV cache"):
-        eng.add_request("too-long-prompt", ids[:513], greedy(1))
-    assert set(eng.requests) == {"ok"} and len(eng.scheduler.waiting) == 1
-    done = run_to_completion(eng, h)
-    assert len(done["ok"]) == 112 and h.free_counts(eng) == initial
-
-
-def test_cache_budget_too_small_is_rejected(tiny):
-    """A memory budget that cannot hold even the per-request state fails at start-up, clearly."""
-    with pytest.raises(ValueError, match="cache memory budget .* too small"):
-        tiny.engine(cache_memory_gb=1e-5, max_num_seqs=4)

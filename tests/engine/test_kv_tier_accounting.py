@@ -1,8 +1,8 @@
 """Accounting of the host and disk tiers under random workloads (docs/architecture.md, "Host and
 disk tiers"): random shared prefixes, aborts, preemptions and prefix-cache resets through the
 real scheduler, cache manager and storage, with a GPU cache, a host tier and a disk budget small
-enough that all three evict, and copies that finish at random later steps (a mover whose
-tickets complete when the test says, as a side stream's would). After every step: each GPU
+enough that all three evict, and copies that finish at random later steps (the mover on a side
+stream whose events complete, in order, when the test says), which the step's thread never waits for. After every step: each GPU
 page's refcount is exactly its holders (requests, the tree, copies in flight), each host row is
 free or held by one entry whose references are exactly the copies using it, the disk index
 matches the folder within its budget and every indexed group's parent is indexed. At the end
@@ -20,52 +20,12 @@ from dsv4.cache.layout import CacheLayout, CachePlan
 from dsv4.cache.manager import CacheManager
 from dsv4.cache.storage import KVStorage
 from dsv4.cache.tiers import TierOptions
-from dsv4.cache.tiers.movers import SyncMover, Ticket
+from dsv4.cache.tiers.movers import Mover
 from dsv4.engine.request import Request, Status
 from dsv4.engine.scheduler import Scheduler
 from dsv4.model.random_init import preset_config
 from dsv4.sampling_params import SamplingParams
-
-
-class Later:
-    """An event that fires when the test says (or when waited for)."""
-
-    def __init__(self):
-        self.fired = False
-
-    def query(self) -> bool:
-        return self.fired
-
-    def synchronize(self) -> None:
-        self.fired = True
-
-
-class DeferredMover(SyncMover):
-    """Copies at once but reports packed / done only when `fire` says so."""
-
-    def __init__(self, rng: random.Random):
-        self.rng, self.pending = rng, []
-
-    def _defer(self, ticket: Ticket, store: bool) -> Ticket:
-        out = Ticket(Later() if store else None, Later(), keep=ticket.keep)
-        out.tail = ticket.tail
-        self.pending.append(out)
-        return out
-
-    def store(self, *args):
-        return self._defer(super().store(*args), True)
-
-    def load(self, *args):
-        return self._defer(super().load(*args), False)
-
-    def fire(self) -> None:
-        for t in list(self.pending):
-            r = self.rng.random()
-            if t._packed is not None and r < 0.5:
-                t._packed.fired = True
-            if r < 0.3:
-                t._done.fired = True
-                self.pending.remove(t)
+from tier_streams import DeferredStreams
 
 
 def make(tmp_path, rng, background: bool) -> Scheduler:
@@ -77,7 +37,7 @@ def make(tmp_path, rng, background: bool) -> Scheduler:
     tail = storage.checkpoint_format.nbytes()
     cache.bind(storage, TierOptions(host_bytes=8 * page + 2 * tail, disk_dir=str(tmp_path),
                                     disk_bytes=12 * page + 3 * tail, background=background))
-    cache.tiers.mover = DeferredMover(rng)
+    cache.tiers.mover = Mover(DeferredStreams(rng), cache.tiers.codec)
     return Scheduler(cache, 300, 6)
 
 
@@ -145,7 +105,7 @@ def test_random_workload_with_evictions_from_every_tier(tmp_path, background):
             sched.finish(live.pop(rng.choice(sorted(live))), Status.ABORTED)
         if rng.random() < 0.02:
             cache.reset_prefix()               # the GPU forgets: what comes back comes from the tiers
-        tiers.mover.fire()
+        tiers.mover.streams.fire()
         waited += bool(tiers.loads or tiers.reads)
         for c in sched.schedule():
             req, completes = c.request, c.completes
@@ -169,6 +129,7 @@ def test_random_workload_with_evictions_from_every_tier(tmp_path, background):
     assert st.bytes["gpu_to_host"] > 3 * tiers.host.nbytes(), "the host tier did not evict"
     assert background or st.bytes["host_to_disk"] > 3 * tiers.disk.budget, "the disk tier did not evict"
     assert not any(r.num_cached_tokens for r in reqs if r.wants_prompt_logprobs)
+    assert tiers.mover.streams.waits == 0, "the step's thread waited for a copy"
     tiers.drain()
     check(sched, tmp_path)
     assert not tiers.busy

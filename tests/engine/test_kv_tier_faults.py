@@ -67,9 +67,9 @@ def group_files(tmp_path) -> list[str]:
 def test_disk_full_then_heals(tiny, h, forcer, tmp_path, monkeypatch):
     tokens = tiny.tie_free_ids(1000, seed=501)
 
-    def full(path, data):
+    def full(path, parts):
         with open(path, "wb") as f:
-            f.write(data[:len(data) // 2])
+            f.write(parts[0])                       # the header, then the disk is full
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(disk_module, "write_file", full)
     eng = prime(tiny, h, forcer, config(tmp_path), tokens)

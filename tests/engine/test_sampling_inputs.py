@@ -22,6 +22,16 @@ def _req(rid: str, **params) -> Request:
     return Request(rid, [1, 2, 3], SamplingParams(**params), arrival=0)
 
 
+class Filled:
+    """A grammar mask already filled (what structured/masks.PendingMask.result() gives)."""
+
+    def __init__(self, mask: GrammarMask):
+        self.mask = mask
+
+    def result(self) -> GrammarMask:
+        return self.mask
+
+
 def _inputs() -> SamplingInputs:
     return SamplingInputs(VOCAB, EOS, torch.Generator().manual_seed(0), HostToDevice("cpu"))
 
@@ -42,7 +52,7 @@ def test_reused_only_while_the_same_requests_sample_in_the_same_order():
     joined, _, _ = si.batch([b, a, c], [0, 1, 2])
     assert si.builds == 3 and joined.is_greedy.tolist() == [False, True, True]
     grammar = GrammarMask(torch.tensor([0]), torch.full((1, 2), -1, dtype=torch.int32))
-    masked, _, _ = si.batch([b, a, c], [0, 1, 2], grammar)
+    masked, _, _ = si.batch([b, a, c], [0, 1, 2], Filled(grammar))
     assert torch.equal(masked.grammar.bitmask, grammar.bitmask) and si.builds == 4
     si.batch([b, a, c], [0, 1, 2])
     assert si.builds == 5                                                   # a masked batch is never kept

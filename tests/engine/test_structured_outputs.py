@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -187,18 +189,22 @@ def test_grammar_cache_is_a_bounded_lru(engine_of):
     assert len(cache) == 2 and cache.get(a) is not first       # a was evicted, compiled again
 
 
+def step_mask(grammars, rid: str) -> torch.Tensor:
+    with torch.inference_mode():
+        return grammars.step_masks([rid]).result().bitmask.clone()
+
+
 def test_draft_masks_roll_the_matcher_back(engine_of):
-    from dsv4.structured.masks import step_mask, verify_mask
     eng = engine_of(async_scheduling="off")
     grammars = eng._grammars()
-    g = grammars.add("x", StructuredOutputs(regex="ab+c"))
+    grammars.add("x", StructuredOutputs(regex="ab+c"))
     ids = [eng.tokenizer.encode(ch)[0] for ch in "abbc"]
-    before = step_mask([g], eng.cfg.vocab_size).bitmask.clone()
-    mask = verify_mask([(g, ids[:3] + [ids[0]])], eng.cfg.vocab_size)   # the last draft ("a") is refused
+    before = step_mask(grammars, "x")
+    mask = grammars.verify_masks([("x", ids[:3] + [ids[0]])])   # the last draft ("a") is refused
     assert mask.rows.tolist() == [0, 1, 2, 3]                          # row 4 (past the refused draft): free
     after_ab = mask.bitmask[2]
     assert not (after_ab[ids[0] // 32] >> (ids[0] % 32)) & 1            # "a" not allowed after "ab"
-    assert torch.equal(step_mask([g], eng.cfg.vocab_size).bitmask, before)   # state rolled back
+    assert torch.equal(step_mask(grammars, "x"), before)               # state rolled back
     grammars.drop("x")
 
 
@@ -217,3 +223,109 @@ def test_masked_fill_matches_xgrammar_on_the_rows_it_names():
     xgrammar.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab)
     assert torch.equal(ours[[0, 2]], theirs) and torch.equal(ours[1], logits[1])
     assert torch.isinf(ours[[0, 2]]).any()
+
+
+def test_ignore_eos_after_the_grammar_ends_allows_eos_only(engine_of):
+    """A grammar that has ended (its EOS taken) masks to EOS alone: with ignore_eos the request
+    runs to max_tokens on EOS (xgrammar itself refuses to fill a terminated matcher)."""
+    eng = engine_of(async_scheduling="on")
+    reqs = {f"e{i}": (p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, structured=KINDS["choice"]))
+            for i, p in enumerate(prompts(eng, 3))}
+    for rid, out in run(eng, reqs).items():
+        assert out.finish_reason == "length" and out.text in CHOICES, (rid, out.text)
+        first_eos = out.token_ids.index(eng.eos_token_id)
+        assert set(out.token_ids[first_eos:]) == {eng.eos_token_id} and len(out.token_ids) == 8
+
+
+def test_mask_fill_overlaps_the_step(engine_of, monkeypatch):
+    """Order of the host's work in a decode step with async scheduling: the forward is launched,
+    the matchers take the previous step's tokens, the mask fill starts (on the worker thread for
+    a batch of THREAD_MIN_ROWS or more), the previous step's tokens are appended while it runs,
+    and the fill is joined just before sampling. Tokens equal a run with async scheduling off."""
+    from dsv4.structured import masks
+    from dsv4.structured.matcher import RequestGrammar
+    monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # wait for the worker: no inline fallback
+    eng = engine_of(async_scheduling="on")
+    n = masks.THREAD_MIN_ROWS
+    reqs = {f"o{i}": (p, SamplingParams(max_tokens=6, temperature=0.0, structured=KINDS["json"]))
+            for i, p in enumerate(prompts(eng, n))}
+    run(eng, {"warm": reqs["o0"]})                     # eng.grammars exists from here on
+    events, fill_threads = [], []
+
+    def record(name, fn):
+        def wrapped(*a, **kw):
+            events.append(name)
+            return fn(*a, **kw)
+        return wrapped
+
+    monkeypatch.setattr(eng.runner, "execute", record("execute", eng.runner.execute))
+    monkeypatch.setattr(eng, "_append", record("append", eng._append))
+    monkeypatch.setattr(eng, "sampler", record("sample", eng.sampler))
+    monkeypatch.setattr(RequestGrammar, "accept", record("accept", RequestGrammar.accept))
+    filler = eng.grammars.masks
+    monkeypatch.setattr(filler, "start", record("fill-start", filler.start))
+    monkeypatch.setattr(masks.PendingMask, "result", record("fill-join", masks.PendingMask.result))
+    batch_fill = filler.batch.batch_fill_next_token_bitmask
+
+    def fill(*a):
+        fill_threads.append(threading.current_thread().name)
+        return batch_fill(*a)
+    monkeypatch.setattr(filler, "batch", SimpleNamespace(batch_fill_next_token_bitmask=fill))
+    got = run(eng, reqs)
+
+    steady = ["execute"] + ["accept"] * n + ["fill-start"] + ["append"] * n + ["fill-join", "sample"]
+    text = " ".join(events)
+    assert text.count(" ".join(steady)) >= 3, events        # the decode steps between prefill and the end
+    assert fill_threads and all(name.startswith("dsv4-grammar-masks") for name in fill_threads)
+    monkeypatch.undo()
+    sync = run(engine_of(async_scheduling="off"), reqs)
+    assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in sync.items()}
+
+
+@pytest.mark.parametrize("handoff", [None, 0.0])
+def test_mask_filler_reuses_one_buffer_and_matches_xgrammar(engine_of, monkeypatch, handoff):
+    """Threaded and inline fills give xgrammar's own per-matcher masks (special tokens cleared)
+    in one buffer reused from step to step; no constrained row -> no mask at all. handoff None:
+    the worker always fills; 0: a fill it has not begun is taken back by result()."""
+    from dsv4.structured import masks
+    from dsv4.structured.masks import THREAD_MIN_ROWS
+    monkeypatch.setattr(masks, "HANDOFF_WAIT_S", handoff)
+    eng = engine_of(async_scheduling="off")
+    grammars = eng._grammars()
+    ids = [f"m{i}" for i in range(THREAD_MIN_ROWS + 2)]
+    for i, rid in enumerate(ids):
+        grammars.add(rid, KINDS["json"] if i % 2 else KINDS["regex"])
+    for i, rid in enumerate(ids):                       # matchers in different states
+        for t in eng.tokenizer.encode('{"name"' if i % 2 else "abc")[:i % 3 + 1]:
+            grammars.get(rid).accept(t)
+    try:
+        with torch.inference_mode():
+            assert grammars.step_masks(["none", "other"]) is None
+            pointers = set()
+            for rows in (ids, [None, *ids[:3]], ids):          # threaded, inline (with a free row), threaded
+                mask = grammars.step_masks(rows).result()
+                live = [r for r in rows if r is not None]
+                want = torch.zeros(len(live), mask.bitmask.shape[1], dtype=torch.int32)
+                for n, rid in enumerate(live):
+                    grammars.get(rid).matcher.fill_next_token_bitmask(want, n)
+                assert torch.equal(mask.bitmask, want & grammars.keep)
+                assert mask.rows.tolist() == [i for i, r in enumerate(rows) if r is not None]
+                assert mask.covers_all == (None not in rows)
+                pointers.add(mask.bitmask.data_ptr())
+            assert len(pointers) == 1
+    finally:
+        for rid in ids:
+            grammars.drop(rid)
+
+
+def test_masked_fill_in_place_when_every_row_has_a_grammar():
+    import xgrammar
+    from dsv4.engine.sampler import apply_grammar_mask
+    from dsv4.structured.masks import GrammarMask
+    vocab = 100
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    logits = torch.randn(3, vocab)
+    ours, theirs = logits.clone(), logits.clone()
+    apply_grammar_mask(ours, GrammarMask(torch.arange(3), bitmask, covers_all=True))
+    xgrammar.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab)
+    assert torch.equal(ours, theirs) and torch.isinf(ours).any()

@@ -29,3 +29,30 @@ def test_plan_prints_each_ranks_share(capsys):
     rank = float(re.search(r"routed experts \(256 per layer\)\s+([\d.]+) GiB", section).group(1))
     assert abs(rank - whole / 2) < 0.002
     assert "KV cache (whole)" in section
+
+
+def test_report_shows_each_dp_ranks_own_cache():
+    layout = CacheLayout(preset_config("tiny"))
+    plan = CachePlan(num_pages=8, num_swa_pages=8, max_num_seqs=2, num_checkpoints=0)
+    report = memory_report(layout, plan, torch.float32, 1024, 1, 2)
+    mib = cache_bytes(layout, plan, torch.float32) / 2**20
+    assert "fit at once on each rank" in report
+    assert (f"per rank: {mib:.1f} MiB of KV cache on each of 2 data-parallel ranks, each for its own requests "
+            f"({2 * mib:.1f} MiB in all; {plan.max_tokens} tokens and 2 request slots per rank, "
+            f"{2 * plan.max_tokens} tokens in all)") in report
+
+
+def test_plan_prints_each_dp_ranks_share(capsys):
+    assert main(["plan", "--model", "random:flash-slice:2", "--data-parallel-size", "2", "--enable-expert-parallel",
+                 "--num-pages", "64"]) == 0
+    out = capsys.readouterr().out
+    split = out.index("per rank of 2 (data-parallel attention")
+    whole, rank = (_gib_lines(text) for text in (out[:split], out[split:]))
+    assert abs(rank["routed experts (256 per layer)"] - whole["routed experts (256 per layer)"] / 2) < 0.002
+    assert rank["attention projections"] == whole["attention projections"]     # attention stays whole
+    assert "KV cache (its own requests)" in rank
+
+
+def _gib_lines(text: str) -> dict[str, float]:
+    """`  name   1.234 GiB` lines of a plan section -> {name: GiB}."""
+    return {k: float(v) for k, v in re.findall(r"^  (\w[\w ()]+?)\s+([\d.]+) GiB", text, re.M)}

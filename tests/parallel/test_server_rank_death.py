@@ -1,5 +1,6 @@
-"""`dsv4 serve --tensor-parallel-size 2` when rank 1 dies mid-request: the request in flight
-fails with a 5xx (an error, not a hang) and the server exits with code 1."""
+"""`dsv4 serve --tensor-parallel-size 2` (or `--data-parallel-size 2 --enable-expert-parallel`)
+when rank 1 dies mid-request: the request in flight fails with a 5xx (an error, not a hang)
+and the server exits with code 1."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+import pytest
 
 pytest_plugins = ["serve.server_fixtures"]
 
@@ -31,10 +34,12 @@ def _post(url: str, body: dict, out: dict) -> None:
         out["status"], out["body"] = e.code, e.read().decode()
 
 
-def test_a_dead_rank_fails_the_request_and_ends_the_server(demo_dir, tmp_path):
+@pytest.mark.parametrize("parallel", [["--tensor-parallel-size", "2"],
+                                      ["--data-parallel-size", "2", "--enable-expert-parallel"]])
+def test_a_dead_rank_fails_the_request_and_ends_the_server(demo_dir, tmp_path, parallel):
     from serve.server_fixtures import ServerProcess
     server = ServerProcess(["--model", demo_dir, "--port", "0", "--num-pages", "8", "--max-model-len", "2048",
-                            "--tensor-parallel-size", "2"], tmp_path / "serve.log")
+                            *parallel], tmp_path / "serve.log")
     try:
         core = next(c for c in _children(server.proc.pid) if _spawned(c))
         rank1 = next(c for c in _children(core) if _spawned(c))

@@ -1,7 +1,7 @@
 """The engine over ranks (engine/workers.py): rank 0 schedules and samples, rank 1 (a spawned
 process) runs the steps rank 0 describes. Greedy tokens equal the one-process engine's and
 logprobs agree within fp32 tolerance, with async scheduling on (pending tokens filled on every
-rank from the broadcast samples); shutdown leaves no rank behind; a rank that dies ends the
+rank from the broadcast samples) and after a warm-up every rank runs alongside; shutdown leaves no rank behind; a rank that dies ends the
 engine's process with an error instead of a hang."""
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ WORK = prompts([150, 30, 7], seed=4)
 def _generate(**config):
     llm = LLM(MODEL, **{**SMALL, **config})
     try:
+        llm.engine.warmup()          # (as on CUDA) every rank runs it alongside rank 0, on scratch rows only
         return llm.generate(prompt_token_ids=WORK, sampling_params=PARAMS, use_tqdm=False), llm.engine
     finally:
         llm.engine.close()
@@ -46,13 +47,13 @@ def test_engine_over_two_ranks_equals_one_process(one_process, config):
             assert all(abs(got[t] - want[t]) <= 1e-4 for t in want)
 
 
-KILL_A_RANK = textwrap.dedent(f"""
+KILL_A_RANK = textwrap.dedent("""
     import sys
-    sys.path.insert(0, {os.path.dirname(__file__)!r})
+    sys.path.insert(0, {tests!r})
     from dsv4.engine.llm import LLM
     from dsv4.sampling_params import SamplingParams
     from ranks import MODEL, SMALL, prompts
-    llm = LLM(MODEL, tensor_parallel_size=2, **SMALL)
+    llm = LLM(MODEL, **{parallel}, **SMALL)
     engine = llm.engine
     engine.add_request("a", prompts([30])[0], SamplingParams(max_tokens=200, temperature=0.0))
     engine.step()
@@ -63,9 +64,12 @@ KILL_A_RANK = textwrap.dedent(f"""
 """)
 
 
-def test_a_dead_rank_ends_the_engine_with_an_error():
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
+                                      dict(data_parallel_size=2, enable_expert_parallel=True)])
+def test_a_dead_rank_ends_the_engine_with_an_error(parallel):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", KILL_A_RANK], capture_output=True, text=True, timeout=240, env=env)
+    script = KILL_A_RANK.format(tests=os.path.dirname(__file__), parallel=parallel)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 1, (done.returncode, done.stderr[-2000:])
     assert "parallel rank dsv4-rank1 exited" in done.stderr
     assert "still running" not in done.stdout

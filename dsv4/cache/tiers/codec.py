@@ -1,8 +1,10 @@
-"""One history page as one flat row (docs/architecture.md, "Host and disk tiers").
+"""History pages as flat rows (docs/architecture.md, "Host and disk tiers").
 
 A 256-token history page is three contiguous blocks of `KVStorage` (`page(kind, p)`: C4
 entries, indexer keys, C128 entries, each [layers of the kind, slots, width]); a tier stores
 them back to back in one row of `numel` elements of the cache dtype, in the order of KINDS.
+`gather` / `scatter` move any number of pages in a fixed number of kernels (one gather or
+scatter per kind): what a tier copy issues does not grow with its pages.
 """
 from __future__ import annotations
 
@@ -18,21 +20,20 @@ class PageCodec:
         self.numel = sum(self.sizes)
         self.dtype = storage.kinds["c4"].dtype
 
-    def pack(self, page: int, out: torch.Tensor) -> None:
-        """Copy history page `page` into the flat row `out` [numel] (any device)."""
-        for view, kind in zip(self._views(out), KINDS):
-            view.copy_(self.storage.page(kind, page).reshape(-1), non_blocking=True)
+    def gather(self, pages: torch.Tensor, out: torch.Tensor) -> None:
+        """Pack history pages `pages` (long [n], on the cache's device) into rows `out` [n, numel]."""
+        blocks = [self.storage.kinds[kind].index_select(0, pages).view(len(pages), -1) for kind in KINDS]
+        torch.cat(blocks, dim=1, out=self._rows(out, len(pages)))
 
-    def unpack(self, row: torch.Tensor, page: int) -> None:
-        """Write the flat row `row` into history page `page`."""
-        for view, kind in zip(self._views(row), KINDS):
-            self.storage.page(kind, page).copy_(view.view(self.storage.page(kind, page).shape), non_blocking=True)
-
-    def _views(self, row: torch.Tensor) -> list[torch.Tensor]:
-        if row.shape != (self.numel,):
-            raise ValueError(f"page row of shape {tuple(row.shape)}, expected ({self.numel},)")
-        out, start = [], 0
-        for n in self.sizes:
-            out.append(row[start:start + n])
+    def scatter(self, rows: torch.Tensor, pages: torch.Tensor) -> None:
+        """Write rows `rows` [n, numel] (on the cache's device) into history pages `pages` (long [n])."""
+        start = 0
+        for n, kind in zip(self.sizes, KINDS):
+            t = self.storage.kinds[kind]
+            t.index_copy_(0, pages, self._rows(rows, len(pages))[:, start:start + n].view(len(pages), *t.shape[1:]))
             start += n
-        return out
+
+    def _rows(self, rows: torch.Tensor, n: int) -> torch.Tensor:
+        if rows.shape != (n, self.numel):
+            raise ValueError(f"page rows of shape {tuple(rows.shape)}, expected ({n}, {self.numel})")
+        return rows

@@ -26,29 +26,31 @@ log = logging.getLogger("dsv4.cache.tiers")
 TMP = ".tmp-"
 
 
-def write_file(path: str, data: bytes) -> None:
-    """Write and flush one file (a seam: tests inject write errors here)."""
+def write_file(path: str, parts: list) -> None:
+    """Write the buffers `parts` in order as one file and flush it (a seam: tests inject write
+    errors here)."""
     with open(path, "wb") as f:
-        f.write(data)
+        for part in parts:
+            f.write(part)
         f.flush()
         os.fsync(f.fileno())
 
 
 def _write_group(folder: str, name: str, parent: str | None, build) -> tuple[Header, int]:
-    """(executor) Write one group and publish it by rename, if its parent is published."""
+    """(executor) Write one group (`build()`: its buffers, files.encode_parts) and publish it by
+    rename, if its parent is published."""
     if parent is not None and not os.path.exists(os.path.join(folder, parent)):
         raise FileNotFoundError(f"parent group {parent} is not on disk")
-    data = build()
+    parts = build()
     tmp = os.path.join(folder, f"{TMP}{os.getpid()}-{name}")
     try:
-        write_file(tmp, data)
+        write_file(tmp, parts)
         os.replace(tmp, os.path.join(folder, name))
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    line = data[:data.index(b"\n") + 1]
-    return parse_header(line), len(data)
+    return parse_header(parts[0]), sum(memoryview(p).nbytes for p in parts)
 
 
 class DiskStore:
@@ -148,7 +150,7 @@ class DiskStore:
 
     # ---- writing and reading (through the executor) ----------------------------------------
     def write(self, name: str, parent: str | None, build) -> Future:
-        """Write a group (`build()` gives its bytes) once `parent` (a file, None at the root) is
+        """Write a group (`build()` gives its buffers) once `parent` (a file, None at the root) is
         published; the future gives (header, size)."""
         return self.executor.submit(_write_group, self.folder, name, parent, build)
 

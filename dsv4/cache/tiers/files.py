@@ -60,16 +60,29 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def encode(signature: str, parent: str, keys: list[str], pages: torch.Tensor, tail: torch.Tensor | None) -> bytes:
-    """One group file's bytes: `pages` [n, page_numel] (CPU), `tail` [tail_numel] or None."""
-    parts = [pages.contiguous().view(torch.uint8).numpy().tobytes()]
-    if tail is not None:
-        parts.append(tail.contiguous().view(torch.uint8).numpy().tobytes())
-    payload = b"".join(parts)
+def encode_parts(signature: str, parent: str, keys: list[str], pages: torch.Tensor,
+                 tail: torch.Tensor | None) -> list:
+    """One group file as buffers to write in order: the header line, then the payload as views of
+    `pages` [n, page_numel] (CPU) and `tail` [tail_numel] (or None), not copies. (The disk thread
+    builds files: a copy of the payload into a bytes object would hold the interpreter lock for
+    its whole length, stalling the step's thread; hashing and writing buffers release it.)"""
+    payload = [_raw(pages)] + ([_raw(tail)] if tail is not None else [])
+    digest = hashlib.sha256()
+    for part in payload:
+        digest.update(part)
     head = {"magic": MAGIC, "version": VERSION, "signature": signature, "parent": parent, "keys": keys,
             "tail": tail is not None, "page_numel": pages.shape[1], "tail_numel": 0 if tail is None else tail.numel(),
-            "dtype": str(pages.dtype), "payload": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
-    return json.dumps(head).encode() + b"\n" + payload
+            "dtype": str(pages.dtype), "payload": sum(p.nbytes for p in payload), "sha256": digest.hexdigest()}
+    return [json.dumps(head).encode() + b"\n", *payload]
+
+
+def encode(signature: str, parent: str, keys: list[str], pages: torch.Tensor, tail: torch.Tensor | None) -> bytes:
+    """One group file's bytes (`encode_parts` joined)."""
+    return b"".join(encode_parts(signature, parent, keys, pages, tail))
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
 def parse_header(line: bytes) -> Header:
@@ -110,17 +123,24 @@ def check(head: Header, size: int, signature: str) -> None:
 
 
 def read_group(path: str, signature: str) -> tuple[Header, torch.Tensor, torch.Tensor | None]:
-    """A whole group, checked (signature, size, sha256): (header, pages [n, page_numel], tail)."""
+    """A whole group, checked (signature, size, sha256): (header, pages [n, page_numel], tail).
+    The file is read once into one buffer the rows are views of (no copy holds the interpreter
+    lock: reading and hashing release it)."""
     with open(path, "rb") as f:
-        blob = f.read()
-    line, sep, payload = blob.partition(b"\n")
-    if not sep:
-        raise Corrupt("no header line")
-    head = parse_header(line + sep)
-    check(head, len(blob), signature)
-    if hashlib.sha256(payload).hexdigest() != head.sha256:
+        line = f.readline(MAX_HEADER)
+        size = f.seek(0, 2)
+        if not line.endswith(b"\n"):
+            raise Corrupt("no header line")
+        head = parse_header(line)
+        check(head, size, signature)
+        data = torch.empty(head.payload, dtype=torch.uint8)
+        f.seek(head.header_bytes)
+        got = f.readinto(memoryview(data.numpy()))
+    if got != head.payload:
+        raise Corrupt(f"read {got} of {head.payload} payload bytes")
+    if hashlib.sha256(memoryview(data.numpy())).hexdigest() != head.sha256:
         raise Corrupt("checksum mismatch")
-    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(_dtype(head.dtype))
+    data = data.view(_dtype(head.dtype))
     n = len(head.keys) * head.page_numel
     pages = data[:n].view(len(head.keys), head.page_numel)
     return head, pages, (data[n:] if head.tail else None)

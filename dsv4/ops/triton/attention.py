@@ -111,7 +111,8 @@ def _slots(idx_ptr, req_ptr, lo_ptr, hi_ptr, stride_i, t, W, PAGED: tl.constexpr
     return row_ptr, base, n
 
 
-@triton.jit
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("W0", "W1", "num_splits", "slots_per_split", "stride_i0", "stride_i1", "pitch0", "pitch1"))
 def _sparse_attn_kernel(
         q_ptr, sink_ptr, out_ptr,                  # q [T, H, D], sinks [H], out [T, H, D]
         kv0_ptr, idx0_ptr, req0_ptr, lo0_ptr, hi0_ptr,  # pools [N, D] (row stride); dense: idx [T, W] (last
@@ -164,7 +165,8 @@ def _sparse_attn_kernel(
         tl.store(part_ptr + row[:, None] * D + dims[None, :], acc, mask=hd_ok)
 
 
-@triton.jit
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("num_splits",))
 def _merge_splits_kernel(
         m_ptr, l_ptr, part_ptr, sink_ptr, out_ptr,  # partials as above, sinks [H], out [T, H, D]
         H, num_splits, stride_ot, stride_oh,

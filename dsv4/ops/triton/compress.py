@@ -58,7 +58,8 @@ def _pool_block(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, ape_ptr, rows, val
     return round_to(tl.sum(round_to(kv * w, src_dtype, RNE), axis=0), src_dtype, RNE)   # [BLOCK_C]
 
 
-@triton.jit
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("ring_rows",))
 def _pool_kernel(ring_kv_ptr, ring_gate_ptr, kv_ptr, gate_ptr, rows_ptr, ape_ptr, out_ptr,
                  span, m, D, ring_rows,
                  stride_rkv, stride_rg, stride_kv, stride_g, stride_rows, stride_ape, stride_out,

@@ -35,7 +35,8 @@ ROWS_BLOCK = 1024   # chosen positions per program of the paged rows kernel (top
 SCORE_TILE = 1 << 26
 
 
-@triton.jit
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("E0", "E", "n_eblk", "pitch", "stride_ct", "stride_ce", "stride_ot"))
 def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, out_ptr,
                    E0, E, HI, DI, n_eblk, scale, pitch,
                    stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
@@ -93,7 +94,8 @@ def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, ou
     tl.store(out_ptr + t * stride_ot + (offs_e - E0), scores, mask=e_ok)
 
 
-@triton.jit
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("K", "n_kblk", "pitch", "stride_pr"))
 def _chosen_rows_kernel(pos_ptr, pages_ptr, req_ptr, lo_ptr, out_ptr, K, n_kblk, pitch,
                         stride_pr, stride_pc, PER_PAGE: tl.constexpr, BLOCK: tl.constexpr):
     # positions/out [T, K] contiguous: out = the pool row of item lo[t] + pos where pos >= 0 (a

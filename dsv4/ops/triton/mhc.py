@@ -35,7 +35,8 @@ def _split_tf32(v):
     return hi, lo
 
 
-@triton.jit
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("T", "K_SPLIT"))
 def _mix_partials_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, NMIX, K_SPLIT,
                          BT: tl.constexpr, BK: tl.constexpr, MIXP: tl.constexpr, SPLIT_X: tl.constexpr):
     # x [T, K] any float dtype, fn [NMIX, K] fp32 -> part [S, T, MIXP] fp32 (columns >= NMIX
@@ -70,7 +71,8 @@ def _mix_partials_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, K, NMIX, K_SPLIT,
     tl.store(sq_ptr + out_rows, sq, mask=row_ok)
 
 
-@triton.jit
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("T", "S"))
 def _mix_epilogue_kernel(h_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, x_ptr, post_ptr, comb_ptr,
                          T, D, S, D_SPLIT, norm_eps, hc_eps, sinkhorn_iters,
                          N: tl.constexpr, NP: tl.constexpr, MIXP: tl.constexpr, S_PAD: tl.constexpr,

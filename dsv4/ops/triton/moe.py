@@ -219,7 +219,8 @@ def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
     tl.store(out_ptr + row + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-@triton.jit
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("N", "SPLIT"))
 def _sum_splits_kernel(part_ptr, out_ptr, N, SPLIT, BLOCK: tl.constexpr):
     # part [SPLIT, N] fp32 -> out [N] (x's dtype), summed in split order
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

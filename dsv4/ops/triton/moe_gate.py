@@ -132,7 +132,8 @@ def _select(s_ptr, bias_ptr, tok_ptr, tid2eid_ptr, stride_tid, wout_ptr, idout_p
         _select_topk(s_ptr, bias_ptr, wout_ptr, idout_ptr, T, E, tb, scaling, BLOCK_T, EP, K, KP)
 
 
-@triton.jit
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("T",))
 def _route_kernel(x_ptr, w_ptr, bias_ptr, tok_ptr, tid2eid_ptr, s_ptr, cnt_ptr, wout_ptr, idout_ptr,
                   T, E, H, stride_x, stride_w, stride_tid, scaling,
                   HASH: tl.constexpr, ONE_LAUNCH: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -151,7 +152,8 @@ def _route_kernel(x_ptr, w_ptr, bias_ptr, tok_ptr, tid2eid_ptr, s_ptr, cnt_ptr, 
                     scaling, HASH, BLOCK_T, EP, K, KP)
 
 
-@triton.jit
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("T",))
 def _select_kernel(s_ptr, bias_ptr, tok_ptr, tid2eid_ptr, stride_tid, wout_ptr, idout_ptr, T, E, scaling,
                    HASH: tl.constexpr, BLOCK_T: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
                    KP: tl.constexpr):

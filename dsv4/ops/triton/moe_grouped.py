@@ -127,7 +127,8 @@ def _weight_tile(cols, col_ok, stride_w, kk, BLOCK_K: tl.constexpr, MXFP4: tl.co
     return kw, n_rows * stride_w + kw[:, None], n_rows, tl.min(cols, axis=0)
 
 
-@triton.jit
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("S", "KP"))
 def _up_gate_kernel(x_ptr, order_ptr, sched_ptr, w1_ptr, w3_ptr, h_ptr, S, KP, H, I,
                     stride_we, stride_wi, limit, s1_ptr, s3_ptr, stride_se, stride_sr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -168,7 +169,8 @@ def _up_gate_kernel(x_ptr, order_ptr, sched_ptr, w1_ptr, w3_ptr, h_ptr, S, KP, H
     tl.store(out, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-@triton.jit
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("S",))
 def _down_kernel(h_ptr, order_ptr, wt_ptr, sched_ptr, w2_ptr, y_ptr, S, H, I,
                  stride_we, stride_wh, s2_ptr, stride_se, stride_sr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

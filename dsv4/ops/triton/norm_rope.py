@@ -23,7 +23,8 @@ from .rounding import EMULATE, round_to
 ROW_TILE = 4096     # pairs a program holds: heads of a token are grouped up to this
 
 
-@triton.jit
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("R",))
 def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, rows_ptr,
                       H, D, R, eps, stride_xt, stride_xh, stride_ot, stride_oh, stride_cs,
                       NORM: tl.constexpr, ROPE: tl.constexpr, INVERSE: tl.constexpr,

@@ -31,7 +31,8 @@ TARGET_PROGRAMS = 264       # about two waves of the H200's 132 SMs: split K unt
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@triton.jit
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("M", "kb_per_split"))
 def _fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, N_G, K, stride_xm, stride_xsm,
                      stride_wsn, kb_per_split,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -88,7 +89,8 @@ def _round_e4m3(v):
     return tl.where(a >= 2.0 ** -6, normal, tl.where(v < 0, -sub, sub))
 
 
-@triton.jit
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("M",))
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_xm, n_groups,
                       BLOCK_M: tl.constexpr, GROUP: tl.constexpr, EMULATE_RNE: tl.constexpr):
     # x [M, K] (row stride stride_xm) -> q [M, K] float8_e4m3fn, s [M, n_groups] fp32

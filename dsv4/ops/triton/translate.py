@@ -11,7 +11,8 @@ from ..paged import PagedRows
 BLOCK = 1024     # offsets per program (top-k 512: one program a token)
 
 
-@triton.jit
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("K", "n_kblk", "pitch", "stride_ot", "stride_pr"))
 def _translate_kernel(off_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, out_ptr, K, n_kblk, pitch,
                       stride_ot, stride_ok, stride_pr, stride_pc,
                       PER_PAGE: tl.constexpr, BLOCK: tl.constexpr):

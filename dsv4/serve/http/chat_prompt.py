@@ -65,7 +65,8 @@ def plan_chat(req: ChatCompletionRequest, state: ServerState) -> ChatPlan:
     info = state.info
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(getattr(req, limit_param), len(prompt_ids), info.max_model_len,
-                                    info.max_request_tokens, None, "messages", limit_param)
+                                    info.max_request_tokens, None, "messages", limit_param,
+                                    source=info.context_limit)
     if req.n > MAX_N:
         raise bad_request(f"n: at most {MAX_N} choices per request, got {req.n}", "n")
     start = (continuation_channel(messages, thinking) if continuing

@@ -162,7 +162,8 @@ def plan_completion(raw: bytes, state: ServerState) -> CompletionPlan:
     constraint = request_constraint(req, None, thinking=False)
     for p in plan.prompts:
         max_tokens = resolve_max_tokens(1 if score_only else req.max_tokens, len(p.ids), info.max_model_len,
-                                        info.max_request_tokens, DEFAULT_MAX_TOKENS, "prompt")
+                                        info.max_request_tokens, DEFAULT_MAX_TOKENS, "prompt",
+                                        source=info.context_limit)
         params = sampling_params(req, info.vocab_size, max_tokens, logprobs=lp,
                                  skip_special_tokens=req.skip_special_tokens,
                                  prompt_logprobs=None if prompt_top < 0 else prompt_top, structured=constraint)

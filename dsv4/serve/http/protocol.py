@@ -287,12 +287,14 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, max_request_tokens: int,
-                       default: int | None, prompt_param: str, param: str = "max_tokens") -> int:
+                       default: int | None, prompt_param: str, param: str = "max_tokens", source: str = "") -> int:
     """max_tokens for a prompt of `prompt_len` tokens: the request's, else `default` (None: up
-    to the context), never past the context or what the KV cache can hold for one request."""
+    to the context), never past the context or what the KV cache can hold for one request.
+    `source`: what sets the limit (Ready.context_limit), named in the error."""
     limit = min(max_model_len, max_request_tokens)
+    limit_text = f"{limit} tokens" + (f" (set by {source})" if source else "")
     if prompt_len >= limit:
-        raise bad_request(f"{prompt_param}: this model's maximum context length is {limit} tokens; "
+        raise bad_request(f"{prompt_param}: this model's maximum context length is {limit_text}; "
                           f"the prompt has {prompt_len} tokens (and needs room for at least one more)",
                           prompt_param)
     if requested is None:
@@ -300,7 +302,7 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
     if requested < 1:
         raise bad_request(f"{param}: must be >= 1, got {requested}", param)
     if prompt_len + requested > limit:
-        raise bad_request(f"{param}: this model's maximum context length is {limit} tokens; you "
+        raise bad_request(f"{param}: this model's maximum context length is {limit_text}; you "
                           f"requested {prompt_len + requested} ({prompt_len} in the prompt, {requested} "
                           f"for the completion)", param)
     return requested

@@ -29,12 +29,15 @@ def test_chain_keys_name_whole_prefixes():
 
 
 def test_group_file_round_trip_and_refusals(tmp_path):
-    pages, tail = torch.randn(3, 10), torch.randn(7)
+    pages, tail = torch.randn(3, 10).bfloat16(), torch.randn(7).bfloat16()
     blob = encode("sig", "", ["aa", "bb", "cc"], pages, tail)
     path = tmp_path / "g.kv"
     path.write_bytes(blob)
     head, got_pages, got_tail = read_group(str(path), "sig")
     assert head.keys == ("aa", "bb", "cc") and torch.equal(got_pages, pages) and torch.equal(got_tail, tail)
+    assert got_pages.dtype == torch.bfloat16
+    path.write_bytes(encode("sig", "", ["aa", "bb", "cc"], pages, None))
+    assert read_group(str(path), "sig")[2] is None
     with pytest.raises(SignatureMismatch):
         read_group(str(path), "other")
     for bad in (blob[:-1], blob + b"x", blob[:-3] + bytes([blob[-3] ^ 1]) + blob[-2:], b"junk\n" + blob, b""):
@@ -45,17 +48,19 @@ def test_group_file_round_trip_and_refusals(tmp_path):
 
 def test_page_codec_round_trip():
     layout = CacheLayout(preset_config("tiny"))
-    st = KVStorage(layout, CachePlan(num_pages=4, num_swa_pages=4, max_num_seqs=1), torch.float32, "cpu")
+    st = KVStorage(layout, CachePlan(num_pages=6, num_swa_pages=4, max_num_seqs=1), torch.float32, "cpu")
     for t in st.kinds.values():
         t.copy_(torch.randn(t.shape))
     codec = PageCodec(st)
-    row = torch.empty(codec.numel)
-    codec.pack(2, row)
+    rows = torch.empty(2, codec.numel)
+    codec.gather(torch.tensor([2, 4]), rows)
     before = {k: t.clone() for k, t in st.kinds.items()}
-    codec.unpack(row, 0)
+    codec.scatter(rows, torch.tensor([0, 5]))
     for kind in ("c4", "idx", "c128"):
-        assert torch.equal(st.page(kind, 0), before[kind][2])
-        assert torch.equal(st.kinds[kind][1:], before[kind][1:])
+        assert torch.equal(st.page(kind, 0), before[kind][2]) and torch.equal(st.page(kind, 5), before[kind][4])
+        assert torch.equal(st.kinds[kind][1:5], before[kind][1:5])
+    with pytest.raises(ValueError):
+        codec.gather(torch.tensor([1]), rows)
 
 
 def test_host_pool_evicts_only_ready_unreferenced_entries_lru_first():
@@ -75,6 +80,7 @@ def test_host_pool_evicts_only_ready_unreferenced_entries_lru_first():
 
 def test_runs_coalesce_consecutive_slots():
     assert runs([4, 5, 6, 2, 3, 9]) == [(0, 4, 3), (3, 2, 2), (5, 9, 1)]
+    assert runs([4, 5, 6, 7, 8, 2], limit=2) == [(0, 4, 2), (2, 6, 2), (4, 8, 1), (5, 2, 1)]
     assert runs([]) == []
 
 

@@ -1,0 +1,85 @@
+"""Storing into the host tier (docs/architecture.md, "Host and disk tiers"): part of `KVTiers`
+(tiers.py), whose state it uses.
+
+`offload` (called from `CacheManager` each time a request's commit checkpoints a page boundary
+L): the prefix's history pages the host lacks and the tail at L are copied into new host
+entries by the mover; the GPU pages keep one extra reference until *packed* (then the GPU may
+evict and reuse them), the host entries become readable when *stored*. A stored prefix is then
+written to disk as one group file (disk_writes.py). On the step's thread: bookkeeping of O(pages)
+dictionary operations and a few launches per staging round (movers.py); nothing waits.
+"""
+from __future__ import annotations
+
+import time
+
+from ..layout import PAGE_TOKENS
+from .jobs import StoreJob
+
+
+class Storing:
+    def offload(self, tokens: list[int], gpu_pages: list[int], L: int, tail, owner: str | None = None) -> None:
+        """Store the prefix `tokens` [0, L) (GPU pages `gpu_pages`, checkpoint row `tail` at L)."""
+        self.poll()
+        keys = self.keys(tokens, L // PAGE_TOKENS, owner)
+        hp, ht = self.host.pages, self.host.tails
+        hp.touch(reversed(keys))
+        ht.touch(keys[-1:])
+        new = [i for i, key in enumerate(keys) if key not in hp.index]
+        want_tail = keys[-1] not in ht.index
+        if not new and not want_tail:
+            self._write_disk(keys)
+            return
+        held = [key for key in keys if key in hp.index]
+        hp.acquire(held)                      # the chain's own entries are not evicted for its new ones
+        try:
+            made = self._reserve(keys, new, want_tail)
+        finally:
+            hp.release(held)
+        if made is None:
+            self.stats.host_full += 1
+            return
+        page_entries, tail_entry = made
+        src = [gpu_pages[i] for i in new]
+        self.pages.incref(src)                # until packed
+        ticket = self.mover.store(src, hp.rows, [e.slot for e in page_entries],
+                                  tail if want_tail else None, ht.rows[tail_entry.slot] if want_tail else None)
+        nbytes = len(src) * self.page_bytes + want_tail * self.tail_bytes
+        self.stores.append(StoreJob(ticket, src, [keys[i] for i in new], keys[-1] if want_tail else None,
+                                    keys, nbytes))
+        self._poll_stores()
+
+    def _reserve(self, keys, new, want_tail):
+        hp, ht = self.host.pages, self.host.tails
+        entries = []
+        for i in new:
+            e = hp.reserve(keys[i])
+            if e is None:
+                break
+            entries.append(e)
+        tail = ht.reserve(keys[-1]) if want_tail and len(entries) == len(new) else None
+        if len(entries) < len(new) or (want_tail and tail is None):
+            for i in new[:len(entries)]:
+                hp.drop(keys[i])
+            return None
+        return entries, tail
+
+    def _poll_stores(self) -> None:
+        for job in list(self.stores):
+            if job.gpu_pages and (job.ticket.packed() or job.ticket.done()):
+                self.pages.free(job.gpu_pages)
+                job.gpu_pages = []
+            if not job.ticket.done():
+                continue
+            job.ticket.finish()
+            self._settle(self.host.pages, job.page_keys)
+            self._settle(self.host.tails, [job.tail_key] if job.tail_key else [])
+            self.stats.bytes["gpu_to_host"] += job.nbytes
+            self.stats.latency["host_store"].observe(time.perf_counter() - job.start)
+            self.stores.remove(job)
+            self._write_disk(job.chain)
+
+    @staticmethod
+    def _settle(pool, keys) -> None:
+        for key in keys:
+            e = pool.index[key]
+            e.ready, e.refs = True, e.refs - 1

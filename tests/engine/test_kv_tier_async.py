@@ -1,0 +1,108 @@
+"""The tiers' copies run beside the steps, never in them (docs/architecture.md, "Host and disk
+tiers"): with the mover on a side stream whose events complete only some steps later
+(tier_streams.py), an engine offloads a long prompt's pages and later restores them from the host
+while four other requests decode. The step's thread never waits for a copy (no event is
+synchronized), the other requests keep producing tokens while the restore is in flight, and
+every request's greedy tokens equal a plain engine's (invariant 5)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dsv4.cache.tiers.movers import Mover
+from dsv4.sampling_params import SamplingParams
+from tier_streams import DeferredStreams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def run(eng, prompts: dict[str, list[int]], max_tokens: dict[str, int], streams=None, on_step=None) -> dict:
+    for rid, prompt in prompts.items():
+        eng.add_request(rid, list(prompt), SamplingParams(max_tokens=max_tokens[rid], **GREEDY))
+    out = {rid: [] for rid in prompts}
+    while eng.has_unfinished():
+        got = eng.step()
+        for o in got:
+            out[o.request_id] += o.new_token_ids
+        if on_step is not None:
+            on_step(got)
+        if streams is not None:
+            streams.fire()
+    return out
+
+
+def test_offload_and_restore_beside_decodes_never_wait(tiny):
+    long = tiny.tie_free_ids(900, seed=611)
+    others = {f"d{i}": tiny.ids(60 + 7 * i, seed=620 + i) for i in range(4)}
+    eng = tiny.engine(max_num_batched_tokens=256, max_num_seqs=6, num_pages=60, host_cache_gb=0.02)
+    streams = DeferredStreams(random.Random(3))
+    tiers = eng.cache.tiers
+    tiers.mover = Mover(streams, tiers.codec)
+    plain = tiny.engine(max_num_batched_tokens=256, max_num_seqs=6, num_pages=60, enable_prefix_caching=False)
+
+    # 1. the long prompt prefills (offloading 256, 512, 768) while the others decode
+    lengths = {"long": 4, **{rid: 40 for rid in others}}
+    first = run(eng, {"long": long, **others}, lengths, streams)
+    assert first == run(plain, {"long": long, **others}, lengths)
+    assert tiers.stats.bytes["gpu_to_host"] > 0
+    assert streams.waits == 0
+
+    # 2. the GPU forgets; the prompt comes back while the others decode: it waits for its
+    # restore from the host, steps go on meanwhile, and it resumes at 768
+    for _ in range(30):
+        streams.fire()
+    tiers.poll()
+    assert not tiers.stores
+    eng.reset_prefix_cache()
+    decoded_while_waiting = []
+
+    def watch(outputs):
+        if tiers.loads:
+            decoded_while_waiting.extend(t for o in outputs if o.request_id != "again" for t in o.new_token_ids)
+    lengths = {"again": 8, **{rid: 30 for rid in others}}
+    again = {"again": long[:800], **{rid: p + first[rid] for rid, p in others.items()}}
+    second = run(eng, again, lengths, streams, watch)
+    assert second == run(plain, again, lengths)
+    assert tiers.stats.hit_tokens["host"] == 768
+    assert decoded_while_waiting, "no step ran while the restore was in flight"
+    assert streams.waits == 0, "the step's thread waited for a tier copy"
+    tiers.drain()
+    assert not tiers.busy
+
+
+def test_a_store_issues_the_same_work_for_any_number_of_pages(tiny):
+    """What the step's thread launches per offload does not grow with the prefix's pages (one
+    gather per kind, coalesced host copies), and none of it reads a device value back."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    eng = tiny.engine(max_num_batched_tokens=256, max_num_seqs=2, num_pages=60, host_cache_gb=0.02)
+    tiers = eng.cache.tiers
+    counts = []
+    for n in (1, 3, 7):
+        tokens = tiny.ids(256 * n, seed=700 + n)
+        pages = eng.cache.pages.allocate(n)
+        for i, p in enumerate(pages):
+            for kind in ("c4", "idx", "c128"):
+                eng.runner.storage.page(kind, p).copy_(torch.randn(eng.runner.storage.page(kind, p).shape))
+        with Ops() as ops:
+            tiers.offload(tokens, pages, 256 * n, eng.runner.storage.checkpoints[0])
+        assert not any(name.startswith(("_local_scalar_dense", "item")) for name in ops.names), ops.names
+        counts.append(len(ops.names))
+        rows = tiers.host.pages.rows[[tiers.host.pages.index[k].slot for k in tiers.keys(tokens, n)]]
+        for p, row in zip(pages, rows, strict=True):
+            assert torch.equal(row, torch.cat([eng.runner.storage.page(k, p).reshape(-1)
+                                               for k in ("c4", "idx", "c128")]))
+        eng.cache.pages.free(pages)
+    assert counts[0] == counts[1] == counts[2], counts
