@@ -185,6 +185,7 @@ def run_engine_core(model_dir: str, config, addresses: Addresses, parent_pid: in
         outbox.close(linger=2000)
         sys.exit(1)
     engine.check_stop_strings = False      # the API process does (serve/client.py, text/stop_watch.py)
+    engine.live_outputs = True             # each output's new tokens are forwarded within the step
     gc.freeze()     # the start-up's objects (model, tokenizer, plans) are never scanned by a full collection again
     log.info("engine core ready in %.1f s (load, cache, warm-up)", time.perf_counter() - started)
     outbox.send(encode(ready_message(engine)))

@@ -106,6 +106,10 @@ class LLMEngine:
         # False in the engine-core process: the API process detokenises and checks stop strings
         # (text/stop_watch.py); the engine then never decodes text
         self.check_stop_strings = True
+        # True in the engine-core process, which forwards each output's new tokens at once: an
+        # output then holds the request's own lists (no O(generated) copy per step), valid until
+        # the next step; False keeps every RequestOutput a snapshot
+        self.live_outputs = False
         self._carried: list[RequestOutput] = []           # outputs of a step read after a failure
         self.grammars = None        # structured/registry.Grammars, made on the first constrained request
         log.info(self.memory_report())
@@ -414,11 +418,12 @@ class LLMEngine:
         return req.output_text, max(len(req.output_text) - len(old), 0)
 
     def output_of(self, req: Request, new_tokens: list[int]) -> RequestOutput:
+        snapshot = (lambda xs: xs) if self.live_outputs else list
         return RequestOutput(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids, token_ids=list(req.output_token_ids),
-            new_token_ids=new_tokens, finished=req.is_finished, finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason, text=req.output_text,
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            token_ids=snapshot(req.output_token_ids), new_token_ids=new_tokens, finished=req.is_finished,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason, text=req.output_text,
+            logprobs=snapshot(req.logprobs) if req.params.logprobs is not None else None,
             prompt_logprobs=list(req.prompt_logprobs) if req.wants_prompt_logprobs else None,
             num_cached_tokens=req.num_cached_tokens or 0)
 
