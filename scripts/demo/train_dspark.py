@@ -1,7 +1,8 @@
 """DSpark heads for the demo model (docs/speculative.md "DSpark", docs/demo-model.md).
 
-The shipped demo model stays frozen. Three window-only DSpark stages (targets: main layers 3, 4,
-5; block 4; Markov rank 64) are trained on the demo corpus's training files with teacher forcing,
+The shipped demo model stays frozen. `--stages` window-only DSpark stages (three as in the
+releases; the shipped drafter has one, docs/demo-model.md; targets: main layers 3, 4, 5; block 4;
+Markov rank 64) are trained on the demo corpus's training files with teacher forcing,
 through dsv4's own DSpark forward (dsv4/model/dspark.py, torch ops, autograd):
 * taps of each training sequence from one frozen prefill (`OneSequence`, `DeepseekV4.forward`);
 * every stage's window keys of all positions, then blocks [x_{t+1}, noise x 3] at random anchors t;
@@ -9,10 +10,14 @@ through dsv4's own DSpark forward (dsv4/model/dspark.py, torch ops, autograd):
   x_{t+2+i} (every row), plus the binary cross-entropy of the confidence logit against "row i's
   corrected argmax is right" (features detached).
 The stages start from the demo's trained MTP layer (attention, MoE, mHC, head collapse).
-OUT gets a DSpark checkpoint: the demo's main weights, the stages as `mtp.0..2.*`, the DSpark
-config fields, the tokenizer; `--speculative-config '{"method": "dspark", ...}'` serves it.
+OUT gets a DSpark checkpoint: the demo's main weights, the stages as `mtp.0..L-1.*`, the DSpark
+config fields, the tokenizer; `--speculative-config '{"method": "dspark", ...}'` serves it, and
+`python -m scripts.demo.ship_dspark OUT` installs its stages as the demo's DSpark draft folder.
+The learning rate warms up over the first 2% and decays (cosine, to 10%) over the run's progress:
+the larger of steps done / `--steps` and wall time / `--max-minutes`, so a run fits a time budget.
 
-    python -m scripts.demo.train_dspark --out DIR [--steps 3000] [--device cuda] [--smoke]
+    python -m scripts.demo.train_dspark --out DIR [--stages 3] [--steps 3000] [--max-minutes M]
+                                        [--device cuda] [--smoke]
 """
 from __future__ import annotations
 
