@@ -71,15 +71,21 @@ def _run(spec, prompts, max_tokens):
     return eng, [done[str(i)] for i in range(len(prompts))]
 
 
-def test_shipped_dspark_heads_draft_like_a_trained_drafter():
+@pytest.fixture(scope="module")
+def heldout_plain():
+    """3 held-out prompts and their plain greedy continuations (32 tokens)."""
+    prompts = _heldout(3)
+    return prompts, _run(None, prompts, 32)[1]
+
+
+def test_shipped_dspark_heads_draft_like_a_trained_drafter(heldout_plain):
     """`method: dspark` on the demo loads its DSpark draft folder in place of the MTP layer; on 3
     held-out prompts greedy output equals plain decode and the mean acceptance length is well
     above 1 (the same stages untrained draft almost nothing: test below)."""
     from dsv4.assets import ASSETS, DEMO_DIR
     size = sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(ASSETS) for n in names)
     assert size < 40 * 2 ** 20
-    prompts = _heldout(3)
-    _, plain = _run(None, prompts, 32)
+    prompts, plain = heldout_plain
     eng, drafted = _run({"method": "dspark", "num_speculative_tokens": 3}, prompts, 32)
     assert eng.model.cfg.dspark_block_size == 4 and len(eng.model.mtp) == 1
     assert eng.model.cfg.num_nextn_predict_layers == 1 and not hasattr(eng.model.mtp[0], "e_proj")
@@ -88,7 +94,7 @@ def test_shipped_dspark_heads_draft_like_a_trained_drafter():
     assert stats["spec_mean_acceptance_length"] > ACCEPTANCE_FLOOR, stats
 
 
-def test_random_dspark_heads_stay_under_the_floor(tmp_path):
+def test_random_dspark_heads_stay_under_the_floor(tmp_path, heldout_plain):
     """The control of the test above: the shipped stages with every tensor redrawn at random (same
     shapes and scales), given as a draft folder (`"model": DIR`), keep greedy output and draft
     almost nothing right: their acceptance length stays under the floor the trained ones clear."""
@@ -102,8 +108,7 @@ def test_random_dspark_heads_stay_under_the_floor(tmp_path):
                for k, t in load_file(os.path.join(src, "model.safetensors")).items()}
     save_file(weights, str(tmp_path / "model.safetensors"))
     shutil.copy(os.path.join(src, "config.json"), tmp_path / "config.json")
-    prompts = _heldout(3)
-    _, plain = _run(None, prompts, 32)
+    prompts, plain = heldout_plain
     eng, drafted = _run({"method": "dspark", "num_speculative_tokens": 3, "model": str(tmp_path)}, prompts, 32)
     assert drafted == plain
     assert eng.spec.stats.summary()["spec_mean_acceptance_length"] < ACCEPTANCE_FLOOR
