@@ -17,6 +17,8 @@ from dsv4.ops.backend import get_backend, set_backend
 from dsv4.sampling_params import SamplingParams
 from dsv4.text.tokenizer import Tokenizer
 
+ACCEPTANCE_FLOOR = 1.2     # mean acceptance length at k = 3 on 3 held-out prompts: shipped 1.53, random 1.00
+
 
 @pytest.fixture
 def trained(tmp_path):
@@ -104,7 +106,7 @@ def test_random_dspark_heads_stay_under_the_floor(tmp_path, heldout_plain):
     from dsv4.assets import DEMO_DIR
     src = os.path.join(DEMO_DIR, "dspark")
     g = torch.Generator().manual_seed(0)
-    weights = {k: (torch.randn(t.shape, generator=g) * t.float().std().nan_to_num(1.0) + t.float().mean()).to(t.dtype)
+    weights = {k: (torch.randn(t.shape, generator=g) * t.float().std(correction=0) + t.float().mean()).to(t.dtype)
                for k, t in load_file(os.path.join(src, "model.safetensors")).items()}
     save_file(weights, str(tmp_path / "model.safetensors"))
     shutil.copy(os.path.join(src, "config.json"), tmp_path / "config.json")
