@@ -135,6 +135,38 @@ def export(model, demo_dir: str, out: str) -> None:
         shutil.copy(os.path.join(demo_dir, name), os.path.join(out, name))
 
 
+def train(model, stream: torch.Tensor, args) -> tuple[list, int, int]:
+    """AdamW on the stages over random windows of `stream` -> (curve [(loss, row accuracy)],
+    steps, seconds). The run ends when its progress (the larger of steps / --steps and wall
+    time / --max-minutes) reaches 1; the learning rate follows that progress."""
+    params = [q for s in stages(model) for q in s.parameters()]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    one = OneSequence(model, args.seq_len)
+    gen = torch.Generator().manual_seed(0)
+    curve, t0, step = [], time.time(), 0
+    budget = args.max_minutes * 60 if args.max_minutes else float("inf")
+    while True:                                    # progress: the larger of steps and wall-time budget used
+        progress = max(step / args.steps, (time.time() - t0) / budget)
+        if progress >= 1:
+            break
+        step += 1
+        start = int(torch.randint(0, stream.numel() - args.seq_len, (1,), generator=gen))
+        loss, acc = sequence_loss(model, one, stream[start:start + args.seq_len], args.anchors, gen)
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(args.lr, progress)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        curve.append((loss.item(), acc))
+        if step % 25 == 0 or step == 1:
+            recent = curve[-25:]
+            log(f"step {step} progress {progress:.3f} lr {opt.param_groups[0]['lr']:.2e} "
+                f"loss {sum(c[0] for c in recent) / len(recent):.3f} "
+                f"row accuracy {sum(c[1] for c in recent) / len(recent):.3f} ({time.time() - t0:.0f}s)")
+    return curve, step, round(time.time() - t0)
+
+
 def main(argv=None) -> int:
     from dsv4.assets import DEMO_DIR
     from dsv4.model.weights import load_model
@@ -161,35 +193,10 @@ def main(argv=None) -> int:
     for q in model.parameters():
         q.requires_grad_(False)
     build(model, noise_token(DEMO_DIR, stream), args.stages)
-    params = [q for s in stages(model) for q in s.parameters()]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    one = OneSequence(model, args.seq_len)
-    gen = torch.Generator().manual_seed(0)
-    stream = stream.to(args.device)
-    curve, t0, step = [], time.time(), 0
-    budget = args.max_minutes * 60 if args.max_minutes else float("inf")
-    while True:                                    # progress: the larger of steps and wall-time budget used
-        progress = max(step / args.steps, (time.time() - t0) / budget)
-        if progress >= 1:
-            break
-        step += 1
-        start = int(torch.randint(0, stream.numel() - args.seq_len, (1,), generator=gen))
-        loss, acc = sequence_loss(model, one, stream[start:start + args.seq_len], args.anchors, gen)
-        for group in opt.param_groups:
-            group["lr"] = learning_rate(args.lr, progress)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        curve.append((loss.item(), acc))
-        if step % 25 == 0 or step == 1:
-            recent = curve[-25:]
-            log(f"step {step} progress {progress:.3f} lr {opt.param_groups[0]['lr']:.2e} "
-                f"loss {sum(c[0] for c in recent) / len(recent):.3f} "
-                f"row accuracy {sum(c[1] for c in recent) / len(recent):.3f} ({time.time() - t0:.0f}s)")
+    curve, steps, seconds = train(model, stream.to(args.device), args)
     export(model, DEMO_DIR, args.out)
     with open(os.path.join(args.out, "dspark_train.json"), "w") as f:
-        json.dump({"steps": step, "seconds": round(time.time() - t0), "args": vars(args), "curve": curve}, f)
+        json.dump({"steps": steps, "seconds": seconds, "args": vars(args), "curve": curve}, f)
     log(f"wrote {args.out}")
     return 0
 
