@@ -114,3 +114,24 @@ def test_random_dspark_heads_stay_under_the_floor(tmp_path, heldout_plain):
     eng, drafted = _run({"method": "dspark", "num_speculative_tokens": 3, "model": str(tmp_path)}, prompts, 32)
     assert drafted == plain
     assert eng.spec.stats.summary()["spec_mean_acceptance_length"] < ACCEPTANCE_FLOOR
+
+
+def test_shipped_dspark_stage_reads_its_window():
+    """scripts/demo/eval_dspark.py on one 256-token window of held-out code: the shipped stage's
+    teacher-forced drafts are right more often with the window keys than without them (it reads
+    the target's taps), and than the Markov head alone."""
+    from dsv4.assets import DEMO_DIR
+    from dsv4.engine.oneshot import OneSequence
+    from dsv4.model.draft import load_dspark_draft
+    from scripts.demo.eval_dspark import heldout_tokens, row_hits
+    backend = get_backend()
+    set_backend("reference")
+    try:
+        model = load_model(DEMO_DIR)
+        load_dspark_draft(model, os.path.join(DEMO_DIR, "dspark"))
+        ids = heldout_tokens(Tokenizer.from_dir(DEMO_DIR), 1)[:256]
+        hits = row_hits(model, OneSequence(model, 256), ids)
+    finally:
+        set_backend(backend)
+    assert hits["window"].sum() > 1.5 * hits["no window"].sum()
+    assert hits["window"].sum() > 1.5 * hits["markov only"].sum()
