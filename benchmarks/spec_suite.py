@@ -1,7 +1,8 @@
 """Speculative decoding benchmark (one device call, docs/speculative.md):
 
 1. demo model, the 20 held-out prompts, greedy, 128 new tokens each: plain decode vs MTP with
-   k = 1, 2, 3 — decode tokens/s at batch 1 (one prompt at a time, time after the first
+   k = 1, 2, 3 and (with its trained drafter, dsv4/assets/demo/dspark) DSpark with k = 3, 4 —
+   decode tokens/s at batch 1 (one prompt at a time, time after the first
    token) and with all 20 prompts at once, mean acceptance length, per-position acceptance,
    drafted vs accepted tokens, and how many sequences equal plain decode's (bf16 on the GPU:
    a verify step's k + 1 rows are summed in another order than k + 1 decode steps, so a
@@ -16,7 +17,12 @@
    the drafter's cost per step (window keys + block + Markov / confidence heads, eager) beside the
    step's, at batch 1 and 8 (the figure a trained drafter's acceptance must pay for).
 
-    python -m benchmarks.spec_suite --out DIR [--max-tokens 128] [--ks 1,2,3] [--dry-run-cpu]
+    python -m benchmarks.spec_suite --out DIR [--max-tokens 128] [--ks 1,2,3] [--dspark-ks 3,4] [--dry-run-cpu]
+    python -m benchmarks.spec_suite --out DIR --cpu     # part 1's acceptance on the CPU, fp32
+
+`--cpu`: part 1 only, in fp32 on the CPU, all prompts at once (no batch-1 pass): acceptance
+length, per-position acceptance and identity with plain decode are properties of the models and
+come out as on the GPU (bar bf16 near-ties); the tokens/s of a CPU run mean nothing.
 
 Prints one table; writes spec_suite.json and spec_suite.txt into DIR.
 """
@@ -51,10 +57,21 @@ def demo_prompts() -> tuple[str, list[list[int]]]:
         return DEMO_DIR, [tok.encode(p["prompt"]) for p in json.load(f)["prompts"]]
 
 
-def demo_engine(path, model, device, dtype, k: int | None, batch: int):
+def demo_methods(ks: list[int], dspark_ks: list[int]) -> dict[str, dict | None]:
+    """Row name -> speculative config: plain, MTP k, and DSpark k when the demo has its drafter."""
+    from dsv4.assets import DEMO_DIR
+    from dsv4.engine.speculative import DSPARK_DRAFT_DIR
+    out = {"plain": None} | {f"mtp k={k}": {"method": "mtp", "num_speculative_tokens": k} for k in ks}
+    if os.path.isdir(os.path.join(DEMO_DIR, DSPARK_DRAFT_DIR)):
+        out |= {f"dspark k={k}": {"method": "dspark", "num_speculative_tokens": k} for k in dspark_ks}
+    return out
+
+
+def demo_engine(path, model, device, dtype, spec: dict | int | None, batch: int):
     from dsv4.config import EngineConfig
     from dsv4.engine.engine import LLMEngine
-    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    if isinstance(spec, int):
+        spec = {"method": "mtp", "num_speculative_tokens": spec} if spec else None
     return LLMEngine(path, EngineConfig(device=device, dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=4096,
                                         num_pages=batch * 4 + 8, max_model_len=1024, speculative_config=spec),
                      model=model)
@@ -84,41 +101,49 @@ def generate(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tup
     return done, t1 - t0, time.perf_counter() - t1
 
 
-def demo_runs(device: str, dtype: str, ks: list[int], max_tokens: int, n_prompts: int) -> dict:
+def demo_runs(device: str, dtype: str, methods: dict[str, dict | None], max_tokens: int, n_prompts: int,
+              batch1: bool = True) -> dict:
     from dsv4.model.weights import load_model
     path, prompts = demo_prompts()
     prompts = prompts[:n_prompts]
-    model = load_model(path, device, getattr(torch, dtype))
+    shared = load_model(path, device, getattr(torch, dtype))
     out, plain = {}, None
-    for k in [0] + ks:
-        name = f"mtp k={k}" if k else "plain"
+    for name, spec in methods.items():
         row = out[name] = {}
-        # batch 1: one prompt at a time; decode time after each prompt's first token
-        eng = demo_engine(path, model, device, dtype, k, 1)
-        generate(eng, prompts[:1], max_tokens, "warm")         # graph shapes captured before timing
-        if eng.spec is not None:
-            eng.spec.stats = type(eng.spec.stats)()
-        tokens, decode_s, outs = 0, 0.0, {}
-        for i, p in enumerate(prompts):
-            done, _, after = generate(eng, [p], max_tokens, f"b1-{i}-")
-            outs[i] = done[0]
-            tokens += len(done[0]) - 1
-            decode_s += after
-        row["b1_decode_tokens_per_s"] = tokens / decode_s
-        if eng.spec is not None:
-            row.update(eng.spec.stats.summary())
+        # DSpark replaces the model's MTP layer by its stages (speculative.check_speculative): a model of its own
+        model = load_model(path, device, getattr(torch, dtype)) if spec and spec["method"] == "dspark" else shared
+        if batch1:      # one prompt at a time; decode time after each prompt's first token
+            eng = demo_engine(path, model, device, dtype, spec, 1)
+            generate(eng, prompts[:1], max_tokens, "warm")         # graph shapes captured before timing
+            if eng.spec is not None:
+                eng.spec.stats = type(eng.spec.stats)()
+            tokens, decode_s, outs = 0, 0.0, {}
+            for i, p in enumerate(prompts):
+                done, _, after = generate(eng, [p], max_tokens, f"b1-{i}-")
+                outs[i] = done[0]
+                tokens += len(done[0]) - 1
+                decode_s += after
+            row["b1_decode_tokens_per_s"] = tokens / decode_s
+            if eng.spec is not None:
+                row.update(eng.spec.stats.summary())
+        # every prompt at once
+        eng = demo_engine(path, model, device, dtype, spec, len(prompts))
+        if batch1:
+            generate(eng, prompts, max_tokens, "warm")
+        done, _, after = generate(eng, prompts, max_tokens, "all-")
+        row[f"b{len(prompts)}_decode_tokens_per_s"] = sum(len(t) - 1 for t in done.values()) / after
+        if not batch1:
+            outs = done
+            if eng.spec is not None:
+                row.update(eng.spec.stats.summary())
         if plain is None:
             plain = outs
         row["sequences_equal_plain"] = sum(outs[i] == plain[i] for i in outs)
-        # every prompt at once
-        eng = demo_engine(path, model, device, dtype, k, len(prompts))
-        generate(eng, prompts, max_tokens, "warm")
-        done, _, after = generate(eng, prompts, max_tokens, "all-")
-        row[f"b{len(prompts)}_decode_tokens_per_s"] = sum(len(t) - 1 for t in done.values()) / after
         log(f"demo {name}: {row}")
-    base = out["plain"]["b1_decode_tokens_per_s"]
-    for row in out.values():
-        row["b1_speedup"] = row["b1_decode_tokens_per_s"] / base
+    if batch1:
+        base = out["plain"]["b1_decode_tokens_per_s"]
+        for row in out.values():
+            row["b1_speedup"] = row["b1_decode_tokens_per_s"] / base
     return out
 
 
@@ -283,9 +308,10 @@ def table(result: dict) -> str:
                f"  drafted {row['spec_draft_tokens']} accepted {row['spec_accepted_tokens']}"
                if "spec_mean_acceptance_length" in row else "")
         batch_key = next(k for k in row if k.endswith("_decode_tokens_per_s") and not k.startswith("b1_"))
-        lines.append(f"{name:<10} b1 {row['b1_decode_tokens_per_s']:8.1f} tok/s ({row['b1_speedup']:.2f}x)  "
-                     f"{batch_key.split('_')[0]} {row[batch_key]:8.1f} tok/s  equal {row['sequences_equal_plain']}"
-                     + acc)
+        b1 = (f"b1 {row['b1_decode_tokens_per_s']:8.1f} tok/s ({row['b1_speedup']:.2f}x)  "
+              if "b1_speedup" in row else "")
+        lines.append(f"{name:<11} {b1}{batch_key.split('_')[0]} {row[batch_key]:8.1f} tok/s  "
+                     f"equal {row['sequences_equal_plain']}" + acc)
     lines.append("== slice: verify step of q tokens per request vs decode (q = 1), ms and ratio")
     for name, row in result.get("verify", {}).items():
         qs = sorted(int(k[1:-3]) for k in row if k.endswith("_ms"))
@@ -304,6 +330,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--ks", default="1,2,3", help="numbers of speculative tokens to compare with plain decode")
+    p.add_argument("--dspark-ks", default="3,4", help="numbers of DSpark drafts (demo with its drafter)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--batches", default="1,8,64")
@@ -316,18 +343,24 @@ def main() -> int:
                    help="the DSpark model of part 3's cost")
     p.add_argument("--skip-dspark", action="store_true")
     p.add_argument("--dry-run-cpu", action="store_true", help="tiny sizes on the CPU, to test the suite itself")
+    p.add_argument("--cpu", action="store_true", help="part 1's acceptance and identity on the CPU in fp32")
     args = p.parse_args()
-    device, dtype = ("cpu", "float32") if args.dry_run_cpu else ("cuda", "bfloat16")
+    device, dtype = ("cpu", "float32") if args.dry_run_cpu or args.cpu else ("cuda", "bfloat16")
+    if args.cpu:
+        args.skip_slice = args.skip_dspark = True
     if args.dry_run_cpu:
         args.max_tokens, args.prompts, args.batches, args.ctx, args.reps = 12, 2, "1,2", 300, 2
         args.slice, args.dspark = "random:tiny", "random:tiny-dspark"
     ks = [int(k) for k in args.ks.split(",")]
+    methods = demo_methods(ks, [int(k) for k in args.dspark_ks.split(",")])
     os.makedirs(args.out, exist_ok=True)
-    result = {"info": {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
+    result = {"info": {"device": torch.cuda.get_device_name() if device == "cuda" else
+                       "cpu, fp32" if args.cpu else "cpu (dry run)",
                        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "max_tokens": args.max_tokens}}
     if not args.skip_demo:
-        result["fp32_identity"] = fp32_identity(device, max(ks), min(args.max_tokens, 64), args.prompts)
-        result["demo"] = demo_runs(device, dtype, ks, args.max_tokens, args.prompts)
+        if not args.cpu:            # on the CPU part 1 itself runs in fp32
+            result["fp32_identity"] = fp32_identity(device, max(ks), min(args.max_tokens, 64), args.prompts)
+        result["demo"] = demo_runs(device, dtype, methods, args.max_tokens, args.prompts, batch1=not args.cpu)
     if not args.skip_slice:
         result["verify"] = verify_cost(device, args.slice, [int(b) for b in args.batches.split(",")],
                                        [1] + [k + 1 for k in ks], args.ctx, args.reps)

@@ -200,8 +200,9 @@ class SpeculativeConfig:
     """Speculative decoding (docs/architecture.md, "Speculative decoding"): `method` drafts
     `num_speculative_tokens` tokens per request and step, verified in the next step. `model`:
     a draft checkpoint folder (`dsv4 convert --extract-mtp`) whose MTP blocks replace the
-    model's own. `confidence_threshold` (method "dspark"): only the leading drafts whose
-    confidence head probability is at least this are verified (0: all k)."""
+    model's own, or for method "dspark" a DSpark draft folder (dsv4/model/draft.py).
+    `confidence_threshold` (method "dspark"): only the leading drafts whose confidence head
+    probability is at least this are verified (0: all k)."""
     method: str = "mtp"
     num_speculative_tokens: int = 1
     model: str | None = None

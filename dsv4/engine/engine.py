@@ -59,7 +59,7 @@ class LLMEngine:
         spec = config.speculative_config
         if spec is not None:             # (a draft checkpoint may give the model its MTP blocks)
             from .speculative import check_speculative
-            check_speculative(spec, self.model)
+            check_speculative(spec, self.model, model_dir)
         self.cfg = self.model.cfg
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.tokenizer or model_dir)
         self.layout = CacheLayout(self.cfg, spec_slots=config.spec_slots, with_mtp=spec is not None,

@@ -1,7 +1,8 @@
 """DSpark heads for the demo model (docs/speculative.md "DSpark", docs/demo-model.md).
 
-The shipped demo model stays frozen. Three window-only DSpark stages (targets: main layers 3, 4,
-5; block 4; Markov rank 64) are trained on the demo corpus's training files with teacher forcing,
+The shipped demo model stays frozen. `--stages` window-only DSpark stages (three as in the
+releases; the shipped drafter has one, docs/demo-model.md; targets: main layers 3, 4, 5; block 4;
+Markov rank 64) are trained on the demo corpus's training files with teacher forcing,
 through dsv4's own DSpark forward (dsv4/model/dspark.py, torch ops, autograd):
 * taps of each training sequence from one frozen prefill (`OneSequence`, `DeepseekV4.forward`);
 * every stage's window keys of all positions, then blocks [x_{t+1}, noise x 3] at random anchors t;
@@ -9,15 +10,20 @@ through dsv4's own DSpark forward (dsv4/model/dspark.py, torch ops, autograd):
   x_{t+2+i} (every row), plus the binary cross-entropy of the confidence logit against "row i's
   corrected argmax is right" (features detached).
 The stages start from the demo's trained MTP layer (attention, MoE, mHC, head collapse).
-OUT gets a DSpark checkpoint: the demo's main weights, the stages as `mtp.0..2.*`, the DSpark
-config fields, the tokenizer; `--speculative-config '{"method": "dspark", ...}'` serves it.
+OUT gets a DSpark checkpoint: the demo's main weights, the stages as `mtp.0..L-1.*`, the DSpark
+config fields, the tokenizer; `--speculative-config '{"method": "dspark", ...}'` serves it, and
+`python -m scripts.demo.ship_dspark OUT` installs its stages as the demo's DSpark draft folder.
+The learning rate warms up over the first 2% and decays (cosine, to 10%) over the run's progress:
+the larger of steps done / `--steps` and wall time / `--max-minutes`, so a run fits a time budget.
 
-    python -m scripts.demo.train_dspark --out DIR [--steps 3000] [--device cuda] [--smoke]
+    python -m scripts.demo.train_dspark --out DIR [--stages 3] [--steps 3000] [--max-minutes M]
+                                        [--device cuda] [--smoke]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import time
@@ -58,10 +64,10 @@ def noise_token(tokenizer_dir: str, stream: torch.Tensor) -> int:
     return next(i for i in special if i not in used)
 
 
-def build(model, noise: int) -> None:
-    """Give the frozen demo model DSpark stages, initialised from its MTP layer."""
+def build(model, noise: int, n_stages: int) -> None:
+    """Give the frozen demo model `n_stages` DSpark stages, initialised from its MTP layer."""
     mtp = model.mtp[0] if len(model.mtp) else None
-    model.cfg = model.cfg.replace(num_nextn_predict_layers=3, dspark_block_size=BLOCK, dspark_noise_token_id=noise,
+    model.cfg = model.cfg.replace(num_nextn_predict_layers=n_stages, dspark_block_size=BLOCK, dspark_noise_token_id=noise,
                                   dspark_target_layer_ids=TARGETS, dspark_markov_rank=RANK)
     model.mtp = torch.nn.ModuleList()
     with torch.device(model.head.weight.device):
@@ -113,6 +119,13 @@ def sequence_loss(model, one: OneSequence, ids: torch.Tensor, anchors: int, gen:
     return loss / BLOCK, hits / BLOCK
 
 
+def learning_rate(peak: float, progress: float) -> float:
+    """progress in [0, 1]: linear warm-up over the first 2%, then cosine decay to 10% of the peak."""
+    if progress < 0.02:
+        return peak * max(progress, 1e-3) / 0.02
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * (progress - 0.02) / 0.98)))
+
+
 def export(model, demo_dir: str, out: str) -> None:
     from dsv4.model.random_init import save_checkpoint
     state = {n: p.detach().cpu() for n, p in model.named_parameters()}
@@ -120,6 +133,38 @@ def export(model, demo_dir: str, out: str) -> None:
     save_checkpoint(model.cfg, state, out, names="deepseek", dtype=torch.bfloat16)
     for name in ("tokenizer.json", "tokenizer_config.json", "heldout.json"):
         shutil.copy(os.path.join(demo_dir, name), os.path.join(out, name))
+
+
+def train(model, stream: torch.Tensor, args) -> tuple[list, int, int]:
+    """AdamW on the stages over random windows of `stream` -> (curve [(loss, row accuracy)],
+    steps, seconds). The run ends when its progress (the larger of steps / --steps and wall
+    time / --max-minutes) reaches 1; the learning rate follows that progress."""
+    params = [q for s in stages(model) for q in s.parameters()]
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    one = OneSequence(model, args.seq_len)
+    gen = torch.Generator().manual_seed(0)
+    curve, t0, step = [], time.time(), 0
+    budget = args.max_minutes * 60 if args.max_minutes else float("inf")
+    while True:                                    # progress: the larger of steps and wall-time budget used
+        progress = max(step / args.steps, (time.time() - t0) / budget)
+        if progress >= 1:
+            break
+        step += 1
+        start = int(torch.randint(0, stream.numel() - args.seq_len, (1,), generator=gen))
+        loss, acc = sequence_loss(model, one, stream[start:start + args.seq_len], args.anchors, gen)
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(args.lr, progress)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        curve.append((loss.item(), acc))
+        if step % 25 == 0 or step == 1:
+            recent = curve[-25:]
+            log(f"step {step} progress {progress:.3f} lr {opt.param_groups[0]['lr']:.2e} "
+                f"loss {sum(c[0] for c in recent) / len(recent):.3f} "
+                f"row accuracy {sum(c[1] for c in recent) / len(recent):.3f} ({time.time() - t0:.0f}s)")
+    return curve, step, round(time.time() - t0)
 
 
 def main(argv=None) -> int:
@@ -132,6 +177,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--anchors", type=int, default=64, help="blocks per training sequence")
+    p.add_argument("--stages", type=int, default=3, help="DSpark stages (the releases ship three)")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop after this much wall time")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-files", type=int, default=None, help="train on the first N training files only")
     p.add_argument("--smoke", action="store_true", help="a few steps on a few files, for a quick CPU run")
@@ -145,26 +192,11 @@ def main(argv=None) -> int:
     model = load_model(DEMO_DIR, args.device, torch.float32)
     for q in model.parameters():
         q.requires_grad_(False)
-    build(model, noise_token(DEMO_DIR, stream))
-    params = [q for s in stages(model) for q in s.parameters()]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    one = OneSequence(model, args.seq_len)
-    gen = torch.Generator().manual_seed(0)
-    stream = stream.to(args.device)
-    curve, t0 = [], time.time()
-    for step in range(1, args.steps + 1):
-        start = int(torch.randint(0, stream.numel() - args.seq_len, (1,), generator=gen))
-        loss, acc = sequence_loss(model, one, stream[start:start + args.seq_len], args.anchors, gen)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        curve.append((loss.item(), acc))
-        if step % max(1, args.steps // 20) == 0 or step == 1:
-            log(f"step {step}/{args.steps} loss {curve[-1][0]:.3f} row accuracy {acc:.3f} ({time.time() - t0:.0f}s)")
+    build(model, noise_token(DEMO_DIR, stream), args.stages)
+    curve, steps, seconds = train(model, stream.to(args.device), args)
     export(model, DEMO_DIR, args.out)
     with open(os.path.join(args.out, "dspark_train.json"), "w") as f:
-        json.dump({"steps": args.steps, "curve": curve}, f)
+        json.dump({"steps": steps, "seconds": seconds, "args": vars(args), "curve": curve}, f)
     log(f"wrote {args.out}")
     return 0
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 from ...config import ConfigError, SpeculativeConfig
 
+DSPARK_DRAFT_DIR = "dspark"     # a checkpoint folder's own DSpark draft folder (model/draft.py)
 
-def check_speculative(spec: SpeculativeConfig, model) -> None:
-    """Give `model` the draft checkpoint's MTP blocks when `spec.model` names one, then check
-    that it can draft: ConfigError naming `speculative_config` otherwise."""
+
+def check_speculative(spec: SpeculativeConfig, model, model_dir: str | None = None) -> None:
+    """Give `model` the draft checkpoint's MTP blocks (or DSpark stages) when `spec.model` names
+    one, then check that it can draft: ConfigError naming `speculative_config` otherwise. Method
+    'dspark' on a checkpoint without DSpark stages takes them from `model_dir`'s DSpark draft
+    folder `dspark/` when it has one (the demo model's trained drafter, docs/demo-model.md)."""
     if spec.method == "dspark":
-        return _check_dspark(spec, model)
+        return _check_dspark(spec, model, model_dir)
     if spec.model is not None:
         from ...model.draft import load_draft
         load_draft(model, spec.model)
@@ -28,11 +32,15 @@ def check_speculative(spec: SpeculativeConfig, model) -> None:
                                                 "window only: ratio 0)")
 
 
-def _check_dspark(spec: SpeculativeConfig, model) -> None:
-    cfg = model.cfg
+def _check_dspark(spec: SpeculativeConfig, model, model_dir: str | None) -> None:
+    import os
+    from ...model.draft import load_dspark_draft
+    bundled = os.path.join(model_dir, DSPARK_DRAFT_DIR) if model_dir else None
     if spec.model is not None:
-        raise ConfigError("speculative_config", "method 'dspark': \"model\" is not supported (the DSpark "
-                                                "stages come with the checkpoint)")
+        load_dspark_draft(model, spec.model)
+    elif not model.cfg.dspark_block_size and bundled and os.path.isfile(os.path.join(bundled, "config.json")):
+        load_dspark_draft(model, bundled)
+    cfg = model.cfg
     if not cfg.dspark_block_size or not len(model.mtp):
         raise ConfigError("speculative_config", "method 'dspark': the model has no DSpark drafter (config "
                                                 "dspark_block_size unset or no mtp.* weights loaded)")

@@ -200,6 +200,17 @@ def test_dspark_config_errors(tiny, spec, match):
         tiny.engine(speculative_config=spec, **ENGINE)
 
 
+def test_dspark_draft_folder_must_match_the_main_model(tiny, tmp_path):
+    """`"model": DIR` for method dspark (dsv4/model/draft.py `load_dspark_draft`): a folder made for
+    another main model is refused naming the field that differs."""
+    from dsv4.model.checkpoint_reader import CheckpointError
+    from dsv4.model.random_init import preset_config, random_state, save_checkpoint
+    other = preset_config("tiny-dspark", index_n_heads=8)
+    save_checkpoint(other, random_state(other, seed=1), str(tmp_path), names="deepseek")
+    with pytest.raises(CheckpointError, match="index_n_heads"):
+        tiny.engine(speculative_config=dspark(2, model=str(tmp_path)), **ENGINE)
+
+
 def test_dspark_needs_a_dspark_model(sp):
     from dsv4.model.random_init import preset_config
     from dsv4.model.deepseek_v4 import DeepseekV4
