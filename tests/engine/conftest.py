@@ -156,6 +156,11 @@ def drive_greedy(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: i
     return drive(engine, [Req(rid, ids, p) for rid, ids in prompts.items()], check, on_step=on_step)
 
 
+def token_ids(outputs: dict) -> dict[str, list[int]]:
+    """request id -> token ids of `drive`'s outputs."""
+    return {rid: out.token_ids for rid, out in outputs.items()}
+
+
 def assert_same_outputs(a: dict, b: dict, rids=None) -> None:
     """Same tokens, finish and stop reasons, text, and logprobs and prompt logprobs (to fp32
     rounding: different batches may sum in another order)."""
@@ -412,7 +417,7 @@ def h():
         assert_rows_close=assert_rows_close, max_rel_row_error=max_rel_row_error, top2_margin=top2_margin,
         check_greedy_against_reference=check_greedy_against_reference,
         assert_cache_accounting=assert_cache_accounting, free_counts=free_counts,
-        Req=Req, drive=drive, drive_greedy=drive_greedy, assert_same_outputs=assert_same_outputs)
+        Req=Req, drive=drive, drive_greedy=drive_greedy, token_ids=token_ids, assert_same_outputs=assert_same_outputs)
 
 
 @pytest.fixture
