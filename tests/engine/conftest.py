@@ -156,6 +156,30 @@ def drive_greedy(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: i
     return drive(engine, [Req(rid, ids, p) for rid, ids in prompts.items()], check, on_step=on_step)
 
 
+def simulated_step(sched, rng, max_tokens: dict[str, int]) -> list[Request]:
+    """One engine step without a model, for the accounting tests: schedule, stage each chunk's
+    KV as the runner does, advance, append a random token (id in [2, 500)) to each request whose
+    chunk completes its known tokens, and finish those that reach max_tokens[request id].
+    Returns the requests finished."""
+    finished = []
+    for c in sched.schedule():
+        req, completes = c.request, c.completes
+        sched.cache.stage(req, req.num_computed, c.num_tokens)
+        sched.advance(req, c.num_tokens)
+        if completes:
+            req.output_token_ids.append(rng.randrange(2, 500))
+            if len(req.output_token_ids) >= max_tokens[req.request_id]:
+                sched.finish(req)
+                finished.append(req)
+    return finished
+
+
+def random_prompt(rng, bases: list[list[int]], max_extra: int) -> list[int]:
+    """A random prefix of one of `bases` and up to `max_extra` random tokens after it."""
+    base = rng.choice(bases)
+    return base[:rng.randint(1, len(base))] + [rng.randrange(2, 500) for _ in range(rng.randint(0, max_extra))]
+
+
 def token_ids(outputs: dict) -> dict[str, list[int]]:
     """request id -> token ids of `drive`'s outputs."""
     return {rid: out.token_ids for rid, out in outputs.items()}
@@ -417,7 +441,8 @@ def h():
         assert_rows_close=assert_rows_close, max_rel_row_error=max_rel_row_error, top2_margin=top2_margin,
         check_greedy_against_reference=check_greedy_against_reference,
         assert_cache_accounting=assert_cache_accounting, free_counts=free_counts,
-        Req=Req, drive=drive, drive_greedy=drive_greedy, token_ids=token_ids, assert_same_outputs=assert_same_outputs)
+        Req=Req, drive=drive, drive_greedy=drive_greedy, token_ids=token_ids, simulated_step=simulated_step, random_prompt=random_prompt,
+        assert_same_outputs=assert_same_outputs)
 
 
 @pytest.fixture
