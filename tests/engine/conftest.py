@@ -156,6 +156,12 @@ def drive_greedy(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: i
     return drive(engine, [Req(rid, ids, p) for rid, ids in prompts.items()], check, on_step=on_step)
 
 
+def greedy_outputs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, **params) -> list:
+    """`drive_greedy` of prompts listed in order (request ids "0", "1", ...): their outputs, in order."""
+    done = drive_greedy(engine, {str(i): p for i, p in enumerate(prompts)}, max_tokens, **params)
+    return [done[str(i)] for i in range(len(prompts))]
+
+
 def simulated_step(sched, rng, max_tokens: dict[str, int]) -> list[Request]:
     """One engine step without a model, for the accounting tests: schedule, stage each chunk's
     KV as the runner does, advance, append a random token (id in [2, 500)) to each request whose
@@ -441,7 +447,7 @@ def h():
         assert_rows_close=assert_rows_close, max_rel_row_error=max_rel_row_error, top2_margin=top2_margin,
         check_greedy_against_reference=check_greedy_against_reference,
         assert_cache_accounting=assert_cache_accounting, free_counts=free_counts,
-        Req=Req, drive=drive, drive_greedy=drive_greedy, token_ids=token_ids, simulated_step=simulated_step, random_prompt=random_prompt,
+        Req=Req, drive=drive, drive_greedy=drive_greedy, greedy_outputs=greedy_outputs, token_ids=token_ids, simulated_step=simulated_step, random_prompt=random_prompt,
         assert_same_outputs=assert_same_outputs)
 
 

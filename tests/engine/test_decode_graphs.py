@@ -13,22 +13,17 @@ def _engine(tiny, padded: bool, async_scheduling: str = "off"):
     return eng
 
 
-def _run(h, eng, prompts, max_tokens):
-    done = h.drive_greedy(eng, {str(i): p for i, p in enumerate(prompts)}, max_tokens, logprobs=0)
-    return [done[str(i)] for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
 def test_padded_decode_steps_equal_plain_ones(tiny, h, one_thread, monkeypatch, async_scheduling):
     # lengths put decode positions across C4 and C128 group ends and SWA page ends
     prompts = [tiny.ids(n, seed=n) for n in (3, 120, 126, 250, 61)]
-    plain = _run(h, _engine(tiny, False), prompts, 24)
+    plain = h.greedy_outputs(_engine(tiny, False), prompts, 24, logprobs=0)
     padded_engine = _engine(tiny, True, async_scheduling)
     calls = []
     run = padded_engine.runner.graphs.run
     monkeypatch.setattr(padded_engine.runner.graphs, "run",
                         lambda seqs, fill=None: calls.append((len(seqs), fill is not None)) or run(seqs, fill))
-    padded = _run(h, padded_engine, prompts, 24)
+    padded = h.greedy_outputs(padded_engine, prompts, 24, logprobs=0)
     assert calls and max(n for n, _ in calls) == 5, "the padded path ran for decode steps of the whole batch"
     # async: decode steps take the previous step's tokens from the device
     assert any(f for _, f in calls) == (async_scheduling == "on")

@@ -167,7 +167,7 @@ def test_memory_report_states_pages_tokens_and_requests(tiny):
         budget.engine.memory_report()
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch_or_preemption(tiny):
+def test_seeded_sampling_does_not_depend_on_the_batch_or_preemption(tiny, h):
     """A seeded sampled request draws the same tokens alone, in a batch with unseeded
     requests, and when it is preempted (recompute) on a cache too small for the batch."""
     prompt = tiny.ids(40, seed=104)
@@ -181,10 +181,6 @@ def test_seeded_sampling_does_not_depend_on_the_batch_or_preemption(tiny):
     eng.add_request("b", tiny.ids(150, seed=106), SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True))
     eng.add_request("seeded", prompt, seeded)
     req = eng.scheduler.waiting[-1]
-    done = {}
-    for _ in range(2000):
-        if not eng.has_unfinished():
-            break
-        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    done = h.drive(eng)
     assert req.num_preemptions >= 1, "the seeded request was not preempted"
-    assert done["seeded"] == alone
+    assert done["seeded"].token_ids == alone

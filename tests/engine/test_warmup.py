@@ -22,8 +22,7 @@ def _engine(tiny, graphs: bool):
 
 
 def _run(h, eng, prompts, max_tokens):
-    done = h.drive_greedy(eng, {str(i): p for i, p in enumerate(prompts)}, max_tokens)
-    return [done[str(i)].token_ids for i in range(len(prompts))]
+    return [out.token_ids for out in h.greedy_outputs(eng, prompts, max_tokens)]
 
 
 def test_graph_shapes_cover_every_uniform_step():
