@@ -28,11 +28,18 @@ def cluster(demo_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd")
     tok = ["--tokenizer", demo_dir]
     prefill = ServerProcess([*ENGINE, *tok, "--role", "prefill", "--kv-transfer", '{"transport": "nixl"}'],
-                            tmp / "prefill.log")             # serves TCP and NIXL pulls
+                            tmp / "prefill.log", wait=False)    # serves TCP and NIXL pulls
     decode = ServerProcess([*ENGINE, *tok, "--role", "decode", "--kv-transfer", f'{{"timeout": {TIMEOUT_S}}}'],
-                           tmp / "decode.log")
+                           tmp / "decode.log", wait=False)
     nixl = ServerProcess([*ENGINE, *tok, "--role", "decode", "--kv-transfer", '{"transport": "nixl"}'],
-                         tmp / "decode-nixl.log")
+                         tmp / "decode-nixl.log", wait=False)
+    try:
+        for engine in (prefill, decode, nixl):               # the three engines start side by side
+            engine.wait_ready()
+    except BaseException:
+        for engine in (prefill, decode, nixl):
+            engine.stop()
+        raise
     router = ServerProcess(["--prefill", prefill.base_url, "--decode", decode.base_url, nixl.base_url, "--port", "0",
                             "--log-level", "warning"], tmp / "router.log", command="router")
     yield prefill, decode, router, nixl

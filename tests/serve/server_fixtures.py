@@ -173,15 +173,21 @@ def fake_server_factory():
 # ---- the real server ------------------------------------------------------------------------
 class ServerProcess:
     """`python -m dsv4.cli <command> *args` (`serve`, or `router` of the disaggregated tests) with
-    its output in `log_path`, ready once it logs "ready at <url>" (then `base_url`)."""
+    its output in `log_path`, ready once it logs "ready at <url>" (then `base_url`). `wait=False`
+    returns at once (`base_url` None): call `wait_ready()` later, so several start together."""
 
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 180, command: str = "serve"):
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 180, command: str = "serve",
+                 wait: bool = True):
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 shared cores: one torch thread is much faster
-        self.command, self.log_path = command, log_path
+        self.command, self.log_path, self.timeout = command, log_path, timeout
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "dsv4.cli", command, *args], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env)
-        self.base_url = self._wait_ready(timeout)
+        self.base_url = self.wait_ready() if wait else None
+
+    def wait_ready(self) -> str:
+        self.base_url = self._wait_ready(self.timeout)
+        return self.base_url
 
     def _wait_ready(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
