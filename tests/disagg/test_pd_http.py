@@ -16,7 +16,6 @@ import httpx
 import pytest
 
 from dsv4.disagg.settings import KV_TRANSFER_HEADER
-from serve.server_fixtures import ServerProcess
 
 SPEC = "random:tiny::vocab_size=8192"
 ENGINE = ["--model", SPEC, "--port", "0", "--num-pages", "40", "--max-model-len", "2048", "--log-level", "warning"]
@@ -25,6 +24,7 @@ TIMEOUT_S = 6
 
 @pytest.fixture(scope="module")
 def cluster(demo_dir, tmp_path_factory):
+    from serve.server_fixtures import ServerProcess     # inside: the serve tests load it as a plugin
     tmp = tmp_path_factory.mktemp("pd")
     tok = ["--tokenizer", demo_dir]
     prefill = ServerProcess([*ENGINE, *tok, "--role", "prefill", "--kv-transfer", '{"transport": "nixl"}'],
