@@ -1,5 +1,5 @@
-"""scripts/demo/train_dspark.py (docs/speculative.md "DSpark"): a smoke run trains DSpark stages on
-the frozen demo model through dsv4's own DSpark forward, and writes a checkpoint that loads as a
+"""scripts/demo/train_dspark.py (docs/speculative.md "DSpark"): a short run (3 steps of 64 tokens on
+two training files: smaller than --smoke, the same code) trains DSpark stages on the frozen demo model through dsv4's own DSpark forward, and writes a checkpoint that loads as a
 DSpark model (released names) and serves with DSpark drafts, greedy output unchanged."""
 from __future__ import annotations
 
@@ -20,12 +20,16 @@ from dsv4.text.tokenizer import Tokenizer
 ACCEPTANCE_FLOOR = 1.2     # mean acceptance length at k = 3 on 3 held-out prompts: shipped 1.53, random 1.00
 
 
+STEPS = 3
+
+
 @pytest.fixture
 def trained(tmp_path):
     from scripts.demo import train_dspark       # the repository root is on sys.path (python -m pytest)
     backend = get_backend()
     try:
-        assert train_dspark.main(["--out", str(tmp_path), "--smoke", "--device", "cpu"]) == 0
+        assert train_dspark.main(["--out", str(tmp_path), "--device", "cpu", "--steps", str(STEPS), "--seq-len", "64",
+                                  "--anchors", "8", "--max-files", "2"]) == 0
     finally:
         set_backend(backend)
     return str(tmp_path)
@@ -40,7 +44,7 @@ def test_train_dspark_smoke_writes_a_servable_dspark_checkpoint(trained):
     assert {"mtp.0.main_proj.weight", "mtp.2.markov_head.markov_w1.weight",
             "mtp.2.confidence_head.proj.weight"} <= keys and "mtp.0.e_proj.weight" not in keys
     curve = json.load(open(os.path.join(trained, "dspark_train.json")))["curve"]
-    assert len(curve) == 12 and all(math.isfinite(loss) for loss, _ in curve)
+    assert len(curve) == STEPS and all(math.isfinite(loss) for loss, _ in curve)
 
     model = load_model(trained)
     prompt = Tokenizer.from_dir(trained).encode("def add(a, b):\n")

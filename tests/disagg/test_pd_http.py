@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,47 +18,30 @@ import pytest
 from dsv4.disagg.settings import KV_TRANSFER_HEADER
 
 SPEC = "random:tiny::vocab_size=8192"
-READY = re.compile(r"ready at (http://\S+)")
 ENGINE = ["--model", SPEC, "--port", "0", "--num-pages", "40", "--max-model-len", "2048", "--log-level", "warning"]
 TIMEOUT_S = 6
 
 
-class Proc:
-    def __init__(self, args: list[str], log: Path):
-        self.log_path, self._log = log, open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "dsv4.cli", *args], stdout=self._log,
-                                     stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        deadline = time.monotonic() + 180
-        while not (found := READY.search(log.read_text(errors="replace"))):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                pytest.fail(f"{args[0]} did not start:\n{log.read_text(errors='replace')}")
-            time.sleep(0.1)
-        self.url = found.group(1)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-
 @pytest.fixture(scope="module")
 def cluster(demo_dir, tmp_path_factory):
+    from serve.server_fixtures import ServerProcess     # inside: the serve tests load it as a plugin
     tmp = tmp_path_factory.mktemp("pd")
     tok = ["--tokenizer", demo_dir]
-    prefill = Proc(["serve", *ENGINE, *tok, "--role", "prefill", "--kv-transfer", '{"transport": "nixl"}'],
-                   tmp / "prefill.log")                      # serves TCP and NIXL pulls
-    decode = Proc(["serve", *ENGINE, *tok, "--role", "decode", "--kv-transfer", f'{{"timeout": {TIMEOUT_S}}}'],
-                  tmp / "decode.log")
-    nixl = Proc(["serve", *ENGINE, *tok, "--role", "decode", "--kv-transfer", '{"transport": "nixl"}'],
-                tmp / "decode-nixl.log")
-    router = Proc(["router", "--prefill", prefill.url, "--decode", decode.url, nixl.url, "--port", "0",
-                   "--log-level", "warning"], tmp / "router.log")
+    prefill = ServerProcess([*ENGINE, *tok, "--role", "prefill", "--kv-transfer", '{"transport": "nixl"}'],
+                            tmp / "prefill.log", wait=False)    # serves TCP and NIXL pulls
+    decode = ServerProcess([*ENGINE, *tok, "--role", "decode", "--kv-transfer", f'{{"timeout": {TIMEOUT_S}}}'],
+                           tmp / "decode.log", wait=False)
+    nixl = ServerProcess([*ENGINE, *tok, "--role", "decode", "--kv-transfer", '{"transport": "nixl"}'],
+                         tmp / "decode-nixl.log", wait=False)
+    try:
+        for engine in (prefill, decode, nixl):               # the three engines start side by side
+            engine.wait_ready()
+    except BaseException:
+        for engine in (prefill, decode, nixl):
+            engine.stop()
+        raise
+    router = ServerProcess(["--prefill", prefill.base_url, "--decode", decode.base_url, nixl.base_url, "--port", "0",
+                            "--log-level", "warning"], tmp / "router.log", command="router")
     yield prefill, decode, router, nixl
     for p in (router, nixl, decode, prefill):
         p.stop()
@@ -121,10 +101,11 @@ def wait_idle(http, *urls) -> None:
 def test_greedy_equals_colocated(cluster, http, n):
     prefill, decode, router, nixl = cluster
     prompt = ids(n, seed=n)
-    got = complete(http, router.url, prompt)               # either decode engine (least loaded)
-    want = complete(http, decode.url, prompt)
+    got = complete(http, router.base_url, prompt)          # either decode engine (least loaded)
+    want = complete(http, decode.base_url, prompt)
     assert got["choices"][0]["text"] == want["choices"][0]["text"]
-    via_nixl = complete(http, nixl.url, prompt, headers={KV_TRANSFER_HEADER: info(http, prefill.url)["state_address"]})
+    pull = {KV_TRANSFER_HEADER: info(http, prefill.base_url)["state_address"]}
+    via_nixl = complete(http, nixl.base_url, prompt, headers=pull)
     assert via_nixl["choices"][0]["text"] == want["choices"][0]["text"]
     assert got["usage"]["completion_tokens"] == 5
 
@@ -132,11 +113,11 @@ def test_greedy_equals_colocated(cluster, http, n):
 def test_streaming_and_n(cluster, http):
     prefill, decode, router, nixl = cluster
     prompt = ids(300, seed=11)
-    want = complete(http, decode.url, prompt, max_tokens=6)["choices"][0]["text"]
-    both = complete(http, router.url, prompt, max_tokens=6, n=2)
+    want = complete(http, decode.base_url, prompt, max_tokens=6)["choices"][0]["text"]
+    both = complete(http, router.base_url, prompt, max_tokens=6, n=2)
     assert [c["text"] for c in both["choices"]] == [want, want]
     text = ""
-    with http.stream("POST", f"{router.url}/v1/completions", json={
+    with http.stream("POST", f"{router.base_url}/v1/completions", json={
             "model": SPEC, "prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
             "stream": True}) as r:
         assert r.status_code == 200
@@ -146,19 +127,19 @@ def test_streaming_and_n(cluster, http):
                 text += json.loads(line[6:])["choices"][0]["text"]
     assert text == want
     for engine in (decode, nixl):
-        assert info(http, engine.url)["kv_transfers"] >= 3 and info(http, engine.url)["kv_transfer_bytes"] > 0
-    wait_idle(http, prefill.url, decode.url, nixl.url)
-    metrics = http.get(f"{router.url}/metrics").text
-    assert 'dsv4_engine:kv_transfer_bytes{url="' + decode.url in metrics
+        assert info(http, engine.base_url)["kv_transfers"] >= 3 and info(http, engine.base_url)["kv_transfer_bytes"] > 0
+    wait_idle(http, prefill.base_url, decode.base_url, nixl.base_url)
+    metrics = http.get(f"{router.base_url}/metrics").text
+    assert 'dsv4_engine:kv_transfer_bytes{url="' + decode.base_url in metrics
     assert "dsv4_router:requests_total" in metrics
-    wait_idle(http, prefill.url, decode.url)
+    wait_idle(http, prefill.base_url, decode.base_url)
 
 
 def test_prompt_logprobs_are_computed_on_the_decode_engine(cluster, http):
     prefill, decode, router, nixl = cluster
     prompt = ids(20, seed=12)
-    got = complete(http, router.url, prompt, max_tokens=2, prompt_logprobs=1)["choices"][0]
-    want = complete(http, decode.url, prompt, max_tokens=2, prompt_logprobs=1)["choices"][0]
+    got = complete(http, router.base_url, prompt, max_tokens=2, prompt_logprobs=1)["choices"][0]
+    want = complete(http, decode.base_url, prompt, max_tokens=2, prompt_logprobs=1)["choices"][0]
     assert got["prompt_logprobs"] == want["prompt_logprobs"] and len(got["prompt_logprobs"]) == 20
     assert got["text"] == want["text"]
 
@@ -168,11 +149,11 @@ def test_unreachable_prefill_fails_alone(cluster, http):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"127.0.0.1:{s.getsockname()[1]}"        # nobody listens once closed
-    r = http.post(f"{decode.url}/v1/completions", headers={KV_TRANSFER_HEADER: dead},
+    r = http.post(f"{decode.base_url}/v1/completions", headers={KV_TRANSFER_HEADER: dead},
                   json={"model": SPEC, "prompt": ids(40, 1), "max_tokens": 3, "temperature": 0})
     assert r.status_code == 503 and "cannot reach the prefill engine" in r.json()["error"]["message"]
-    wait_idle(http, decode.url)
-    complete(http, router.url, ids(20, 2))                 # the others keep serving
+    wait_idle(http, decode.base_url)
+    complete(http, router.base_url, ids(20, 2))                 # the others keep serving
 
 
 def test_transfer_timeout_releases(cluster, http):
@@ -180,11 +161,11 @@ def test_transfer_timeout_releases(cluster, http):
     with socket.socket() as silent:                          # accepts (backlog), never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(4)
-        r = http.post(f"{decode.url}/v1/completions", headers={
+        r = http.post(f"{decode.base_url}/v1/completions", headers={
             KV_TRANSFER_HEADER: f"127.0.0.1:{silent.getsockname()[1]}"},
             json={"model": SPEC, "prompt": ids(40, 3), "max_tokens": 3, "temperature": 0})
     assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
-    wait_idle(http, decode.url)
+    wait_idle(http, decode.base_url)
 
 
 def hang_up_after_sending(url: str, path: str, headers: dict, body: dict) -> None:
@@ -200,23 +181,23 @@ def hang_up_after_sending(url: str, path: str, headers: dict, body: dict) -> Non
 
 def test_abort_during_transfer(cluster, http):
     prefill, decode, router, nixl = cluster
-    for url in (decode.url, router.url):                     # the client hangs up before any byte
-        headers = {KV_TRANSFER_HEADER: info(http, prefill.url)["state_address"]} if url == decode.url else {}
-        before = (info(http, decode.url)["kv_transfers"] + info(http, nixl.url)["kv_transfers"],
-                  info(http, prefill.url)["kv_transfers"])
+    for url in (decode.base_url, router.base_url):                     # the client hangs up before any byte
+        headers = {KV_TRANSFER_HEADER: info(http, prefill.base_url)["state_address"]} if url == decode.base_url else {}
+        before = (info(http, decode.base_url)["kv_transfers"] + info(http, nixl.base_url)["kv_transfers"],
+                  info(http, prefill.base_url)["kv_transfers"])
         hang_up_after_sending(url, "/v1/completions", headers, {
             "model": SPEC, "prompt": ids(1900, 4), "max_tokens": 50, "temperature": 0, "stream": True})
-        wait_idle(http, prefill.url, decode.url, nixl.url)
-        after = (info(http, decode.url)["kv_transfers"] + info(http, nixl.url)["kv_transfers"],
-                 info(http, prefill.url)["kv_transfers"])
+        wait_idle(http, prefill.base_url, decode.base_url, nixl.base_url)
+        after = (info(http, decode.base_url)["kv_transfers"] + info(http, nixl.base_url)["kv_transfers"],
+                 info(http, prefill.base_url)["kv_transfers"])
         assert after == before              # no state installed, none sent: the prefill side dropped it
-    complete(http, router.url, ids(10, 5))
+    complete(http, router.base_url, ids(10, 5))
 
 
 def test_handshake_mismatch_is_refused(cluster, http):
     from dsv4.disagg.wire import parse_address, recv_frame, send_frame
     prefill, decode, router, nixl = cluster
-    with socket.create_connection(parse_address(info(http, prefill.url)["state_address"]), timeout=10) as s:
+    with socket.create_connection(parse_address(info(http, prefill.base_url)["state_address"]), timeout=10) as s:
         send_frame(s, {"op": "hello", "signature": "0" * 64, "summary": {"layers": 99}})
         reply, _ = recv_frame(s)
     assert not reply["ok"] and "KV layout mismatch" in reply["error"] and "'layers': 99" in reply["error"]
@@ -225,16 +206,16 @@ def test_handshake_mismatch_is_refused(cluster, http):
 def test_decode_side_gone_mid_transfer_releases_prefill(cluster, http):
     from dsv4.disagg.wire import parse_address, recv_frame, send_frame
     prefill, decode, router, nixl = cluster
-    state = info(http, prefill.url)
+    state = info(http, prefill.base_url)
     with socket.create_connection(parse_address(state["state_address"]), timeout=10) as s:
         send_frame(s, {"op": "hello", "signature": state["state_signature"], "summary": {}})
         assert recv_frame(s)[0]["ok"]
         send_frame(s, {"op": "prefill", "id": "gone", "prompt": ids(1900, 7)})
     deadline = time.monotonic() + 30
-    while info(http, prefill.url)["kv_transfer_failures"] == state["kv_transfer_failures"]:
+    while info(http, prefill.base_url)["kv_transfer_failures"] == state["kv_transfer_failures"]:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    wait_idle(http, prefill.url)
+    wait_idle(http, prefill.base_url)
 
 
 def test_prefill_dies_mid_transfer(cluster, http):
@@ -243,7 +224,7 @@ def test_prefill_dies_mid_transfer(cluster, http):
         fake.bind(("127.0.0.1", 0))
         fake.listen(1)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            sent = pool.submit(http.post, f"{decode.url}/v1/completions",
+            sent = pool.submit(http.post, f"{decode.base_url}/v1/completions",
                                headers={KV_TRANSFER_HEADER: f"127.0.0.1:{fake.getsockname()[1]}"},
                                json={"model": SPEC, "prompt": ids(40, 8), "max_tokens": 3, "temperature": 0})
             conn, _ = fake.accept()
@@ -255,7 +236,7 @@ def test_prefill_dies_mid_transfer(cluster, http):
                 conn.sendall(b"\x00\x00\x01\x00{\"ok\": tr")         # part of a frame, then gone
             r = sent.result()
     assert r.status_code == 502 and "lost the prefill engine" in r.json()["error"]["message"]
-    wait_idle(http, decode.url)
+    wait_idle(http, decode.base_url)
 
 
 def test_prefill_engine_killed(cluster, http):
@@ -264,8 +245,8 @@ def test_prefill_engine_killed(cluster, http):
         os.kill(pid, signal.SIGKILL)
     prefill.proc.kill()
     prefill.proc.wait()
-    r = http.post(f"{router.url}/v1/completions", json={
+    r = http.post(f"{router.base_url}/v1/completions", json={
         "model": SPEC, "prompt": ids(40, 6), "max_tokens": 3, "temperature": 0})
     assert r.status_code in (502, 503) and "prefill engine" in r.json()["error"]["message"]
-    wait_idle(http, decode.url)
-    complete(http, decode.url, ids(40, 6), max_tokens=3)     # the decode engine keeps serving
+    wait_idle(http, decode.base_url)
+    complete(http, decode.base_url, ids(40, 6), max_tokens=3)     # the decode engine keeps serving

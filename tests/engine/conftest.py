@@ -17,6 +17,9 @@ position and CSA layer (`tiny.tie_free_ids`), so every remaining difference is a
   every logits row the runner produced (teacher forcing).
 * `stepper`: runs hand-made steps (which requests, how many tokens each) through the cache
   manager and the runner, for the invariant tests that need exact control of chunks.
+* `drive` (also `h.drive`): runs `LLMEngine.step` over requests that arrive at given steps
+  (optionally aborting one, checking the cache accounting after every step) until idle; every
+  test that drives an engine over requests uses it.
 """
 from __future__ import annotations
 
@@ -107,6 +110,102 @@ def assert_cache_accounting(engine: LLMEngine) -> None:
     assert len(set(slots)) == len(slots) == cache.plan.max_num_seqs - len(cache.free_slots)
     for r in engine.scheduler.waiting:   # waiting (also after preemption) holds nothing
         assert cache.seq(r).holds_nothing, r.request_id
+
+
+# ---- driving an engine over requests ----------------------------------------------------
+@dataclass
+class Req:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: int = 0                 # the step before which it is added
+    images: tuple = ()               # the prompt's image spans (vision requests)
+
+
+def drive(engine: LLMEngine, reqs: list[Req] = (), check: bool = False, abort_at: tuple[str, int] | None = None,
+          on_step=None, max_steps: int = MAX_STEPS) -> dict:
+    """Add each request before step `arrival`, abort request abort_at[0] before step abort_at[1],
+    and step until nothing is left. `check`: assert the cache accounting after every step;
+    `on_step(engine, step)` after every step. Returns request id -> final RequestOutput of every
+    request that finished (aborted ones do not); fails if the engine is still busy after
+    `max_steps` steps. Requests already added before the call are driven too."""
+    done, last = {}, max((r.arrival for r in reqs), default=-1)
+    for step in range(max_steps):
+        for r in reqs:
+            if r.arrival == step:
+                engine.add_request(r.rid, list(r.prompt), r.params, r.images)
+        if abort_at is not None and step == abort_at[1]:
+            engine.abort(abort_at[0])
+        if step > last and not engine.has_unfinished():
+            return done
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        if check:
+            assert_cache_accounting(engine)
+        if on_step is not None:
+            on_step(engine, step)
+    raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+def drive_greedy(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int, check: bool = False,
+                 on_step=None, **params) -> dict:
+    """`drive` with every prompt added at once, greedy (ignore_eos) for `max_tokens` tokens;
+    `params`: further SamplingParams fields."""
+    p = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **params)
+    return drive(engine, [Req(rid, ids, p) for rid, ids in prompts.items()], check, on_step=on_step)
+
+
+def greedy_outputs(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, **params) -> list:
+    """`drive_greedy` of prompts listed in order (request ids "0", "1", ...): their outputs, in order."""
+    done = drive_greedy(engine, {str(i): p for i, p in enumerate(prompts)}, max_tokens, **params)
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def simulated_step(sched, rng, max_tokens: dict[str, int]) -> list[Request]:
+    """One engine step without a model, for the accounting tests: schedule, stage each chunk's
+    KV as the runner does, advance, append a random token (id in [2, 500)) to each request whose
+    chunk completes its known tokens, and finish those that reach max_tokens[request id].
+    Returns the requests finished."""
+    finished = []
+    for c in sched.schedule():
+        req, completes = c.request, c.completes
+        sched.cache.stage(req, req.num_computed, c.num_tokens)
+        sched.advance(req, c.num_tokens)
+        if completes:
+            req.output_token_ids.append(rng.randrange(2, 500))
+            if len(req.output_token_ids) >= max_tokens[req.request_id]:
+                sched.finish(req)
+                finished.append(req)
+    return finished
+
+
+def random_prompt(rng, bases: list[list[int]], max_extra: int) -> list[int]:
+    """A random prefix of one of `bases` and up to `max_extra` random tokens after it."""
+    base = rng.choice(bases)
+    return base[:rng.randint(1, len(base))] + [rng.randrange(2, 500) for _ in range(rng.randint(0, max_extra))]
+
+
+def token_ids(outputs: dict) -> dict[str, list[int]]:
+    """request id -> token ids of `drive`'s outputs."""
+    return {rid: out.token_ids for rid, out in outputs.items()}
+
+
+def assert_same_outputs(a: dict, b: dict, rids=None) -> None:
+    """Same tokens, finish and stop reasons, text, and logprobs and prompt logprobs (to fp32
+    rounding: different batches may sum in another order)."""
+    if rids is None:
+        assert sorted(a) == sorted(b)
+        rids = sorted(a)
+    for rid in rids:
+        x, y = a[rid], b[rid]
+        assert x.token_ids == y.token_ids, (rid, x.token_ids, y.token_ids)
+        assert (x.finish_reason, x.stop_reason, x.text) == (y.finish_reason, y.stop_reason, y.text), rid
+        for lx, ly in [(x.logprobs, y.logprobs), (x.prompt_logprobs, y.prompt_logprobs)]:
+            assert (lx is None) == (ly is None), rid
+            for dx, dy in zip(lx or [], ly or []):
+                assert (dx is None) == (dy is None) and (dx is None or dx.keys() == dy.keys()), rid
+                assert dx is None or all(abs(dx[t] - dy[t]) < 1e-4 for t in dx), rid
 
 
 @contextmanager
@@ -347,7 +446,9 @@ def h():
         REL_TOL=REL_TOL, TIE_GAP=TIE_GAP, MARGIN=MARGIN, Forced=Forced, random_ids=random_ids,
         assert_rows_close=assert_rows_close, max_rel_row_error=max_rel_row_error, top2_margin=top2_margin,
         check_greedy_against_reference=check_greedy_against_reference,
-        assert_cache_accounting=assert_cache_accounting, free_counts=free_counts)
+        assert_cache_accounting=assert_cache_accounting, free_counts=free_counts,
+        Req=Req, drive=drive, drive_greedy=drive_greedy, greedy_outputs=greedy_outputs, token_ids=token_ids, simulated_step=simulated_step, random_prompt=random_prompt,
+        assert_same_outputs=assert_same_outputs)
 
 
 @pytest.fixture

@@ -20,25 +20,16 @@ def greedy(max_tokens=20, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-def drain(engine, max_steps=500) -> dict[str, list[int]]:
-    done = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            return done
-        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
-    raise AssertionError("engine did not finish")
-
-
 @pytest.fixture(scope="module")
 def good_prompt(tiny):
     return tiny.ids(20, seed=81)
 
 
 @pytest.fixture(scope="module")
-def undisturbed(tiny, good_prompt):
+def undisturbed(tiny, h, good_prompt):
     eng = tiny.engine(**ENGINE)
     eng.add_request("good", good_prompt, greedy())
-    return drain(eng)["good"]
+    return h.drive(eng)["good"].token_ids
 
 
 V = 512  # the tiny preset's vocabulary (checked below)
@@ -79,7 +70,7 @@ def test_bad_request_is_refused_and_engine_keeps_serving(tiny, h, good_prompt, u
     assert set(eng.requests) == {"good"}
     assert [r.request_id for r in eng.scheduler.running + list(eng.scheduler.waiting)] == ["good"]
     eng.add_request("bad", OK, greedy(3))          # the refused id left nothing behind
-    done = drain(eng)
+    done = h.token_ids(h.drive(eng))
     assert done["good"] == undisturbed and len(done["bad"]) == 3
     assert h.free_counts(eng) == initial
 
@@ -102,7 +93,7 @@ def short_model(tmp_path_factory):
     return path
 
 
-def test_prompt_longer_than_the_model_allows(short_model):
+def test_prompt_longer_than_the_model_allows(short_model, h):
     eng = LLMEngine(short_model, EngineConfig(max_num_batched_tokens=64, max_num_seqs=2, num_pages=4))
     assert eng.max_model_len == 128      # 4 pages would hold 1024 tokens: the model is the limit
     with pytest.raises(ValueError, match=r"^prompt: 128 tokens do not fit max_model_len 128"):
@@ -110,7 +101,7 @@ def test_prompt_longer_than_the_model_allows(short_model):
     with pytest.raises(ValueError, match=r"^max_tokens: "):
         eng.add_request("long", [3] * 100, greedy(29))
     eng.add_request("ok", [3] * 100, greedy(28))
-    assert len(drain(eng)["ok"]) == 28
+    assert len(h.drive(eng)["ok"].token_ids) == 28
 
 
 def test_max_model_len_above_the_models_is_a_config_error(short_model):

@@ -2,50 +2,28 @@
 targets for the padding rows) give the same results as the unpadded step. Here the padded
 step runs eagerly (capture=False); on a GPU the same padded step is captured and replayed."""
 import pytest
-import torch
 
-from dsv4.config import EngineConfig
 from dsv4.engine.cuda_graphs import StepGraphs, batch_bucket, width_bucket
-from dsv4.engine.engine import LLMEngine
-from dsv4.sampling_params import SamplingParams
-from dsv4.model.random_init import preset_config, random_state, save_checkpoint
 
 
-def _engine(path, padded: bool, async_scheduling: str = "off"):
-    eng = LLMEngine(path, EngineConfig(max_num_batched_tokens=64, max_num_seqs=6, num_pages=24,
-                                       async_scheduling=async_scheduling))
+def _engine(tiny, padded: bool, async_scheduling: str = "off"):
+    eng = tiny.engine(max_num_batched_tokens=64, max_num_seqs=6, num_pages=24, async_scheduling=async_scheduling)
     if padded:
         eng.runner.graphs = StepGraphs(eng.model, eng.runner.storage, max_bs=8, capture=False)
     return eng
 
 
-def _run(eng, prompts, max_tokens):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), p, params)
-    done = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[str(i)] for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
-def test_padded_decode_steps_equal_plain_ones(tmp_path, monkeypatch, async_scheduling):
-    torch.set_num_threads(1)
-    cfg = preset_config("tiny")
-    save_checkpoint(cfg, random_state(cfg, seed=3), str(tmp_path))
-    gen = torch.Generator().manual_seed(0)
+def test_padded_decode_steps_equal_plain_ones(tiny, h, one_thread, monkeypatch, async_scheduling):
     # lengths put decode positions across C4 and C128 group ends and SWA page ends
-    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist() for n in (3, 120, 126, 250, 61)]
-    plain = _run(_engine(str(tmp_path), False), prompts, 24)
-    padded_engine = _engine(str(tmp_path), True, async_scheduling)
+    prompts = [tiny.ids(n, seed=n) for n in (3, 120, 126, 250, 61)]
+    plain = h.greedy_outputs(_engine(tiny, False), prompts, 24, logprobs=0)
+    padded_engine = _engine(tiny, True, async_scheduling)
     calls = []
     run = padded_engine.runner.graphs.run
     monkeypatch.setattr(padded_engine.runner.graphs, "run",
                         lambda seqs, fill=None: calls.append((len(seqs), fill is not None)) or run(seqs, fill))
-    padded = _run(padded_engine, prompts, 24)
+    padded = h.greedy_outputs(padded_engine, prompts, 24, logprobs=0)
     assert calls and max(n for n, _ in calls) == 5, "the padded path ran for decode steps of the whole batch"
     # async: decode steps take the previous step's tokens from the device
     assert any(f for _, f in calls) == (async_scheduling == "on")

@@ -19,7 +19,6 @@ from dsv4.engine.engine import LLMEngine
 from dsv4.engine.oneshot import full_logits
 from dsv4.model.random_init import preset_config, random_state, save_checkpoint
 from dsv4.model.weights import load_model
-from dsv4.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -130,17 +129,7 @@ def test_speculative_verify_with_rollback(tiny4, ref, h, stepper):
     h.assert_rows_close(torch.stack([kept[p] for p in positions]), ref(tokens), positions, "verify + rollback")
 
 
-def _greedy(eng, prompts, n=24):
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=0)
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), p, params)
-    done = {}
-    while eng.has_unfinished():
-        done.update({o.request_id: o for o in eng.step() if o.finished})
-    return [done[str(i)] for i in range(len(prompts))]
-
-
-def test_padded_decode_steps_equal_plain_ones(tiny4):
+def test_padded_decode_steps_equal_plain_ones(tiny4, h):
     """Decode steps padded to CUDA-graph shapes (padding rows read empty ranges: their offsets
     are all -1) give the plain steps' tokens and logprobs; here the padded step runs eagerly,
     on a GPU the same step is captured and replayed (the offsets are then a tensor of the
@@ -148,14 +137,14 @@ def test_padded_decode_steps_equal_plain_ones(tiny4):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, tiny4.cfg.vocab_size, (n,), generator=gen).tolist() for n in (3, 120, 126, 250, 61)]
     config = dict(max_num_batched_tokens=64, max_num_seqs=6, num_pages=24, async_scheduling="off")
-    plain = _greedy(tiny4.engine(**config), prompts)
+    plain = h.greedy_outputs(tiny4.engine(**config), prompts, 24, logprobs=0)
     padded_engine = tiny4.engine(**config)
     padded_engine.runner.graphs = graphs = StepGraphs(tiny4.model, padded_engine.runner.storage, max_bs=8,
                                                       capture=False)
     calls = []
     run = graphs.run
     graphs.run = lambda seqs, fill=None: calls.append(len(seqs)) or run(seqs, fill)
-    padded = _greedy(padded_engine, prompts)
+    padded = h.greedy_outputs(padded_engine, prompts, 24, logprobs=0)
     assert calls and max(calls) == 5
     for a, b in zip(plain, padded):
         assert a.token_ids == b.token_ids
@@ -164,15 +153,16 @@ def test_padded_decode_steps_equal_plain_ones(tiny4):
             assert ta == tb and abs(va - vb) < 1e-4
 
 
-def test_engine_override_builds_the_index_cache_model(tiny4, plain_path):
+def test_engine_override_builds_the_index_cache_model(tiny4, h, plain_path):
     """--index-topk-freq 4 on a checkpoint without IndexCache: the engine's model is the freq-4
     model (same greedy tokens as an engine given that model); a model built elsewhere cannot
     take overrides."""
     prompts = [tiny4.ids(n, seed=n) for n in (90, 200)]
     eng = LLMEngine(plain_path, EngineConfig(index_topk_freq=4, max_num_seqs=2, num_pages=8))
     assert eng.cfg.index_topk_pattern == "FSSS" and eng.cfg == tiny4.cfg
-    got = [o.token_ids for o in _greedy(eng, prompts)]
-    assert got == [o.token_ids for o in _greedy(tiny4.engine(max_num_seqs=2, num_pages=8), prompts)]
+    got = [o.token_ids for o in h.greedy_outputs(eng, prompts, 24, logprobs=0)]
+    assert got == [o.token_ids for o in h.greedy_outputs(tiny4.engine(max_num_seqs=2, num_pages=8), prompts, 24,
+                                                          logprobs=0)]
     plain = LLMEngine(plain_path, EngineConfig(max_num_seqs=2, num_pages=8))
     assert plain.cfg.index_topk_pattern == ""
     with pytest.raises(ConfigError, match="index_topk_freq"):

@@ -26,17 +26,9 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-def run_to_completion(engine, h, max_steps: int = 3000) -> dict[str, list[int]]:
+def run_to_completion(engine, h) -> dict[str, list[int]]:
     """engine.step() until idle, checking page accounting after every step."""
-    done = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            return done
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-        h.assert_cache_accounting(engine)
-    raise AssertionError(f"engine still busy after {max_steps} steps")
+    return h.token_ids(h.drive(engine, check=True))
 
 
 # ---- invariant 1: positions, not histories ------------------------------------------------

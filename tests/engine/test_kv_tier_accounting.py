@@ -80,7 +80,7 @@ def check(sched: Scheduler, folder) -> None:
 
 
 @pytest.mark.parametrize("background", [False, True])
-def test_random_workload_with_evictions_from_every_tier(tmp_path, background):
+def test_random_workload_with_evictions_from_every_tier(tmp_path, h, background):
     """`background`: disk files written and read by the tiers' thread, as when serving."""
     rng = random.Random(7)
     sched = make(tmp_path, rng, background)
@@ -94,8 +94,7 @@ def test_random_workload_with_evictions_from_every_tier(tmp_path, background):
             if not pending or len(live) >= 8:
                 break
             i = pending.pop(0)
-            base = rng.choice(bases)
-            prompt = base[:rng.randint(1, len(base))] + [rng.randrange(2, 500) for _ in range(rng.randint(0, 100))]
+            prompt = h.random_prompt(rng, bases, 100)
             params = SamplingParams(max_tokens=rng.randint(1, 20), prompt_logprobs=0 if rng.random() < 0.05 else None)
             req = Request(f"r{i}", prompt, params, arrival=i)
             live[req.request_id], max_out[req.request_id] = req, params.max_tokens
@@ -107,15 +106,8 @@ def test_random_workload_with_evictions_from_every_tier(tmp_path, background):
             cache.reset_prefix()               # the GPU forgets: what comes back comes from the tiers
         tiers.mover.streams.fire()
         waited += bool(tiers.loads or tiers.reads)
-        for c in sched.schedule():
-            req, completes = c.request, c.completes
-            cache.stage(req, req.num_computed, c.num_tokens)
-            sched.advance(req, c.num_tokens)
-            if completes:
-                req.output_token_ids.append(rng.randrange(2, 500))
-                if len(req.output_token_ids) >= max_out[req.request_id]:
-                    sched.finish(req)
-                    live.pop(req.request_id)
+        for req in h.simulated_step(sched, rng, max_out):
+            live.pop(req.request_id)
         check(sched, tmp_path)
         if not pending and not live:
             break

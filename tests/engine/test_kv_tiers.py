@@ -23,15 +23,10 @@ def first_start(run, rid):
     return next(start for step in run.steps for r, start, _ in step if r == rid)
 
 
-def greedy(eng, rid, prompt, n=12):
-    eng.add_request(rid, list(prompt), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-    out = []
-    while eng.has_unfinished():
-        for o in eng.step():
-            out.extend(o.new_token_ids)
-            if o.finished:
-                cached = o.num_cached_tokens
-    return out, cached
+def greedy(h, eng, rid, prompt, n=12):
+    """Greedy tokens of one request and how many of its prompt tokens were cached."""
+    out = h.drive_greedy(eng, {rid: prompt}, n)[rid]
+    return out.token_ids, out.num_cached_tokens
 
 
 def check_resumed(tiny, h, forcer, eng, tokens, prompt_len, expect_start, rid):
@@ -57,8 +52,8 @@ def test_restored_from_host_matches_cold(tiny, h, forcer, prompt_len, start):
     assert eng.cache.tiers.stats.hit_tokens["host"] == start
     h.assert_cache_accounting(eng)
     eng.reset_prefix_cache()
-    got, cached = greedy(eng, "greedy", tokens[:prompt_len])
-    cold, _ = greedy(tiny.engine(max_num_batched_tokens=2048, max_num_seqs=2, num_pages=8,
+    got, cached = greedy(h, eng, "greedy", tokens[:prompt_len])
+    cold, _ = greedy(h, tiny.engine(max_num_batched_tokens=2048, max_num_seqs=2, num_pages=8,
                                  enable_prefix_caching=False), "greedy", tokens[:prompt_len])
     assert got == cold and cached == start
 
@@ -92,8 +87,8 @@ def test_restored_from_disk_after_a_restart_matches_cold(tiny, h, forcer, tmp_pa
     for prompt_len, start in ((700, 512), (512, 256)):
         check_resumed(tiny, h, forcer, tiny.engine(**cfg), tokens, prompt_len, start, f"disk{prompt_len}")
     restarted = tiny.engine(**cfg)
-    got, cached = greedy(restarted, "g", tokens[:700])
-    cold, cold_cached = greedy(tiny.engine(**{**cfg, "host_cache_gb": 0, "disk_cache_dir": None}), "g", tokens[:700])
+    got, cached = greedy(h, restarted, "g", tokens[:700])
+    cold, cold_cached = greedy(h, tiny.engine(**{**cfg, "host_cache_gb": 0, "disk_cache_dir": None}), "g", tokens[:700])
     assert got == cold and cached == 512 and cold_cached == 0
     assert restarted.cache.tiers.stats.hit_tokens["disk"] == 512
 

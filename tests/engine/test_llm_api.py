@@ -167,24 +167,21 @@ def test_memory_report_states_pages_tokens_and_requests(tiny):
         budget.engine.memory_report()
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch_or_preemption(tiny):
+def test_seeded_sampling_does_not_depend_on_the_batch_or_preemption(tiny, h, llm):
     """A seeded sampled request draws the same tokens alone, in a batch with unseeded
     requests, and when it is preempted (recompute) on a cache too small for the batch."""
     prompt = tiny.ids(40, seed=104)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=42, max_tokens=120, ignore_eos=True)
-    alone = LLM(tiny.path, **SETTINGS).generate(prompt_token_ids=[prompt], sampling_params=seeded,
-                                                use_tqdm=False)[0].token_ids
+    alone = llm.generate(prompt_token_ids=[prompt], sampling_params=seeded, use_tqdm=False)[0].token_ids
 
     eng = LLMEngine(tiny.path, EngineConfig(max_num_batched_tokens=64, max_num_seqs=4, num_pages=3),
                     model=tiny.model)
-    eng.add_request("a", tiny.ids(200, seed=105), SamplingParams(temperature=1.0, max_tokens=250, ignore_eos=True))
-    eng.add_request("b", tiny.ids(150, seed=106), SamplingParams(temperature=1.0, max_tokens=200, ignore_eos=True))
+    # a (200 + 130 tokens) and b (150 + 100) grow to two 256-token pages each, the seeded request needs one: more
+    # than the 3 pages there are, so the newest (seeded) is preempted
+    eng.add_request("a", tiny.ids(200, seed=105), SamplingParams(temperature=1.0, max_tokens=130, ignore_eos=True))
+    eng.add_request("b", tiny.ids(150, seed=106), SamplingParams(temperature=1.0, max_tokens=100, ignore_eos=True))
     eng.add_request("seeded", prompt, seeded)
     req = eng.scheduler.waiting[-1]
-    done = {}
-    for _ in range(2000):
-        if not eng.has_unfinished():
-            break
-        done.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    done = h.drive(eng)
     assert req.num_preemptions >= 1, "the seeded request was not preempted"
-    assert done["seeded"] == alone
+    assert done["seeded"].token_ids == alone

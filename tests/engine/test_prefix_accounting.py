@@ -55,7 +55,7 @@ def check(sched: Scheduler) -> None:
         assert cache.seq(r).holds_nothing
 
 
-def run_workload(sched: Scheduler, num_requests: int, seed: int) -> dict:
+def run_workload(h, sched: Scheduler, num_requests: int, seed: int) -> dict:
     rng = random.Random(seed)
     bases = [[rng.randrange(2, 500) for _ in range(rng.randint(256, 1300))] for _ in range(6)]
     pending, finished, counts = list(range(num_requests)), 0, Counter()
@@ -66,8 +66,7 @@ def run_workload(sched: Scheduler, num_requests: int, seed: int) -> dict:
             if not pending or len(live) >= 12:                    # a bounded queue
                 break
             i = pending.pop(0)
-            base = rng.choice(bases)
-            prompt = base[:rng.randint(1, len(base))] + [rng.randrange(2, 500) for _ in range(rng.randint(0, 300))]
+            prompt = h.random_prompt(rng, bases, 300)
             params = SamplingParams(max_tokens=rng.randint(1, 400 if rng.random() < 0.1 else 24),
                                     prompt_logprobs=0 if rng.random() < 0.05 else None)
             req = Request(f"r{i}", prompt, params, arrival=i)
@@ -77,16 +76,9 @@ def run_workload(sched: Scheduler, num_requests: int, seed: int) -> dict:
             victim = live.pop(rng.choice(sorted(live)))
             sched.finish(victim, Status.ABORTED)
             counts["aborted"] += 1
-        for c in sched.schedule():
-            req, completes = c.request, c.completes
-            sched.cache.stage(req, req.num_computed, c.num_tokens)     # as the runner does for the step
-            sched.advance(req, c.num_tokens)
-            if completes:
-                req.output_token_ids.append(rng.randrange(2, 500))
-                if len(req.output_token_ids) >= outputs[req.request_id]:
-                    sched.finish(req)
-                    live.pop(req.request_id)
-                    counts["finished"] += 1
+        for req in h.simulated_step(sched, rng, outputs):
+            live.pop(req.request_id)
+            counts["finished"] += 1
         check(sched)
         if not pending and not live:
             return counts
@@ -94,14 +86,14 @@ def run_workload(sched: Scheduler, num_requests: int, seed: int) -> dict:
 
 
 @pytest.mark.parametrize("spec_slots", [0, 2])
-def test_random_workload_returns_every_page(spec_slots):
+def test_random_workload_returns_every_page(h, spec_slots):
     sched = make(num_pages=14, max_seqs=6, budget=300, checkpoints=10, spec_slots=spec_slots)
     cache = sched.cache
     initial = (cache.pages.num_free, cache.swa.num_free, len(cache.free_slots))
     reqs: list[Request] = []
     original_add = sched.add
     sched.add = lambda r: (reqs.append(r), original_add(r))[1]
-    counts = run_workload(sched, num_requests=2000, seed=spec_slots)
+    counts = run_workload(h, sched, num_requests=2000, seed=spec_slots)
     assert counts["finished"] + counts["aborted"] == 2000
     assert sum(r.num_preemptions for r in reqs) >= 20, "the workload did not exercise preemption"
     assert counts["aborted"] >= 20

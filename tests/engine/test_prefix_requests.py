@@ -18,31 +18,14 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-def run(engine, prompts: dict[str, list[int]], params: SamplingParams, h=None, on_step=None) -> dict:
-    for rid, p in prompts.items():
-        engine.add_request(rid, p, params)
-    done = {}
-    for _ in range(3000):
-        if not engine.has_unfinished():
-            return done
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        if h is not None:
-            h.assert_cache_accounting(engine)
-        if on_step is not None:
-            on_step(engine)
-    raise AssertionError("engine still busy")
+def cold_tokens(tiny, h, prompt: list[int], max_tokens: int) -> list[int]:
+    return cold_batch(tiny, h, {"cold": prompt}, max_tokens)["cold"]
 
 
-def cold_tokens(tiny, prompt: list[int], max_tokens: int) -> list[int]:
-    return cold_batch(tiny, {"cold": prompt}, max_tokens)["cold"]
-
-
-def cold_batch(tiny, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
+def cold_batch(tiny, h, prompts: dict[str, list[int]], max_tokens: int) -> dict[str, list[int]]:
     """Greedy tokens of a cold engine (no prefix cache) for each prompt."""
     eng = tiny.engine(**SETTINGS, enable_prefix_caching=False)
-    return {rid: out.token_ids for rid, out in run(eng, prompts, greedy(max_tokens)).items()}
+    return {rid: out.token_ids for rid, out in h.drive_greedy(eng, prompts, max_tokens).items()}
 
 
 def test_resend_hits_and_generates_the_same(tiny, h):
@@ -50,11 +33,11 @@ def test_resend_hits_and_generates_the_same(tiny, h):
     and generates the first's tokens, which are the cold engine's."""
     prompt = tiny.tie_free_ids(700, seed=301)
     eng = tiny.engine(**SETTINGS)
-    first = run(eng, {"a": prompt}, greedy(40), h)["a"]
-    second = run(eng, {"b": prompt}, greedy(40), h)["b"]
+    first = h.drive_greedy(eng, {"a": prompt}, 40, check=True)["a"]
+    second = h.drive_greedy(eng, {"b": prompt}, 40, check=True)["b"]
     assert first.num_cached_tokens == 0 and second.num_cached_tokens == 512
     assert second.num_cached_tokens >= (len(prompt) // 256 - 1) * 256
-    assert first.token_ids == second.token_ids == cold_tokens(tiny, prompt, 40)
+    assert first.token_ids == second.token_ids == cold_tokens(tiny, h, prompt, 40)
     queries, hits, pages = eng.prefix_stats()
     assert (queries, hits) == (1400, 512) and pages >= 2
 
@@ -65,11 +48,11 @@ def test_a_prompt_ending_on_a_page_boundary(tiny, h):
     from the ring at the chunk's end); both generate the cold engine's tokens."""
     prompt = tiny.tie_free_ids(808, seed=305)
     eng = tiny.engine(**{**SETTINGS, "max_num_batched_tokens": 1024})
-    run(eng, {"a": prompt[:768]}, greedy(8), h)
-    resend = run(eng, {"b": prompt[:768]}, greedy(8), h)["b"]
-    longer = run(eng, {"c": prompt}, greedy(8), h)["c"]
+    h.drive_greedy(eng, {"a": prompt[:768]}, 8, check=True)
+    resend = h.drive_greedy(eng, {"b": prompt[:768]}, 8, check=True)["b"]
+    longer = h.drive_greedy(eng, {"c": prompt}, 8, check=True)["c"]
     assert (resend.num_cached_tokens, longer.num_cached_tokens) == (512, 768)
-    cold = cold_batch(tiny, {"b": prompt[:768], "c": prompt}, 8)
+    cold = cold_batch(tiny, h, {"b": prompt[:768], "c": prompt}, 8)
     assert resend.token_ids == cold["b"] and longer.token_ids == cold["c"]
 
 
@@ -81,10 +64,10 @@ def test_multi_turn_reuses_the_previous_prompt_and_answer(tiny, h):
     eng = tiny.engine(**SETTINGS, async_scheduling="on")
     prompt, reached = tiny.tie_free_ids(460, seed=311), None
     for turn in range(3):
-        out = run(eng, {f"t{turn}": prompt}, greedy(60), h)[f"t{turn}"]
+        out = h.drive_greedy(eng, {f"t{turn}": prompt}, 60, check=True)[f"t{turn}"]
         if reached is not None:
             assert out.num_cached_tokens == reached // 256 * 256 == 512
-        assert out.token_ids == cold_tokens(tiny, prompt, 60), f"turn {turn}"
+        assert out.token_ids == cold_tokens(tiny, h, prompt, 60), f"turn {turn}"
         reached = len(prompt) + len(out.token_ids) - 1         # the last token's KV is never written
         prompt = prompt + out.token_ids + tiny.ids(80, seed=320 + turn)
 
@@ -101,12 +84,12 @@ def test_forks_share_pages_and_resume_from_one_checkpoint(tiny, h, padded, async
         eng.runner.graphs = StepGraphs(eng.model, eng.runner.storage, max_bs=8, capture=False)
     seen = []
 
-    def look(engine):
+    def look(engine, step):
         held = [engine.cache.seq(r) for r in engine.scheduler.running]
         if len(held) == 4 and all(len(s.pages) >= 3 for s in held):
             seen.append(held)
 
-    outs = run(eng, {f"f{i}": prompt for i in range(4)}, greedy(30), h, look)
+    outs = h.drive_greedy(eng, {f"f{i}": prompt for i in range(4)}, 30, check=True, on_step=look)
     assert sorted(o.num_cached_tokens for o in outs.values()) == [0, 512, 512, 512]
     assert seen, "the four never ran together"
     held = seen[0]
@@ -114,7 +97,7 @@ def test_forks_share_pages_and_resume_from_one_checkpoint(tiny, h, padded, async
     assert len({s.pages[2] for s in held}) == 4 and len({s.slot for s in held}) == 4
     swa = [p for s in held for p in s.swa_pages if p >= 0]
     assert len(set(swa)) == len(swa)
-    want = cold_tokens(tiny, prompt, 30)
+    want = cold_tokens(tiny, h, prompt, 30)
     assert all(o.token_ids == want for o in outs.values())
 
 
@@ -123,9 +106,9 @@ def test_prompt_logprobs_are_computed_not_hit(tiny, h):
     prompt is cached, and gets the logprobs the first request got."""
     prompt = tiny.tie_free_ids(600, seed=341)
     eng = tiny.engine(**SETTINGS)
-    first = run(eng, {"a": prompt}, greedy(5, prompt_logprobs=1), h)["a"]
+    first = h.drive_greedy(eng, {"a": prompt}, 5, check=True, prompt_logprobs=1)["a"]
     assert eng.cache.prefix.match(prompt, 599) is not None
-    second = run(eng, {"b": prompt}, greedy(5, prompt_logprobs=1), h)["b"]
+    second = h.drive_greedy(eng, {"b": prompt}, 5, check=True, prompt_logprobs=1)["b"]
     assert second.num_cached_tokens == 0 and len(second.prompt_logprobs) == len(prompt)
     for x, y in zip(first.prompt_logprobs[1:], second.prompt_logprobs[1:]):
         assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
@@ -140,10 +123,10 @@ def test_preemption_keeps_committed_pages_cached(tiny, h):
     for rid, p in prompts.items():
         eng.add_request(rid, p, greedy(120))
     reqs = list(eng.scheduler.waiting)
-    outs = run(eng, {}, greedy(120), h)
+    outs = h.drive(eng, check=True)
     assert sum(r.num_preemptions for r in reqs) >= 1, "the test did not exercise preemption"
     assert eng.scheduler.prefix_hits >= 256, "no preempted request resumed from its checkpoint"
-    cold = cold_batch(tiny, prompts, 120)
+    cold = cold_batch(tiny, h, prompts, 120)
     for rid in prompts:
         assert outs[rid].token_ids == cold[rid], rid
     assert h.free_counts(eng) == (5, eng.plan.num_swa_pages, 3)

@@ -45,17 +45,10 @@ def engine_of():
     return get
 
 
-def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
-    for rid, (ids, params) in requests.items():
-        engine.add_request(rid, ids, params)
-    done = {}
-    for _ in range(2000):
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        if len(done) == len(requests):
-            return done
-    raise AssertionError("engine still busy")
+@pytest.fixture(scope="module")
+def run(h):
+    """run(engine, {request id: (prompt ids, params)}) -> request id -> output (all added at once)."""
+    return lambda engine, requests: h.drive(engine, [h.Req(rid, ids, p) for rid, (ids, p) in requests.items()])
 
 
 def prompts(engine: LLMEngine, n: int = N) -> list[list[int]]:
@@ -73,7 +66,7 @@ def check(kind: str, text: str) -> None:
         assert re.fullmatch(EBNF_RE, text), text
 
 
-def test_every_kind_validates_50_prompts_async(engine_of):
+def test_every_kind_validates_50_prompts_async(engine_of, run):
     eng = engine_of(async_scheduling="on")
     ps = prompts(eng)
     reqs = {f"{kind}-{i}": (p, SamplingParams(max_tokens=40, temperature=0.0 if i % 2 else 0.8, seed=i,
@@ -87,7 +80,7 @@ def test_every_kind_validates_50_prompts_async(engine_of):
     assert len(eng.grammars) == 0                          # every matcher dropped at finish
 
 
-def test_json_object_is_an_object(engine_of):
+def test_json_object_is_an_object(engine_of, run):
     """Any JSON object: the demo model may nest forever, so outputs cut by max_tokens are left
     out; every finished one parses as an object."""
     eng = engine_of(async_scheduling="on")
@@ -101,7 +94,7 @@ def test_json_object_is_an_object(engine_of):
         assert isinstance(json.loads(out.text), dict), out.text
 
 
-def test_unconstrained_requests_keep_their_tokens(engine_of):
+def test_unconstrained_requests_keep_their_tokens(engine_of, run):
     """Invariant 5: greedy requests without a constraint, batched with constrained ones, give the
     tokens of a run without any; constrained greedy tokens are the same with async on and off."""
     sync, async_ = engine_of(async_scheduling="off"), engine_of(async_scheduling="on")
@@ -121,7 +114,7 @@ def test_unconstrained_requests_keep_their_tokens(engine_of):
     assert {rid: o.token_ids for rid, o in got.items()} == constrained
 
 
-def test_speculative_drafts_follow_the_grammar(engine_of):
+def test_speculative_drafts_follow_the_grammar(engine_of, run):
     """MTP drafts are verified under the grammar (row j masked after drafts 1..j, the matcher
     rolled back): outputs validate, and greedy tokens equal those without speculation."""
     spec = engine_of(speculative_config='{"method": "mtp", "num_speculative_tokens": 3}')
@@ -140,7 +133,7 @@ def test_speculative_drafts_follow_the_grammar(engine_of):
     assert spec.spec.stats.num_draft_tokens > 0
 
 
-def test_thinking_gate_starts_the_constraint_after_think_end(engine_of):
+def test_thinking_gate_starts_the_constraint_after_think_end(engine_of, run):
     eng = engine_of(async_scheduling="off")
     think_end = eng.tokenizer.token_to_id("</think>")
     spec = StructuredOutputs(choice=CHOICES, after_think=True)
@@ -152,7 +145,7 @@ def test_thinking_gate_starts_the_constraint_after_think_end(engine_of):
     assert out.text.split("</think>", 1)[1].replace("<｜end▁of▁sentence｜>", "") in CHOICES
 
 
-def test_stop_string_ends_a_constrained_request(engine_of):
+def test_stop_string_ends_a_constrained_request(engine_of, run):
     """A stop string may cut the constrained output (the client asked for it); the matcher goes."""
     eng = engine_of(async_scheduling="on")
     ps = prompts(eng, 2)
@@ -169,7 +162,7 @@ def test_stop_string_ends_a_constrained_request(engine_of):
 @pytest.mark.parametrize("spec, words", [
     (StructuredOutputs(regex="a("), "regex"), (StructuredOutputs(json='{"type": "object", "not": {}}'), "not"),
     (StructuredOutputs(grammar="root ::= foo"), "grammar"), (StructuredOutputs(json="{"), "JSON")])
-def test_bad_constraint_fails_alone(engine_of, spec, words):
+def test_bad_constraint_fails_alone(engine_of, run, spec, words):
     eng = engine_of(async_scheduling="off")
     with pytest.raises(ValueError, match=words):
         eng.add_request("bad", prompts(eng, 1)[0], SamplingParams(max_tokens=4, structured=spec))

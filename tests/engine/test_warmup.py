@@ -8,32 +8,21 @@ import random
 import torch
 
 from dsv4.cache.addressing import Scratch, SeqChunk
-from dsv4.config import EngineConfig
 from dsv4.engine.cuda_graphs import BATCH_BUCKETS, StepGraphs, graph_shapes, warmup_seqs, width_bucket
-from dsv4.engine.engine import LLMEngine
-from dsv4.model.random_init import preset_config, random_state, save_checkpoint
-from dsv4.sampling_params import SamplingParams
+from dsv4.model.random_init import preset_config
 
 MAX_LEN = 600
 
 
-def _engine(path, graphs: bool):
-    eng = LLMEngine(path, EngineConfig(max_num_batched_tokens=64, max_num_seqs=6, num_pages=24, max_model_len=MAX_LEN))
+def _engine(tiny, graphs: bool):
+    eng = tiny.engine(max_num_batched_tokens=64, max_num_seqs=6, num_pages=24, max_model_len=MAX_LEN)
     if graphs:
         eng.runner.graphs = StepGraphs(eng.model, eng.runner.storage, max_bs=8, capture=False, h2d=eng.runner.h2d)
     return eng
 
 
-def _run(eng, prompts, max_tokens):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), p, params)
-    done = {}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.token_ids
-    return [done[str(i)] for i in range(len(prompts))]
+def _run(h, eng, prompts, max_tokens):
+    return [out.token_ids for out in h.greedy_outputs(eng, prompts, max_tokens)]
 
 
 def test_graph_shapes_cover_every_uniform_step():
@@ -64,15 +53,12 @@ def test_width_buckets_stay_few_past_8192():
     assert len(widths) < 6 + 16 + 16 * 5
 
 
-def test_warmup_runs_every_shape_and_leaves_tokens_unchanged(tmp_path):
-    torch.set_num_threads(1)
-    cfg = preset_config("tiny")
-    save_checkpoint(cfg, random_state(cfg, seed=3), str(tmp_path))
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist() for n in (3, 120, 250, 61)]
-    plain = _run(_engine(str(tmp_path), False), prompts, 20)
+def test_warmup_runs_every_shape_and_leaves_tokens_unchanged(tiny, h, one_thread):
+    cfg = tiny.cfg
+    prompts = [tiny.ids(n, seed=n) for n in (3, 120, 250, 61)]
+    plain = _run(h, _engine(tiny, False), prompts, 20)
 
-    eng = _engine(str(tmp_path), True)
+    eng = _engine(tiny, True)
     before = {k: v.clone() for k, v in eng.runner.storage.kinds.items()}
     ran = []
     run = eng.runner.graphs.run
@@ -86,5 +72,5 @@ def test_warmup_runs_every_shape_and_leaves_tokens_unchanged(tmp_path):
         assert torch.equal(t[:-1], before[kind][:-1]), kind
 
     ran.clear()
-    assert _run(eng, prompts, 20) == plain
+    assert _run(h, eng, prompts, 20) == plain
     assert ran and set(ran) <= set(expected) and not eng.runner.graphs.late

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.ops.paged import PagedRows
+from dsv4.ops.paged import PagedRows, dense_index
 
 
 def random_paged(T: int, width: int, *, per_page: int, pitch: int, requests: int = 3, seed: int = 0,
@@ -59,3 +59,19 @@ def dense_by_definition(paged: PagedRows) -> torch.Tensor:
             e = lo + k
             out[t, k] = int(pages[r, e // paged.per_page]) * paged.pitch + e % paged.per_page
     return out
+
+
+MIXES = ["paged", "paged_dense", "dense_paged", "one"]
+
+
+def mixed_sources(sources: list, mix: str) -> tuple[list, list]:
+    """Two paged `(kv, PagedRows)` sources -> (the sources as `mix` says: both paged, the second
+    or the first in dense form, or only the second; every source's dense form)."""
+    sources = list(sources)
+    if mix == "paged_dense":
+        sources[1] = (sources[1][0], sources[1][1].dense())
+    elif mix == "dense_paged":
+        sources[0] = (sources[0][0], sources[0][1].dense())
+    elif mix == "one":
+        sources = sources[1:]
+    return sources, [(kv, dense_index(idx)) for kv, idx in sources]

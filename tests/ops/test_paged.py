@@ -7,7 +7,7 @@ import dsv4.ops.attention as attention_ops
 import dsv4.ops.indexer as indexer_ops
 from dsv4.ops import backend
 from dsv4.ops.paged import PagedRows, dense_index, index_width
-from paged_inputs import dense_by_definition, random_paged
+from paged_inputs import MIXES, dense_by_definition, mixed_sources, random_paged
 
 
 @pytest.mark.parametrize("per_page, pitch", [(4, 4), (4, 12), (8, 24), (1, 3)])
@@ -56,19 +56,13 @@ def attention_inputs(T, H=4, D=32, seed=0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mix", ["paged", "paged_dense", "dense_paged", "one"])
+@pytest.mark.parametrize("mix", MIXES)
 def test_attention_paged_is_dense(monkeypatch, dtype, mix):
     monkeypatch.setattr(attention_ops, "QUERY_BLOCK", 8)
     calls = DenseCalls(monkeypatch)
     q, sources, sinks = attention_inputs(29)
     q, sources = q.to(dtype), [(kv.to(dtype), idx) for kv, idx in sources]
-    if mix == "paged_dense":
-        sources[1] = (sources[1][0], sources[1][1].dense())
-    elif mix == "dense_paged":
-        sources[0] = (sources[0][0], sources[0][1].dense())
-    elif mix == "one":
-        sources = sources[1:]
-    dense = [(kv, dense_index(idx)) for kv, idx in sources]
+    sources, dense = mixed_sources(sources, mix)
     calls.sizes.clear()
     with backend.forced("reference"):
         got = attention_ops.sparse_attention(q, sources, sinks, 0.2)

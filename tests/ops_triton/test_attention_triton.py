@@ -14,7 +14,7 @@ from dsv4.ops.paged import PagedRows, dense_index
 from dsv4.ops.triton import attention as triton_attention
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "ops"))
-from paged_inputs import random_paged  # noqa: E402
+from paged_inputs import MIXES, mixed_sources, random_paged  # noqa: E402
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
@@ -143,20 +143,14 @@ def paged_inputs(device, T, dtype, widths=(16, 24), seed=0, index_dtype=torch.lo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("mix", ["paged", "paged_dense", "dense_paged", "one"])
+@pytest.mark.parametrize("mix", MIXES)
 @pytest.mark.parametrize("splits", [1, 3])
 def test_paged_is_dense(device, dtype, mix, splits):
     """A PagedRows source gives the kernel's own result for its dense form, bit for bit (tokens
     of several requests, windows with lo > 0, short and empty ranges, -1 pages), whether the
     slots are split or not, and the reference's within tolerance."""
     q, sources, sinks = paged_inputs(device, 13, dtype)
-    if mix == "paged_dense":
-        sources[1] = (sources[1][0], sources[1][1].dense())
-    elif mix == "dense_paged":
-        sources[0] = (sources[0][0], sources[0][1].dense())
-    elif mix == "one":
-        sources = sources[1:]
-    dense = [(kv, dense_index(idx)) for kv, idx in sources]
+    sources, dense = mixed_sources(sources, mix)
     knobs = dict(num_splits=splits, block_k=16)
     out = check(q, sources, sinks, **knobs)
     assert torch.equal(out, triton_attention.sparse_attention(q, dense, sinks, q.shape[-1] ** -0.5, **knobs))

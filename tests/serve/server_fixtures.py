@@ -172,13 +172,22 @@ def fake_server_factory():
 
 # ---- the real server ------------------------------------------------------------------------
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: Path, timeout: float = 180):
+    """`python -m dsv4.cli <command> *args` (`serve`, or `router` of the disaggregated tests) with
+    its output in `log_path`, ready once it logs "ready at <url>" (then `base_url`). `wait=False`
+    returns at once (`base_url` None): call `wait_ready()` later, so several start together."""
+
+    def __init__(self, args: list[str], log_path: Path, timeout: float = 180, command: str = "serve",
+                 wait: bool = True):
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # 2 shared cores: one torch thread is much faster
-        self.log_path = log_path
+        self.command, self.log_path, self.timeout = command, log_path, timeout
         self._log = open(log_path, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "dsv4.cli", "serve", *args], stdout=self._log,
+        self.proc = subprocess.Popen([sys.executable, "-m", "dsv4.cli", command, *args], stdout=self._log,
                                      stderr=subprocess.STDOUT, env=env)
-        self.base_url = self._wait_ready(timeout)
+        self.base_url = self.wait_ready() if wait else None
+
+    def wait_ready(self) -> str:
+        self.base_url = self._wait_ready(self.timeout)
+        return self.base_url
 
     def _wait_ready(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -187,10 +196,10 @@ class ServerProcess:
             if found:
                 return found.group(1)
             if self.proc.poll() is not None:
-                pytest.fail(f"dsv4 serve exited with {self.proc.returncode}:\n{self.log()}")
+                pytest.fail(f"dsv4 {self.command} exited with {self.proc.returncode}:\n{self.log()}")
             time.sleep(0.1)
         self.stop()
-        pytest.fail(f"dsv4 serve did not get ready in {timeout} s:\n{self.log()}")
+        pytest.fail(f"dsv4 {self.command} did not get ready in {timeout} s:\n{self.log()}")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

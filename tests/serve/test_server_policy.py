@@ -29,6 +29,16 @@ def _error(r: httpx.Response, status: int, param) -> dict:
     return error
 
 
+@pytest.fixture(scope="module")
+def limited_server():
+    """One fake server with every limit the limit tests need (each test sends requests only its
+    own limit refuses): strict API, 1 MB bodies, at most 4 prompts x n."""
+    from serve.server_fixtures import start_fake_server
+    server = start_fake_server(ServerLimits(strict_api=True, max_body_bytes=MB, max_batch_requests=4))
+    yield server
+    server.stop()
+
+
 # ---- unknown fields ----------------------------------------------------------------------
 def test_unknown_fields_are_ignored_and_named_in_a_header(fake_server, caplog):
     with _http(fake_server) as http:
@@ -44,9 +54,8 @@ def test_unknown_fields_are_ignored_and_named_in_a_header(fake_server, caplog):
     assert len(warnings) == 1          # once per field name, not once per request
 
 
-def test_strict_api_rejects_unknown_fields(fake_server_factory):
-    server = fake_server_factory(ServerLimits(strict_api=True))
-    with _http(server) as http:
+def test_strict_api_rejects_unknown_fields(limited_server):
+    with _http(limited_server) as http:
         _error(http.post(CHAT, json={"messages": user("hi"), "frobnicate": 1}), 400, "frobnicate")
         _error(http.post(CHAT, json={"messages": [{"role": "user", "content": "hi", "mood": 1}]}), 400,
                "messages.0.mood")
@@ -122,10 +131,9 @@ def test_include_reasoning_false_drops_the_reasoning(fake_server, stream):
 
 
 # ---- limits ----------------------------------------------------------------------------------
-def test_body_size_limit_is_a_413(fake_server_factory):
-    server = fake_server_factory(ServerLimits(max_body_bytes=MB))
+def test_body_size_limit_is_a_413(limited_server):
     big = json.dumps({"prompt": "x" * (MB + 10)}).encode()
-    with _http(server) as http:
+    with _http(limited_server) as http:
         error = _error(http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"}),
                        413, None)
         assert "--max-request-body-mb" in error["message"]
@@ -135,9 +143,8 @@ def test_body_size_limit_is_a_413(fake_server_factory):
         assert http.post("/v1/completions", json={"prompt": "[[plain]]", "max_tokens": 2}).status_code == 200
 
 
-def test_prompts_times_n_is_capped(fake_server_factory):
-    server = fake_server_factory(ServerLimits(max_batch_requests=4))
-    with _http(server) as http:
+def test_prompts_times_n_is_capped(limited_server):
+    with _http(limited_server) as http:
         error = _error(http.post("/v1/completions", json={"prompt": ["a", "b"], "n": 3}), 400, "prompt")
         assert "--max-batch-requests" in error["message"]
         _error(http.post("/v1/completions", json={"prompt": "a", "n": 5}), 400, "n")

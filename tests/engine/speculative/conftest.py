@@ -1,7 +1,6 @@
 """Helpers of the speculative-decoding tests (issue 17).
 
-* `drive`: runs an engine over requests that arrive at given steps (optionally aborting one),
-  checking the cache accounting after every step; returns the finished outputs.
+* `sp.Req`, `sp.drive`, `sp.assert_same_outputs`: tests/engine/conftest.py's, for these tests.
 * `ScriptedProposer`: replaces the MTP drafter with drafts read from known continuations
   (wrong where a rule says so), so that accepted runs of every length happen on a random tiny
   model whose own MTP block almost never guesses right.
@@ -13,55 +12,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-
-from dsv4.sampling_params import SamplingParams
-
-MAX_STEPS = 3000
-
-
-@dataclass
-class Req:
-    rid: str
-    prompt: list[int]
-    params: SamplingParams
-    arrival: int = 0
-
-
-def drive(engine, reqs: list[Req], h=None, abort_at: tuple[str, int] | None = None, on_step=None) -> dict:
-    """Add each request at step `arrival`; abort request abort_at[0] before step abort_at[1]."""
-    done, step = {}, 0
-    last = max(r.arrival for r in reqs)
-    while step < MAX_STEPS:
-        for r in reqs:
-            if r.arrival == step:
-                engine.add_request(r.rid, list(r.prompt), r.params)
-        if abort_at is not None and step == abort_at[1]:
-            engine.abort(abort_at[0])
-        if step > last and not engine.has_unfinished():
-            return done
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        if h is not None:
-            h.assert_cache_accounting(engine)
-        if on_step is not None:
-            on_step(engine, step)
-        step += 1
-    raise AssertionError("engine still busy")
-
-
-def assert_same_outputs(a: dict, b: dict, rids=None) -> None:
-    """Same tokens, finish and stop reasons, text, and logprobs (to fp32 rounding of different batches)."""
-    if rids is None:
-        assert sorted(a) == sorted(b)
-        rids = sorted(a)
-    for rid in rids:
-        x, y = a[rid], b[rid]
-        assert x.token_ids == y.token_ids, (rid, x.token_ids, y.token_ids)
-        assert (x.finish_reason, x.stop_reason, x.text) == (y.finish_reason, y.stop_reason, y.text), rid
-        assert (x.logprobs is None) == (y.logprobs is None), rid
-        for dx, dy in zip(x.logprobs or [], y.logprobs or []):
-            assert dx.keys() == dy.keys() and all(abs(dx[t] - dy[t]) < 1e-4 for t in dx), rid
 
 
 class ScriptedProposer:
@@ -122,7 +72,7 @@ def demo() -> Demo:
 
 
 @pytest.fixture(scope="session")
-def sp():
+def sp(h):
     import types
-    return types.SimpleNamespace(Req=Req, drive=drive, assert_same_outputs=assert_same_outputs,
+    return types.SimpleNamespace(Req=h.Req, drive=h.drive, assert_same_outputs=h.assert_same_outputs,
                                  ScriptedProposer=ScriptedProposer, CharTokenizer=CharTokenizer, spec=spec)

@@ -13,6 +13,7 @@ from dsv4.engine.engine import LLMEngine
 from dsv4.engine.speculative.dspark import DSparkProposer
 from dsv4.engine.speculative.verify import sample_drafts
 from dsv4.sampling_params import SamplingParams
+from triples import chi_square, chi_square_bound, count_triples, exact_triples, sampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ENGINE = dict(max_num_batched_tokens=64, max_num_seqs=6, num_pages=16)
@@ -99,7 +100,7 @@ def test_dspark_greedy_equals_plain(tiny, h, sp, plain, k):
     eng = tiny.engine(speculative_config=dspark(k), **ENGINE)
     assert eng.layout.with_mtp and eng.runner.keep_taps and not eng.async_scheduling
     initial = h.free_counts(eng)
-    got = sp.drive(eng, workload(tiny, sp), h)
+    got = sp.drive(eng, workload(tiny, sp), check=True)
     sp.assert_same_outputs(got, plain, GREEDY)
     assert got["e"].finish_reason == "length" and len(got["e"].token_ids) == 14
     stats = eng.spec.stats
@@ -117,7 +118,7 @@ def test_dspark_accepted_runs_in_mixed_batches(tiny, h, sp, plain):
     initial = h.free_counts(eng)
     eng.spec.proposer = SteeredProposer(eng.spec.proposer, truth, lambda rid, p: (p * 7 + len(rid)) % 5 == 0)
     mixed = _mixed_steps(eng)
-    got = sp.drive(eng, reqs, h)
+    got = sp.drive(eng, reqs, check=True)
     sp.assert_same_outputs(got, plain, GREEDY)
     assert any(mixed), "no step verified drafts beside a chunked prefill"
     per_pos = eng.spec.stats.accepted_per_pos
@@ -138,7 +139,7 @@ def test_dspark_stop_and_max_tokens_inside_an_accepted_run(tiny, h, sp):
     initial = h.free_counts(eng)
     eng.spec.proposer = SteeredProposer(eng.spec.proposer, {r.rid: prompt + base for r in reqs},
                                         lambda rid, p: False)
-    got = sp.drive(eng, reqs, h)
+    got = sp.drive(eng, reqs, check=True)
     sp.assert_same_outputs(got, want)
     assert got["tok"].finish_reason == "stop" and got["tok"].stop_reason == stop
     assert got["len"].finish_reason == "length" and len(got["len"].token_ids) == 6
@@ -168,8 +169,8 @@ def test_dspark_with_prefix_caching(tiny, h, sp):
     want = sp.drive(tiny.engine(**ENGINE), [sp.Req("cold", prompt, greedy(12))])["cold"]
     eng = tiny.engine(speculative_config=dspark(3), enable_prefix_caching=True, **ENGINE)
     drafts = _record_drafts(eng)
-    first = sp.drive(eng, [sp.Req("a", prompt, greedy(12))], h)["a"]
-    second = sp.drive(eng, [sp.Req("b", prompt, greedy(12))], h)["b"]
+    first = sp.drive(eng, [sp.Req("a", prompt, greedy(12))], check=True)["a"]
+    second = sp.drive(eng, [sp.Req("b", prompt, greedy(12))], check=True)["b"]
     assert second.num_cached_tokens == 512
     assert first.token_ids == second.token_ids == want.token_ids
     a = {p: d for (rid, p), d in drafts.items() if rid == "a"}
@@ -183,7 +184,7 @@ def test_confidence_truncation_cuts_drafts_not_output(tiny, h, sp, plain):
     runs = {}
     for threshold in (0.0, 0.5):
         eng = tiny.engine(speculative_config=dspark(4, confidence_threshold=threshold), **ENGINE)
-        got = sp.drive(eng, workload(tiny, sp), h)
+        got = sp.drive(eng, workload(tiny, sp), check=True)
         sp.assert_same_outputs(got, plain, GREEDY)
         runs[threshold] = eng.spec.stats
     full, cut = runs[0.0], runs[0.5]
@@ -225,7 +226,7 @@ def test_dspark_needs_a_dspark_model(sp):
 
 
 # ---- sampling: the target distribution with DSpark drafts --------------------------------
-TOP_K, TEMPERATURE, REQUESTS = 3, 1.5, 1500
+REQUESTS = 1500
 
 
 class NudgedProposer(DSparkProposer):
@@ -251,38 +252,14 @@ def test_dspark_sampling_keeps_the_target_distribution(tiny, sp):
     the 27 token triples follow the exact p(x1) p(x2|x1) p(x3|x1,x2) (chi-square, p < 1e-5):
     statistic 28.3 for 26 degrees of freedom (bound 69.3), acceptance 0.83; handing verification
     p instead of the q the drafts were drawn from scores 220 and fails."""
-    from dsv4.engine.oneshot import full_logits
-    from dsv4.engine.sampler import Sampler, SamplingBatch, SamplingRow
-    from test_spec_rejection import chi_square, chi_square_bound
-    prompt = tiny.ids(6, seed=77)
-    params = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=3, ignore_eos=True)
-    batch = SamplingBatch.build([SamplingRow(params, (), ())], tiny.cfg.vocab_size, "cpu")
-    known: dict[tuple, torch.Tensor] = {}
-
-    def target(prefix: tuple) -> torch.Tensor:
-        if prefix not in known:
-            known[prefix] = Sampler.probs(full_logits(tiny.model, list(prefix))[-1:], batch)[0]
-        return known[prefix]
-
-    triples, probs = [], []
-    p0 = target(tuple(prompt))
-    for x1 in p0.nonzero().flatten().tolist():
-        p1 = target(tuple(prompt) + (x1,))
-        for x2 in p1.nonzero().flatten().tolist():
-            p2 = target(tuple(prompt) + (x1, x2))
-            triples += [(x1, x2, x3) for x3 in p2.nonzero().flatten().tolist()]
-            probs += [float(p0[x1] * p1[x2] * p2[x3]) for x3 in p2.nonzero().flatten().tolist()]
+    exact = exact_triples(tiny.model, tiny.cfg.vocab_size, tiny.ids(6, seed=77))
     eng = tiny.engine(speculative_config=dspark(2), max_num_seqs=512, max_num_batched_tokens=4096, num_pages=520,
                       seed=5)
-    eng.spec.proposer = NudgedProposer(eng.spec.proposer, target)
-    for i in range(REQUESTS):
-        eng.add_request(str(i), list(prompt), params)
-    counts, index = torch.zeros(len(triples), dtype=torch.float64), {t: i for i, t in enumerate(triples)}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                counts[index[tuple(out.token_ids)]] += 1
-    stat, dof = chi_square(counts, torch.tensor(probs, dtype=torch.float64))
+    eng.spec.proposer = NudgedProposer(eng.spec.proposer, exact.target)
+    params = sampling(max_tokens=3)
+    outs = sp.drive(eng, [sp.Req(str(i), exact.prompt, params) for i in range(REQUESTS)])
+    counts = count_triples(outs.values(), exact)
+    stat, dof = chi_square(counts, exact.probs)
     stats = eng.spec.stats
     assert stat < chi_square_bound(dof), (stat, dof)
     assert 0.2 < stats.num_accepted_tokens / stats.num_draft_tokens < 0.95, "drafts rarely or always accepted"

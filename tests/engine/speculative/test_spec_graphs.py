@@ -42,7 +42,7 @@ def test_graph_shapes_keep_greedy_output(tiny, h, sp, k):
     eng = tiny.engine(speculative_config=sp.spec(k), **config)
     calls = with_graph_shapes(eng)
     initial = h.free_counts(eng)
-    sp.assert_same_outputs(sp.drive(eng, reqs, h), want)
+    sp.assert_same_outputs(sp.drive(eng, reqs, check=True), want)
     assert calls["verify"] >= 8 and calls["draft"] >= 8, calls
     assert h.free_counts(eng) == initial
 

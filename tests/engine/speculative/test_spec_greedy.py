@@ -69,7 +69,7 @@ def test_mtp_greedy_equals_plain(tiny, h, sp, plain, k):
     assert eng.config.spec_slots == k and eng.layout.with_mtp and not eng.async_scheduling
     initial = h.free_counts(eng)
     mixed = _mixed_steps(eng)
-    got = sp.drive(eng, workload(tiny, sp, stop), h)
+    got = sp.drive(eng, workload(tiny, sp, stop), check=True)
     sp.assert_same_outputs(got, want, GREEDY)
     assert got["e"].finish_reason == "length" and len(got["e"].token_ids) == 14
     assert any(mixed), "no step verified drafts beside a chunked prefill"
@@ -92,7 +92,7 @@ def test_scripted_drafts_accepted_in_runs_of_every_length(tiny, h, sp, plain, k)
     lengths = []
     record = eng.spec.stats.record
     eng.spec.stats.record = lambda drafted, accepted: lengths.append((drafted, accepted)) or record(drafted, accepted)
-    got = sp.drive(eng, workload(tiny, sp, stop), h)
+    got = sp.drive(eng, workload(tiny, sp, stop), check=True)
     sp.assert_same_outputs(got, want, GREEDY)
     accepted = {a for d, a in lengths if d == k}
     assert accepted == set(range(k + 1)), f"accepted run lengths seen: {sorted(accepted)}"
@@ -119,7 +119,7 @@ def test_stops_and_max_tokens_inside_an_accepted_run(tiny, h, sp):
     initial = h.free_counts(eng)
     eng.spec.proposer = sp.ScriptedProposer({r.rid: prompt + base.token_ids for r in reqs}, lambda rid, p: False,
                                             tiny.cfg.vocab_size)
-    got = sp.drive(eng, reqs, h)
+    got = sp.drive(eng, reqs, check=True)
     sp.assert_same_outputs(got, want)
     assert got["tok"].finish_reason == "stop" and got["tok"].stop_reason == stop_token
     assert got["str"].stop_reason == stop_str and not got["str"].text.endswith(stop_str)
@@ -149,7 +149,7 @@ def test_abort_while_drafts_are_in_flight(tiny, h, sp, plain):
     eng.spec.proposer = sp.ScriptedProposer(truth, lambda rid, p: p % 3 == 0, tiny.cfg.vocab_size)
     initial = h.free_counts(eng)
     seen = []
-    got = sp.drive(eng, workload(tiny, sp, stop), h, abort_at=("b", 4),
+    got = sp.drive(eng, workload(tiny, sp, stop), check=True, abort_at=("b", 4),
                    on_step=lambda e, s: s == 3 and seen.append(list(e.requests["b"].spec_token_ids)))
     assert seen and seen[0], "'b' had no drafts when it was aborted"
     assert "b" not in got
@@ -167,7 +167,7 @@ def test_preemption_with_drafts(tiny, h, sp):
     eng = tiny.engine(speculative_config=sp.spec(2), **config)
     initial = h.free_counts(eng)
     preempted = []
-    got = sp.drive(eng, reqs, h, on_step=lambda e, s: preempted.extend(
+    got = sp.drive(eng, reqs, check=True, on_step=lambda e, s: preempted.extend(
         r.request_id for r in e.scheduler.waiting if r.num_preemptions))
     assert preempted, "the cache is small enough to preempt"
     sp.assert_same_outputs(got, want)

@@ -18,27 +18,9 @@ import dsv4.engine.speculative.decoder as decoder_module
 from dsv4.engine.sampler import Sampler, SamplingBatch, SamplingRow, exponential_noise
 from dsv4.engine.speculative.verify import accept_drafts
 from dsv4.sampling_params import SamplingParams
+from triples import Exact, chi_square, chi_square_bound, count_triples, exact_triples, sampling
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> tuple[float, int]:
-    """Pearson's statistic and degrees of freedom; cells expecting fewer than `min_expected`
-    observations are pooled into one."""
-    n = counts.sum()
-    expected = probs * n
-    small = expected < min_expected
-    obs = torch.cat([counts[~small], counts[small].sum().view(1)]) if small.any() else counts
-    exp = torch.cat([expected[~small], expected[small].sum().view(1)]) if small.any() else expected
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    return stat, int(keep.sum()) - 1
-
-
-def chi_square_bound(dof: int) -> float:
-    """A bound the statistic exceeds with probability < 1e-5 under the null (Wilson-Hilferty)."""
-    z = 4.27
-    return dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
 
 
 # ---- unit level ----------------------------------------------------------------------------
@@ -110,7 +92,7 @@ def test_greedy_rows_take_the_argmax():
 
 
 # ---- engine level --------------------------------------------------------------------------
-TOP_K, TEMPERATURE, REQUESTS = 3, 1.5, 2000
+REQUESTS = 2000
 
 
 class MixtureProposer:
@@ -147,56 +129,24 @@ class MixtureProposer:
 
 
 @pytest.fixture(scope="module")
-def exact(tiny):
-    """prompt, target(prefix) -> the exact distribution sampling draws from after `prefix`
-    (cached), the 27 token triples sampling can give and their exact probabilities."""
-    from dsv4.engine.oneshot import full_logits
-    prompt = tiny.ids(6, seed=77)
-    params = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K)
-    batch = SamplingBatch.build([SamplingRow(params, (), ())], tiny.cfg.vocab_size, "cpu")
-
-    known: dict[tuple, torch.Tensor] = {}
-
-    def target(prefix: tuple) -> torch.Tensor:
-        if prefix not in known:
-            known[prefix] = Sampler.probs(full_logits(tiny.model, list(prefix))[-1:], batch)[0]
-        return known[prefix]
-
-    triples, probs = [], []
-    p0 = target(tuple(prompt))
-    for x1 in p0.nonzero().flatten().tolist():
-        p1 = target(tuple(prompt) + (x1,))
-        for x2 in p1.nonzero().flatten().tolist():
-            p2 = target(tuple(prompt) + (x1, x2))
-            for x3 in p2.nonzero().flatten().tolist():
-                triples.append((x1, x2, x3))
-                probs.append(float(p0[x1] * p1[x2] * p2[x3]))
-    assert len(triples) == TOP_K ** 3
-    return prompt, target, triples, torch.tensor(probs, dtype=torch.float64)
+def exact(tiny) -> Exact:
+    return exact_triples(tiny.model, tiny.cfg.vocab_size, tiny.ids(6, seed=77))
 
 
 def _sample_triples(tiny, sp, exact, wrong: bool, monkeypatch) -> tuple[torch.Tensor, object]:
-    prompt, target, triples, _ = exact
     eng = tiny.engine(speculative_config=sp.spec(2), max_num_seqs=512, max_num_batched_tokens=4096,
                       num_pages=520, seed=5)
-    eng.spec.proposer = MixtureProposer(target, tiny.cfg.vocab_size, seed=11)
+    eng.spec.proposer = MixtureProposer(exact.target, tiny.cfg.vocab_size, seed=11)
     if wrong:
         monkeypatch.setattr(decoder_module, "accept_drafts", _wrong_rule)
-    params = SamplingParams(temperature=TEMPERATURE, top_k=TOP_K, max_tokens=4, ignore_eos=True)
-    for i in range(REQUESTS):
-        eng.add_request(str(i), list(prompt), params)
-    counts = torch.zeros(len(triples), dtype=torch.float64)
-    index = {t: i for i, t in enumerate(triples)}
-    while eng.has_unfinished():
-        for out in eng.step():
-            if out.finished:
-                counts[index[tuple(out.token_ids[:3])]] += 1
-    return counts, eng.spec.stats
+    params = sampling(max_tokens=4)
+    outs = sp.drive(eng, [sp.Req(str(i), exact.prompt, params) for i in range(REQUESTS)])
+    return count_triples(outs.values(), exact), eng.spec.stats
 
 
 def test_engine_samples_the_target_distribution_with_drafts(tiny, sp, exact, monkeypatch):
     counts, stats = _sample_triples(tiny, sp, exact, False, monkeypatch)
-    stat, dof = chi_square(counts, exact[3])
+    stat, dof = chi_square(counts, exact.probs)
     assert stat < chi_square_bound(dof), (stat, dof)
     assert 0.2 < stats.num_accepted_tokens / stats.num_draft_tokens < 0.9, "drafts rarely or always accepted"
     assert stats.accepted_per_pos[1] > 0
@@ -204,5 +154,5 @@ def test_engine_samples_the_target_distribution_with_drafts(tiny, sp, exact, mon
 
 def test_engine_with_a_wrong_acceptance_rule_fails_the_test(tiny, sp, exact, monkeypatch):
     counts, _ = _sample_triples(tiny, sp, exact, True, monkeypatch)
-    stat, dof = chi_square(counts, exact[3])
+    stat, dof = chi_square(counts, exact.probs)
     assert stat > chi_square_bound(dof), (stat, dof)

@@ -68,7 +68,7 @@ def test_logits_after_rejected_drafts_equal_the_reference(request, h, sp, model)
     eng.spec.proposer = sp.ScriptedProposer(truth, lambda rid, p: wrong[rid, p], tiny.cfg.vocab_size)
     rows: dict = {}
     spy_rows(eng, rows)
-    got = sp.drive(eng, reqs, h)
+    got = sp.drive(eng, reqs, check=True)
     sp.assert_same_outputs(got, plain)
     rejected_chunks = set()
     for r in reqs:
