@@ -137,6 +137,18 @@ def code_document(source: str) -> str:
     return BOS + source + EOS
 
 
+def code_token_stream(tokenizer, held_out: bool, max_files: int | None = None) -> list[int]:
+    """The training (or held-out) stdlib files, each BOS source EOS, in one token stream."""
+    root = stdlib_root()
+    files = split_files(list_sources(root))[1 if held_out else 0]
+    ids = []
+    for rel in files[:max_files]:
+        src = read_source(root, rel)
+        if src:
+            ids += tokenizer.encode(code_document(src))
+    return ids
+
+
 def function_document(fn: Function) -> str:
     return BOS + fn.text + EOS
 

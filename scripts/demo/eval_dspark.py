@@ -24,14 +24,7 @@ MODES = ("window", "no window", "markov only")
 
 def heldout_tokens(tokenizer, max_files: int) -> torch.Tensor:
     from scripts.demo import corpus
-    root = corpus.stdlib_root()
-    _, held = corpus.split_files(corpus.list_sources(root))
-    ids = []
-    for rel in held[:max_files]:
-        src = corpus.read_source(root, rel)
-        if src:
-            ids += tokenizer.encode(corpus.code_document(src))
-    return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(corpus.code_token_stream(tokenizer, held_out=True, max_files=max_files), dtype=torch.long)
 
 
 @torch.no_grad()

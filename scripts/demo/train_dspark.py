@@ -46,14 +46,7 @@ def log(msg: str) -> None:
 def training_tokens(tokenizer, max_files: int | None) -> torch.Tensor:
     """The demo corpus's training files (held-out ones excluded), each BOS source EOS, in one stream."""
     from scripts.demo import corpus
-    root = corpus.stdlib_root()
-    train, _ = corpus.split_files(corpus.list_sources(root))
-    ids = []
-    for rel in train[:max_files]:
-        src = corpus.read_source(root, rel)
-        if src:
-            ids += tokenizer.encode(corpus.code_document(src))
-    return torch.tensor(ids, dtype=torch.long)
+    return torch.tensor(corpus.code_token_stream(tokenizer, held_out=False, max_files=max_files), dtype=torch.long)
 
 
 def noise_token(tokenizer_dir: str, stream: torch.Tensor) -> int:
