@@ -160,7 +160,8 @@ def main(argv=None) -> int:
         device, dtype, tdtype = "cuda", torch.bfloat16, "bfloat16"
         v, hidden, side, batches, reps = vision_config(RELEASED), 4096, 1024, [1, 32], 5
         overrides = ",".join(f"{k}={val}" for k, val in RELEASED.items())
-        spec, text_len = f"random:flash-slice:2:{overrides},image_token_id=128000", 1024
+        # four layers: two window-only, one C4 (CSA), one C128 (HCA), as the released model begins
+        spec, text_len = f"random:flash-slice:4:{overrides},image_token_id=128000", 1024
     ok = check_reference(device)
     rates, ok_batch = throughput(v, hidden, device, dtype, side, batches, reps)
     times, ok_tokens = ttft(spec, device, tdtype, side, text_len, 3, cache_gb=0.25 if args.smoke else 4.0)
