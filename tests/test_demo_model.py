@@ -1,4 +1,4 @@
-"""The bundled demo model (dsv4/assets/demo, issue 6): a trained DeepSeek-V4-architecture model
+"""The bundled demo model (dsv4/assets/demo, docs/demo-model.md): a trained DeepSeek-V4-architecture model
 that `dsv4.LLM()` serves when no model is given. Greedy completion of 20 held-out standard-
 library function signatures (+ docstrings) must give syntactically valid Python for most of
 them; the fraction is printed and recorded (docs/demo-model.md has the measured figure)."""

@@ -1,4 +1,4 @@
-"""Build the bundled demo model (issue 6) in one command:
+"""Build the bundled demo model (docs/demo-model.md) in one command:
 
     python -m scripts.demo.train --out DIR
 

@@ -1,4 +1,4 @@
-"""Fixtures of the engine acceptance tests (issue 3).
+"""Fixtures of the engine acceptance tests (docs/architecture.md, Engine).
 
 * `tiny`: one random tiny V4 checkpoint per session (DeepSeek names, fp32), dsv4's model
   loaded once and shared by every engine, and the transformers oracle loaded once with its

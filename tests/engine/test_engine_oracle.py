@@ -1,4 +1,4 @@
-"""Acceptance of the engine against transformers' DeepseekV4ForCausalLM (issue 3).
+"""Acceptance of the engine against transformers' DeepseekV4ForCausalLM (docs/architecture.md, Engine).
 
 Teacher forcing: dsv4's per-step logits of a prompt + a known continuation (the tokens fed
 instead of sampled ones) must equal the reference's full-sequence logits within 1e-4 of the

@@ -28,7 +28,7 @@ def _error(r: httpx.Response, status: int, param) -> dict:
 
 
 # Each of these once made the API process's send loop fail in msgspec, which was taken for
-# engine death: every client's stream ended and the server exited (issue 23).
+# engine death: every client's stream ended and the server exited.
 KILLERS = [  # (id, path, raw JSON body, param)
     ("lone surrogate in stop", CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"]}',
      "stop.0"),

@@ -1,4 +1,4 @@
-"""Helpers of the speculative-decoding tests (issue 17).
+"""Helpers of the speculative-decoding tests.
 
 * `sp.Req`, `sp.drive`, `sp.assert_same_outputs`: tests/engine/conftest.py's, for these tests.
 * `ScriptedProposer`: replaces the MTP drafter with drafts read from known continuations

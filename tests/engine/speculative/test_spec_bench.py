@@ -1,5 +1,5 @@
 """`dsv4 bench latency|throughput --speculative-config`: the result carries the acceptance
-figures (issue 17, "Metrics and output"); a bad value is refused naming the flag."""
+figures (docs/architecture.md, Speculative decoding); a bad value is refused naming the flag."""
 from __future__ import annotations
 
 import json

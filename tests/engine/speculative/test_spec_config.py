@@ -1,4 +1,4 @@
-"""`--speculative-config` (issue 17): the JSON vLLM users know, on EngineConfig, the CLI and
+"""`--speculative-config`: the JSON vLLM users know, on EngineConfig, the CLI and
 `dsv4.LLM(speculative_config=...)`; spec_slots follows num_speculative_tokens; bad values and
 models that cannot draft are refused naming the field or flag; a draft checkpoint
 (`dsv4 convert --extract-mtp`) gives a model without MTP its blocks."""

@@ -1,5 +1,5 @@
 """Greedy output with speculative decoding equals greedy output without it (invariant 5),
-token for token, with the same finish reasons, texts and logprobs (issue 17, "Tests"): MTP
+token for token, with the same finish reasons, texts and logprobs (docs/architecture.md, Speculative decoding): MTP
 k = 1..4 on mixed batches whose prefills are chunked into the same steps as verifies; drafts
 that are accepted in runs of every length (scripted drafts); stop tokens, stop strings and
 max_tokens reached inside an accepted run; an abort while a request has drafts in flight;

@@ -1,4 +1,4 @@
-"""Speculative-decoding metrics (issue 17): the engine core's stats carry the drafter's running
+"""Speculative-decoding metrics: the engine core's stats carry the drafter's running
 totals, the API's Prometheus counters follow them (`dsv4:spec_decode_*`, vLLM's names), and
 the totals agree with the tokens the requests got."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rejection sampling keeps the target distribution (issue 17, "Tests"; docs/speculative.md).
+"""Rejection sampling keeps the target distribution (docs/speculative.md).
 
 Unit level (`verify.accept_drafts`): drafts drawn from a q unlike the target p (temperature,
 top-k, top-p applied) are accepted at rate sum(min(p, q)) and the emitted token is
