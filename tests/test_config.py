@@ -22,7 +22,7 @@ def hf() -> dict:
     return TINY.to_transformers_dict()
 
 
-# V4-Flash's config.json as released (fields from V4-FACTS; unknown extras are kept aside)
+# V4-Flash's config.json as released (unknown extras are kept aside)
 FLASH_RELEASED = {
     "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
     "hidden_size": 4096, "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1,

@@ -21,14 +21,14 @@ def tiny() -> ModelConfig:
 
 
 def flash() -> ModelConfig:
-    """V4-Flash (V4-FACTS): 43 layers, [0, 0] + [4, 128] * 20 + [4], + one MTP entry 0."""
+    """V4-Flash as released: 43 layers, [0, 0] + [4, 128] * 20 + [4], + one MTP entry 0."""
     return ModelConfig.from_dict(dict(
         vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64,
         compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0]))
 
 
 def pro() -> ModelConfig:
-    """V4-Pro (V4-FACTS): 61 layers, [128, 128] + [4, 128] * 29 + [4], + MTP entry 0."""
+    """V4-Pro as released: 61 layers, [128, 128] + [4, 128] * 29 + [4], + MTP entry 0."""
     return ModelConfig.from_dict(dict(
         vocab_size=129280, hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
         q_lora_rank=1536, o_groups=16, n_routed_experts=384, moe_intermediate_size=3072,

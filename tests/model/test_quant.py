@@ -162,7 +162,7 @@ def test_quant_fp4_is_exact_on_representable_values():
 
 
 # ---- an `init-random --quant fp8` checkpoint --------------------------------------------
-# released FP8 tensors (V4-FACTS): attention projections, indexer wq_b, shared experts, MTP e/h_proj
+# released FP8 tensors (docs/architecture.md, Weights and checkpoints): attention projections, indexer wq_b, shared experts, MTP e/h_proj
 FP8 = re.compile(r"(attn\.(wq_a|wq_b|wkv|wo_a|wo_b)|attn\.indexer\.wq_b|shared_experts\.w[123]|[eh]_proj)\.weight$")
 EXPERTS = re.compile(r"\.ffn\.experts\.w[123]$")
 
