@@ -1,7 +1,9 @@
 """Rank 0's scheduling over DP ranks (dsv4/engine/data_parallel.py), without processes: new
 requests go to the least loaded rank, each rank schedules its own budget, a request's cache
 calls go to its rank's records, and `only` (the engine core's one-by-one retry) shows one
-request on every rank; a rank short of pages preempts its own requests only."""
+request on every rank; a rank short of pages preempts its own requests only. With prefix
+caching a new request goes to the rank whose tree resumes the most of it (within a load slack,
+`assign_rank`), and the checkpoint copies of rank r are recorded for rank r to replay."""
 from __future__ import annotations
 
 from dsv4.cache.layout import CacheLayout, CachePlan
