@@ -18,7 +18,7 @@ parallelism (engine/workers.py); `PendingFill.src` indexes them, so each rank fi
 
 With a prefix cache every rank's `CacheManager` keeps its own tree over its own pages. Its
 checkpoint copies (pack after a step, unpack at admission) are made on rank 0's storage for
-rank 0 and, for rank r, recorded (`RankStorage`: `workers.RecordedCheckpoints` over no copies)
+rank 0 and, for rank r, recorded (`RankStorage`: `RecordedCheckpoints` over no copies)
 and replayed by rank r before its next part (`RankPart.checkpoint_ops`), in the order rank 0
 made them, as under tensor parallelism.
 
@@ -37,6 +37,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from ..cache.checkpoint_log import RecordedCheckpoints, replay_checkpoint_ops
 from ..cache.manager import CacheManager
 from ..cache.sizing import prefix_caching
 from ..config import ConfigError, EngineConfig, ModelConfig
@@ -45,7 +46,6 @@ from ..parallel.expert_parallel import idle_step
 from .request import Request, Status
 from .runner import ModelRunner, PendingFill, StepLogits, WarmupMessage, pending_fill
 from .scheduler import ScheduledChunk, Scheduler
-from .workers import RecordedCheckpoints, replay_checkpoint_ops
 
 
 @dataclass
