@@ -177,6 +177,17 @@ class CacheManager:
             hit = self.prefix.match(req.key_tokens(0, limit // PAGE_TOKENS * PAGE_TOKENS), limit)
         return hit
 
+    def peek(self, req) -> int:
+        """The tokens a waiting request would resume from here (the deepest checkpoint of its
+        path outside an image block; 0: none), as a pure lookup: no LRU change, no reference
+        taken. Data-parallel placement compares the ranks' trees with it (engine/data_parallel.py)."""
+        limit = self._match_limit(req)
+        if limit is None:
+            return 0
+        tokens = req.key_tokens(0, limit // PAGE_TOKENS * PAGE_TOKENS)
+        return max((n.end for n in self.prefix.path_nodes(tokens, limit // PAGE_TOKENS)
+                    if n.checkpoint is not None and resume_limit(req.images, n.end) == n.end), default=0)
+
     def _match_limit(self, req) -> int | None:
         """How far a waiting request may resume (None: it may not)."""
         if self.prefix is None or req.num_computed or req.wants_prompt_logprobs or req.request_id in self.seqs:

@@ -19,10 +19,10 @@ COMPONENTS = {"swa": "sliding-window pages", "c4": "C4 entries (CSA)", "idx": "i
 
 
 def prefix_caching(config: EngineConfig) -> bool:
-    """Whether the engine keeps a prefix cache: asked for, the KV rows are not packed FP8
-    (a checkpoint is one flat buffer of the model dtype, cache/checkpoint.py), and one DP rank
-    (under data-parallel attention each rank has its own pages: no prefix cache there yet)."""
-    return config.enable_prefix_caching and config.kv_cache_dtype != "fp8" and config.data_parallel_size == 1
+    """Whether the engine keeps a prefix cache: asked for and the KV rows are not packed FP8
+    (a checkpoint is one flat buffer of the model dtype, cache/checkpoint.py). Under
+    data-parallel attention every rank keeps its own (engine/data_parallel.py)."""
+    return config.enable_prefix_caching and config.kv_cache_dtype != "fp8"
 
 
 def plan_cache(layout: CacheLayout, config: EngineConfig, dtype: torch.dtype) -> CachePlan:

@@ -16,9 +16,17 @@ order of the chunks it scheduled: the engine's sampling, async scheduling, stop 
 outputs run unchanged. The sampled tokens are broadcast to every rank as under tensor
 parallelism (engine/workers.py); `PendingFill.src` indexes them, so each rank fills its own rows.
 
+With a prefix cache every rank's `CacheManager` keeps its own tree over its own pages. Its
+checkpoint copies (pack after a step, unpack at admission) are made on rank 0's storage for
+rank 0 and, for rank r, recorded (`RankStorage`: `RecordedCheckpoints` over no copies)
+and replayed by rank r before its next part (`RankPart.checkpoint_ops`), in the order rank 0
+made them, as under tensor parallelism.
+
 Invariants: a request stays on the rank it was assigned to (its cache is there) until it ends;
-new requests go to the least loaded rank (fewest requests running or waiting, then the lowest
-rank); every rank's chunks of a step keep the order that rank's scheduler gave them."""
+a new request goes to the rank whose tree resumes the most of its prompt, among the ranks
+within `hit_slack` requests of the least loaded; with no hit there, to the least loaded rank
+(fewest requests running or waiting, then the lowest rank) (`assign_rank`); every rank's
+chunks of a step keep the order that rank's scheduler gave them."""
 from __future__ import annotations
 
 from collections import deque
@@ -29,7 +37,9 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from ..cache.checkpoint_log import RecordedCheckpoints, replay_checkpoint_ops
 from ..cache.manager import CacheManager
+from ..cache.sizing import prefix_caching
 from ..config import ConfigError, EngineConfig, ModelConfig
 from ..parallel.comm import Comm
 from ..parallel.expert_parallel import idle_step
@@ -44,6 +54,7 @@ class RankPart:
     seqs: list                      # [SeqChunk], the rank's chunks in order
     fill_dst: list[int]             # PendingFill rows (empty: none); src indexes the whole step's samples
     fill_src: list[int]
+    checkpoint_ops: list            # prefix-cache copies on this rank's storage since its last part
 
 
 @dataclass
@@ -56,25 +67,58 @@ class DPStepMessage:
         return [sum(s.logits for s in p.seqs) for p in self.parts]
 
 
+class _NoCopies:
+    """The checkpoint format of a storage on another rank: nothing is copied here."""
+
+    def pack(self, *args) -> None:
+        pass
+
+    def unpack(self, *args) -> None:
+        pass
+
+
+class RankStorage:
+    """Rank 0's stand-in for rank r's KV storage (which lives on rank r) as its CacheManager
+    sees it: `checkpoints[row]` names a checkpoint row (one byte each: only its index is read),
+    and every pack / unpack the manager makes is recorded (`RecordedCheckpoints`, no copy here)
+    for rank r to replay before its next part."""
+
+    def __init__(self, num_checkpoints: int):
+        self.checkpoints = torch.empty(num_checkpoints, 1, dtype=torch.uint8)
+        self.checkpoint_format = RecordedCheckpoints(_NoCopies(), self)
+
+
 class DPCaches:
     """The cache records of every DP rank, held by rank 0: one CacheManager per rank, and the
     rank of every request in flight. The engine and the runner call it as one CacheManager; a
     request's calls go to its rank's manager."""
 
-    prefix = None                   # no prefix cache under DP (cache/sizing.py `prefix_caching`)
-    tiers = None
+    tiers = None                    # no host / disk tiers under DP (config.py refuses them)
 
-    def __init__(self, layout, plan, num_ranks: int):
-        self.ranks = [CacheManager(layout, plan) for _ in range(num_ranks)]
+    def __init__(self, layout, plan, num_ranks: int, prefix_caching: bool = False):
+        self.ranks = [CacheManager(layout, plan, prefix_caching) for _ in range(num_ranks)]
         self.rank_of: dict[str, int] = {}     # request id -> its DP rank
+        # (the engine only asks whether there is a prefix cache: every rank has one or none)
+        self.prefix = self.ranks[0].prefix
 
     def of(self, req: Request) -> CacheManager:
         return self.ranks[self.rank_of[req.request_id]]
 
     def bind(self, storage, tiers=None) -> None:
-        """Rank 0's storage (the others' live on their ranks; without a prefix cache no record
-        reads its storage)."""
+        """Rank 0's storage; the others' live on their ranks, so their managers get a
+        `RankStorage` whose copies are recorded (`take_checkpoint_ops`)."""
         self.ranks[0].bind(storage)
+        for c in self.ranks[1:]:
+            c.bind(RankStorage(c.plan.num_checkpoints))
+
+    def take_checkpoint_ops(self, rank: int) -> list:
+        """The prefix-cache copies made on rank `rank`'s storage since the last call (rank >= 1;
+        rank 0's are made in place)."""
+        return self.ranks[rank].storage.checkpoint_format.take()
+
+    def peek(self, req: Request) -> list[int]:
+        """Per rank: the tokens its prefix tree would resume `req` from (a pure lookup)."""
+        return [c.peek(req) for c in self.ranks]
 
     def seq(self, req):
         return self.of(req).seq(req)
@@ -89,7 +133,8 @@ class DPCaches:
         return self.ranks[0].fits_ever(num_tokens, chunk)      # every rank has the same plan
 
     def reset_prefix(self) -> int:
-        return 0
+        """Every rank's prefix cache forgotten; the pages freed over all ranks."""
+        return sum(c.reset_prefix() for c in self.ranks)
 
     def available_pages(self) -> int:
         return sum(c.available_pages() for c in self.ranks)
@@ -103,15 +148,44 @@ class DPCaches:
         return total
 
 
+def assign_rank(loads: list[int], hits: list[int], hit_slack: int) -> int:
+    """The rank a new request goes to. loads: per rank, requests running or waiting; hits: per
+    rank, the prompt tokens its prefix tree would resume. Among the ranks within `hit_slack`
+    of the least load, the longest hit wins (ties: the lower load, then the lower rank); with no
+    hit among them, the least loaded rank, then the lowest. A hot prefix therefore stays on its
+    rank only while that rank is at most `hit_slack` requests busier than the idlest; past that
+    it is computed, and cached, on the idlest rank too (docs/architecture.md, "Parallelism")."""
+    least = min(loads)
+    return max(range(len(loads)),
+               key=lambda r: (hits[r] if loads[r] <= least + hit_slack else 0, -loads[r], -r))
+
+
+def default_hit_slack(max_num_seqs: int) -> int:
+    """How many more requests than the least loaded rank a rank may hold and still get the
+    requests its prefix tree hits: a quarter of a rank's batch (at least 1)."""
+    return max(1, max_num_seqs // 4)
+
+
 class DPScheduler:
     """One `Scheduler` per DP rank (its own token budget and request slots, as each rank
     runs its own batch), seen by the engine as one: `schedule()` is every rank's chunks, rank
     by rank."""
 
-    def __init__(self, caches: DPCaches, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, caches: DPCaches, max_num_batched_tokens: int, max_num_seqs: int,
+                 hit_slack: int | None = None):
         self.caches = caches
         self.ranks = [Scheduler(c, max_num_batched_tokens, max_num_seqs) for c in caches.ranks]
-        self.prefix_queries = self.prefix_hits = 0      # no prefix cache under DP
+        self.hit_slack = default_hit_slack(max_num_seqs) if hit_slack is None else hit_slack
+
+    @property
+    def prefix_queries(self) -> int:
+        """Prompt tokens looked up in the prefix caches, over all ranks."""
+        return sum(s.prefix_queries for s in self.ranks)
+
+    @property
+    def prefix_hits(self) -> int:
+        """Of them, tokens resumed, over all ranks."""
+        return sum(s.prefix_hits for s in self.ranks)
 
     def _of(self, req: Request) -> Scheduler:
         return self.ranks[self.caches.rank_of[req.request_id]]
@@ -121,7 +195,8 @@ class DPScheduler:
         return sum(self.ranks[rank].counts())
 
     def add(self, req: Request) -> None:
-        rank = min(range(len(self.ranks)), key=lambda r: (self.load(r), r))
+        loads = [self.load(r) for r in range(len(self.ranks))]
+        rank = assign_rank(loads, self.caches.peek(req), self.hit_slack)
         self.caches.rank_of[req.request_id] = rank
         self.ranks[rank].add(req)
 
@@ -186,8 +261,11 @@ class DPRunner:
             mine = [i for i, cr in enumerate(ranks) if cr == r]
             fill = pending_fill([chunks[i] for i in mine], [seqs[i] for i in mine], prev_tokens)
             dst, src = ([], []) if fill is None else (fill.dst.tolist(), fill.src.tolist())
-            parts.append(RankPart([seqs[i] for i in mine], dst, src))
+            ops = self.caches.take_checkpoint_ops(r) if r else []
+            parts.append(RankPart([seqs[i] for i in mine], dst, src, ops))
             fills.append(fill)
+        if self.workers.checkpoints is not None:
+            self.workers.checkpoints.take()     # rank 0's own copies: made in place already
         msg = DPStepMessage(parts, sum(c.completes for c in chunks))
         self.workers.send(msg)
         logits = run_part(self.local, self.comm, parts[0].seqs, fills[0], msg.logit_rows())
@@ -212,7 +290,7 @@ def check_expert_split(model_dir: str, config: EngineConfig) -> None:
 
 def dp_engine_parts(model, layout, plan, config, workers) -> tuple[DPCaches, DPScheduler, DPRunner]:
     """Rank 0's cache records, scheduler and runner for `config.data_parallel_size` ranks."""
-    caches = DPCaches(layout, plan, config.data_parallel_size)
+    caches = DPCaches(layout, plan, config.data_parallel_size, prefix_caching(config))
     scheduler = DPScheduler(caches, config.max_num_batched_tokens, config.max_num_seqs)
     local = ModelRunner(model, layout, plan, caches, config.device, 0)    # no CUDA graphs (see DPRunner)
     return caches, scheduler, DPRunner(local, caches, workers.comm)
@@ -260,6 +338,7 @@ def run_dp_steps(runner: ModelRunner, comm: Comm) -> None:
             continue
         own = msg.parts[comm.rank]
         fill = PendingFill(torch.tensor(own.fill_dst), torch.tensor(own.fill_src), prev) if own.fill_dst else None
+        replay_checkpoint_ops(runner.storage, own.checkpoint_ops)
         run_part(runner, comm, own.seqs, fill, msg.logit_rows())
         if msg.num_sampled:
             prev = comm.broadcast(torch.empty(msg.num_sampled, dtype=torch.long, device=comm.device))

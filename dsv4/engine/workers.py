@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.checkpoint_log import RecordedCheckpoints, replay_checkpoint_ops
 from ..parallel.comm import Comm, free_port, set_no_multicast_env
 
 log = logging.getLogger("dsv4.workers")
@@ -47,47 +48,6 @@ class StepMessage:
     fill_src: list[int]
     num_sampled: int                # tokens rank 0 samples and broadcasts after the step (0: none)
     checkpoint_ops: list            # prefix-cache copies rank 0 made since the last step (RecordedCheckpoints)
-
-
-class RecordedCheckpoints:
-    """Rank 0's `storage.checkpoint_format`: runs every pack / unpack of the prefix cache
-    (cache/manager.py) and records it, the checkpoint buffer as its row of
-    `storage.checkpoints`; the other ranks replay the records in order before the next step.
-    They are in stream order there as on rank 0: after the step launched before them, before
-    the next one."""
-
-    def __init__(self, fmt, storage):
-        self.fmt, self.storage, self.ops = fmt, storage, []
-
-    def __getattr__(self, name):
-        return getattr(self.fmt, name)
-
-    def _row(self, buf: torch.Tensor) -> int:
-        ckpts = self.storage.checkpoints
-        return (buf.data_ptr() - ckpts.data_ptr()) // (ckpts.stride(0) * ckpts.element_size())
-
-    def pack(self, storage, swa_table, slot, L, out, staged=False):
-        self.ops.append(("pack", list(swa_table), slot, L, self._row(out), staged))
-        return self.fmt.pack(storage, swa_table, slot, L, out, staged)
-
-    def unpack(self, storage, buf, swa_table, slot, L):
-        self.ops.append(("unpack", list(swa_table), slot, L, self._row(buf)))
-        return self.fmt.unpack(storage, buf, swa_table, slot, L)
-
-    def take(self) -> list:
-        ops, self.ops = self.ops, []
-        return ops
-
-
-def replay_checkpoint_ops(storage, ops: list) -> None:
-    fmt = storage.checkpoint_format
-    for op in ops:
-        if op[0] == "pack":
-            _, swa, slot, L, row, staged = op
-            fmt.pack(storage, swa, slot, L, storage.checkpoints[row], staged)
-        else:
-            _, swa, slot, L, row = op
-            fmt.unpack(storage, storage.checkpoints[row], swa, slot, L)
 
 
 def load_rank_model(model_dir: str, config, comm: Comm):

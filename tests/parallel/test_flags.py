@@ -32,10 +32,10 @@ def test_good_parallel_settings():
     assert (c.data_parallel_size, c.world_size) == (2, 2)
 
 
-def test_dp_has_no_prefix_cache():
+def test_dp_keeps_a_prefix_cache():
     from dsv4.cache.sizing import prefix_caching
-    assert prefix_caching(EngineConfig()) and not prefix_caching(EngineConfig(data_parallel_size=2,
-                                                                                enable_expert_parallel=True))
+    assert prefix_caching(EngineConfig()) and prefix_caching(EngineConfig(data_parallel_size=2,
+                                                                            enable_expert_parallel=True))
 
 
 def test_cli_names_the_flag():
