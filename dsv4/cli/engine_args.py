@@ -53,10 +53,10 @@ HELP = {
     "tensor_parallel_size": "ranks (GPUs) sharing every layer: attention heads, o-groups, the experts' width (or, "
                             "with --enable-expert-parallel, the experts) and the vocabulary split; each rank holds "
                             "the whole KV cache (one shared K=V head)",
-    "data_parallel_size": "ranks running attention on their own requests with their own KV cache, new requests "
-                          "to the least loaded rank; needs --enable-expert-parallel (routed experts split E/N); "
-                          "--max-num-seqs, --max-num-batched-tokens and the cache budget are per rank; no CUDA "
-                          "graphs or prefix cache under DP yet",
+    "data_parallel_size": "ranks running attention on their own requests with their own KV cache and prefix "
+                          "tree, a new request to the rank holding the longest prefix of it (else the least "
+                          "loaded); needs --enable-expert-parallel (routed experts split E/N); --max-num-seqs, "
+                          "--max-num-batched-tokens and the cache budget are per rank; no CUDA graphs under DP yet",
     "enable_expert_parallel": "split the routed experts E/N over the ranks (each expert whole on one rank)",
 }
 # config.json keys that have a flag of their own (the rest of an override comes from --hf-overrides)
