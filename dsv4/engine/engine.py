@@ -223,6 +223,8 @@ class LLMEngine:
         try:
             launched = self._launch(chunks)
         except BaseException:
+            if self.workers is not None:      # a collective failed: a dead rank ends the run here
+                self.workers.check_ranks()
             self._carried = outputs + self._drain()     # returned by the next step
             raise
         previous, self._inflight = self._inflight, launched

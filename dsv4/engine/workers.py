@@ -117,11 +117,16 @@ class Workers:
         try:
             return fn(*args)
         except RuntimeError:
-            for p in self.procs:
-                p.join(2.0)
-                if not p.is_alive():
-                    self._rank_died(p)
+            self.check_ranks()
             raise
+
+    def check_ranks(self) -> None:
+        """After a failed collective (a step's, or a message's): a dead rank ends this process
+        as the watchdog does, so the error names the rank whichever thread sees it first."""
+        for p in self.procs:
+            p.join(2.0)
+            if not p.is_alive():
+                self._rank_died(p)
 
     def share_sampled(self, tokens: torch.Tensor) -> None:
         """The step's sampled tokens [N] long, to every rank (feeds their next PendingFill)."""
