@@ -86,6 +86,7 @@ class StepGraphs:
         self.layout = storage.layout
         self.h2d = h2d if h2d is not None else HostToDevice(next(model.parameters()).device)
         self.graphs: dict[StepShape, tuple] = {}     # kept for the engine's life (see warmup)
+        self.buffers: dict[StepShape, tuple] = {}    # shape -> (flat device buffer, batch of its views)
         self.warmed: set[StepShape] = set()           # shapes run by warmup
         self.late: set[StepShape] = set()             # shapes first run after warmup
         self.tables = None        # the runner's PersistentTables (synced with the step's slots), or None
@@ -122,16 +123,14 @@ class StepGraphs:
             log.warning("a CUDA-graph shape warm-up did not run: %s (%d so far)", shape, len(self.late))
         padded = build_step(seqs, self.layout, self.storage.ring_slots, shape, self.scratch, self.tables)
         leaves = [t for _, t in tensor_leaves(padded)]
+        flat, static = self._static(shape, padded, leaves)
+        self.h2d.upload_into(flat, leaves)             # page tables, slots, rows of this step
+        if fill is not None:
+            fill.apply(static.token_ids, self.h2d)
         if not self.capture:
-            static = _rebind(padded, self.h2d.allocate(leaves)[1])
-            if fill is not None:
-                fill.apply(static.token_ids, self.h2d)
             out = self._forward(static)
         else:
-            graph, flat, static, out = self._graph(shape, padded, leaves)
-            self.h2d.upload_into(flat, leaves)             # page tables, slots, rows of this step
-            if fill is not None:
-                fill.apply(static.token_ids, self.h2d)
+            graph, out = self._graph(shape, static)
             graph.replay()
         head_in, streams = out
         return self.model.head_logits(head_in[:real]), streams[:real] if streams is not None else None
@@ -150,9 +149,19 @@ class StepGraphs:
             self.run(seqs)
         return shapes
 
-    def _graph(self, shape: StepShape, padded: ForwardBatch, leaves: list[torch.Tensor]) -> tuple:
+    def _static(self, shape: StepShape, padded: ForwardBatch,
+                leaves: list[torch.Tensor]) -> tuple[torch.Tensor, ForwardBatch]:
+        """The shape's device buffer and the batch of its views, made once per shape (every step
+        of a shape has the same leaf shapes and dtypes) and refilled before each step."""
+        if shape not in self.buffers:
+            flat, views = self.h2d.allocate(leaves)
+            self.buffers[shape] = flat, _rebind(padded, views)
+        return self.buffers[shape]
+
+    def _graph(self, shape: StepShape, static: ForwardBatch) -> tuple:
+        """(graph, its outputs): captured on the shape's first step, reading `static`."""
         if shape not in self.graphs:
-            self.graphs[shape] = self._capture(padded, leaves)
+            self.graphs[shape] = self._capture(static)
         return self.graphs[shape]
 
     def _forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -160,10 +169,8 @@ class StepGraphs:
         streams = self.model(fb, self.storage.layers)[fb.logits_rows]
         return self.model.head_input(streams), streams if self.keep_streams else None
 
-    def _capture(self, padded: ForwardBatch, leaves: list[torch.Tensor]):
-        """The graph reads its batch from views of one flat buffer, refilled before each replay."""
-        flat, views = self.h2d.allocate(leaves)
-        static = _rebind(padded, views)
+    def _capture(self, static: ForwardBatch):
+        """The graph reads its batch from `static`, views of one flat buffer refilled before each replay."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):          # warm-up (allocations, autotuning); the step is idempotent
@@ -173,7 +180,7 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             out = self._forward(static)
-        return graph, flat, static, out
+        return graph, out
 
 
 def _rebind(fb: ForwardBatch, tensors: list[torch.Tensor]) -> ForwardBatch:

@@ -46,8 +46,8 @@ def test_graphs_are_kept_for_the_engines_life():
     graphs = StepGraphs.__new__(StepGraphs)
     graphs.graphs = {}
     captured = []
-    graphs._capture = lambda padded, leaves: captured.append(padded) or (padded,)
+    graphs._capture = lambda static: captured.append(static) or (static,)
     keys = [f"shape{i}" for i in range(100)]
     for key in keys + keys:
-        assert graphs._graph(key, key, [])[0] == key
+        assert graphs._graph(key, key)[0] == key
     assert captured == keys and list(graphs.graphs) == keys
