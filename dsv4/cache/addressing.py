@@ -231,7 +231,9 @@ def _logits_rows(chunks: list[SeqChunk], s: _Seqs) -> torch.Tensor:
 
 def _pad(a: np.ndarray, rows: int | None, fill: int) -> torch.Tensor:
     """a (int64) padded to `rows` rows (None: as many as it has) with `fill`."""
+    if rows is None or rows == len(a):                 # nothing to pad (a full bucket): one copy
+        return torch.from_numpy(np.array(a, np.int64))
     a = np.asarray(a, np.int64)
-    out = np.full((rows if rows is not None else a.shape[0], *a.shape[1:]), fill, np.int64)
+    out = np.full((rows, *a.shape[1:]), fill, np.int64)
     out[:a.shape[0]] = a
     return torch.from_numpy(out)
