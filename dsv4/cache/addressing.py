@@ -175,7 +175,7 @@ def _check_held(s: _Seqs, pages: np.ndarray, swa: np.ndarray, swa_base: np.ndarr
 
 def _ranges(table: np.ndarray, s: _Seqs, T: int, lo, hi: np.ndarray, per_page: int, pitch: int,
             width: int) -> PagedRows:
-    lo = np.broadcast_to(np.asarray(lo, np.int64), hi.shape)
+    lo = lo if isinstance(lo, np.ndarray) else np.full(hi.shape, lo, np.int64)
     return PagedRows(pages=torch.from_numpy(table), req=_pad(s.req, T, 0), lo=_pad(lo, T, 0), hi=_pad(hi, T, 0),
                      per_page=per_page, pitch=pitch, width=width)
 

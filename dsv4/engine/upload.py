@@ -25,16 +25,7 @@ def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, total
 
 
-def _host_bytes(t: torch.Tensor) -> np.ndarray | torch.Tensor:
-    """t's bytes in order, as a numpy array (a view where t is contiguous; numpy copies cost
-    ~1 us against ~10 us for torch's slice-view-copy), or as a torch tensor for dtypes numpy
-    lacks (bfloat16)."""
-    if t.dtype in _NUMPY_LACKS:
-        return t.contiguous().view(-1).view(torch.uint8)
-    return t.numpy().reshape(-1).view(np.uint8)
-
-
-_NUMPY_LACKS = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+_NUMPY_LACKS = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)      # dtypes numpy has not
 
 
 class HostToDevice:
@@ -86,14 +77,12 @@ class HostToDevice:
         host = self.buffers[i][:total]
         raw = host.numpy()
         for t, off in zip(tensors, offsets):
-            n = t.nbytes
-            if not n:
-                continue
-            src = _host_bytes(t)
-            if isinstance(src, torch.Tensor):
-                host[off:off + n].copy_(src)
-            else:
-                raw[off:off + n] = src
+            if t.dtype in _NUMPY_LACKS:         # (bfloat16, FP8): the bytes through torch
+                if t.numel():
+                    host[off:off + t.nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
+            else:        # numpy: a copy costs ~1 us against ~10 us for torch's slice-view-copy
+                a = t.numpy().ravel()
+                raw[off:off + a.nbytes].view(a.dtype)[:] = a
         return host, offsets
 
     def _record(self) -> None:
