@@ -11,7 +11,8 @@ buffers before each replay, so changed page tables, slots and ring rows are pick
 step. Padding rows read nothing and write to the storage's scratch units (cache/addressing.py);
 their outputs are discarded.
 
-With `capture=False` the same padded step runs eagerly: that is how the padding is tested on
+With `capture=False` the same padded step runs eagerly, from the same per-shape buffers (made
+on a shape's first step, refilled by the later ones): that is how the padding is tested on
 machines without CUDA.
 """
 from __future__ import annotations
