@@ -25,7 +25,7 @@ from ..cache.addressing import Scratch, SeqChunk, StepShape, build_step
 from ..cache.layout import SWA_PAGE_TOKENS
 from ..config import CSA_RATIO, HCA_RATIO
 from ..model.forward_batch import ForwardBatch
-from .upload import HostToDevice, replace_leaves, tensor_leaves
+from .upload import HostToDevice, leaf_tensors, replace_leaves, tensor_leaves
 
 log = logging.getLogger("dsv4.engine")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -123,7 +123,7 @@ class StepGraphs:
             self.late.add(shape)
             log.warning("a CUDA-graph shape warm-up did not run: %s (%d so far)", shape, len(self.late))
         padded = build_step(seqs, self.layout, self.storage.ring_slots, shape, self.scratch, self.tables)
-        leaves = [t for _, t in tensor_leaves(padded)]
+        leaves = leaf_tensors(padded)
         flat, static = self._static(shape, padded, leaves)
         self.h2d.upload_into(flat, leaves)             # page tables, slots, rows of this step
         if fill is not None:

@@ -112,6 +112,18 @@ def tensor_leaves(obj) -> list[tuple[tuple, torch.Tensor]]:
     return []
 
 
+def leaf_tensors(obj) -> list[torch.Tensor]:
+    """The tensors of `tensor_leaves(obj)`, in its order, without building their paths (what a
+    step's upload needs)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in leaf_tensors(getattr(obj, f.name))]
+    if isinstance(obj, tuple) and not _plain(obj):
+        return [t for x in obj for t in leaf_tensors(x)]
+    return []
+
+
 def _plain(values: tuple) -> bool:
     """A tuple of numbers only (ForwardBatch.seq_lens: one per sequence), with no tensor to
     look for: checked in C, not one call per element."""
