@@ -166,8 +166,11 @@ class StepGraphs:
         return self.graphs[shape]
 
     def _forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (head input [B * q, hidden], the streams [B * q, hc_mult, hidden] or None)."""
-        streams = self.model(fb, self.storage.layers)[fb.logits_rows]
+        """-> (head input [B * q, hidden], the streams [B * q, hc_mult, hidden] or None). A padded
+        step keeps every row's logits (its logits_rows are all B * q rows, cache/addressing.py):
+        the streams are taken whole, not gathered by row."""
+        assert fb.logits_rows.shape[0] == fb.num_tokens, (fb.logits_rows.shape, fb.num_tokens)
+        streams = self.model(fb, self.storage.layers)
         return self.model.head_input(streams), streams if self.keep_streams else None
 
     def _capture(self, static: ForwardBatch):
