@@ -118,6 +118,7 @@ class _Seqs:
     offs: np.ndarray      # [R] first token row
     req: np.ndarray       # [T] sequence of each token
     pos: np.ndarray       # [T] absolute position of each token
+    tok_end: np.ndarray   # [T] one past the last position of each token's sequence
 
     @classmethod
     def of(cls, chunks: list[SeqChunk]) -> "_Seqs":
@@ -125,10 +126,11 @@ class _Seqs:
         lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, R)
         starts = np.fromiter((c.start for c in chunks), np.int64, R)
         offs = np.cumsum(lens) - lens
+        T = int(offs[-1] + lens[-1]) if R else 0
         req = np.repeat(np.arange(R), lens)
-        pos = starts[req] + np.arange(int(lens.sum())) - offs[req]
-        return cls(R, int(lens.sum()), lens, starts, np.fromiter((c.slot for c in chunks), np.int64, R), offs,
-                   req, pos)
+        pos = starts[req] + np.arange(T) - offs[req]
+        return cls(R, T, lens, starts, np.fromiter((c.slot for c in chunks), np.int64, R), offs,
+                   req, pos, (starts + lens)[req])
 
 
 def _history_columns(e4: int, e128: int) -> int:
@@ -173,7 +175,7 @@ def _check_held(s: _Seqs, pages: np.ndarray, swa: np.ndarray, swa_base: np.ndarr
 
 def _ranges(table: np.ndarray, s: _Seqs, T: int, lo, hi: np.ndarray, per_page: int, pitch: int,
             width: int) -> PagedRows:
-    lo = np.broadcast_to(np.asarray(lo, np.int64), hi.shape)
+    lo = lo if isinstance(lo, np.ndarray) else np.full(hi.shape, lo, np.int64)
     return PagedRows(pages=torch.from_numpy(table), req=_pad(s.req, T, 0), lo=_pad(lo, T, 0), hi=_pad(hi, T, 0),
                      per_page=per_page, pitch=pitch, width=width)
 
@@ -201,25 +203,35 @@ def _plan(pages: np.ndarray, s: _Seqs, ratio: int, overlap: bool, ring: tuple[in
     (storage.py). Rows of a group index cat(ring view, the step's fresh projections): ring rows
     first, then fresh token t at ring_rows + t."""
     cap, slot_rows = ring
-    per_page = PAGE_TOKENS // ratio
     ring_rows = (ring_slots - 1) * ring_pitch + slot_rows
-    closing = np.nonzero((s.pos + 1) % ratio == 0)[0]
-    r, e = s.req[closing], (s.pos[closing] + 1) // ratio - 1
-    entry_slot = pages[r, e // per_page] * entry_pitch + e % per_page
-    q = (e * ratio)[:, None] + np.arange(-ratio if overlap else 0, ratio)[None, :]     # [G, span] positions
-    start = s.starts[r][:, None]
-    fresh = ring_rows + s.offs[r][:, None] + (q - start)
-    rows = np.where(q < 0, -1, np.where(q >= start, fresh, s.slots[r][:, None] * ring_pitch + q % cap))
-    keep = np.nonzero(s.pos >= (s.starts + s.lens)[s.req] - cap)[0]
+    rows, entry_slot, entry_pos = _groups(pages, s, ratio, overlap, cap, ring_pitch, ring_rows, entry_pitch)
+    keep = np.nonzero(s.pos >= s.tok_end - cap)[0]
     ring_dst = s.slots[s.req[keep]] * ring_pitch + s.pos[keep] % cap
     if staging is not None and len(staging[0]):
         tokens, seqs = staging
         staged = s.slots[seqs] * ring_pitch + cap + np.arange(len(tokens)) % CSA_RATIO
         keep, ring_dst = np.concatenate([keep, tokens]), np.concatenate([ring_dst, staged])
     return CompressPlan(rows=_pad(rows, padded, -1), entry_slot=_pad(entry_slot, padded, scratch.page * entry_pitch),
-                        entry_pos=_pad(e * ratio, padded, 0),
+                        entry_pos=_pad(entry_pos, padded, 0),
                         ring_dst=_pad(ring_dst, padded, scratch.slot * ring_pitch),
                         ring_src=_pad(keep, padded, 0), ring_rows=ring_rows)
+
+
+def _groups(pages: np.ndarray, s: _Seqs, ratio: int, overlap: bool, cap: int, ring_pitch: int, ring_rows: int,
+            entry_pitch: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(rows [G, span], entry slot [G], first position [G]) of the G groups closing at the
+    step's tokens (span = 2 * ratio with the overlap, else ratio)."""
+    closing = np.nonzero(s.pos % ratio == ratio - 1)[0]
+    if not len(closing):                    # most decode steps of a ratio-128 plan: nothing to index
+        return np.zeros((0, 2 * ratio if overlap else ratio), np.int64), closing, closing
+    per_page = PAGE_TOKENS // ratio
+    r, e = s.req[closing], s.pos[closing] // ratio
+    entry_slot = pages[r, e // per_page] * entry_pitch + e % per_page
+    q = (e * ratio)[:, None] + np.arange(-ratio if overlap else 0, ratio)[None, :]     # [G, span] positions
+    start = s.starts[r][:, None]
+    fresh = ring_rows + s.offs[r][:, None] + (q - start)
+    rows = np.where(q < 0, -1, np.where(q >= start, fresh, s.slots[r][:, None] * ring_pitch + q % cap))
+    return rows, entry_slot, e * ratio
 
 
 def _logits_rows(chunks: list[SeqChunk], s: _Seqs) -> torch.Tensor:
@@ -231,7 +243,9 @@ def _logits_rows(chunks: list[SeqChunk], s: _Seqs) -> torch.Tensor:
 
 def _pad(a: np.ndarray, rows: int | None, fill: int) -> torch.Tensor:
     """a (int64) padded to `rows` rows (None: as many as it has) with `fill`."""
+    if rows is None or rows == len(a):                 # nothing to pad (a full bucket): one copy
+        return torch.from_numpy(np.array(a, np.int64))
     a = np.asarray(a, np.int64)
-    out = np.full((rows if rows is not None else a.shape[0], *a.shape[1:]), fill, np.int64)
+    out = np.full((rows, *a.shape[1:]), fill, np.int64)
     out[:a.shape[0]] = a
     return torch.from_numpy(out)

@@ -34,7 +34,10 @@ class PersistentTables:
 
     def history_rows(self, slots: np.ndarray, columns: int, rows: int) -> np.ndarray:
         """[rows, columns]: row i = the history table of slots[i] (-1 past it and past len(slots))."""
-        return _gather(self.history, slots, np.zeros(len(slots), np.int64), columns, rows)
+        out = np.full((rows, columns), -1, np.int64)
+        n = min(columns, self.history.shape[1])
+        out[:len(slots), :n] = self.history[slots, :n]
+        return out
 
     def swa_rows(self, slots: np.ndarray, first: np.ndarray, columns: int, rows: int) -> np.ndarray:
         """[rows, columns]: row i = the SWA table of slots[i] from logical page first[i] on."""

@@ -11,7 +11,8 @@ buffers before each replay, so changed page tables, slots and ring rows are pick
 step. Padding rows read nothing and write to the storage's scratch units (cache/addressing.py);
 their outputs are discarded.
 
-With `capture=False` the same padded step runs eagerly: that is how the padding is tested on
+With `capture=False` the same padded step runs eagerly, from the same per-shape buffers (made
+on a shape's first step, refilled by the later ones): that is how the padding is tested on
 machines without CUDA.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from ..cache.addressing import Scratch, SeqChunk, StepShape, build_step
 from ..cache.layout import SWA_PAGE_TOKENS
 from ..config import CSA_RATIO, HCA_RATIO
 from ..model.forward_batch import ForwardBatch
-from .upload import HostToDevice, replace_leaves, tensor_leaves
+from .upload import HostToDevice, leaf_tensors, replace_leaves, tensor_leaves
 
 log = logging.getLogger("dsv4.engine")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -86,6 +87,7 @@ class StepGraphs:
         self.layout = storage.layout
         self.h2d = h2d if h2d is not None else HostToDevice(next(model.parameters()).device)
         self.graphs: dict[StepShape, tuple] = {}     # kept for the engine's life (see warmup)
+        self.buffers: dict[StepShape, tuple] = {}    # shape -> (flat device buffer, batch of its views)
         self.warmed: set[StepShape] = set()           # shapes run by warmup
         self.late: set[StepShape] = set()             # shapes first run after warmup
         self.tables = None        # the runner's PersistentTables (synced with the step's slots), or None
@@ -121,17 +123,15 @@ class StepGraphs:
             self.late.add(shape)
             log.warning("a CUDA-graph shape warm-up did not run: %s (%d so far)", shape, len(self.late))
         padded = build_step(seqs, self.layout, self.storage.ring_slots, shape, self.scratch, self.tables)
-        leaves = [t for _, t in tensor_leaves(padded)]
+        leaves = leaf_tensors(padded)
+        flat, static = self._static(shape, padded, leaves)
+        self.h2d.upload_into(flat, leaves)             # page tables, slots, rows of this step
+        if fill is not None:
+            fill.apply(static.token_ids, self.h2d)
         if not self.capture:
-            static = _rebind(padded, self.h2d.allocate(leaves)[1])
-            if fill is not None:
-                fill.apply(static.token_ids, self.h2d)
             out = self._forward(static)
         else:
-            graph, flat, static, out = self._graph(shape, padded, leaves)
-            self.h2d.upload_into(flat, leaves)             # page tables, slots, rows of this step
-            if fill is not None:
-                fill.apply(static.token_ids, self.h2d)
+            graph, out = self._graph(shape, static)
             graph.replay()
         head_in, streams = out
         return self.model.head_logits(head_in[:real]), streams[:real] if streams is not None else None
@@ -150,20 +150,31 @@ class StepGraphs:
             self.run(seqs)
         return shapes
 
-    def _graph(self, shape: StepShape, padded: ForwardBatch, leaves: list[torch.Tensor]) -> tuple:
+    def _static(self, shape: StepShape, padded: ForwardBatch,
+                leaves: list[torch.Tensor]) -> tuple[torch.Tensor, ForwardBatch]:
+        """The shape's device buffer and the batch of its views, made once per shape (every step
+        of a shape has the same leaf shapes and dtypes) and refilled before each step."""
+        if shape not in self.buffers:
+            flat, views = self.h2d.allocate(leaves)
+            self.buffers[shape] = flat, _rebind(padded, views)
+        return self.buffers[shape]
+
+    def _graph(self, shape: StepShape, static: ForwardBatch) -> tuple:
+        """(graph, its outputs): captured on the shape's first step, reading `static`."""
         if shape not in self.graphs:
-            self.graphs[shape] = self._capture(padded, leaves)
+            self.graphs[shape] = self._capture(static)
         return self.graphs[shape]
 
     def _forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (head input [B * q, hidden], the streams [B * q, hc_mult, hidden] or None)."""
-        streams = self.model(fb, self.storage.layers)[fb.logits_rows]
+        """-> (head input [B * q, hidden], the streams [B * q, hc_mult, hidden] or None). A padded
+        step keeps every row's logits (its logits_rows are all B * q rows, cache/addressing.py):
+        the streams are taken whole, not gathered by row."""
+        assert fb.logits_rows.shape[0] == fb.num_tokens, (fb.logits_rows.shape, fb.num_tokens)
+        streams = self.model(fb, self.storage.layers)
         return self.model.head_input(streams), streams if self.keep_streams else None
 
-    def _capture(self, padded: ForwardBatch, leaves: list[torch.Tensor]):
-        """The graph reads its batch from views of one flat buffer, refilled before each replay."""
-        flat, views = self.h2d.allocate(leaves)
-        static = _rebind(padded, views)
+    def _capture(self, static: ForwardBatch):
+        """The graph reads its batch from `static`, views of one flat buffer refilled before each replay."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):          # warm-up (allocations, autotuning); the step is idempotent
@@ -173,7 +184,7 @@ class StepGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             out = self._forward(static)
-        return graph, flat, static, out
+        return graph, out
 
 
 def _rebind(fb: ForwardBatch, tensors: list[torch.Tensor]) -> ForwardBatch:

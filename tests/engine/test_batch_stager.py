@@ -4,7 +4,7 @@ import torch
 
 from dsv4.cache.layout import CacheLayout
 from dsv4.cache.addressing import SeqChunk, build_step
-from dsv4.engine.upload import HostToDevice, tensor_leaves, upload_tree
+from dsv4.engine.upload import HostToDevice, leaf_tensors, tensor_leaves, upload_tree
 from dsv4.model.random_init import preset_config
 
 
@@ -24,6 +24,8 @@ def test_packed_batch_equals_the_direct_one():
         for (path, x), (_, y) in zip(a, b):
             assert x.dtype == y.dtype and torch.equal(x, y), path
         assert packed.seq_lens == direct.seq_lens and packed.csa.ring_rows == direct.csa.ring_rows
+    # the paths-free walk a step's upload uses: the same tensors in the same order
+    assert [id(t) for t in leaf_tensors(direct)] == [id(t) for _, t in tensor_leaves(direct)]
 
 
 def test_mixed_dtypes_and_empty_tensors_round_trip():
@@ -34,6 +36,7 @@ def test_mixed_dtypes_and_empty_tensors_round_trip():
     tree = (tensors[0], (tensors[1], tensors[2]), tensors[3], tensors[4], tensors[5])
     moved = upload_tree(tree, h2d)
     assert isinstance(moved[1], tuple)
+    assert [id(t) for t in leaf_tensors(tree)] == [id(t) for t in tensors]
     for (_, x), (_, y) in zip(tensor_leaves(tree), tensor_leaves(moved)):
         assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
     flat, views = h2d.allocate(tensors)

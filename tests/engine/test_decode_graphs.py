@@ -20,13 +20,16 @@ def test_padded_decode_steps_equal_plain_ones(tiny, h, one_thread, monkeypatch, 
     plain = h.greedy_outputs(_engine(tiny, False), prompts, 24, logprobs=0)
     padded_engine = _engine(tiny, True, async_scheduling)
     calls = []
-    run = padded_engine.runner.graphs.run
-    monkeypatch.setattr(padded_engine.runner.graphs, "run",
-                        lambda seqs, fill=None: calls.append((len(seqs), fill is not None)) or run(seqs, fill))
+    graphs = padded_engine.runner.graphs
+    run = graphs.run
+    monkeypatch.setattr(graphs, "run", lambda seqs, fill=None: calls.append(
+        (len(seqs), fill is not None, graphs.shape(seqs))) or run(seqs, fill))
     padded = h.greedy_outputs(padded_engine, prompts, 24, logprobs=0)
-    assert calls and max(n for n, _ in calls) == 5, "the padded path ran for decode steps of the whole batch"
+    assert calls and max(n for n, _, _ in calls) == 5, "the padded path ran for decode steps of the whole batch"
     # async: decode steps take the previous step's tokens from the device
-    assert any(f for _, f in calls) == (async_scheduling == "on")
+    assert any(f for _, f, _ in calls) == (async_scheduling == "on")
+    # one device buffer per shape, refilled by every later step of that shape
+    assert set(graphs.buffers) == {shape for _, _, shape in calls} and len(graphs.buffers) < len(calls)
     for a, b in zip(plain, padded):
         assert a.token_ids == b.token_ids
         for la, lb in zip(a.logprobs, b.logprobs):
@@ -46,8 +49,8 @@ def test_graphs_are_kept_for_the_engines_life():
     graphs = StepGraphs.__new__(StepGraphs)
     graphs.graphs = {}
     captured = []
-    graphs._capture = lambda padded, leaves: captured.append(padded) or (padded,)
+    graphs._capture = lambda static: captured.append(static) or (static,)
     keys = [f"shape{i}" for i in range(100)]
     for key in keys + keys:
-        assert graphs._graph(key, key, [])[0] == key
+        assert graphs._graph(key, key)[0] == key
     assert captured == keys and list(graphs.graphs) == keys
