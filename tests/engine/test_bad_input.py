@@ -126,8 +126,8 @@ def test_request_that_cannot_fit_the_cache_is_rejected(tiny, h):
     with pytest.raises(ValueError, match=r"^prompt: 513 tokens do not fit max_model_len 512 .*the KV cache"):
         eng.add_request("too-long-prompt", ids[:513], greedy(1))
     assert set(eng.requests) == {"ok"} and len(eng.scheduler.waiting) == 1
-    done = drain(eng)
-    assert len(done["ok"]) == 112 and h.free_counts(eng) == initial
+    done = h.drive(eng)
+    assert len(done["ok"].token_ids) == 112 and h.free_counts(eng) == initial
 
 
 @pytest.mark.parametrize("sizing, field", [(dict(num_pages=2), "num_pages"),

@@ -218,7 +218,7 @@ def test_masked_fill_matches_xgrammar_on_the_rows_it_names():
     assert torch.isinf(ours[[0, 2]]).any()
 
 
-def test_ignore_eos_after_the_grammar_ends_allows_eos_only(engine_of):
+def test_ignore_eos_after_the_grammar_ends_allows_eos_only(engine_of, run):
     """A grammar that has ended (its EOS taken) masks to EOS alone: with ignore_eos the request
     runs to max_tokens on EOS (xgrammar itself refuses to fill a terminated matcher)."""
     eng = engine_of(async_scheduling="on")
@@ -230,7 +230,7 @@ def test_ignore_eos_after_the_grammar_ends_allows_eos_only(engine_of):
         assert set(out.token_ids[first_eos:]) == {eng.eos_token_id} and len(out.token_ids) == 8
 
 
-def test_mask_fill_overlaps_the_step(engine_of, monkeypatch):
+def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     """Order of the host's work in a decode step with async scheduling: the forward is launched,
     the matchers take the previous step's tokens, the mask fill starts (on the worker thread for
     a batch of THREAD_MIN_ROWS or more), the previous step's tokens are appended while it runs,
