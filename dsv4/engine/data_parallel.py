@@ -44,7 +44,7 @@ from ..config import ConfigError, EngineConfig, ModelConfig
 from ..parallel.comm import Comm
 from ..parallel.expert_parallel import idle_step
 from .request import Request, Status
-from .runner import ModelRunner, PendingFill, StepLogits, WarmupMessage, pending_fill
+from .runner import ModelRunner, PendingFill, StepLogits, WarmupMessage, next_message, pending_fill
 from .scheduler import ScheduledChunk, Scheduler
 
 
@@ -330,12 +330,9 @@ def run_dp_steps(runner: ModelRunner, comm: Comm) -> None:
     """Ranks 1..n-1: run rank 0's steps until told to stop."""
     prev = None                   # the last step's sampled tokens (all ranks'), on this rank's device
     while True:
-        msg: DPStepMessage | WarmupMessage | None = comm.broadcast_object()
+        msg: DPStepMessage | None = next_message(runner, comm)
         if msg is None:
             return
-        if isinstance(msg, WarmupMessage):
-            runner.warmup(*msg.args)
-            continue
         own = msg.parts[comm.rank]
         fill = PendingFill(torch.tensor(own.fill_dst), torch.tensor(own.fill_src), prev) if own.fill_dst else None
         replay_checkpoint_ops(runner.storage, own.checkpoint_ops)

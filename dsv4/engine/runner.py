@@ -51,6 +51,15 @@ class WarmupMessage:
     args: tuple
 
 
+def next_message(runner: "ModelRunner", comm):
+    """Ranks 1..n-1: rank 0's next step message (None: stop), running warm-ups on the way."""
+    while True:
+        msg = comm.broadcast_object()
+        if not isinstance(msg, WarmupMessage):
+            return msg
+        runner.warmup(*msg.args)
+
+
 class ModelRunner:
     def __init__(self, model, layout: CacheLayout, plan: CachePlan, cache: CacheManager, device,
                  cuda_graph_max_bs: int = 0, keep_hidden: bool = False, keep_taps: bool = False):

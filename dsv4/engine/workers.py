@@ -220,15 +220,12 @@ def _worker_runner(model, comm: Comm, config):
 
 @torch.inference_mode()
 def run_steps(runner, comm: Comm) -> None:
-    from .runner import PendingFill, WarmupMessage
+    from .runner import PendingFill, next_message
     prev = None                   # the last step's sampled tokens, on this rank's device
     while True:
-        msg: StepMessage | WarmupMessage | None = comm.broadcast_object()
+        msg: StepMessage | None = next_message(runner, comm)
         if msg is None:
             return
-        if isinstance(msg, WarmupMessage):
-            runner.warmup(*msg.args)
-            continue
         fill = PendingFill(torch.tensor(msg.fill_dst), torch.tensor(msg.fill_src), prev) if msg.fill_dst else None
         replay_checkpoint_ops(runner.storage, msg.checkpoint_ops)
         runner.run_seqs(msg.seqs, fill)
