@@ -55,6 +55,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         number = self.server.admit(self.path, body)
+        self.released = False
         try:
             if self.path not in ENDPOINTS:
                 return self._error(404, f"no route {self.path}")
@@ -64,6 +65,13 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             pass  # the client hung up mid-stream (it stops reading after an error event)
         finally:
+            self._release()
+
+    def _release(self) -> None:
+        """The request leaves the in-flight count before its last bytes go out: a client that
+        has read them may start its next request at once, before this thread resumes."""
+        if not self.released:
+            self.released = True
             self.server.release()
 
     def _error(self, status: int, message: str):
@@ -72,6 +80,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
         self.end_headers()
+        self._release()
         self.wfile.write(payload)
 
     def _stream(self, body: dict):
@@ -93,6 +102,7 @@ class _Handler(BaseHTTPRequestHandler):
         if self.server.send_usage and body.get("stream_options", {}).get("include_usage"):
             self._data({"choices": [], "usage": {"prompt_tokens": _prompt_tokens(body),
                                                  "completion_tokens": body["max_tokens"]}})
+        self._release()
         self._event("data: [DONE]")
 
     def _data(self, chunk: dict):
