@@ -2,7 +2,7 @@
 (docs/architecture.md, "Serving"): `dsv4 serve`'s two processes (the API process and the engine
 core, whose forward and head return constants: what is left is host work) driven by
 `dsv4 bench serve`, each process's CPU seconds per output token measured apart, and each
-one's functions by own time (cProfile, `--profile`).
+one's functions by own time (sampled, `--profile`: benchmarks/cpu_sampler.py).
 
     python -m benchmarks.serve_path --smoke                    # CPU, seconds
     python -m benchmarks.serve_path --device cpu --dtype float32 --concurrency 64 256
@@ -15,16 +15,15 @@ in a child (its engine core a grandchild); CPU seconds come from /proc (Linux).
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
 import os
-import pstats
 import re
 import subprocess
 import sys
 import tempfile
 import time
+
+from .cpu_sampler import Sampler
 
 READY = re.compile(r"ready at (http://\S+)")
 PROFILE_ENV = "DSV4_SERVE_PATH_PROFILE"      # a path prefix: each process writes <prefix>.<role>.prof
@@ -40,7 +39,7 @@ def parse_args(argv):
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=None, help="per concurrency (default 2x it)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
-    p.add_argument("--profile", action="store_true", help="cProfile each process; print its top functions")
+    p.add_argument("--profile", action="store_true", help="sample each process's CPU by function; print the top ones")
     p.add_argument("--top", type=int, default=18, help="functions shown per process with --profile")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
@@ -92,20 +91,22 @@ def stub_engine_core(model_dir: str, config, addresses, parent_pid: int) -> None
 
 
 class _profiled:
-    """cProfile the enclosed block when PROFILE_ENV is set; dump to <prefix>.<role>.prof."""
+    """Sample the enclosed block's CPU by function (cpu_sampler.py) when PROFILE_ENV is set;
+    write the samples to <prefix>.<role>.json."""
 
     def __init__(self, role: str):
-        self.path = os.environ.get(PROFILE_ENV) and f"{os.environ[PROFILE_ENV]}.{role}.prof"
-        self.profiler = cProfile.Profile() if self.path else None
+        self.path = os.environ.get(PROFILE_ENV) and f"{os.environ[PROFILE_ENV]}.{role}.json"
+        self.sampler = Sampler() if self.path else None
 
     def __enter__(self):
-        if self.profiler:
-            self.profiler.enable()
+        if self.sampler:
+            self.sampler.start()
 
     def __exit__(self, *exc):
-        if self.profiler:
-            self.profiler.disable()
-            self.profiler.dump_stats(self.path)
+        if self.sampler:
+            self.sampler.stop()
+            with open(self.path, "w") as f:
+                json.dump(self.sampler.state(), f)
 
 
 def serve_child(args) -> int:
@@ -161,12 +162,6 @@ def bench_once(url: str, args, concurrency: int, pids: dict[str, int]) -> dict:
             "errors": result["errors"]}
 
 
-def top_functions(path: str, n: int) -> str:
-    text = io.StringIO()
-    pstats.Stats(path, stream=text).sort_stats("tottime").print_stats(n)
-    return text.getvalue()
-
-
 def run(args) -> dict:
     results, profiles = [], {}
     with tempfile.TemporaryDirectory() as tmp, open(os.path.join(tmp, "server.log"), "w+") as log:
@@ -178,21 +173,22 @@ def run(args) -> dict:
         try:
             url = _wait_ready(server, log.name, 600)
             pids = {"api": server.pid, "engine": engine_core_pid(server.pid)}
-            profiler = cProfile.Profile() if args.profile else None
+            sampler = Sampler().start() if args.profile else None
             for concurrency in args.concurrency:
-                if profiler:
-                    profiler.enable()
                 results.append(bench_once(url, args, concurrency, pids))
-                if profiler:
-                    profiler.disable()
+            if sampler:
+                sampler.stop()
         finally:
             server.terminate()
             server.wait(120)
         if args.profile:
-            profiler.dump_stats(os.path.join(tmp, "run.client.prof"))
+            tokens = max(sum(r["output_tokens"] for r in results), 1)
             for role in ("client", "api", "engine"):
-                path = os.path.join(tmp, f"run.{role}.prof")
-                profiles[role] = top_functions(path, args.top) if os.path.exists(path) else "(no profile)"
+                path = os.path.join(tmp, f"run.{role}.json")
+                got = sampler if role == "client" else (Sampler.from_state(json.load(open(path)))
+                                                         if os.path.exists(path) else None)
+                per = sum(r["cpu_s"][role] for r in results) / tokens
+                profiles[role] = got.report(args.top, per, "output token") if got else "(no profile)"
         log.seek(0)
         tail = log.read()[-2000:]
     return {"results": results, "profiles": profiles, "server_log_tail": tail}
@@ -226,7 +222,7 @@ def main(argv=None) -> int:
         return serve_child(args)
     out = run(args)
     for role, text in out["profiles"].items():
-        print(f"==== {role} process: top functions by own time ====\n{text}")
+        print(f"==== {role} process: CPU by function ====\n{text}\n")
     print(table(out["results"]))
     failed = sum(r["failed"] for r in out["results"])
     if failed:
