@@ -64,18 +64,6 @@ def parse_args(argv):
 
 
 # ---- 1. host profile -------------------------------------------------------------------------
-def stub_forward(engine) -> None:
-    """The model's forward and head replaced by constant tensors: what is left is host work."""
-    import torch
-    m, cfg = engine.model, engine.model.cfg
-    logits = torch.zeros(4096, cfg.vocab_size, device=engine.config.device)
-    logits[:, 2:] = torch.arange(cfg.vocab_size - 2, device=logits.device) % 7   # argmax: a fixed token
-    m.forward = lambda fb, layers, *rest: torch.zeros(fb.num_tokens, cfg.hc_mult, cfg.hidden_size, device=logits.device)
-    m.logits = lambda hidden: logits[:hidden.shape[0]]
-    m.head_input = lambda streams: streams[:, 0]
-    m.head_logits = lambda head_in: logits[:head_in.shape[0]]
-
-
 def host_profile(args, concurrency: int) -> dict:
     """The engine at `concurrency` decoding requests, its forward stubbed, each step's outputs
     taken through the engine core, the wire and the API process (host_sections.ServePath):
@@ -87,6 +75,7 @@ def host_profile(args, concurrency: int) -> dict:
     from dsv4.engine.engine import LLMEngine
     from dsv4.sampling_params import SamplingParams
     from .host_sections import Sections, ServePath, breakdown, instrument
+    from .serve_path import stub_forward
     cfg = EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=concurrency, enable_prefix_caching=False,
                        max_num_batched_tokens=max(2048, args.input_len * 4), enforce_eager=True,
                        max_model_len=args.input_len + args.output_len + (args.profile_repeats * 3 + 1) * args.profile_steps + 16,
@@ -156,6 +145,7 @@ def host_profile(args, concurrency: int) -> dict:
 def serve_and_bench(args) -> dict:
     from dsv4.assets import demo_model_dir
     from dsv4.bench.serve import ServeBenchConfig, run_serve_benchmark
+    from .serve_path import cpu_seconds, engine_core_pid
     model = demo_model_dir()
     flags = ["--model", model, "--port", "0", "--device", args.device, "--dtype", args.dtype,
              "--max-num-seqs", str(args.concurrency), "--max-model-len", str(args.max_model_len),
@@ -174,11 +164,19 @@ def serve_and_bench(args) -> dict:
             found = WARMUP.search(text)
             out["warmup"] = found.group(0) if found else None
 
+            pids = {"api": proc.pid, "engine": engine_core_pid(proc.pid)}
+
             def bench(concurrency, n):
+                """The run's figures, and each process's CPU µs per output token (`cpu_us_per_token`)."""
                 cfg = ServeBenchConfig(base_url=url, model=model, input_len=args.input_len, output_len=args.output_len,
                                        num_prompts=n, max_concurrency=concurrency, vocab_size=8192,
                                        show_progress=False)
-                return run_serve_benchmark(cfg)
+                before, client = {k: cpu_seconds(pid) for k, pid in pids.items()}, time.process_time()
+                result = run_serve_benchmark(cfg)
+                cpu = {k: cpu_seconds(pid) - before[k] for k, pid in pids.items()}
+                cpu["client"] = time.process_time() - client
+                tokens = max(result["total_output_tokens"], 1)
+                return {**result, "cpu_us_per_token": {k: v / tokens * 1e6 for k, v in cpu.items()}}
             out["cold_c1"] = bench(1, 16 if not args.smoke else 2)
             out["warm_c1"] = bench(1, 16 if not args.smoke else 2)
             out["warm_c"] = bench(args.concurrency, args.num_prompts)
@@ -266,6 +264,9 @@ def table(profiles: list[dict], serve: dict | None, concurrency: int) -> tuple[s
             ok &= met != "NO"
             lines.append(f"{name:<38} {value if value is not None else float('nan'):>10.3f} "
                          f"{'' if target is None else f'{op} {target:g}':>10}  {met}")
+        us = warm["cpu_us_per_token"]
+        lines.append(f"warm c{concurrency}, CPU µs per output token by process: client {us['client']:.1f}, "
+                     f"API {us['api']:.1f}, engine core {us['engine']:.1f} (its GPU waits included)")
         lines.append(f"cold c1: median TTFT {cold['median_ttft_ms']:.1f} ms, p99 {cold['p99_ttft_ms']:.1f} ms; "
                      f"warm c{concurrency}: {warm['output_throughput']:.0f} out tok/s, {warm['completed']} done; "
                      f"offline {off:.0f} out tok/s")
