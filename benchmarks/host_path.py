@@ -15,6 +15,7 @@
     python -m benchmarks.host_path                 # H200, ~3 min
     python -m benchmarks.host_path --smoke         # CPU, tiny sizes, seconds
     python -m benchmarks.host_path --only-profile  # the host profile alone (c64, c256)
+    python -m benchmarks.host_path --skip-profile  # the server and offline parts alone
     python -m benchmarks.host_path --only-profile --device cpu --dtype float32   # the same, no GPU
 """
 from __future__ import annotations
@@ -54,6 +55,7 @@ def parse_args(argv):
     p.add_argument("--profile-repeats", type=int, default=3,
                    help="timed runs of --profile-steps steps; each figure is the least of them (shared hosts)")
     p.add_argument("--only-profile", action="store_true", help="the host profile alone (no server)")
+    p.add_argument("--skip-profile", action="store_true", help="the server and offline parts alone (no host profile)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.smoke:
@@ -275,8 +277,9 @@ def table(profiles: list[dict], serve: dict | None, concurrency: int) -> tuple[s
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    profiles = [host_profile(args, c) for c in args.profile_concurrency]
-    print(profiles[-1]["profile"])
+    profiles = [] if args.skip_profile else [host_profile(args, c) for c in args.profile_concurrency]
+    if profiles:
+        print(profiles[-1]["profile"])
     serve = None if args.only_profile else serve_and_bench(args)
     text, ok = table(profiles, serve, args.concurrency)
     print(text)
