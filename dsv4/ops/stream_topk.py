@@ -22,12 +22,6 @@ _LOW_MASK = _LOW - 1
 _NEG_INF_KEY32 = int(torch.tensor(float("-inf")).view(torch.int32)) ^ 0x7FFFFFFF
 MIN_CHOSEN_KEY = (_NEG_INF_KEY32 + 1) * _LOW          # keys below: a -inf score or the empty fill
 EMPTY_KEY = torch.iinfo(torch.int64).min
-# Rows of at least TWO_STAGE_MIN keys are cut into pieces of PIECE keys: the top k of every piece
-# first (many short selections side by side), then the top k of their union. Keys are unique,
-# so that is the top k of the row; on a GPU it beats one select over a long row
-# (benchmarks/kernels/topk.py), as a 1M-token decode step's 262,656 keys a CSA layer are.
-TWO_STAGE_MIN = 1 << 15
-PIECE = 1 << 12
 
 
 def score_keys(scores: torch.Tensor, first_offset: int = 0) -> torch.Tensor:
@@ -53,21 +47,8 @@ class RunningTopk:
     def add(self, scores: torch.Tensor, first_offset: int, rows: slice = slice(None)) -> None:
         """Merge scores [t, W] of offsets first_offset + [0, W) into rows `rows` of the state."""
         keys = torch.cat([self.keys[rows], score_keys(scores, first_offset)], dim=1)
-        self.keys[rows] = top_keys(keys, self.k)
+        self.keys[rows] = keys.topk(self.k, dim=1).values
 
     def offsets(self) -> torch.Tensor:
         """[T, k] long: chosen offsets in (score desc, offset asc) order, -1 after the last."""
         return key_offsets(self.keys)
-
-
-def top_keys(keys: torch.Tensor, k: int, two_stage_min: int = TWO_STAGE_MIN, piece: int = PIECE) -> torch.Tensor:
-    """keys [T, W] int64 (unique but for EMPTY_KEY fills) -> their k largest [T, k], descending;
-    in two stages (pieces of `piece` keys) for rows of at least `two_stage_min` keys."""
-    T, W = keys.shape
-    if W < max(two_stage_min, 2 * piece) or k > piece // 4:
-        return keys.topk(k, dim=1).values
-    pad = -W % piece
-    if pad:
-        keys = torch.cat([keys, keys.new_full((T, pad), EMPTY_KEY)], dim=1)
-    best = keys.view(T, -1, piece).topk(k, dim=2, sorted=False).values     # [T, pieces, k]
-    return best.view(T, -1).topk(k, dim=1).values

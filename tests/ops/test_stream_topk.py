@@ -104,19 +104,3 @@ def test_64k_context_chunk_memory_is_bounded(monkeypatch):
     with backend.forced("reference"):
         assert torch.equal(got, indexer_ops.indexer_topk(q, weights, keys, cand, k))
     assert (got >= 0).all()
-
-
-@pytest.mark.parametrize("T, W, k", [(1, 9000, 16), (3, 4096 * 3, 64), (2, 5000, 7)])
-def test_two_stage_top_keys_are_the_one_stage_keys(T, W, k):
-    """The two-stage select (pieces, then their union) gives the very keys of one topk, with
-    ties in the scores (the keys stay unique), -inf scores, and a width that is no multiple of
-    the piece; and RunningTopk built on it still meets the definition."""
-    from dsv4.ops.stream_topk import top_keys
-    scores = tied_scores(T, W, seed=W + k)
-    keys = score_keys(scores)
-    one = keys.topk(k, dim=1).values
-    assert torch.equal(top_keys(keys, k, two_stage_min=1024, piece=1024), one)
-    assert torch.equal(top_keys(keys, k), one)
-    running = RunningTopk(T, k, "cpu")
-    running.add(scores, 0)
-    assert torch.equal(running.offsets(), by_definition(scores, k))
