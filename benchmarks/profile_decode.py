@@ -39,7 +39,8 @@ def main() -> None:
 
 def profile_context(args, model, context: int) -> None:
     eng = LLMEngine(args.spec, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=args.batch,
-                                            max_num_batched_tokens=256, max_model_len=context + 200,
+                                            max_num_batched_tokens=256,
+                                            max_model_len=min(context + 200, model.cfg.max_position_embeddings),
                                             num_pages=args.batch * (context // 256 + 2) + 8,
                                             kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False),
                     model=model)
