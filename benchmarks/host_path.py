@@ -269,7 +269,8 @@ def table(profiles: list[dict], serve: dict | None, concurrency: int) -> tuple[s
         us = warm["cpu_us_per_token"]
         lines.append(f"warm c{concurrency}, CPU µs per output token by process: client {us['client']:.1f}, "
                      f"API {us['api']:.1f}, engine core {us['engine']:.1f} (its GPU waits included)")
-        lines.append(f"cold c1: median TTFT {cold['median_ttft_ms']:.1f} ms, p99 {cold['p99_ttft_ms']:.1f} ms; "
+        lines.append(f"cold c1: first request's TTFT {cold.get('first_ttft_ms') or float('nan'):.1f} ms, "
+                     f"median {cold['median_ttft_ms']:.1f} ms, p99 {cold['p99_ttft_ms']:.1f} ms; "
                      f"warm c{concurrency}: {warm['output_throughput']:.0f} out tok/s, {warm['completed']} done; "
                      f"offline {off:.0f} out tok/s")
     return "\n".join(lines), ok
