@@ -1,13 +1,14 @@
 """The host path at high concurrency, one command (docs/architecture.md, "Engine").
 
 1. Host profile: the engine's own work per step and request, the model forward stubbed (zeros
-   for the streams, a fixed logits row), each step's outputs taken on through the engine core,
+   for the streams, logits rows with a varied maximum: serve_path.stub_forward), each step's outputs taken on through the engine core,
    the wire and the API process (benchmarks/host_sections.py), at each concurrency of
    --profile-concurrency: wall time, the breakdown by component, and the functions that take
    the most time (cProfile, own time) at the largest.
 2. Server: `dsv4 serve` on the demo model (start-up time from its log), `dsv4 bench serve`
    (--input-len-token prompts, --output-len tokens, --num-prompts requests) cold at
-   concurrency 1, then warm at --concurrency; then `dsv4 bench throughput` on the same
+   concurrency 1, then warm at --concurrency (with each process's CPU per output token: the
+   client, the API process, the engine core); then `dsv4 bench throughput` on the same
    workload (offline LLM); greedy tokens of the server equal the offline LLM's on a few prompts.
 3. A table against the targets: cold p99 TTFT at c1 <= 2x the warm median; median TPOT at
    c256 <= 6 ms; output tok/s >= 3 x 6,438; offline tok/s >= the server's.
