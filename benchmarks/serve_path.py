@@ -114,8 +114,10 @@ def serve_child(args) -> int:
     from dsv4.config import EngineConfig
     from dsv4.serve.http.server import APIServer, ServeSettings
     longest = max(args.concurrency)
+    # enforce_eager: CUDA graphs captured at load would replay the real forward, not the stub
     engine = EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=longest, enable_prefix_caching=False,
-                          max_model_len=args.input_len + args.output_len + 16, cache_memory_gb=4.0)
+                          max_model_len=args.input_len + args.output_len + 16, cache_memory_gb=4.0,
+                          enforce_eager=True)
     settings = ServeSettings(model_dir=demo_model_dir(), model_names=["demo"], engine=engine, port=0,
                              log_level="warning")
     server = APIServer(settings, engine_target=stub_engine_core)
