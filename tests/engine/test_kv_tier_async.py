@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dsv4.cache.tiers.executors import make_executor
 from dsv4.cache.tiers.movers import Mover
 from dsv4.sampling_params import SamplingParams
 from tier_streams import DeferredStreams
@@ -47,13 +48,15 @@ def run(eng, prompts: dict[str, list[int]], max_tokens: dict[str, int], streams=
     return out
 
 
-def test_offload_and_restore_beside_decodes_never_wait(tiny):
+@pytest.mark.parametrize("threaded", [False, True])
+def test_offload_and_restore_beside_decodes_never_wait(tiny, threaded):
+    """`threaded`: the mover issues its copies from a thread of its own, as when serving."""
     long = tiny.tie_free_ids(900, seed=611)
     others = {f"d{i}": tiny.ids(60 + 7 * i, seed=620 + i) for i in range(4)}
     eng = tiny.engine(max_num_batched_tokens=256, max_num_seqs=6, num_pages=60, host_cache_gb=0.02)
     streams = DeferredStreams(random.Random(3))
     tiers = eng.cache.tiers
-    tiers.mover = Mover(streams, tiers.codec)
+    tiers.mover = Mover(streams, tiers.codec, make_executor(threaded, "test-mover"))
     plain = tiny.engine(max_num_batched_tokens=256, max_num_seqs=6, num_pages=60, enable_prefix_caching=False)
 
     # 1. the long prompt prefills (offloading 256, 512, 768) while the others decode
@@ -65,6 +68,8 @@ def test_offload_and_restore_beside_decodes_never_wait(tiny):
 
     # 2. the GPU forgets; the prompt comes back while the others decode: it waits for its
     # restore from the host, steps go on meanwhile, and it resumes at 768
+    for job in tiers.stores:
+        job.ticket.future.result()        # issued (by the mover's thread, when threaded)
     for _ in range(30):
         streams.fire()
     tiers.poll()
@@ -82,7 +87,7 @@ def test_offload_and_restore_beside_decodes_never_wait(tiny):
     assert tiers.stats.hit_tokens["host"] == 768
     assert decoded_while_waiting, "no step ran while the restore was in flight"
     assert streams.waits == 0, "the step's thread waited for a tier copy"
-    tiers.drain()
+    tiers.close()
     assert not tiers.busy
 
 
@@ -119,7 +124,6 @@ def test_a_slow_disk_read_does_not_hold_up_other_requests(tiny, tmp_path, monkey
     import threading
 
     from dsv4.cache.tiers import disk as disk_module
-    from dsv4.cache.tiers.executors import make_executor
     long = tiny.tie_free_ids(900, seed=631)
     others = {f"d{i}": tiny.ids(60 + 7 * i, seed=640 + i) for i in range(4)}
     cfg = dict(max_num_batched_tokens=256, max_num_seqs=6, num_pages=60, host_cache_gb=0.02,
@@ -137,6 +141,7 @@ def test_a_slow_disk_read_does_not_hold_up_other_requests(tiny, tmp_path, monkey
     eng = tiny.engine(**cfg)
     tiers = eng.cache.tiers
     tiers.executor = tiers.disk.executor = make_executor(background=True)
+    tiers.mover = Mover(tiers.mover.streams, tiers.codec, make_executor(True, "test-mover"))   # as when serving
     lengths = {"again": 8, **{rid: 20 for rid in others}}
     prompts = {"again": long[:800], **others}
     for rid, prompt in prompts.items():

@@ -34,7 +34,7 @@ class KVTiers(Storing, DiskWriting, Restoring):
         device = storage.kinds["c4"].device
         cuda = device.type == "cuda"
         background = cuda if options.background is None else options.background
-        self.mover = make_mover(self.codec)
+        self.mover = make_mover(self.codec, background)
         self.executor = make_executor(background)
         self.stats = TierStats()
         self.host = HostStore(self.codec.numel, self.fmt.numel, self.codec.dtype, options.host_bytes, pin=cuda)
@@ -120,3 +120,4 @@ class KVTiers(Storing, DiskWriting, Restoring):
     def close(self) -> None:
         self.drain()
         self.executor.shutdown(wait=True)
+        self.mover.close()
