@@ -162,6 +162,8 @@ def test_a_slow_disk_read_does_not_hold_up_other_requests(tiny, tmp_path, monkey
         tiers.poll()                  # publishes the entries the disk thread filled: no copy here
     assert not tiers.reads and not ops.names, ops.names
     while eng.has_unfinished():
+        for job in list(tiers.loads.values()):
+            job.ticket.future.result()    # issued by the mover's thread (the test, not the engine, waits)
         for o in eng.step():
             out[o.request_id] += o.new_token_ids
         steps += 1
