@@ -14,7 +14,7 @@ Invariants (tests/cache/tiers/test_accounting.py checks them after random worklo
 """
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
@@ -48,20 +48,20 @@ class Pool:
     def row(self, key: Key) -> torch.Tensor:
         return self.rows[self.index[key].slot]
 
-    def reserve(self, key: Key) -> Entry | None:
+    def reserve(self, key: Key, spare=()) -> Entry | None:
         """A new entry (one reference, not ready) for `key`, evicting the least recently used
-        unreferenced entry when no slot is free; None when every slot is referenced."""
+        unreferenced entry not in `spare` when no slot is free; None when there is none."""
         if key in self.index:
             raise ValueError("key already stored")
-        if not self.free and not self._evict_one():
+        if not self.free and not self._evict_one(spare):
             return None
         entry = Entry(self.free.pop())
         self.index[key] = entry
         return entry
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self, spare=()) -> bool:
         for key, e in self.index.items():
-            if e.ready and e.refs == 0:
+            if e.ready and e.refs == 0 and key not in spare:
                 self.drop(key)
                 return True
         return False
@@ -87,6 +87,12 @@ class Pool:
         for k in keys:
             if k in self.index:
                 self.index.move_to_end(k)
+
+    def touch_chain(self, chain) -> None:
+        """`touch` of a chain's entries deepest first (its root ends up newest), at C speed: no
+        Python work per page."""
+        index = self.index
+        deque(map(index.move_to_end, filter(index.__contains__, reversed(chain))), maxlen=0)
 
     def nbytes_used(self) -> int:
         return len(self.index) * self.rows[0].numel() * self.rows.element_size() if self.capacity else 0

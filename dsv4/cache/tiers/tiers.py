@@ -16,7 +16,7 @@ from .disk_writes import DiskWriting
 from .executors import make_executor
 from .host import HostStore
 from .jobs import DiskRead, DiskWrite, LoadJob, StoreJob
-from .keys import Key, chain_keys, root_key
+from .keys import Key, chain_keys, extend_chain, root_key
 from .movers import make_mover
 from .options import TierOptions
 from .restoring import Restoring
@@ -61,11 +61,11 @@ class KVTiers(Storing, DiskWriting, Restoring):
     def keys(self, tokens: list[int], num_pages: int, owner: str | None = None) -> list[Key]:
         """Chain keys of `tokens`' first pages; with an `owner` (a request id, whose tokens only
         grow) the keys computed before are kept until `forget(owner)`, so each page is hashed once."""
-        known = self._memo.get(owner, ()) if owner is not None else ()
-        keys = chain_keys(self.root, tokens, num_pages, known)
-        if owner is not None and len(keys) > len(known):
-            self._memo[owner] = keys
-        return keys
+        if owner is None:
+            return chain_keys(self.root, tokens, num_pages)
+        known = self._memo.setdefault(owner, [])
+        extend_chain(self.root, tokens, known, num_pages)
+        return known if len(known) == num_pages else known[:num_pages]    # (callers never change it)
 
     def forget(self, owner: str) -> None:
         self._memo.pop(owner, None)
