@@ -91,11 +91,14 @@ def test_offload_and_restore_beside_decodes_never_wait(tiny, threaded):
     assert not tiers.busy
 
 
-def test_a_store_issues_the_same_work_for_any_number_of_pages(tiny):
-    """What the step's thread launches per offload does not grow with the prefix's pages (one
-    gather per kind, coalesced host copies), and none of it reads a device value back."""
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_store_issues_the_same_work_for_any_number_of_pages(tiny, threaded):
+    """What is launched per offload does not grow with the prefix's pages (one gather per kind,
+    coalesced host copies), and none of it reads a device value back; with the mover on its own
+    thread (as when serving) the step's thread launches one operator per offload: the tail's clone."""
     eng = tiny.engine(max_num_batched_tokens=256, max_num_seqs=2, num_pages=60, host_cache_gb=0.02)
     tiers = eng.cache.tiers
+    tiers.mover = Mover(tiers.mover.streams, tiers.codec, make_executor(threaded, "test-mover"))
     counts = []
     for n in (1, 3, 7):
         tokens = tiny.ids(256 * n, seed=700 + n)
@@ -107,12 +110,16 @@ def test_a_store_issues_the_same_work_for_any_number_of_pages(tiny):
             tiers.offload(tokens, pages, 256 * n, eng.runner.storage.checkpoints[0])
         assert not any(name.startswith(("_local_scalar_dense", "item")) for name in ops.names), ops.names
         counts.append(len(ops.names))
+        if threaded:                  # views of the checkpoint rows, and the clone of the tail
+            assert sorted(name.split(".")[0] for name in ops.names) == ["clone", "select", "select"], ops.names
+        tiers.drain()
         rows = tiers.host.pages.rows[[tiers.host.pages.index[k].slot for k in tiers.keys(tokens, n)]]
         for p, row in zip(pages, rows, strict=True):
             assert torch.equal(row, torch.cat([eng.runner.storage.page(k, p).reshape(-1)
                                                for k in ("c4", "idx", "c128")]))
         eng.cache.pages.free(pages)
     assert counts[0] == counts[1] == counts[2], counts
+    tiers.close()
 
 
 def test_a_slow_disk_read_does_not_hold_up_other_requests(tiny, tmp_path, monkeypatch):
