@@ -3,8 +3,9 @@
 `KVTiers` holds the tiers' state; its jobs live in their own files: storing into the host tier
 (storing.py, `offload`), writing groups to disk (disk_writes.py) and restoring into the GPU
 prefix tree (restoring.py, `fetch`). All bookkeeping runs on the caller's thread (`poll`
-collects finished copies and never waits); only copies run elsewhere (the side stream of
-streams.py, the disk thread of executors.py).
+collects finished copies and never waits); only copies run elsewhere (issued by the mover's
+thread onto the side stream of streams.py, and file reads and writes on the disk thread of
+executors.py).
 """
 from __future__ import annotations
 
