@@ -76,7 +76,8 @@ def check(sched: Scheduler, folder) -> None:
         assert len(slots) + len(pool.free) == pool.capacity
         for key, e in pool.index.items():
             assert e.refs == refs[name][key], name
-            assert e.ready or key in reading or any(key in j.page_keys or key == j.tail_key for j in tiers.stores)
+            assert e.ready or key in reading or any(key in j.page_keys or key == j.tail_key
+                                                    for j in tiers.stores)
     disk = tiers.disk
     on_disk = {n for n in os.listdir(folder) if not (tiers.writes and n.startswith(".tmp-"))}
     assert set(disk.files) <= on_disk and on_disk <= set(disk.files) | set(tiers.writes)

@@ -1,8 +1,9 @@
 """The disk tier's folder and index (docs/architecture.md, "Host and disk tiers").
 
 Files (files.py) are written by the executor (a background thread when serving) and read the
-same way, straight into the host entries reserved for them (no copy on the calling thread); the index (which page and tail keys which file holds, least recently used first) is
-changed only on the calling thread, when a write or read is collected.
+same way, straight into the host entries reserved for them (no copy on the calling thread);
+the index (which page and tail keys which file holds, least recently used first) is changed
+only on the calling thread, when a write or read is collected.
 
 Publishing: a group is written to a temporary name, flushed to disk, then renamed to its own
 name, and only if its parent's file (the group holding the page before its first one) exists

@@ -15,7 +15,6 @@ import time
 
 from ..layout import PAGE_TOKENS
 from .jobs import DiskRead, FileRead, LoadJob
-from .keys import Key
 
 
 class Restoring:
