@@ -102,11 +102,12 @@ class Restoring:
             keys = [bytes.fromhex(h) for h in head.keys]
             f = FileRead(name, keys, [None] * len(keys), keys[-1] if head.tail else None)
             files.append(f)
-            want = [(hp, i, key) for i, key in enumerate(keys) if key not in hp.index]
+            parents = [bytes.fromhex(head.parent) if head.parent else None, *keys[:-1]]
+            want = [(hp, i, key, parents[i]) for i, key in enumerate(keys) if key not in hp.index]
             if f.tail_key is not None and f.tail_key not in ht.index:
-                want.append((ht, None, f.tail_key))
-            for pool, i, key in want:
-                e = pool.reserve(key)
+                want.append((ht, None, f.tail_key, None))
+            for pool, i, key, parent in want:
+                e = pool.reserve(key, parent)
                 if e is None:
                     for done in files:
                         self._drop_entries(done)

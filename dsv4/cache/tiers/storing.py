@@ -22,22 +22,21 @@ from .jobs import StoreJob
 class Storing:
     def offload(self, tokens: list[int], gpu_pages: list[int], L: int, tail, owner: str | None = None) -> None:
         """Store the prefix `tokens` [0, L) (GPU pages `gpu_pages`, checkpoint row `tail` at L).
-        Python work per new page only: the look-ups over the whole chain (LRU refresh, which
-        pages the host lacks, which entries eviction must spare) run at C speed, and the copy
-        itself is queued for the mover's thread."""
+        Python work per new page only: the chain's deepest entry is refreshed (its ancestors are
+        kept by the leaves-first rule of host.py), which pages the host lacks is one C-speed
+        pass, and the copy itself is queued for the mover's thread."""
         self.poll()
         n = L // PAGE_TOKENS
         keys = self.keys(tokens, n, owner)
         hp, ht = self.host.pages, self.host.tails
-        hp.touch_chain(keys)                 # ancestors newest: a leaf is evicted before its parents
+        hp.touch(keys[-1:])
         ht.touch(keys[-1:])
         new = list(compress(range(n), map(not_, map(hp.index.__contains__, keys))))
         want_tail = keys[-1] not in ht.index
         if not new and not want_tail:
             self._write_disk(keys)
             return
-        spare = set(keys) if len(hp.free) < len(new) else ()   # the chain's own entries are not evicted
-        made = self._reserve(keys, new, want_tail, spare)
+        made = self._reserve(keys, new, want_tail)
         if made is None:
             self.stats.host_full += 1
             return
@@ -51,11 +50,12 @@ class Storing:
                                     keys[:n], nbytes))
         self._poll_stores()
 
-    def _reserve(self, keys, new, want_tail, spare):
+    def _reserve(self, keys, new, want_tail):
         hp, ht = self.host.pages, self.host.tails
+        spare = {keys[i - 1] for i in new if i}     # a new page's parent (a leaf until then) stays
         entries = []
         for i in new:
-            e = hp.reserve(keys[i], spare)
+            e = hp.reserve(keys[i], keys[i - 1] if i else None, spare)
             if e is None:
                 break
             entries.append(e)

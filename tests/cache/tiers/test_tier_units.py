@@ -100,6 +100,24 @@ def test_host_pool_evicts_only_ready_unreferenced_entries_lru_first():
         pool.release([b"a"])
 
 
+def test_host_pool_evicts_leaves_before_their_parents():
+    """A chain root -> mid -> leaf stored in that order (root the oldest) loses its leaf first;
+    the entries with children passed on the way become the newest; a parent named in `spare`
+    is not taken for its child."""
+    pool = Pool(torch.empty(4, 4))
+    for key, parent in ((b"root", None), (b"mid", b"root"), (b"leaf", b"mid"), (b"other", None)):
+        e = pool.reserve(key, parent)
+        e.ready, e.refs = True, 0
+    assert pool.reserve(b"x") is not None                   # root and mid have children: leaf goes
+    assert b"leaf" not in pool.index and list(pool.index) == [b"other", b"root", b"mid", b"x"]
+    pool.index[b"x"].ready, pool.index[b"x"].refs = True, 0
+    assert pool.reserve(b"y") is not None and b"other" not in pool.index
+    pool.index[b"y"].ready, pool.index[b"y"].refs = True, 0
+    assert pool.reserve(b"z", b"mid", spare={b"mid"}) is not None
+    assert b"mid" in pool.index and b"x" not in pool.index  # mid (now a leaf) spared
+    assert pool.index[b"mid"].children == 1 and pool.index[b"root"].children == 1
+
+
 def test_runs_coalesce_consecutive_slots():
     assert runs([4, 5, 6, 2, 3, 9]) == [(0, 4, 3), (3, 2, 2), (5, 9, 1)]
     assert runs([4, 5, 6, 7, 8, 2], limit=2) == [(0, 4, 2), (2, 6, 2), (4, 8, 1), (5, 2, 1)]
