@@ -78,6 +78,9 @@ def check(sched: Scheduler, folder) -> None:
             assert e.refs == refs[name][key], name
             assert e.ready or key in reading or any(key in j.page_keys or key == j.tail_key
                                                     for j in tiers.stores)
+    entries = tiers.host.pages.index.values()      # leaves first: children counted exactly
+    kids = Counter(id(e.parent) for e in entries if e.parent is not None)
+    assert all(e.children == kids[id(e)] for e in entries)
     disk = tiers.disk
     on_disk = {n for n in os.listdir(folder) if not (tiers.writes and n.startswith(".tmp-"))}
     assert set(disk.files) <= on_disk and on_disk <= set(disk.files) | set(tiers.writes)
