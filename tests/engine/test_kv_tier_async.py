@@ -37,7 +37,10 @@ def run(eng, prompts: dict[str, list[int]], max_tokens: dict[str, int], streams=
     for rid, prompt in prompts.items():
         eng.add_request(rid, list(prompt), SamplingParams(max_tokens=max_tokens[rid], **GREEDY))
     out = {rid: [] for rid in prompts}
-    while eng.has_unfinished():
+    tiers = eng.cache.tiers
+    for _ in range(5000):                 # a stuck engine fails instead of hanging
+        if not eng.has_unfinished():
+            return out
         got = eng.step()
         for o in got:
             out[o.request_id] += o.new_token_ids
@@ -45,7 +48,10 @@ def run(eng, prompts: dict[str, list[int]], max_tokens: dict[str, int], streams=
             on_step(got)
         if streams is not None:
             streams.fire()
-    return out
+        if not got and tiers is not None:   # nothing to step: let a mover thread issue what it was asked
+            for job in [*tiers.stores, *tiers.loads.values()]:
+                job.ticket.future.result(timeout=60)
+    raise AssertionError("the engine did not finish")
 
 
 @pytest.mark.parametrize("threaded", [False, True])
