@@ -65,19 +65,18 @@ class SpeculativeDecoder:
             self._draft(chunks, step, {})
             return [], None, None
         drafts = {i: self._drafts_in(chunks[i]) for i in done}
-        rows, sampling, draft_ids, q_rows = [], [], [], []
+        rows, draft_ids = [], []
         for i in done:
-            req, d = chunks[i].request, drafts[i]
             last = step.first_row[i] + step.num_rows[i]
-            rows += range(last - len(d) - 1, last)
-            for j in range(len(d) + 1):
-                sampling.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids + d[:j],
-                                            req.generator))
-                q_rows.append(self._q_row(req, j, len(d)))
-            draft_ids += d + [-1]
+            rows += range(last - len(drafts[i]) - 1, last)
+            draft_ids += drafts[i] + [-1]
         mask = self.grammar_mask([(chunks[i].request, drafts[i]) for i in done]) if self.grammar_mask else None
-        emitted, accepted, lps = self._verify(step.logits, rows, sampling, draft_ids, q_rows, mask)
-        emitted_host, accepted_host = emitted.tolist(), accepted.tolist()
+        if mask is None and all(_plain_greedy(chunks[i].request) for i in done):
+            emitted, accepted, lps = self._verify_greedy(step.logits, rows, draft_ids)
+        else:
+            emitted, accepted, lps = self._verify(step.logits, rows, self._sampling_rows(chunks, done, drafts),
+                                                  draft_ids, self._q_rows(chunks, done, drafts), mask)
+        emitted_host, accepted_host = torch.stack((emitted, accepted.to(emitted.dtype))).tolist()   # one read-back
         sampled, keep, emitted_of, first = [], [], {}, 0
         for i in done:
             n = len(drafts[i])
@@ -88,10 +87,12 @@ class SpeculativeDecoder:
             keep += range(first, first + a + 1)
             emitted_of[i] = emitted_host[first:first + n + 1]
             first += n + 1
-        keep_t = torch.tensor(keep, device=emitted.device)
-        values = [emitted[keep_t]] + [t[keep_t] for t in lps]
+        if len(keep) < len(rows):         # (every draft accepted: every row is kept, no gather)
+            keep_t = self.runner.h2d.upload([torch.tensor(keep)])[0]
+            emitted, lps = emitted[keep_t], tuple(t[keep_t] for t in lps)
+        values = [emitted, *lps]
         self._draft(chunks, step, emitted_of)
-        return sampled, values[0], HostCopy(values)
+        return sampled, emitted, HostCopy(values)
 
     # ---- verify -------------------------------------------------------------------------
     def _drafts_in(self, c: ScheduledChunk) -> list[int]:
@@ -99,9 +100,36 @@ class SpeculativeDecoder:
         req = c.request
         return req.spec_token_ids[:req.num_computed + c.num_tokens - req.num_tokens]
 
-    def _q_row(self, req: Request, j: int, n: int) -> torch.Tensor | None:
-        entry = self._draft_probs.get(req.request_id)
-        return entry[1][j] if entry is not None and j < n else None
+    def _sampling_rows(self, chunks: list[ScheduledChunk], done: list[int], drafts: dict) -> list[SamplingRow]:
+        """Per verify row, what the sampler knows: the drafts before the row count as output."""
+        rows = []
+        for i in done:
+            req, d = chunks[i].request, drafts[i]
+            rows += [SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids + d[:j], req.generator)
+                     for j in range(len(d) + 1)]
+        return rows
+
+    def _q_rows(self, chunks: list[ScheduledChunk], done: list[int], drafts: dict) -> list[torch.Tensor | None]:
+        """Per verify row, the distribution its draft was drawn from (None: an argmax or no draft)."""
+        out = []
+        for i in done:
+            entry, n = self._draft_probs.get(chunks[i].request.request_id), len(drafts[i])
+            out += [entry[1][j] if entry is not None and j < n else None for j in range(n + 1)]
+        return out
+
+    def _verify_greedy(self, logits, rows, draft_ids):
+        """`_verify` for rows of plain greedy requests (`_plain_greedy`): the processed logits are
+        the raw ones, so emitted = their argmax; no sampling batch, no logprobs."""
+        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        if contiguous:
+            ids_t = self.runner.h2d.upload([torch.tensor(draft_ids)])[0]
+            target = logits[rows[0]:rows[0] + len(rows)]
+        else:
+            ids_t, rows_t = self.runner.h2d.upload([torch.tensor(draft_ids), torch.tensor(rows)])
+            target = logits[rows_t]
+        emitted = target.argmax(dim=-1)
+        empty = target.new_empty(len(rows), 0, dtype=torch.float32)
+        return emitted, (emitted == ids_t) & (ids_t >= 0), (empty.new_zeros(len(rows)), empty.long(), empty)
 
     def _verify(self, logits, rows, sampling, draft_ids, q_rows, mask=None):
         """Target logits rows `rows` of the step -> (emitted [R], accepted [R], raw logprobs of
@@ -191,6 +219,14 @@ class SpeculativeDecoder:
         rows = [SamplingRow(_draft_params(r.params), (), (), r.generator) for r in reqs]
         batch = SamplingBatch.build(rows, self.vocab, "cpu", None, self.generator)
         return upload_tree(batch, self.runner.h2d)
+
+
+def _plain_greedy(req: Request) -> bool:
+    """Greedy with nothing that changes the logits (penalties, logit_bias, a min_tokens ban on
+    any verify row) and no logprobs: its rows' tokens are the raw logits' argmax."""
+    p = req.params
+    return (p.is_greedy and not p.has_penalties and not p.logit_bias and p.logprobs is None
+            and len(req.output_token_ids) >= p.min_tokens)
 
 
 def _draft_params(params):

@@ -4,7 +4,7 @@ After a uniform verify step (every request q = k + 1 rows: engine/cuda_graphs.py
 requests that all draft n tokens, the whole draft — the catch-up over the q positions, the
 gather of each request's anchor row, n argmaxes and the n - 1 chained one-token steps, each
 feeding its argmax to the next inside the graph — replays as one graph per shape (batch
-bucket, q, n, entry widths). Its inputs are rebuilt on the host before each replay: the
+bucket, q, n). Its inputs are rebuilt on the host before each replay: the
 padded ForwardBatches of the catch-up and of every chain step (positions depend on how many
 drafts each request accepted), the anchor rows, and the target streams copied into a static
 buffer. Padding rows read nothing and write to the storage's scratch units, as in the
@@ -17,10 +17,10 @@ from collections import OrderedDict
 
 import torch
 
-from ...cache.addressing import Scratch, SeqChunk, StepShape, build_step, step_widths
+from ...cache.addressing import Scratch, SeqChunk, StepShape, build_swa_step
 from ...cache.layout import SWA_PAGE_TOKENS
-from ..cuda_graphs import MAX_GRAPHS, batch_bucket, width_bucket
-from ..upload import HostToDevice, replace_leaves, tensor_leaves
+from ..cuda_graphs import MAX_GRAPHS, batch_bucket
+from ..upload import HostToDevice, leaf_tensors, replace_leaves, tensor_leaves
 
 
 class DraftGraphs:
@@ -40,35 +40,35 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def run(self, works, hidden: torch.Tensor) -> list[tuple[torch.Tensor, None]]:
-        """-> per work, (drafts [n] long on the device, None)."""
+        """-> per work, (drafts [n] long on the device, None): rows of one [B, n] tensor."""
         R, q, n = len(works), len(works[0].tokens), works[0].num_drafts
         inputs, key = self._inputs(works, q, n)
-        leaves = [t for _, t in tensor_leaves(inputs)]
-        rows = torch.tensor([w.hidden_row + i for w in works for i in range(q)])
-        if not self.capture:
-            static, streams = replace_leaves(inputs, _paths(inputs, self.h2d.allocate(leaves)[1])), \
-                torch.zeros(key[0] * q, *hidden.shape[1:], dtype=hidden.dtype, device=hidden.device)
-            streams[:R * q] = hidden[rows.to(hidden.device)]
-            drafts = self._draft(static, streams)
+        leaves = leaf_tensors(inputs)
+        graph, flat, streams, drafts, static = self._graph(key, inputs, leaves, hidden)
+        self.h2d.upload_into(flat, leaves)        # (a shape's first step: filled twice, harmless)
+        if all(w.hidden_row == i * q for i, w in enumerate(works)):
+            streams[:R * q].copy_(hidden[:R * q])         # the verify step's rows, in order: no index
         else:
-            graph, flat, streams, drafts = self._graph(key, inputs, leaves, hidden)
-            self.h2d.upload_into(flat, leaves)
-            streams[:R * q].copy_(hidden[rows.to(hidden.device)])
+            rows = self.h2d.upload([torch.tensor([w.hidden_row + i for w in works for i in range(q)])])[0]
+            streams[:R * q].copy_(hidden[rows])
+        if graph is not None:
             graph.replay()
+        else:                                     # capture=False: the graph's body, from the same buffers
+            drafts = self._draft(static, streams)
         return [(drafts[i], None) for i in range(R)]
 
     def _inputs(self, works, q: int, n: int):
-        """(catch-up batch, chain batches, anchor rows) padded to the graph's shape, and its key."""
+        """(catch-up batch, chain batches, anchor rows) padded to the graph's shape, and its key
+        (batch bucket, q, n). The batches address the sliding window only (build_swa_step: the
+        MTP blocks read nothing else), so their shapes do not depend on the context length."""
         B, W = batch_bucket(len(works), self.max_bs), self.layout.cfg.sliding_window
         catch = [SeqChunk(w.slot, w.start, w.tokens, w.page_table, w.swa_table, logits=q) for w in works]
         chains = [[SeqChunk(w.slot, w.start + w.anchor + j, [0], w.page_table, w.swa_table, logits=1) for w in works]
                   for j in range(1, n)]
-        e4, e128 = (max(step_widths(s, W)[i] for s in [catch] + chains) for i in (0, 1))
-        e4, e128 = width_bucket(e4), width_bucket(e128)
-        build = (lambda seqs, tokens: build_step(seqs, self.layout, self.storage.ring_slots, StepShape(
-            B, tokens, e4, e128, (W + tokens - 2) // SWA_PAGE_TOKENS + 2), self.scratch))
+        build = (lambda seqs, tokens: build_swa_step(seqs, self.layout, StepShape(
+            B, tokens, 0, 0, (W + tokens - 2) // SWA_PAGE_TOKENS + 2), self.scratch))
         anchors = torch.tensor([i * q + w.anchor for i, w in enumerate(works)] + [0] * (B - len(works)))
-        return (build(catch, q), tuple(build(c, 1) for c in chains), anchors), (B, q, n, e4, e128)
+        return (build(catch, q), tuple(build(c, 1) for c in chains), anchors), (B, q, n)
 
     def _draft(self, static, streams: torch.Tensor) -> torch.Tensor:
         """The graph's body: catch-up, anchors, n argmaxes and n - 1 chain steps -> drafts [B, n]."""
@@ -84,6 +84,9 @@ class DraftGraphs:
         return torch.stack(drafts, dim=1)
 
     def _graph(self, key: tuple, inputs, leaves: list[torch.Tensor], hidden: torch.Tensor):
+        """(graph or None without capture, its flat input buffer, its streams buffer, its drafts
+        [B, n] or None, its static inputs: views of the flat buffer): made on a key's first step,
+        kept (LRU, MAX_GRAPHS) for the next ones."""
         if key in self.graphs:
             self.graphs.move_to_end(key)
             return self.graphs[key]
@@ -92,6 +95,9 @@ class DraftGraphs:
         flat, views = self.h2d.allocate(leaves)
         static = replace_leaves(inputs, _paths(inputs, views))
         streams = torch.zeros(key[0] * key[1], *hidden.shape[1:], dtype=hidden.dtype, device=hidden.device)
+        if not self.capture:
+            self.graphs[key] = (None, flat, streams, None, static)
+            return self.graphs[key]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):            # warm-up (allocations, autotuning); writes are idempotent
@@ -101,7 +107,7 @@ class DraftGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             drafts = self._draft(static, streams)
-        self.graphs[key] = (graph, flat, streams, drafts)
+        self.graphs[key] = (graph, flat, streams, drafts, static)
         return self.graphs[key]
 
 

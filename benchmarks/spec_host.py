@@ -1,0 +1,167 @@
+"""Host time of a speculative step vs a plain decode step (docs/speculative.md, "One step").
+
+The demo model's engine with its forward, its head and its MTP block stubbed (constant
+tensors: every draft is accepted, each verify emits k + 1 tokens), the uniform steps run
+through the padded CUDA-graph paths eagerly (StepGraphs / DraftGraphs with capture=False, as a
+GPU replays them): what is left of a step's time is host work plus a few tiny tensor ops.
+For plain decode and MTP k = 1, 2, 3 at each batch: µs per step, µs per emitted token, the
+step's cost in plain steps, the breakdown by component, and cProfile's top functions.
+
+    python -m benchmarks.spec_host --smoke                      # CPU, seconds
+    python -m benchmarks.spec_host [--batches 1 20] [--ks 1 2 3] [--steps 40] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import pstats
+import random
+import time
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, seconds)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 20])
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=40, help="timed steps per repeat")
+    p.add_argument("--repeats", type=int, default=5, help="each figure is the least of them (shared hosts)")
+    p.add_argument("--async-scheduling", default="off", choices=["on", "off"])
+    p.add_argument("--profile", action="store_true", help="cProfile's top functions of each speculative run")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.batches, args.ks, args.steps, args.repeats, args.prompt_len = [1, 4], [2], 5, 1, 16
+    return args
+
+
+def stub_drafter(engine, logits) -> None:
+    """The MTP blocks' forward and head replaced by constant tensors (drafts = the stubbed
+    target's argmax, so every draft is accepted)."""
+    for block in engine.model.mtp:
+        block.draft = lambda model, h_main, fb, kv: h_main
+        block.logits = lambda model, h: logits[:h.shape[0]]
+
+
+def make_engine(args, batch: int, k: int):
+    from dsv4.assets import demo_model_dir
+    from dsv4.config import EngineConfig
+    from dsv4.engine.cuda_graphs import StepGraphs
+    from dsv4.engine.engine import LLMEngine
+    from .host_path import stub_forward
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    tokens = args.prompt_len + (args.repeats + 2) * args.steps * (k + 1) + 16
+    cfg = EngineConfig(device=args.device, dtype="float32", max_num_seqs=batch, enable_prefix_caching=False,
+                       enforce_eager=True, max_model_len=tokens + 8, cache_memory_gb=1.0,
+                       speculative_config=spec, async_scheduling=args.async_scheduling)
+    engine = LLMEngine(demo_model_dir(), cfg)
+    stub_forward(engine)
+    logits = engine.model.head_logits(engine.model.head_input(torch_zeros(4096, engine)))
+    runner = engine.runner        # the padded (graph) paths of a GPU, run eagerly: their host work
+    runner.graphs = StepGraphs(engine.model, runner.storage, batch, capture=False, h2d=runner.h2d,
+                               keep_streams=bool(k))
+    if k:
+        from dsv4.engine.speculative.draft_graphs import DraftGraphs
+        stub_drafter(engine, logits)
+        engine.spec.proposer.graphs = DraftGraphs(engine.model, runner.storage, batch, capture=False, h2d=runner.h2d)
+    return engine, tokens
+
+
+def torch_zeros(n: int, engine):
+    import torch
+    cfg = engine.model.cfg
+    return torch.zeros(n, cfg.hc_mult, cfg.hidden_size, device=engine.config.device)
+
+
+def run_case(args, batch: int, k: int) -> dict:
+    from dsv4.sampling_params import SamplingParams
+    from .host_sections import Sections, instrument
+    engine, tokens = make_engine(args, batch, k)
+    rng, vocab = random.Random(0), engine.cfg.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=tokens - args.prompt_len, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(str(i), [rng.randrange(2, vocab) for _ in range(args.prompt_len)], params)
+    while any(not r.output_token_ids for r in engine.requests.values()):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    gc.collect()
+    gc.freeze()
+    best, emitted = 1e9, 0
+    for _ in range(args.repeats):
+        before = sum(len(r.output_token_ids) for r in engine.requests.values())
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        best = min(best, (time.perf_counter() - start) / args.steps)
+        emitted = sum(len(r.output_token_ids) for r in engine.requests.values()) - before
+    sections = Sections(time.perf_counter)
+    instrument(engine, sections)
+    _instrument_spec(engine, sections)
+    for _ in range(args.steps):
+        engine.step()
+    parts = {name: s / args.steps * 1e6 for name, s in sorted(sections.seconds.items(), key=lambda kv: -kv[1])}
+    sections.restore()
+    profile = None
+    if args.profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.steps):
+            engine.step()
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
+        profile = text.getvalue()
+    assert len(engine.requests) == batch, "a request finished inside the measured steps"
+    gc.unfreeze()
+    return {"batch": batch, "k": k, "us_per_step": best * 1e6, "tokens_per_step": emitted / args.steps,
+            "breakdown_us": parts, "profile": profile}
+
+
+def _instrument_spec(engine, sections) -> None:
+    """The speculative step's parts (their own time) as components of their own."""
+    if engine.spec is None:
+        return
+    spec = engine.spec
+    sections.wrap(spec, "_verify", "spec: verify (sampling batch, acceptance)")
+    sections.wrap(spec, "_draft", "spec: draft bookkeeping")
+    sections.wrap(spec.proposer, "propose", "spec: drafter")
+    if spec.proposer.graphs is not None:
+        sections.wrap(spec.proposer.graphs, "_inputs", "spec: draft batches (build_step)")
+
+
+def report(results: list[dict]) -> str:
+    plain = {r["batch"]: r["us_per_step"] for r in results if r["k"] == 0}
+    lines = [f"{'batch':>5} {'k':>2} {'us/step':>9} {'tok/step':>9} {'us/token':>9} {'x plain step':>12}"]
+    for r in results:
+        base = plain.get(r["batch"])
+        lines.append(f"{r['batch']:>5} {r['k']:>2} {r['us_per_step']:>9.0f} {r['tokens_per_step']:>9.2f} "
+                     f"{r['us_per_step'] / r['tokens_per_step']:>9.1f} "
+                     f"{r['us_per_step'] / base if base else float('nan'):>12.2f}")
+    for r in results:
+        lines.append(f"\nbatch {r['batch']} k {r['k']}: " + ", ".join(
+            f"{name} {us:.0f}" for name, us in r["breakdown_us"].items() if us >= 1))
+        if r["profile"]:
+            lines.append(r["profile"])
+    return "\n".join(lines)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    results = [run_case(args, b, k) for b in args.batches for k in [0] + args.ks]
+    for r in results:
+        r["us_per_token"] = r["us_per_step"] / r["tokens_per_step"]
+    print(report(results), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    return {"results": results}
+
+
+if __name__ == "__main__":
+    main()
