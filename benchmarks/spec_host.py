@@ -4,7 +4,8 @@ The demo model's engine with its forward, its head and its MTP block stubbed (co
 tensors: every draft is accepted, each verify emits k + 1 tokens), the uniform steps run
 through the padded CUDA-graph paths eagerly (StepGraphs / DraftGraphs with capture=False, as a
 GPU replays them): what is left of a step's time is host work plus a few tiny tensor ops.
-For plain decode and MTP k = 1, 2, 3 at each batch: µs per step, µs per emitted token, the
+For plain decode and MTP k = 1, 2, 3 at each batch: CPU µs per step (the engine thread's;
+run with OMP_NUM_THREADS=1 on a CPU device so that every op runs on it), µs per emitted token, the
 step's cost in plain steps, the breakdown by component, and cProfile's top functions.
 
     python -m benchmarks.spec_host --smoke                      # CPU, seconds
@@ -55,7 +56,7 @@ def make_engine(args, batch: int, k: int):
     from dsv4.engine.engine import LLMEngine
     from .host_path import stub_forward
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
-    tokens = args.prompt_len + (args.repeats + 2) * args.steps * (k + 1) + 16
+    tokens = args.prompt_len + (2 * args.repeats + 2) * args.steps * (k + 1) + 16
     cfg = EngineConfig(device=args.device, dtype="float32", max_num_seqs=batch, enable_prefix_caching=False,
                        enforce_eager=True, max_model_len=tokens + 8, cache_memory_gb=1.0,
                        speculative_config=spec, async_scheduling=args.async_scheduling)
@@ -63,12 +64,13 @@ def make_engine(args, batch: int, k: int):
     stub_forward(engine)
     logits = engine.model.head_logits(engine.model.head_input(torch_zeros(4096, engine)))
     runner = engine.runner        # the padded (graph) paths of a GPU, run eagerly: their host work
-    runner.graphs = StepGraphs(engine.model, runner.storage, batch, capture=False, h2d=runner.h2d,
+    max_bs = cfg.cuda_graph_max_bs
+    runner.graphs = StepGraphs(engine.model, runner.storage, max_bs, capture=False, h2d=runner.h2d,
                                keep_streams=bool(k))
     if k:
         from dsv4.engine.speculative.draft_graphs import DraftGraphs
         stub_drafter(engine, logits)
-        engine.spec.proposer.graphs = DraftGraphs(engine.model, runner.storage, batch, capture=False, h2d=runner.h2d)
+        engine.spec.proposer.graphs = DraftGraphs(engine.model, runner.storage, max_bs, capture=False, h2d=runner.h2d)
     return engine, tokens
 
 
@@ -95,17 +97,22 @@ def run_case(args, batch: int, k: int) -> dict:
     best, emitted = 1e9, 0
     for _ in range(args.repeats):
         before = sum(len(r.output_token_ids) for r in engine.requests.values())
-        start = time.perf_counter()
-        for _ in range(args.steps):
+        start = time.thread_time()        # this thread's CPU time: what the host work costs, whatever
+        for _ in range(args.steps):       # else shares the machine (OMP_NUM_THREADS=1: torch's ops run here)
             engine.step()
-        best = min(best, (time.perf_counter() - start) / args.steps)
+        best = min(best, (time.thread_time() - start) / args.steps)
         emitted = sum(len(r.output_token_ids) for r in engine.requests.values()) - before
-    sections = Sections(time.perf_counter)
+    sections = Sections()
     instrument(engine, sections)
     _instrument_spec(engine, sections)
-    for _ in range(args.steps):
-        engine.step()
-    parts = {name: s / args.steps * 1e6 for name, s in sorted(sections.seconds.items(), key=lambda kv: -kv[1])}
+    parts: dict[str, float] = {}
+    for _ in range(args.repeats):             # each component's least over the repeats
+        sections.reset()
+        for _ in range(args.steps):
+            engine.step()
+        for name, seconds in sections.seconds.items():
+            parts[name] = min(parts.get(name, 1e9), seconds / args.steps * 1e6)
+    parts = dict(sorted(parts.items(), key=lambda kv: -kv[1]))
     sections.restore()
     profile = None
     if args.profile:
