@@ -13,14 +13,16 @@ eager path. With `capture=False` the same padded draft runs eagerly (the CPU tes
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 
 import torch
 
 from ...cache.addressing import Scratch, SeqChunk, StepShape, build_swa_step
 from ...cache.layout import SWA_PAGE_TOKENS
+from ...model.forward_batch import ForwardBatch
 from ..cuda_graphs import MAX_GRAPHS, batch_bucket
-from ..upload import HostToDevice, leaf_tensors, replace_leaves, tensor_leaves
+from ..upload import HostToDevice, upload_tree
 
 
 class DraftGraphs:
@@ -43,7 +45,7 @@ class DraftGraphs:
         """-> per work, (drafts [n] long on the device, None): rows of one [B, n] tensor."""
         R, q, n = len(works), len(works[0].tokens), works[0].num_drafts
         inputs, key = self._inputs(works, q, n)
-        leaves = leaf_tensors(inputs)
+        leaves = _varying(inputs)
         graph, flat, streams, drafts, static = self._graph(key, inputs, leaves, hidden)
         self.h2d.upload_into(flat, leaves)        # (a shape's first step: filled twice, harmless)
         if all(w.hidden_row == i * q for i, w in enumerate(works)):
@@ -93,7 +95,7 @@ class DraftGraphs:
         if len(self.graphs) >= MAX_GRAPHS:
             self.graphs.popitem(last=False)
         flat, views = self.h2d.allocate(leaves)
-        static = replace_leaves(inputs, _paths(inputs, views))
+        static = _rebind(upload_tree(inputs, self.h2d), views)   # (the parts no step changes: uploaded once)
         streams = torch.zeros(key[0] * key[1], *hidden.shape[1:], dtype=hidden.dtype, device=hidden.device)
         if not self.capture:
             self.graphs[key] = (None, flat, streams, None, static)
@@ -111,6 +113,25 @@ class DraftGraphs:
         return self.graphs[key]
 
 
-def _paths(tree, tensors: list[torch.Tensor]) -> dict:
-    """{path: tensor} for the tree's leaves in tensor_leaves order."""
-    return dict(zip([p for p, _ in tensor_leaves(tree)], tensors))
+def _swa_leaves(fb: ForwardBatch) -> list[torch.Tensor]:
+    """What differs between two SWA-only batches of one shape (build_swa_step): the rest — the
+    empty compressed parts, logits_rows — is the same for every step of a graph's key."""
+    return [fb.token_ids, fb.positions, fb.swa_write, fb.swa.pages, fb.swa.req, fb.swa.lo, fb.swa.hi]
+
+
+def _varying(inputs) -> list[torch.Tensor]:
+    """The tensors of a draft's inputs (catch-up batch, chain batches, anchor rows) uploaded each step."""
+    catch, chains, anchors = inputs
+    return [t for fb in (catch, *chains) for t in _swa_leaves(fb)] + [anchors]
+
+
+def _rebind(inputs, views: list[torch.Tensor]):
+    """`inputs` (on the device) with its `_varying` tensors replaced by `views`, in that order."""
+    catch, chains, anchors = inputs
+    per = len(_swa_leaves(catch))
+
+    def one(fb: ForwardBatch, v: list[torch.Tensor]) -> ForwardBatch:
+        return dataclasses.replace(fb, token_ids=v[0], positions=v[1], swa_write=v[2],
+                                   swa=dataclasses.replace(fb.swa, pages=v[3], req=v[4], lo=v[5], hi=v[6]))
+    batches = [one(fb, views[i * per:(i + 1) * per]) for i, fb in enumerate((catch, *chains))]
+    return batches[0], tuple(batches[1:]), views[-1]
