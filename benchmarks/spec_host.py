@@ -6,7 +6,8 @@ through the padded CUDA-graph paths eagerly (StepGraphs / DraftGraphs with captu
 GPU replays them): what is left of a step's time is host work plus a few tiny tensor ops.
 For plain decode and MTP k = 1, 2, 3 at each batch: CPU µs per step (the engine thread's;
 run with OMP_NUM_THREADS=1 on a CPU device so that every op runs on it), µs per emitted token, the
-step's cost in plain steps, the breakdown by component, and cProfile's top functions.
+step's cost in plain steps; the same for its host part alone (the components below, less those
+marked "device": tensor work a GPU runs); the breakdown by component; cProfile's top functions.
 
     python -m benchmarks.spec_host --smoke                      # CPU, seconds
     python -m benchmarks.spec_host [--batches 1 20] [--ks 1 2 3] [--steps 40] [--profile]
@@ -126,7 +127,9 @@ def run_case(args, batch: int, k: int) -> dict:
         profile = text.getvalue()
     assert len(engine.requests) == batch, "a request finished inside the measured steps"
     gc.unfreeze()
-    return {"batch": batch, "k": k, "us_per_step": best * 1e6, "tokens_per_step": emitted / args.steps,
+    host = sum(us for name, us in parts.items() if not name.endswith("(device)"))
+    return {"batch": batch, "k": k, "us_per_step": best * 1e6, "host_us_per_step": host,
+            "tokens_per_step": emitted / args.steps,
             "breakdown_us": parts, "profile": profile}
 
 
@@ -135,21 +138,27 @@ def _instrument_spec(engine, sections) -> None:
     if engine.spec is None:
         return
     spec = engine.spec
+    sections.wrap(spec, "step", "spec: step bookkeeping (acceptance, read-back)")
     sections.wrap(spec, "_verify", "spec: verify (sampling batch, acceptance)")
+    sections.wrap(spec, "_verify_greedy", "spec: verify greedy (argmax: device)")
     sections.wrap(spec, "_draft", "spec: draft bookkeeping")
     sections.wrap(spec.proposer, "propose", "spec: drafter")
     if spec.proposer.graphs is not None:
-        sections.wrap(spec.proposer.graphs, "_inputs", "spec: draft batches (build_step)")
+        sections.wrap(spec.proposer.graphs, "_inputs", "spec: draft batches (build)")
+        sections.wrap(spec.proposer.graphs, "_draft", "spec: draft graph body (device)")
 
 
 def report(results: list[dict]) -> str:
     plain = {r["batch"]: r["us_per_step"] for r in results if r["k"] == 0}
-    lines = [f"{'batch':>5} {'k':>2} {'us/step':>9} {'tok/step':>9} {'us/token':>9} {'x plain step':>12}"]
+    host_plain = {r["batch"]: r["host_us_per_step"] for r in results if r["k"] == 0}
+    lines = [f"{'batch':>5} {'k':>2} {'us/step':>9} {'tok/step':>9} {'us/token':>9} {'x plain':>8} "
+             f"{'host us/step':>12} {'x plain':>8}"]
     for r in results:
-        base = plain.get(r["batch"])
+        base, hbase = plain.get(r["batch"]), host_plain.get(r["batch"])
         lines.append(f"{r['batch']:>5} {r['k']:>2} {r['us_per_step']:>9.0f} {r['tokens_per_step']:>9.2f} "
                      f"{r['us_per_step'] / r['tokens_per_step']:>9.1f} "
-                     f"{r['us_per_step'] / base if base else float('nan'):>12.2f}")
+                     f"{r['us_per_step'] / base if base else float('nan'):>8.2f} "
+                     f"{r['host_us_per_step']:>12.0f} {r['host_us_per_step'] / hbase if hbase else float('nan'):>8.2f}")
     for r in results:
         lines.append(f"\nbatch {r['batch']} k {r['k']}: " + ", ".join(
             f"{name} {us:.0f}" for name, us in r["breakdown_us"].items() if us >= 1))

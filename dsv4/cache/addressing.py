@@ -116,13 +116,51 @@ def build_swa_step(chunks: list[SeqChunk], layout: CacheLayout, shape: StepShape
     swa_base = np.maximum(s.starts - W + 1, 0) // SWA_PAGE_TOKENS
     swa = _table([c.swa_table[b:] for c, b in zip(chunks, swa_base.tolist())], swa_cols, rows)
     _check_swa_held(s, swa, swa_base, W)
+    return _swa_only_batch(*_swa_part(chunks, s, layout, swa, swa_base, T, scratch),
+                           logits_rows=torch.arange(T) if shape is not None else _logits_rows(chunks, s),
+                           seq_lens=(shape.tokens,) * rows if shape is not None else tuple(s.lens.tolist()))
+
+
+def build_swa_steps(groups: list[list[SeqChunk]], layout: CacheLayout, shapes: list[StepShape],
+                    scratch: Scratch) -> list[ForwardBatch]:
+    """[build_swa_step(g, layout, shape, scratch) for g, shape in zip(groups, shapes)], made in
+    one numpy pass over all the groups' chunks (the MTP draft graph's catch-up and chain steps:
+    one build a draft, not one a step). Every chunk of groups[i] has shapes[i].tokens tokens;
+    no chunk has images."""
+    chunks = [c for g in groups for c in g]
+    assert not any(c.images for c in chunks)
+    s, W, pitch = _Seqs.of(chunks), layout.cfg.sliding_window, layout.swa_pitch
+    swa_base = np.maximum(s.starts - W + 1, 0) // SWA_PAGE_TOKENS
+    swa = _table([c.swa_table[b:] for c, b in zip(chunks, swa_base.tolist())], max(h.swa_pages for h in shapes), s.R)
+    _check_swa_held(s, swa, swa_base, W, np.repeat([h.swa_pages for h in shapes], [len(g) for g in groups]))
+    pos, shift = s.pos, (swa_base * SWA_PAGE_TOKENS)[s.req]
+    swa_write = swa[s.req, (pos - shift) // SWA_PAGE_TOKENS] * pitch + pos % SWA_PAGE_TOKENS
+    lo, hi = np.maximum(pos - W + 1, 0) - shift, pos + 1 - shift
+    tokens = np.fromiter((t for c in chunks for t in c.token_ids), np.int64, s.T)
+    out, r0, t0 = [], 0, 0
+    for g, shape in zip(groups, shapes):
+        R, rows, T = len(g), shape.seqs, shape.seqs * shape.tokens
+        n, ts = R * shape.tokens, slice(t0, t0 + R * shape.tokens)
+        table = np.full((rows, shape.swa_pages), -1, np.int64)
+        table[:R] = swa[r0:r0 + R, :shape.swa_pages]
+        reads = PagedRows(pages=torch.from_numpy(table), req=_pad(s.req[ts] - r0, T, 0), lo=_pad(lo[ts], T, 0),
+                          hi=_pad(hi[ts], T, 0), per_page=SWA_PAGE_TOKENS, pitch=pitch, width=W)
+        out.append(_swa_only_batch(_pad(tokens[ts], T, 0), _pad(pos[ts], T, 0),
+                                   _pad(swa_write[ts], T, scratch.swa_page * pitch), reads,
+                                   logits_rows=torch.arange(T), seq_lens=(shape.tokens,) * rows))
+        r0, t0 = r0 + R, t0 + n
+    return out
+
+
+def _swa_only_batch(token_ids, positions, swa_write, swa: PagedRows, logits_rows: torch.Tensor,
+                    seq_lens: tuple[int, ...]) -> ForwardBatch:
+    """A ForwardBatch whose compressed-entry reads are empty and whose plans close no group."""
+    rows, T = swa.pages.shape[0], token_ids.shape[0]
     none = PagedRows(pages=torch.full((rows, 1), -1), req=torch.zeros(T, dtype=torch.long),
                      lo=torch.zeros(T, dtype=torch.long), hi=torch.zeros(T, dtype=torch.long),
                      per_page=1, pitch=1, width=0)
-    return ForwardBatch(*_swa_part(chunks, s, layout, swa, swa_base, T, scratch), c4=none, c128=none,
-                        csa=_no_plan(2 * CSA_RATIO), hca=_no_plan(HCA_RATIO),
-                        logits_rows=torch.arange(T) if shape is not None else _logits_rows(chunks, s),
-                        seq_lens=(shape.tokens,) * rows if shape is not None else tuple(s.lens.tolist()))
+    return ForwardBatch(token_ids, positions, swa_write, swa, c4=none, c128=none, csa=_no_plan(2 * CSA_RATIO),
+                        hca=_no_plan(HCA_RATIO), logits_rows=logits_rows, seq_lens=seq_lens)
 
 
 def _swa_part(chunks: list[SeqChunk], s: "_Seqs", layout: CacheLayout, swa: np.ndarray, swa_base: np.ndarray,
@@ -207,12 +245,13 @@ def _check_held(s: _Seqs, pages: np.ndarray, swa: np.ndarray, swa_base: np.ndarr
     _check_swa_held(s, swa, swa_base, W)
 
 
-def _check_swa_held(s: _Seqs, swa: np.ndarray, swa_base: np.ndarray, W: int) -> None:
-    """Every SWA page the chunks' tokens write or their windows read must be held."""
+def _check_swa_held(s: _Seqs, swa: np.ndarray, swa_base: np.ndarray, W: int, columns=None) -> None:
+    """Every SWA page the chunks' tokens write or their windows read must be held, within the
+    first `columns` columns of each chunk's table row (default: all)."""
     ends = s.starts + s.lens
     swa_need = (ends - 1) // SWA_PAGE_TOKENS - swa_base + 1
     held = (np.arange(swa.shape[1]) < swa_need[:, None]) & (swa[:s.R] >= 0)
-    if (swa_need > swa.shape[1]).any() or (held.sum(1) < swa_need).any():
+    if (swa_need > (swa.shape[1] if columns is None else columns)).any() or (held.sum(1) < swa_need).any():
         raise RuntimeError(f"SWA page missing for a position the step reads or writes: positions from "
                            f"{s.starts.tolist()} to {ends.tolist()}, window {W}, tables {swa[:s.R].tolist()}")
 

@@ -18,7 +18,7 @@ from collections import OrderedDict
 
 import torch
 
-from ...cache.addressing import Scratch, SeqChunk, StepShape, build_swa_step
+from ...cache.addressing import Scratch, SeqChunk, StepShape, build_swa_steps
 from ...cache.layout import SWA_PAGE_TOKENS
 from ...model.forward_batch import ForwardBatch
 from ..cuda_graphs import MAX_GRAPHS, batch_bucket
@@ -61,16 +61,16 @@ class DraftGraphs:
 
     def _inputs(self, works, q: int, n: int):
         """(catch-up batch, chain batches, anchor rows) padded to the graph's shape, and its key
-        (batch bucket, q, n). The batches address the sliding window only (build_swa_step: the
-        MTP blocks read nothing else), so their shapes do not depend on the context length."""
+        (batch bucket, q, n). The batches address the sliding window only (build_swa_steps, one
+        build for all: the MTP blocks read nothing else), so their shapes do not depend on the context length."""
         B, W = batch_bucket(len(works), self.max_bs), self.layout.cfg.sliding_window
         catch = [SeqChunk(w.slot, w.start, w.tokens, w.page_table, w.swa_table, logits=q) for w in works]
         chains = [[SeqChunk(w.slot, w.start + w.anchor + j, [0], w.page_table, w.swa_table, logits=1) for w in works]
                   for j in range(1, n)]
-        build = (lambda seqs, tokens: build_swa_step(seqs, self.layout, StepShape(
-            B, tokens, 0, 0, (W + tokens - 2) // SWA_PAGE_TOKENS + 2), self.scratch))
+        shape = (lambda tokens: StepShape(B, tokens, 0, 0, (W + tokens - 2) // SWA_PAGE_TOKENS + 2))
+        batches = build_swa_steps([catch, *chains], self.layout, [shape(q)] + [shape(1)] * len(chains), self.scratch)
         anchors = torch.tensor([i * q + w.anchor for i, w in enumerate(works)] + [0] * (B - len(works)))
-        return (build(catch, q), tuple(build(c, 1) for c in chains), anchors), (B, q, n)
+        return (batches[0], tuple(batches[1:]), anchors), (B, q, n)
 
     def _draft(self, static, streams: torch.Tensor) -> torch.Tensor:
         """The graph's body: catch-up, anchors, n argmaxes and n - 1 chain steps -> drafts [B, n]."""
