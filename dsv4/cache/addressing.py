@@ -124,9 +124,28 @@ def build_swa_step(chunks: list[SeqChunk], layout: CacheLayout, shape: StepShape
 def build_swa_steps(groups: list[list[SeqChunk]], layout: CacheLayout, shapes: list[StepShape],
                     scratch: Scratch) -> list[ForwardBatch]:
     """[build_swa_step(g, layout, shape, scratch) for g, shape in zip(groups, shapes)], made in
-    one numpy pass over all the groups' chunks (the MTP draft graph's catch-up and chain steps:
-    one build a draft, not one a step). Every chunk of groups[i] has shapes[i].tokens tokens;
-    no chunk has images."""
+    one numpy pass over all the groups' chunks (swa_step_rows)."""
+    return [swa_batch(rows, shape, layout) for rows, shape in zip(swa_step_rows(groups, layout, shapes, scratch), shapes)]
+
+
+def swa_batch(rows: tuple[np.ndarray, ...], shape: StepShape, layout: CacheLayout) -> ForwardBatch:
+    """The padded SWA-only ForwardBatch (CPU tensors sharing `rows`' memory) of one group's
+    swa_step_rows."""
+    token_ids, positions, swa_write, pages, req, lo, hi = map(torch.from_numpy, rows)
+    reads = PagedRows(pages, req, lo, hi, per_page=SWA_PAGE_TOKENS, pitch=layout.swa_pitch,
+                      width=layout.cfg.sliding_window)
+    return _swa_only_batch(token_ids, positions, swa_write, reads, logits_rows=torch.arange(shape.seqs * shape.tokens),
+                           seq_lens=(shape.tokens,) * shape.seqs)
+
+
+def swa_step_rows(groups: list[list[SeqChunk]], layout: CacheLayout, shapes: list[StepShape],
+                  scratch: Scratch) -> list[tuple[np.ndarray, ...]]:
+    """What differs between the SWA-only batches (build_swa_step) of one shape, for each group
+    padded to its shape, in one numpy pass over all the groups' chunks (the MTP draft graph's
+    catch-up and chain steps: one build a draft, not one a forward): per group, int64 (token_ids
+    [T], positions [T], swa_write [T], SWA pages [seqs, swa_pages], req [T], lo [T], hi [T]) as
+    the ForwardBatch and its `swa` PagedRows hold them. Every chunk of groups[i] has
+    shapes[i].tokens tokens; no chunk has images."""
     chunks = [c for g in groups for c in g]
     assert not any(c.images for c in chunks)
     s, W, pitch = _Seqs.of(chunks), layout.cfg.sliding_window, layout.swa_pitch
@@ -139,16 +158,21 @@ def build_swa_steps(groups: list[list[SeqChunk]], layout: CacheLayout, shapes: l
     tokens = np.fromiter((t for c in chunks for t in c.token_ids), np.int64, s.T)
     out, r0, t0 = [], 0, 0
     for g, shape in zip(groups, shapes):
-        R, rows, T = len(g), shape.seqs, shape.seqs * shape.tokens
-        n, ts = R * shape.tokens, slice(t0, t0 + R * shape.tokens)
-        table = np.full((rows, shape.swa_pages), -1, np.int64)
+        R, T = len(g), shape.seqs * shape.tokens
+        ts = slice(t0, t0 + R * shape.tokens)
+        table = np.full((shape.seqs, shape.swa_pages), -1, np.int64)
         table[:R] = swa[r0:r0 + R, :shape.swa_pages]
-        reads = PagedRows(pages=torch.from_numpy(table), req=_pad(s.req[ts] - r0, T, 0), lo=_pad(lo[ts], T, 0),
-                          hi=_pad(hi[ts], T, 0), per_page=SWA_PAGE_TOKENS, pitch=pitch, width=W)
-        out.append(_swa_only_batch(_pad(tokens[ts], T, 0), _pad(pos[ts], T, 0),
-                                   _pad(swa_write[ts], T, scratch.swa_page * pitch), reads,
-                                   logits_rows=torch.arange(T), seq_lens=(shape.tokens,) * rows))
-        r0, t0 = r0 + R, t0 + n
+        out.append((_pad_rows(tokens[ts], T, 0), _pad_rows(pos[ts], T, 0),
+                    _pad_rows(swa_write[ts], T, scratch.swa_page * pitch), table,
+                    _pad_rows(s.req[ts] - r0, T, 0), _pad_rows(lo[ts], T, 0), _pad_rows(hi[ts], T, 0)))
+        r0, t0 = r0 + R, t0 + R * shape.tokens
+    return out
+
+
+def _pad_rows(a: np.ndarray, rows: int, fill: int) -> np.ndarray:
+    """a [n] int64 -> [rows], the rows past n set to `fill`."""
+    out = np.full(rows, fill, np.int64)
+    out[:len(a)] = a
     return out
 
 
