@@ -27,6 +27,7 @@ from ..runner import StepLogits
 from ..sampler import Sampler, SamplingBatch, SamplingRow, gather_logprobs
 from ..scheduler import ScheduledChunk
 from ..upload import upload_tree
+from .device_drafts import DeviceDrafts
 from .draft_graphs import DraftGraphs
 from .mtp import DraftWork, MTPProposer
 from .stats import SpecStats
@@ -49,6 +50,7 @@ class SpeculativeDecoder:
                 graphs = DraftGraphs(model, runner.storage, runner.graphs.max_bs, capture=True, h2d=runner.h2d)
             self.proposer = MTPProposer(model, runner.storage, runner.h2d, graphs)
         self.stats = SpecStats()
+        self.device_drafts = DeviceDrafts()     # drafts of plain greedy requests, not read back
         self._draft_probs: dict[str, tuple[Request, torch.Tensor]] = {}   # rid -> (request, q [k, V])
         # [(request, drafts)] per verified chunk -> structured.masks.GrammarMask of its rows, or None
         # (set by the engine: drafts are checked against a request's grammar like any token)
@@ -60,22 +62,27 @@ class SpeculativeDecoder:
         on the device; their HostCopy of (tokens, logprobs, top ids, top logprobs)). Sets each
         chunk's num_rejected and each completing request's next drafts."""
         self._draft_probs = {rid: v for rid, v in self._draft_probs.items() if not v[0].is_finished}
+        self.device_drafts.prune()
         done = [i for i, c in enumerate(chunks) if c.completes]
         if not done:
             self._draft(chunks, step, {})
             return [], None, None
         drafts = {i: self._drafts_in(chunks[i]) for i in done}
-        rows, draft_ids = [], []
+        rows, draft_ids, held = [], [], []
         for i in done:
             last = step.first_row[i] + step.num_rows[i]
+            held.append((chunks[i].request, len(draft_ids), len(drafts[i])))
             rows += range(last - len(drafts[i]) - 1, last)
             draft_ids += drafts[i] + [-1]
+        ids_t = self.runner.h2d.upload([torch.tensor(draft_ids)])[0]
+        for fill in self.device_drafts.fills(held):      # drafts still on the device: their values
+            fill.apply(ids_t, self.runner.h2d)
         mask = self.grammar_mask([(chunks[i].request, drafts[i]) for i in done]) if self.grammar_mask else None
         if mask is None and all(_plain_greedy(chunks[i].request) for i in done):
-            emitted, accepted, lps = self._verify_greedy(step.logits, rows, draft_ids)
+            emitted, accepted, lps = self._verify_greedy(step.logits, rows, ids_t)
         else:
             emitted, accepted, lps = self._verify(step.logits, rows, self._sampling_rows(chunks, done, drafts),
-                                                  draft_ids, self._q_rows(chunks, done, drafts), mask)
+                                                  ids_t, self._q_rows(chunks, done, drafts), draft_ids, mask)
         emitted_host, accepted_host = torch.stack((emitted, accepted.to(emitted.dtype))).tolist()   # one read-back
         sampled, keep, emitted_of, first = [], [], {}, 0
         for i in done:
@@ -93,6 +100,20 @@ class SpeculativeDecoder:
         values = [emitted, *lps]
         self._draft(chunks, step, emitted_of)
         return sampled, emitted, HostCopy(values)
+
+    def draft_fills(self, chunks: list[ScheduledChunk]) -> list:
+        """The fills (runner.PendingFill) of the step's verify rows whose drafts are still on the
+        device (device_drafts.py), for runner.execute before the forward."""
+        targets, row = [], 0
+        for c in chunks:
+            n = len(self._drafts_in(c))
+            targets.append((c.request, row + c.num_tokens - n, n))     # the drafts: the chunk's last n rows
+            row += c.num_tokens
+        return self.device_drafts.fills(targets)
+
+    def drafts_of(self, req: Request) -> list[int]:
+        """A request's drafts (read back from the device if they are still there)."""
+        return self.device_drafts.values(req)
 
     # ---- verify -------------------------------------------------------------------------
     def _drafts_in(self, c: ScheduledChunk) -> list[int]:
@@ -117,26 +138,25 @@ class SpeculativeDecoder:
             out += [entry[1][j] if entry is not None and j < n else None for j in range(n + 1)]
         return out
 
-    def _verify_greedy(self, logits, rows, draft_ids):
+    def _verify_greedy(self, logits, rows, ids_t):
         """`_verify` for rows of plain greedy requests (`_plain_greedy`): the processed logits are
         the raw ones, so emitted = their argmax; no sampling batch, no logprobs."""
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        if contiguous:
-            ids_t = self.runner.h2d.upload([torch.tensor(draft_ids)])[0]
+        if rows == list(range(rows[0], rows[0] + len(rows))):
             target = logits[rows[0]:rows[0] + len(rows)]
         else:
-            ids_t, rows_t = self.runner.h2d.upload([torch.tensor(draft_ids), torch.tensor(rows)])
-            target = logits[rows_t]
+            target = logits[self.runner.h2d.upload([torch.tensor(rows)])[0]]
         emitted = target.argmax(dim=-1)
         empty = target.new_empty(len(rows), 0, dtype=torch.float32)
         return emitted, (emitted == ids_t) & (ids_t >= 0), (empty.new_zeros(len(rows)), empty.long(), empty)
 
-    def _verify(self, logits, rows, sampling, draft_ids, q_rows, mask=None):
-        """Target logits rows `rows` of the step -> (emitted [R], accepted [R], raw logprobs of
-        the emitted tokens: chosen [R], top ids [R, n], top logprobs [R, n])."""
+    def _verify(self, logits, rows, sampling, ids_t, q_rows, draft_ids, mask=None):
+        """Target logits rows `rows` of the step, ids_t [R] the drafts to check on the device
+        (draft_ids: on the host, -1 where a greedy request's is on the device) -> (emitted [R],
+        accepted [R], raw logprobs of the emitted tokens: chosen [R], top ids [R, n], top
+        logprobs [R, n])."""
         batch = SamplingBatch.build(sampling, self.vocab, "cpu", self.eos_token_id, self.generator)
         batch.grammar = mask
-        batch, rows_t, ids_t = upload_tree((batch, torch.tensor(rows), torch.tensor(draft_ids)), self.runner.h2d)
+        batch, rows_t = upload_tree((batch, torch.tensor(rows)), self.runner.h2d)
         target = logits[rows_t]
         processed = Sampler.processed_logits(target, batch)
         emitted, accepted = accept_drafts(processed, batch, ids_t, self._draft_q(batch, q_rows, draft_ids, target))
@@ -169,12 +189,17 @@ class SpeculativeDecoder:
             if i in emitted_of:
                 c.request.spec_token_ids = []
                 self._draft_probs.pop(c.request.request_id, None)
+                self.device_drafts.drop(c.request)
             if work is not None:
                 works.append(work)
         if not works:
             return
         proposals = self.proposer.propose(works, step.taps if self.dspark else step.hidden, self._draft_batch)
         drafting = [w for w in works if w.num_drafts > 0]
+        if proposals and not self.dspark and all(_plain_greedy(w.request) for w in drafting):
+            # no read-back: the next verify takes them from the device (device_drafts.py)
+            self.device_drafts.hold([w.request for w in drafting[:len(proposals)]], [d for d, _ in proposals])
+            return
         host = torch.cat([d for d, _ in proposals]).tolist() if proposals else []
         first = 0
         for w, (d, q) in zip(drafting, proposals):
@@ -222,11 +247,12 @@ class SpeculativeDecoder:
 
 
 def _plain_greedy(req: Request) -> bool:
-    """Greedy with nothing that changes the logits (penalties, logit_bias, a min_tokens ban on
-    any verify row) and no logprobs: its rows' tokens are the raw logits' argmax."""
+    """Greedy with nothing that changes the logits (penalties, logit_bias, a grammar, a min_tokens
+    ban on any verify row) and no logprobs: its rows' tokens are the raw logits' argmax, and its
+    drafts' values matter only to the verify forward and the acceptance test."""
     p = req.params
     return (p.is_greedy and not p.has_penalties and not p.logit_bias and p.logprobs is None
-            and len(req.output_token_ids) >= p.min_tokens)
+            and p.structured is None and len(req.output_token_ids) >= p.min_tokens)
 
 
 def _draft_params(params):
