@@ -13,7 +13,10 @@ plain decodes. Here, per completing chunk (rows = its last 1 + drafts rows):
 3. draft (MTPProposer): the next drafts, at most what max_tokens leaves room for; their
    positions reserved in the cache (fewer drafts when pages are short).
 Speculative steps run synchronously (the engine turns async scheduling off): the emitted
-tokens are needed on the host before the drafts can be scheduled.
+tokens are needed on the host before the drafts can be scheduled. One read-back a step: the
+verified tokens and acceptance flags together. Plain greedy requests' drafts are not read back
+(device_drafts.py: the next verify takes them from the device), and their verify needs no
+sampling batch (`_verify_greedy`).
 """
 from __future__ import annotations
 
@@ -196,13 +199,16 @@ class SpeculativeDecoder:
             return
         proposals = self.proposer.propose(works, step.taps if self.dspark else step.hidden, self._draft_batch)
         drafting = [w for w in works if w.num_drafts > 0]
-        if proposals and not self.dspark and all(_plain_greedy(w.request) for w in drafting):
-            # no read-back: the next verify takes them from the device (device_drafts.py)
-            self.device_drafts.hold([w.request for w in drafting[:len(proposals)]], [d for d, _ in proposals])
-            return
-        host = torch.cat([d for d, _ in proposals]).tolist() if proposals else []
+        # plain greedy requests' drafts stay on the device (the next verify takes them from there,
+        # device_drafts.py); the others' are read back: their verify needs them on the host
+        stay = [not self.dspark and _plain_greedy(w.request) for w in drafting]
+        held = [(w.request, d) for w, (d, _), s in zip(drafting, proposals, stay) if s]
+        if held:
+            self.device_drafts.hold(*map(list, zip(*held)))
+        back = [(w, d, q) for w, (d, q), s in zip(drafting, proposals, stay) if not s]
+        host = torch.cat([d for _, d, _ in back]).tolist() if back else []
         first = 0
-        for w, (d, q) in zip(drafting, proposals):
+        for w, d, q in back:
             w.request.spec_token_ids = host[first:first + len(d)]
             first += len(d)
             if q is not None:
