@@ -137,15 +137,17 @@ def _instrument_spec(engine, sections) -> None:
     """The speculative step's parts (their own time) as components of their own."""
     if engine.spec is None:
         return
-    spec = engine.spec
-    sections.wrap(spec, "step", "spec: step bookkeeping (acceptance, read-back)")
-    sections.wrap(spec, "_verify", "spec: verify (sampling batch, acceptance)")
-    sections.wrap(spec, "_verify_greedy", "spec: verify greedy (argmax: device)")
-    sections.wrap(spec, "_draft", "spec: draft bookkeeping")
-    sections.wrap(spec.proposer, "propose", "spec: drafter")
-    if spec.proposer.graphs is not None:
-        sections.wrap(spec.proposer.graphs, "_inputs", "spec: draft batches (build)")
-        sections.wrap(spec.proposer.graphs, "_draft", "spec: draft graph body (device)")
+    spec, graphs = engine.spec, engine.spec.proposer.graphs
+    parts = [(spec, "step", "spec: step bookkeeping (acceptance, read-back)"),
+             (spec, "_verify", "spec: verify (sampling batch, acceptance)"),
+             (spec, "_verify_greedy", "spec: verify greedy (argmax: device)"),
+             (spec, "_draft", "spec: draft bookkeeping"),
+             (spec.proposer, "propose", "spec: drafter"),
+             (graphs, "_inputs", "spec: draft batches (build)"),
+             (graphs, "_draft", "spec: draft graph body (device)")]
+    for owner, name, component in parts:
+        if owner is not None and hasattr(owner, name):      # (what an older tree has of them)
+            sections.wrap(owner, name, component)
 
 
 def report(results: list[dict]) -> str:

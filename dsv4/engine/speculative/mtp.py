@@ -83,7 +83,11 @@ class MTPProposer:
                 keep = [n for n, i in enumerate(live) if works[i].num_drafts > j]
                 live, h, prev = [live[n] for n in keep], h[keep], prev[keep]
                 h = self._chain_step(block, [works[i] for i in live], j, prev, h)
-            prev, q = sample_drafts(block.logits(self.model, h), batch_of([works[i].request for i in live]))
+            reqs = [works[i].request for i in live]
+            if all(r.params.is_greedy for r in reqs):      # argmaxes: no sampling batch to build
+                prev, q = block.logits(self.model, h).argmax(dim=-1), None
+            else:
+                prev, q = sample_drafts(block.logits(self.model, h), batch_of(reqs))
             for n, i in enumerate(live):
                 tokens[i].append(prev[n])
                 if not works[i].request.params.is_greedy:      # (then q is not None)
