@@ -28,8 +28,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CPU, seconds)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 20])
-    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="1 20 (--smoke: 1 4)")
+    p.add_argument("--ks", type=int, nargs="+", default=None, help="1 2 3 (--smoke: 2)")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=40, help="timed steps per repeat")
     p.add_argument("--repeats", type=int, default=5, help="each figure is the least of them (shared hosts)")
@@ -38,7 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.smoke:
-        args.batches, args.ks, args.steps, args.repeats, args.prompt_len = [1, 4], [2], 5, 1, 16
+        args.steps, args.repeats, args.prompt_len = min(args.steps, 5), 1, 16
+    args.batches = args.batches or ([1, 4] if args.smoke else [1, 20])
+    args.ks = args.ks or ([2] if args.smoke else [1, 2, 3])
     return args
 
 
