@@ -71,14 +71,14 @@ class SpeculativeDecoder:
             self._draft(chunks, step, {})
             return [], None, None
         drafts = {i: self._drafts_in(chunks[i]) for i in done}
-        rows, draft_ids, held = [], [], []
+        rows, draft_ids, targets = [], [], []       # targets: (request, its first verify row, drafts)
         for i in done:
             last = step.first_row[i] + step.num_rows[i]
-            held.append((chunks[i].request, len(draft_ids), len(drafts[i])))
+            targets.append((chunks[i].request, len(draft_ids), len(drafts[i])))
             rows += range(last - len(drafts[i]) - 1, last)
             draft_ids += drafts[i] + [-1]
         ids_t = self.runner.h2d.upload([torch.tensor(draft_ids)])[0]
-        for fill in self.device_drafts.fills(held):      # drafts still on the device: their values
+        for fill in self.device_drafts.fills(targets):   # drafts still on the device: their values
             fill.apply(ids_t, self.runner.h2d)
         mask = self.grammar_mask([(chunks[i].request, drafts[i]) for i in done]) if self.grammar_mask else None
         if mask is None and all(_plain_greedy(chunks[i].request) for i in done):
