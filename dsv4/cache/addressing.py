@@ -121,13 +121,6 @@ def build_swa_step(chunks: list[SeqChunk], layout: CacheLayout, shape: StepShape
                            seq_lens=(shape.tokens,) * rows if shape is not None else tuple(s.lens.tolist()))
 
 
-def build_swa_steps(groups: list[list[SeqChunk]], layout: CacheLayout, shapes: list[StepShape],
-                    scratch: Scratch) -> list[ForwardBatch]:
-    """[build_swa_step(g, layout, shape, scratch) for g, shape in zip(groups, shapes)], made in
-    one numpy pass over all the groups' chunks (swa_step_rows)."""
-    return [swa_batch(rows, shape, layout) for rows, shape in zip(swa_step_rows(groups, layout, shapes, scratch), shapes)]
-
-
 def swa_batch(rows: tuple[np.ndarray, ...], shape: StepShape, layout: CacheLayout) -> ForwardBatch:
     """The padded SWA-only ForwardBatch (CPU tensors sharing `rows`' memory) of one group's
     swa_step_rows."""
