@@ -1,4 +1,4 @@
-"""Host time of a speculative step vs a plain decode step (docs/speculative.md, "One step").
+"""Host time of a speculative step vs a plain decode step (docs/speculative.md, "Host time of a step").
 
 The demo model's engine with its forward, its head and its MTP block stubbed (constant
 tensors: every draft is accepted, each verify emits k + 1 tokens), the uniform steps run
