@@ -77,9 +77,7 @@ class SpeculativeDecoder:
             targets.append((chunks[i].request, len(draft_ids), len(drafts[i])))
             rows += range(last - len(drafts[i]) - 1, last)
             draft_ids += drafts[i] + [-1]
-        ids_t = self.runner.h2d.upload([torch.tensor(draft_ids)])[0]
-        for fill in self.device_drafts.fills(targets):   # drafts still on the device: their values
-            fill.apply(ids_t, self.runner.h2d)
+        ids_t = self.device_drafts.ids(draft_ids, targets, self.runner.h2d)    # (held drafts: from the device)
         mask = self.grammar_mask([(chunks[i].request, drafts[i]) for i in done]) if self.grammar_mask else None
         if mask is None and all(_plain_greedy(chunks[i].request) for i in done):
             emitted, accepted, lps = self._verify_greedy(step.logits, rows, ids_t)

@@ -6,7 +6,7 @@ the drafter: the request's `spec_token_ids` gets one placeholder (-1) a draft â€
 needs only their count â€” and the values stay here, on the device. The next verify step
 takes them from here twice, from the same rows of the same tensor: into the forward's token
 rows (`fills`, applied by the runner like runner.PendingFill's pending tokens) and into the
-ids the acceptance test compares against (`fills` again, onto the verify rows). Both read the
+ids the acceptance test compares against (`ids`, onto the verify rows). Both read the
 same values, so a row is accepted only when the target's token is the input the next row was
 computed with. A placeholder never reaches the model: a missing fill would feed token -1,
 which the embedding refuses.
@@ -68,6 +68,20 @@ class DeviceDrafts:
         """targets: (request, first row, n): rows first .. first + n - 1 of some tensor take the
         request's first n drafts. -> the fills that write them (one per draft step the drafts
         come from; none for requests whose drafts are on the host)."""
+        return [PendingFill(torch.tensor(dst), torch.tensor(src), tokens)
+                for tokens, dst, src in self._sources(targets)]
+
+    def ids(self, host_ids: list[int], targets: list[tuple[object, int, int]], h2d) -> torch.Tensor:
+        """host_ids (the drafts to check, -1 at rows whose drafts are here) on the device with
+        `targets`' drafts written in (as `fills` writes them), in one upload."""
+        sources = self._sources(targets)
+        moved = h2d.upload([torch.tensor(host_ids)] + [torch.tensor(x) for _, dst, src in sources for x in (dst, src)])
+        for g, (tokens, _, _) in enumerate(sources):
+            moved[0][moved[1 + 2 * g]] = tokens[moved[2 + 2 * g]]
+        return moved[0]
+
+    def _sources(self, targets) -> list[tuple[torch.Tensor, list[int], list[int]]]:
+        """(drafts tensor, rows to write, its rows to read) per draft step the targets' drafts come from."""
         by_tensor: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
         for req, row, n in targets:
             h = self.held.get(req.request_id)
@@ -77,4 +91,4 @@ class DeviceDrafts:
             _, dst, src = by_tensor.setdefault(id(h.tokens), (h.tokens, [], []))
             dst += range(row, row + n)
             src += range(h.first, h.first + n)
-        return [PendingFill(torch.tensor(dst), torch.tensor(src), tokens) for tokens, dst, src in by_tensor.values()]
+        return list(by_tensor.values())
