@@ -44,10 +44,19 @@ def parse_args(argv=None):
     return args
 
 
-def stub_drafter(engine, logits) -> None:
-    """The MTP blocks' forward and head replaced by constant tensors (drafts = the stubbed
-    target's argmax, so every draft is accepted)."""
-    for block in engine.model.mtp:
+def stub_model(engine) -> None:
+    """The model's forward and head, and its MTP blocks' forward and head, replaced by constant
+    tensors: every logits row has its maximum at one fixed token, the target's and the drafter's
+    alike, so every draft is accepted."""
+    import torch
+    m, cfg, device = engine.model, engine.model.cfg, engine.config.device
+    logits = torch.zeros(4096, cfg.vocab_size, device=device)
+    logits[:, 2:] = torch.arange(cfg.vocab_size - 2, device=device) % 7     # argmax: a fixed token
+    m.forward = lambda fb, layers, *rest: torch.zeros(fb.num_tokens, cfg.hc_mult, cfg.hidden_size, device=device)
+    m.logits = lambda hidden: logits[:hidden.shape[0]]
+    m.head_input = lambda streams: streams[:, 0]
+    m.head_logits = lambda head_in: logits[:head_in.shape[0]]
+    for block in m.mtp:
         block.draft = lambda model, h_main, fb, kv: h_main
         block.logits = lambda model, h: logits[:h.shape[0]]
 
@@ -57,30 +66,21 @@ def make_engine(args, batch: int, k: int):
     from dsv4.config import EngineConfig
     from dsv4.engine.cuda_graphs import StepGraphs
     from dsv4.engine.engine import LLMEngine
-    from .host_path import stub_forward
     spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
     tokens = args.prompt_len + (2 * args.repeats + 2) * args.steps * (k + 1) + 16
     cfg = EngineConfig(device=args.device, dtype="float32", max_num_seqs=batch, enable_prefix_caching=False,
                        enforce_eager=True, max_model_len=tokens + 8, cache_memory_gb=1.0,
                        speculative_config=spec, async_scheduling=args.async_scheduling)
     engine = LLMEngine(demo_model_dir(), cfg)
-    stub_forward(engine)
-    logits = engine.model.head_logits(engine.model.head_input(torch_zeros(4096, engine)))
+    stub_model(engine)
     runner = engine.runner        # the padded (graph) paths of a GPU, run eagerly: their host work
     max_bs = cfg.cuda_graph_max_bs
     runner.graphs = StepGraphs(engine.model, runner.storage, max_bs, capture=False, h2d=runner.h2d,
                                keep_streams=bool(k))
     if k:
         from dsv4.engine.speculative.draft_graphs import DraftGraphs
-        stub_drafter(engine, logits)
         engine.spec.proposer.graphs = DraftGraphs(engine.model, runner.storage, max_bs, capture=False, h2d=runner.h2d)
     return engine, tokens
-
-
-def torch_zeros(n: int, engine):
-    import torch
-    cfg = engine.model.cfg
-    return torch.zeros(n, cfg.hc_mult, cfg.hidden_size, device=engine.config.device)
 
 
 def run_case(args, batch: int, k: int) -> dict:
