@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.quant import dequant_fp4
-from dsv4.ops.triton.quant_tiles import _mxfp4_dot, _mxfp4_tile
+from dsv4.ops.triton.quant_tiles import _mxfp4_dot, _mxfp4_tile, word_major
 
 EXPONENTS = (0, 1, 2, 3, 64, 125, 126, 127, 128, 129, 130, 200, 252, 253, 254, 255)   # one per row
 R, C = len(EXPONENTS), 512                                     # C / 2 = 256: every byte once a row
@@ -30,7 +30,8 @@ def _rows_kernel(q_ptr, s_ptr, out_ptr, DTYPE: tl.constexpr, BLOCK_R: tl.constex
 
 @triton.jit
 def _dot_kernel(q_ptr, s_ptr, v_ptr, out_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # q int32 words [R, C/8], s [R, C/32], v [C] -> out [R] fp32 = W @ v, BLOCK_R rows a program
+    # q int32 words [R, C/8], s [R, C/32], v [8, C/8] (word_major) -> out [R] fp32 = W @ v, BLOCK_R rows
+    # a program
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
@@ -97,8 +98,10 @@ def test_mxfp4_dot(device, rows, cols, block_r, block_c, dtype):
     v = torch.randn(cols, generator=g).to(dtype)
     want = dequant_fp4(q, s).double() @ v.double()
     bound = (dequant_fp4(q, s).double().abs() @ v.double().abs()) * 2.0 ** -20
+    vw = word_major(v, torch.empty(8, cols // 8))
+    assert torch.equal(vw[3, 5], v[5 * 8 + 3].float() * 2.0 ** 64)
     got = torch.empty(rows, device=device)
-    _dot_kernel[(triton.cdiv(rows, block_r),)](q.view(torch.int32).to(device), s.to(device), v.to(device), got,
+    _dot_kernel[(triton.cdiv(rows, block_r),)](q.view(torch.int32).to(device), s.to(device), vw.to(device), got,
                                                rows, cols, BLOCK_R=block_r, BLOCK_C=block_c)
     assert ((got.cpu().double() - want).abs() <= bound).all()
     assert (got != 0).all()

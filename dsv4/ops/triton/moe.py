@@ -39,7 +39,8 @@ import triton
 import triton.language as tl
 
 from ..quant import kept_scale_shape, unpacked_shape, weight_format
-from .quant_tiles import FP4_GROUP, MXFP4_BLOCK, QBLOCK, _block_scale, _dequant_tile, _mxfp4_dot
+from .quant_tiles import (FP4_GROUP, MXFP4_BLOCK, QBLOCK, X_SHIFT, _block_scale, _dequant_tile, _mxfp4_dot,
+                          _word_major_index, word_major)
 
 # tile defaults: among the fastest at T = 1 and 8 in benchmarks/kernels/moe.py's H200 scan (docs/benchmarks.md)
 UP_BLOCK_I, UP_BLOCK_H, UP_WARPS = 16, 128, 8
@@ -55,6 +56,7 @@ FP8_DOWN_MIN_PROGRAMS = 1024
 MXFP4_UP_TILES = (16, 512, 4)
 MXFP4_DOWN_TILES = (16, 512, 4)
 SUM_BLOCK = 1024
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -85,9 +87,10 @@ def _mxfp4_pair_dot(base, stride_row, s_base, stride_srow, sw_base, stride_sw, r
                     routed, SHARED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """sum_c W[rows, c] * v[c] over the columns [c0, c0 + BLOCK_C) -> fp32 [BLOCK_R]: W a routed
     expert's MXFP4 matrix (quant_tiles `_mxfp4_dot`; base at its int32 words [R, C/8], s_base at
-    its E8M0 bytes); SHARED: when the pair is the shared expert's (not routed), its unquantised
-    matrix sw_base [R, C] in v's dtype (row stride stride_sw) instead. A branch on the pair's
-    kind (uniform over the program): only one of the two is read."""
+    its E8M0 bytes; v_ptr at the word-major vector); SHARED: when the pair is the shared expert's
+    (not routed), its unquantised matrix sw_base [R, C] (row stride stride_sw) instead, times v
+    gathered back to input order. A branch on the pair's kind (uniform over the program): only
+    one of the two is read."""
     if SHARED:
         if routed:
             acc = _mxfp4_dot(base, stride_row, s_base, stride_srow, rows, row_ok, c0, C, v_ptr, BLOCK_R, BLOCK_C)
@@ -95,7 +98,7 @@ def _mxfp4_pair_dot(base, stride_row, s_base, stride_srow, sw_base, stride_sw, r
             cc = c0 + tl.arange(0, BLOCK_C)
             dense = tl.load(sw_base + rows[:, None] * stride_sw + cc[None, :], mask=row_ok[:, None] & (cc < C)[None, :],
                             other=0.0)
-            v = tl.load(v_ptr + cc, mask=cc < C, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + _word_major_index(cc, C), mask=cc < C, other=0.0) * 2.0 ** -X_SHIFT
             acc = tl.sum(dense.to(tl.float32) * v[None, :], axis=1)
     else:
         acc = _mxfp4_dot(base, stride_row, s_base, stride_srow, rows, row_ok, c0, C, v_ptr, BLOCK_R, BLOCK_C)
@@ -107,13 +110,15 @@ def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, h_ptr, K, 
                     stride_we, stride_wi, stride_si, limit,
                     s1_ptr, s3_ptr, ss1_ptr, ss3_ptr, stride_se, stride_sr,
                     SHARED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-                    FP8: tl.constexpr = False, MXFP4: tl.constexpr = False):
+                    FP8: tl.constexpr = False, MXFP4: tl.constexpr = False, H_DTYPE: tl.constexpr = None):
     # x [T, H]; ids [T*k] int64; w1/w3 [E, I, H], shared sw1/sw3 [I, H] (last dims contiguous)
     # -> h [T*(k+SHARED), I] (x's dtype), row p = pair p (see _pair). FP8: w1/w3/sw1/sw3 are
     # float8_e4m3fn with fp32 scales s1/s3 [E, cdiv(I, 128), cdiv(H, 128)] (strides stride_se,
     # stride_sr, last dim contiguous), ss1/ss3 the shared expert's [cdiv(I, 128), cdiv(H, 128)].
     # MXFP4: w1/w3 int32 words of the packed bytes [E, I, H/8] (row stride stride_wi words), E8M0
-    # bytes s1/s3 [E, I, H/32]; sw1/sw3 unquantised in x's dtype; BLOCK_H a multiple of 64
+    # bytes s1/s3 [E, I, H/32]; sw1/sw3 unquantised; BLOCK_H a multiple of 64; x and h fp32 in
+    # quant_tiles.word_major layout ([T, 8, H/8], [T*(k+SHARED), 8, I/8]), h's values those of
+    # H_DTYPE (x's dtype: rounded as the reference rounds h)
     p = tl.program_id(0)
     i0 = tl.program_id(1) * BLOCK_I
     i = i0 + tl.arange(0, BLOCK_I)                                # [BLOCK_I]
@@ -164,7 +169,11 @@ def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, h_ptr, K, 
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     h = gate / (1.0 + tl.exp(-gate)) * up                         # silu(gate) * up
-    tl.store(h_ptr + p.to(tl.int64) * I + i, h.to(h_ptr.dtype.element_ty), mask=i_ok)
+    if MXFP4:    # the down kernel's word-major vector
+        tl.store(h_ptr + p.to(tl.int64) * I + _word_major_index(i, I),
+                 h.to(H_DTYPE).to(tl.float32) * 2.0 ** X_SHIFT, mask=i_ok)
+    else:
+        tl.store(h_ptr + p.to(tl.int64) * I + i, h.to(h_ptr.dtype.element_ty), mask=i_ok)
 
 
 @triton.jit
@@ -177,7 +186,7 @@ def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
     # -> out [SPLIT, T, H]: x's dtype when SPLIT == 1 (the result), else fp32 partials.
     # FP8: w2/sw2 float8_e4m3fn, scales s2 [E, cdiv(H, 128), cdiv(I, 128)], ss2 without E.
     # MXFP4: w2 int32 words of the packed bytes [E, H, I/8], E8M0 bytes s2 [E, H, I/32]; sw2
-    # unquantised in x's dtype; BLOCK_I a multiple of 64
+    # unquantised in x's dtype; BLOCK_I a multiple of 64; h fp32, word-major (see _up_gate_kernel)
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_H
     n = n0 + tl.arange(0, BLOCK_H)                                # [BLOCK_H] output features
@@ -342,19 +351,22 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
     x = x.contiguous()
     flat_ids = ids.reshape(-1).to(torch.int64).contiguous()                   # [T*k]
     flat_w = weights.reshape(-1).to(torch.float32).contiguous()               # [T*k]
-    h = torch.empty((T * ks, I), dtype=x.dtype, device=x.device)             # swiglu, x's dtype
+    h = torch.empty((T * ks, I), dtype=torch.float32 if mxfp4 else x.dtype, device=x.device)   # swiglu
 
     bi, bh, nw = up_tiles or (MXFP4_UP_TILES if mxfp4 else (UP_BLOCK_I, UP_BLOCK_H, UP_WARPS))
     dh, di, dnw = down_tiles or ((FP8_DOWN_BLOCK_H, FP8_DOWN_BLOCK_I, FP8_DOWN_WARPS) if fp8
                                  else MXFP4_DOWN_TILES if mxfp4 else (DOWN_BLOCK_H, DOWN_BLOCK_I, DOWN_WARPS))
+    x_in = x
     if mxfp4:    # the kernels read the packed bytes as int32 words (8 inputs each; H, I % 32 == 0)
         w1, w2, w3 = (w.view(torch.int32) for w in (w1, w2, w3))
+        x_in = word_major(x, torch.empty((T, 8, H // 8), dtype=torch.float32, device=x.device))
     assert not mxfp4 or bh % MXFP4_BLOCK == di % MXFP4_BLOCK == 0, \
         f"MXFP4: BLOCK_H of up-gate and BLOCK_I of down (the packed dims) must be multiples of {MXFP4_BLOCK}"
     _up_gate_kernel[(T * ks, triton.cdiv(I, bi))](
-        x, flat_ids, w1, w3, sw1, sw3, h, k, H, I, w1.stride(0), w1.stride(1), sw1.stride(0), float(limit),
+        x_in, flat_ids, w1, w3, sw1, sw3, h, k, H, I, w1.stride(0), w1.stride(1), sw1.stride(0), float(limit),
         s1, s3, ss1, ss3, s1.stride(0) if quant else 0, s1.stride(1) if quant else 0,
-        SHARED=has_shared, BLOCK_I=bi, BLOCK_H=bh, FP8=fp8, MXFP4=mxfp4, num_warps=nw)
+        SHARED=has_shared, BLOCK_I=bi, BLOCK_H=bh, FP8=fp8, MXFP4=mxfp4, H_DTYPE=TL_DTYPES.get(x.dtype),
+        num_warps=nw)
     split = down_split or default_down_split(T, ks, H, I, dh, di, FP8_DOWN_MIN_PROGRAMS if fp8 else DOWN_MIN_PROGRAMS)
     part = out if split == 1 else torch.empty((split, T, H), dtype=torch.float32, device=x.device)
     _down_kernel[(T, triton.cdiv(H, dh), split)](

@@ -22,6 +22,7 @@ Invariants (the tests check them bit for bit in Triton's interpreter):
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -99,9 +100,21 @@ def _mxfp4_tile(q, sb, out_dtype: tl.constexpr, AXIS: tl.constexpr, BLOCK_R: tl.
     return tl.reshape(w, (BLOCK_R, BLOCK_C)).to(out_dtype)
 
 
-# `_mxfp4_dot`: x is scaled by 2^X_SHIFT (products of raw e2m1 words, 2^-126 * value, stay normal)
-# and each group's sum by 2^(126 - X_SHIFT) (folded into its E8M0 scale); both powers of two
+# `_mxfp4_dot`: its vector comes scaled by 2^X_SHIFT (products of raw e2m1 words, 2^-126 * value,
+# stay normal) and each group's sum is scaled by 2^(126 - X_SHIFT) (folded into its E8M0 scale)
 X_SHIFT = tl.constexpr(64)
+
+
+def word_major(v, out):
+    """v [..., C] (C % 8 == 0) -> out [..., 8, C/8] fp32: v[..., 8c + j] * 2^X_SHIFT at [..., j, c],
+    the vector layout `_mxfp4_dot` reads (one torch op; exact: a power of two in v's range)."""
+    return torch.mul(v.unflatten(-1, (-1, 8)).transpose(-1, -2), 2.0 ** X_SHIFT.value, out=out)
+
+
+@triton.jit
+def _word_major_index(c, C):
+    """Position of input c of a word-major vector of C inputs (`word_major`)."""
+    return (c % 8) * ((C // 32) * 4) + c // 8
 
 
 @triton.jit
@@ -120,22 +133,23 @@ def _mxfp4_dot(wq, stride_q, s_base, stride_s, rows, row_ok, c0, C, v_ptr,
     """sum_c W[r, c] * v[c] over the columns [c0, c0 + BLOCK_C) for the rows `rows` [BLOCK_R]
     (0 where not row_ok) -> fp32 [BLOCK_R], W an MXFP4 matrix of C columns (C % 32 == 0) read as
     int32 words wq [R, C/8] (row stride stride_q words; word c holds inputs 8c..8c+7, nibble j =
-    input 8c + j), its E8M0 bytes s_base [R, C/32] (row stride stride_s); v_ptr the vector [C]
-    (any float dtype). c0 and BLOCK_C multiples of 32.
+    input 8c + j), its E8M0 bytes s_base [R, C/32] (row stride stride_s); v_ptr the vector in
+    `word_major` layout (fp32 [8, C/8], scaled by 2^X_SHIFT: nibble j of the words cw is the
+    contiguous v_ptr[j, cw], 16-byte loads). c0 and BLOCK_C multiples of 32.
 
     No dequantised tile: each word's 8 raw e2m1 values (`_e2m1_word`, 2^-126 * w) are multiplied
     by v * 2^X_SHIFT and summed (the products are the exact ones times 2^(X_SHIFT - 126), so they
     round alike while |w * v| >= 2^-X_SHIFT), then each group's sum (4 words) by its scale times
     2^(126 - X_SHIFT) (a power of two: exact). Differs from the dequantised dot only in the order
     of the fp32 additions (and for |v| >= 2^(128 - X_SHIFT) or scales >= 2^(X_SHIFT + 2): inf).
-    Per element 3 integer ops + 1 FMA; the v loads are shared by the rows a thread holds."""
+    Per element 3 integer ops + 1 FMA; a thread's v loads serve all the rows it holds."""
     KW: tl.constexpr = BLOCK_C // 8
     cw = c0 // 8 + tl.arange(0, KW)                                   # words along the row
-    w_ok = cw < C // 8
+    w_ok = cw // 4 < C // 32                                          # C % 32 == 0: whole groups
     q = tl.load(wq + rows[:, None] * stride_q + cw[None, :], mask=row_ok[:, None] & w_ok[None, :], other=0)
     part = tl.zeros((BLOCK_R, KW), dtype=tl.float32)                 # [BLOCK_R, KW]: a sum per word
     for j in tl.static_range(8):
-        vj = tl.load(v_ptr + cw * 8 + j, mask=w_ok, other=0.0).to(tl.float32) * 2.0 ** X_SHIFT   # [KW]
+        vj = tl.load(v_ptr + j * ((C // 32) * 4) + cw, mask=w_ok, other=0.0)                     # [KW]
         part += _e2m1_word(q, j) * vj[None, :]
     group = tl.sum(tl.reshape(part, (BLOCK_R, KW // 4, 4)), axis=2)  # [BLOCK_R, BLOCK_C/32]: 4 words each
     cs = c0 // 32 + tl.arange(0, BLOCK_C // 32)                      # scale columns
