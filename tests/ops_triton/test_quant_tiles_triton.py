@@ -33,10 +33,10 @@ def _dot_kernel(q_ptr, s_ptr, v_ptr, out_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK
     # q int32 words [R, C/8], s [R, C/32], v [8, C/8] (word_major) -> out [R] fp32 = W @ v, BLOCK_R rows
     # a program
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK_C // 32), dtype=tl.float32)                  # per 32-column group
     for c0 in range(0, C, BLOCK_C):
         acc += _mxfp4_dot(q_ptr, C // 8, s_ptr, C // 32, rows, rows < R, c0, C, v_ptr, BLOCK_R, BLOCK_C)
-    tl.store(out_ptr + rows, acc, mask=rows < R)
+    tl.store(out_ptr + rows, tl.sum(acc, axis=1), mask=rows < R)
 
 
 @triton.jit

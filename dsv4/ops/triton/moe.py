@@ -85,8 +85,8 @@ def _expert_matrix(w_ptr, sw_ptr, routed, e, stride_we, stride_row, stride_srow,
 @triton.jit
 def _mxfp4_pair_dot(base, stride_row, s_base, stride_srow, sw_base, stride_sw, rows, row_ok, c0, C, v_ptr,
                     routed, SHARED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """sum_c W[rows, c] * v[c] over the columns [c0, c0 + BLOCK_C) -> fp32 [BLOCK_R]: W a routed
-    expert's MXFP4 matrix (quant_tiles `_mxfp4_dot`; base at its int32 words [R, C/8], s_base at
+    """sum_c W[rows, c] * v[c] over the columns [c0, c0 + BLOCK_C) -> fp32 [BLOCK_R, BLOCK_C/32]
+    (partial sums, to be added up along axis 1): W a routed expert's MXFP4 matrix (quant_tiles `_mxfp4_dot`; base at its int32 words [R, C/8], s_base at
     its E8M0 bytes; v_ptr at the word-major vector); SHARED: when the pair is the shared expert's
     (not routed), its unquantised matrix sw_base [R, C] (row stride stride_sw) instead, times v
     gathered back to input order. A branch on the pair's kind (uniform over the program): only
@@ -99,7 +99,8 @@ def _mxfp4_pair_dot(base, stride_row, s_base, stride_srow, sw_base, stride_sw, r
             dense = tl.load(sw_base + rows[:, None] * stride_sw + cc[None, :], mask=row_ok[:, None] & (cc < C)[None, :],
                             other=0.0)
             v = tl.load(v_ptr + _word_major_index(cc, C), mask=cc < C, other=0.0) * 2.0 ** -X_SHIFT
-            acc = tl.sum(dense.to(tl.float32) * v[None, :], axis=1)
+            dot = tl.sum(dense.to(tl.float32) * v[None, :], axis=1)
+            acc = tl.where(tl.arange(0, BLOCK_C // 32)[None, :] == 0, dot[:, None], 0.0)   # in column 0
     else:
         acc = _mxfp4_dot(base, stride_row, s_base, stride_srow, rows, row_ok, c0, C, v_ptr, BLOCK_R, BLOCK_C)
     return acc
@@ -138,15 +139,19 @@ def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, h_ptr, K, 
         si = tl.minimum(i, I - 1)[:, None]                        # scale rows in bounds
     x_row = x_ptr + t.to(tl.int64) * H
     w_off = i[:, None] * stride_i                                 # [BLOCK_I, 1]
-    gate = tl.zeros((BLOCK_I,), dtype=tl.float32)
-    up = tl.zeros((BLOCK_I,), dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        if MXFP4:
-            gate += _mxfp4_pair_dot(w1_base, stride_i, s1_base, stride_sr, sw1_ptr, stride_si, i, i_ok, h0, H,
+    if MXFP4:    # partial sums per 32-column group of a tile, added up once after the loop
+        gate_g = tl.zeros((BLOCK_I, BLOCK_H // 32), dtype=tl.float32)
+        up_g = tl.zeros((BLOCK_I, BLOCK_H // 32), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            gate_g += _mxfp4_pair_dot(w1_base, stride_i, s1_base, stride_sr, sw1_ptr, stride_si, i, i_ok, h0, H,
+                                      x_row, routed, SHARED, BLOCK_I, BLOCK_H)
+            up_g += _mxfp4_pair_dot(w3_base, stride_i, s3_base, stride_sr, sw3_ptr, stride_si, i, i_ok, h0, H,
                                     x_row, routed, SHARED, BLOCK_I, BLOCK_H)
-            up += _mxfp4_pair_dot(w3_base, stride_i, s3_base, stride_sr, sw3_ptr, stride_si, i, i_ok, h0, H,
-                                  x_row, routed, SHARED, BLOCK_I, BLOCK_H)
-        else:
+        gate, up = tl.sum(gate_g, axis=1), tl.sum(up_g, axis=1)
+    else:
+        gate = tl.zeros((BLOCK_I,), dtype=tl.float32)
+        up = tl.zeros((BLOCK_I,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
             hh = h0 + tl.arange(0, BLOCK_H)                       # [BLOCK_H]
             h_ok = hh < H
             xv = tl.load(x_row + hh, mask=h_ok, other=0.0).to(tl.float32)[None, :]   # [1, BLOCK_H]
@@ -213,10 +218,11 @@ def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
         w_off = n[:, None] * stride_h                             # [BLOCK_H, 1]
         h_row = h_ptr + p.to(tl.int64) * I
         y = tl.zeros((BLOCK_H,), dtype=tl.float32)
+        y_g = tl.zeros((BLOCK_H, BLOCK_I // 32), dtype=tl.float32)     # MXFP4: per 32-column group
         for b in range(tl.maximum(u_lo - j * n_blocks, 0), tl.minimum(u_hi - j * n_blocks, n_blocks)):
             if MXFP4:
-                y += _mxfp4_pair_dot(w2_base, stride_h, s2_base, stride_sr, sw2_ptr, stride_sh, n, n_ok, b * BLOCK_I, I,
-                                     h_row, routed, SHARED, BLOCK_H, BLOCK_I)
+                y_g += _mxfp4_pair_dot(w2_base, stride_h, s2_base, stride_sr, sw2_ptr, stride_sh, n, n_ok,
+                                       b * BLOCK_I, I, h_row, routed, SHARED, BLOCK_H, BLOCK_I)
             else:
                 ii = b * BLOCK_I + tl.arange(0, BLOCK_I)          # [BLOCK_I]
                 i_ok = ii < I
@@ -232,6 +238,8 @@ def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
                         w2 = _dequant_tile(w2, s2_base, stride_sr, sn, si, n0, b * BLOCK_I, h_ptr.dtype.element_ty,
                                            False, QBLOCK % BLOCK_I == 0)
                 y += tl.sum(w2.to(tl.float32) * hv, axis=1)
+        if MXFP4:
+            y = tl.sum(y_g, axis=1)
         acc += wt * y
     row = (s * T + t).to(tl.int64) * H
     tl.store(out_ptr + row + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)

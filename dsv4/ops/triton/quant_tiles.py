@@ -130,29 +130,30 @@ def _e2m1_word(w, J: tl.constexpr):
 @triton.jit
 def _mxfp4_dot(wq, stride_q, s_base, stride_s, rows, row_ok, c0, C, v_ptr,
                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """sum_c W[r, c] * v[c] over the columns [c0, c0 + BLOCK_C) for the rows `rows` [BLOCK_R]
-    (0 where not row_ok) -> fp32 [BLOCK_R], W an MXFP4 matrix of C columns (C % 32 == 0) read as
-    int32 words wq [R, C/8] (row stride stride_q words; word c holds inputs 8c..8c+7, nibble j =
-    input 8c + j), its E8M0 bytes s_base [R, C/32] (row stride stride_s); v_ptr the vector in
+    """sum_c W[r, c] * v[c] over each group of 32 columns in [c0, c0 + BLOCK_C) for the rows
+    `rows` [BLOCK_R] (0 where not row_ok or past C) -> fp32 [BLOCK_R, BLOCK_C/32] (the caller adds
+    them up once, after its loop), W an MXFP4 matrix of C columns (C % 32 == 0) read as int32
+    words wq [R, C/8] (row stride stride_q words; word c holds inputs 8c..8c+7, nibble j = input
+    8c + j), its E8M0 bytes s_base [R, C/32] (row stride stride_s); v_ptr the vector in
     `word_major` layout (fp32 [8, C/8], scaled by 2^X_SHIFT: nibble j of the words cw is the
     contiguous v_ptr[j, cw], 16-byte loads). c0 and BLOCK_C multiples of 32.
 
-    No dequantised tile: each word's 8 raw e2m1 values (`_e2m1_word`, 2^-126 * w) are multiplied
-    by v * 2^X_SHIFT and summed (the products are the exact ones times 2^(X_SHIFT - 126), so they
-    round alike while |w * v| >= 2^-X_SHIFT), then each group's sum (4 words) by its scale times
-    2^(126 - X_SHIFT) (a power of two: exact). Differs from the dequantised dot only in the order
-    of the fp32 additions (and for |v| >= 2^(128 - X_SHIFT) or scales >= 2^(X_SHIFT + 2): inf).
-    Per element 3 integer ops + 1 FMA; a thread's v loads serve all the rows it holds."""
-    KW: tl.constexpr = BLOCK_C // 8
-    cw = c0 // 8 + tl.arange(0, KW)                                   # words along the row
-    w_ok = cw // 4 < C // 32                                          # C % 32 == 0: whole groups
-    q = tl.load(wq + rows[:, None] * stride_q + cw[None, :], mask=row_ok[:, None] & w_ok[None, :], other=0)
-    part = tl.zeros((BLOCK_R, KW), dtype=tl.float32)                 # [BLOCK_R, KW]: a sum per word
+    No dequantised tile: the tile is [BLOCK_R, groups, 4 words] (a group's 4 words one 16-byte
+    load). Each word's 8 raw e2m1 values (`_e2m1_word`, 2^-126 * w) are multiplied by v *
+    2^X_SHIFT and summed (the products are the exact ones times 2^(X_SHIFT - 126), so they round
+    alike while |w * v| >= 2^-X_SHIFT), then each group's sum by its scale times 2^(126 - X_SHIFT)
+    (a power of two: exact). Differs from the dequantised dot only in the order of the fp32
+    additions (and for |v| >= 2^(128 - X_SHIFT) or scales >= 2^(X_SHIFT + 2): inf). Per element
+    3 integer ops + 1 FMA; a thread's v loads serve all the rows it holds."""
+    G: tl.constexpr = BLOCK_C // 32
+    g = c0 // 32 + tl.arange(0, G)                                    # groups (scale columns)
+    g_ok = g < C // 32
+    cw = (g * 4)[:, None] + tl.arange(0, 4)[None, :]                  # [G, 4] words along the row
+    m = row_ok[:, None, None] & g_ok[None, :, None]
+    q = tl.load(wq + rows[:, None, None] * stride_q + cw[None, :, :], mask=m, other=0)   # [BLOCK_R, G, 4]
+    part = tl.zeros((BLOCK_R, G, 4), dtype=tl.float32)               # a sum per word
     for j in tl.static_range(8):
-        vj = tl.load(v_ptr + j * ((C // 32) * 4) + cw, mask=w_ok, other=0.0)                     # [KW]
-        part += _e2m1_word(q, j) * vj[None, :]
-    group = tl.sum(tl.reshape(part, (BLOCK_R, KW // 4, 4)), axis=2)  # [BLOCK_R, BLOCK_C/32]: 4 words each
-    cs = c0 // 32 + tl.arange(0, BLOCK_C // 32)                      # scale columns
-    sb = tl.load(s_base + rows[:, None] * stride_s + cs[None, :], mask=row_ok[:, None] & (cs < C // 32)[None, :],
-                 other=0)
-    return tl.sum(group * (_e8m0(sb) * 2.0 ** (126 - X_SHIFT)), axis=1)
+        vj = tl.load(v_ptr + j * ((C // 32) * 4) + cw, mask=g_ok[:, None], other=0.0)   # [G, 4]
+        part += _e2m1_word(q, j) * vj[None, :, :]
+    sb = tl.load(s_base + rows[:, None] * stride_s + g[None, :], mask=row_ok[:, None] & g_ok[None, :], other=0)
+    return tl.sum(part, axis=2) * (_e8m0(sb) * 2.0 ** (126 - X_SHIFT))
