@@ -217,8 +217,10 @@ def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
             s2_base, _ = _expert_matrix(s2_ptr, ss2_ptr, routed, e, stride_se, stride_sr, stride_sr, SHARED)
         w_off = n[:, None] * stride_h                             # [BLOCK_H, 1]
         h_row = h_ptr + p.to(tl.int64) * I
-        y = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        y_g = tl.zeros((BLOCK_H, BLOCK_I // 32), dtype=tl.float32)     # MXFP4: per 32-column group
+        if MXFP4:
+            y_g = tl.zeros((BLOCK_H, BLOCK_I // 32), dtype=tl.float32)   # per 32-column group
+        else:
+            y = tl.zeros((BLOCK_H,), dtype=tl.float32)
         for b in range(tl.maximum(u_lo - j * n_blocks, 0), tl.minimum(u_hi - j * n_blocks, n_blocks)):
             if MXFP4:
                 y_g += _mxfp4_pair_dot(w2_base, stride_h, s2_base, stride_sr, sw2_ptr, stride_sh, n, n_ok,
