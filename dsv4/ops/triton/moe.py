@@ -24,9 +24,15 @@ weight keeps the GEMV bandwidth-bound); other tiles are dequantised (quant_tiles
 load-time dequantised product exactly for power-of-two (E8M0) scales, as in released checkpoints.
 
 MXFP4 (W4A16, uint8 weights + `scales=`): w1/w3 [E, I, H/2] + E8M0 bytes [E, I, H/32], w2
-[E, H, I/2] + [E, H, I/32], decoded to the load-time values (quant_tiles `_mxfp4_rows`). The
-shared expert stays unquantised, read by its own masked load (`_mxfp4_pair_rows`). Tiles along
-the packed dim (BLOCK_H of up-gate, BLOCK_I of down) are multiples of MXFP4_BLOCK.
+[E, H, I/2] + [E, H, I/32], read as int32 words (8 inputs, 16-byte loads) and never dequantised
+into a tile: quant_tiles `_mxfp4_dot` moves each nibble's bits into an fp32 and multiplies it
+with the activation, which comes in its `word_major` layout (fp32 [8, C/8] scaled by 2^X_SHIFT,
+nibble j of a run of words contiguous): x made so by one torch op, h stored so by the up-gate
+kernel (its values rounded to x's dtype first, as the reference rounds h). Partial sums per
+group of 32 inputs (one scale each) are added up once after the loop. The shared expert stays
+unquantised, read in a branch of its own (`_mxfp4_pair_dot`). Tiles along the packed dim
+(BLOCK_H of up-gate, BLOCK_I of down) are multiples of MXFP4_BLOCK; MXFP4 has its own
+defaults (MXFP4_UP_TILES, MXFP4_DOWN_TILES).
 
 No tl.dot: fp32 products + tl.sum (bandwidth-bound anyway; keeps Triton's interpreter exact in
 bf16). Expert offsets are int64 (e * I * H overflows int32 at V4 sizes). Figures:
@@ -86,11 +92,12 @@ def _expert_matrix(w_ptr, sw_ptr, routed, e, stride_we, stride_row, stride_srow,
 def _mxfp4_pair_dot(base, stride_row, s_base, stride_srow, sw_base, stride_sw, rows, row_ok, c0, C, v_ptr,
                     routed, SHARED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """sum_c W[rows, c] * v[c] over the columns [c0, c0 + BLOCK_C) -> fp32 [BLOCK_R, BLOCK_C/32]
-    (partial sums, to be added up along axis 1): W a routed expert's MXFP4 matrix (quant_tiles `_mxfp4_dot`; base at its int32 words [R, C/8], s_base at
-    its E8M0 bytes; v_ptr at the word-major vector); SHARED: when the pair is the shared expert's
-    (not routed), its unquantised matrix sw_base [R, C] (row stride stride_sw) instead, times v
-    gathered back to input order. A branch on the pair's kind (uniform over the program): only
-    one of the two is read."""
+    (partial sums, to be added up along axis 1): W a routed expert's MXFP4 matrix (quant_tiles
+    `_mxfp4_dot`; base at its int32 words [R, C/8], s_base at its E8M0 bytes; v_ptr at the
+    word-major vector); SHARED: when the pair is the shared expert's (not routed), its
+    unquantised matrix sw_base [R, C] (row stride stride_sw) instead, times v gathered back to
+    input order, its sum in column 0. A branch on the pair's kind (uniform over the program):
+    only one of the two is read."""
     if SHARED:
         if routed:
             acc = _mxfp4_dot(base, stride_row, s_base, stride_srow, rows, row_ok, c0, C, v_ptr, BLOCK_R, BLOCK_C)
