@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from benchmarks.kernels import moe as bench  (benchmarks/kernels/moe.py: shapes, weights, routing, timing)
+from benchmarks.kernels import moe as bench  # shapes, weights, routing, timing
 from dsv4.ops.quant import dequant_kept, quant_fp8_stacked
 from dsv4.ops import moe as ref
 from dsv4.ops.triton import moe as tri
