@@ -296,9 +296,7 @@ class LLMEngine:
             return []
         tokens, lps, top_ids, top_lps = step.values.get()
         if self.grammars:
-            self._accept_tokens(step, tokens)
-        if following is not None and following.sample_later is not None:
-            following.masks = self._start_masks(following.chunks, following.sampled)
+            self._advance_grammars(step, tokens, following)
         outputs, chunks, append = [], step.chunks, self._append
         commit = self.cache.commit if self.cache.prefix is not None else None    # (a no-op without one)
         for row, i in enumerate(step.sampled):
@@ -344,16 +342,25 @@ class LLMEngine:
             return None
         return self.grammars.step_masks([chunks[i].request.request_id for i in idx])
 
-    def _accept_tokens(self, step: StepInFlight, tokens: list[int]) -> None:
-        """Advance the matchers by the step's tokens, in row order (before `_append` runs, so the
-        next step's masks can start filling). Rows past a request's finishing token (speculative
-        rows) may be taken too: its matcher is dropped when it finishes."""
-        self.grammars.masks.idle()
+    def _advance_grammars(self, step: StepInFlight, tokens: list[int], following: StepInFlight | None) -> None:
+        """Advance the matchers by the step's tokens, in row order (before `_append` runs). When
+        `following` samples after the masks, the matchers take the tokens on the mask worker,
+        just before its fill (one row per request in a non-speculative step); else here. Rows
+        past a request's finishing token (speculative rows) may be taken too: its matcher is
+        dropped when it finishes."""
+        taken = []
         for row, i in enumerate(step.sampled):
             req = step.chunks[i].request
             grammar = None if req.is_finished else self.grammars.get(req.request_id)
             if grammar is not None:
-                grammar.accept(tokens[row])
+                taken.append((grammar, tokens[row]))
+        if following is not None and following.sample_later is not None:
+            following.masks = self.grammars.step_masks(
+                [following.chunks[i].request.request_id for i in following.sampled], taken)
+            return
+        self.grammars.masks.idle()
+        for grammar, token in taken:
+            grammar.accept(token)
 
     def _grammar_waits(self, chunks: list[ScheduledChunk], idx: list[int]) -> bool:
         """Whether a row to sample is under a grammar while its last token is still on the
@@ -389,7 +396,7 @@ class LLMEngine:
             req.prompt_logprobs.append({t: lp, **dict(zip(ids, lps))})
 
     def _append(self, req: Request, token: int, logprob: float, top_ids, top_lps) -> RequestOutput:
-        req.output_token_ids.append(token)      # (its grammar took the token in _accept_tokens)
+        req.output_token_ids.append(token)      # (its grammar takes the token in _advance_grammars)
         if req.params.logprobs is not None:
             req.logprobs.append({token: logprob, **dict(zip(top_ids, top_lps))})
         result = self._stops[req.request_id].check(req.output_token_ids)    # EOS, stop ids, lengths

@@ -1,13 +1,14 @@
 """A step's token bitmask, built on the host (xgrammar's layout: int32 words, bit t % 32 of word
 t // 32 set = token t allowed) for the rows that have a grammar; rows without one are not in
-it and cost nothing. The sampler applies it as one masked fill (engine/sampler.py).
+it and cost nothing. The sampler applies it as one masked fill (engine/sampler.py), ANDed there
+with the special-token filter (`GrammarMask.keep`), so the host never touches the words again.
 
-Decode steps go through `MaskFiller` (docs/architecture.md, "Structured outputs"): the rows are
-filled into one preallocated buffer by a single xgrammar batch call, which releases the GIL, on
-a worker thread, so the engine's bookkeeping of the previous step runs on the main thread
-meanwhile; `PendingMask.result()` joins it, or fills on the calling thread if the worker never
-picked the fill up (a busy host): the worst case is an inline fill. Every mask is ANDed with
-the special-token filter once, over all its rows."""
+Decode steps go through `MaskFiller` (docs/architecture.md, "Structured outputs"): the matchers
+first take the previous step's tokens (one xgrammar batch call), then the rows are filled into
+one preallocated buffer by a single xgrammar batch call; both release the GIL and run as one job
+on a worker thread, so the engine's bookkeeping of the previous step runs on the main thread
+meanwhile. `PendingMask.result()` joins it, or runs the job on the calling thread if the worker
+never picked it up (a busy host): the worst case is an inline fill."""
 from __future__ import annotations
 
 import threading
@@ -32,6 +33,7 @@ class GrammarMask:
     rows: torch.Tensor        # [R] long: the sampling rows the mask applies to
     bitmask: torch.Tensor     # [R, ceil(V / 32)] int32
     covers_all: bool = False  # rows == 0..R-1 are every row of the batch: masked in place
+    keep: torch.Tensor | None = None   # [ceil(V / 32)] int32 ANDed into every row (special tokens)
 
 
 def words(vocab_size: int) -> int:
@@ -50,17 +52,14 @@ class PendingMask:
 
     def result(self) -> GrammarMask:
         """Wait for the fill (re-raising its error), or do it here if the worker has not begun
-        it; clear the special tokens. The bitmask is a view of the filler's buffer, valid until
-        its next `start`."""
+        it. The bitmask is a view of the filler's buffer, valid until its next `start`."""
         if self.filling is not None:
             if self.filling.cancel():
                 self.fill()
             else:
                 self.filling.result()
             self.filling = None
-        if self.keep is not None:
-            self.bitmask &= self.keep
-        return GrammarMask(self.rows, self.bitmask, self.covers_all)
+        return GrammarMask(self.rows, self.bitmask, self.covers_all, self.keep)
 
 
 class MaskFiller:
@@ -84,32 +83,41 @@ class MaskFiller:
                 self._filling.exception()
             self._filling = None
 
-    def start(self, grammars: list[RequestGrammar | None]) -> PendingMask | None:
+    @torch.inference_mode()
+    def start(self, grammars: list[RequestGrammar | None],
+              taken: list[tuple[RequestGrammar, int]] = ()) -> PendingMask | None:
         """One entry per sampling row (None: unconstrained) -> the pending mask of the rows
-        whose grammar constrains the next token, or None when there is none. The matchers must
-        not change until `result()` returns."""
+        whose grammar constrains the next token, or None when there is none. `taken`: the
+        previous step's (grammar, token) pairs, a grammar at most once, accepted first (on the
+        worker with the fill). The matchers must not change until `result()` returns."""
+        self.idle()
+        accepts = [(g, t) for g, t in taken if g.take_gate(t)]     # the `</think>` gates, here
         rows = [i for i, g in enumerate(grammars) if g is not None and g.constrains]
         if not rows:
+            accept_batch(accepts)
             return None
-        self.idle()
         if self.buffer.shape[0] < len(rows):
             self.buffer = torch.empty(max(len(rows), 2 * self.buffer.shape[0]), self.width, dtype=torch.int32)
         bitmask = self.buffer[:len(rows)]
-        live, matchers = [], []
-        for n, i in enumerate(rows):
-            if grammars[i].finished:
-                grammars[i].fill(bitmask, n)              # EOS only: xgrammar refuses to fill it
-            else:
-                live.append(n)
-                matchers.append(grammars[i].matcher)
+        masked = [grammars[i] for i in rows]
+
+        @torch.inference_mode()            # (the buffer is an inference tensor; a worker thread's mode is its own)
         def fill() -> None:
-            self.batch.batch_fill_next_token_bitmask(matchers, bitmask, live)
+            accept_batch(accepts)
+            live, matchers = [], []
+            for n, g in enumerate(masked):
+                if g.ended:
+                    g.fill(bitmask, n)                    # EOS only: xgrammar refuses to fill it
+                else:
+                    live.append(n)
+                    matchers.append(g.matcher)
+            if live:
+                self.batch.batch_fill_next_token_bitmask(matchers, bitmask, live)
 
         covers_all = len(rows) == len(grammars)
-        if len(live) >= self.thread_min_rows:
+        if len(rows) >= self.thread_min_rows:
             return PendingMask(rows, bitmask, self.keep, covers_all, self._fill_on_worker(fill), fill)
-        if live:
-            fill()
+        fill()
         return PendingMask(rows, bitmask, self.keep, covers_all)
 
     def _fill_on_worker(self, fill: Callable[[], None]) -> Future:
@@ -134,6 +142,17 @@ class MaskFiller:
             self._worker = None
 
 
+def accept_batch(taken: list[tuple[RequestGrammar, int]]) -> None:
+    """Each grammar's matcher takes its token, in one xgrammar call (grammars past their gate
+    and not ended, each at most once: `RequestGrammar.take_gate`)."""
+    if not taken:
+        return
+    import xgrammar
+    oks = xgrammar.BatchGrammarMatcher.batch_accept_token([g.matcher for g, _ in taken], [t for _, t in taken])
+    for (g, t), ok in zip(taken, oks):
+        g.took(t, ok)
+
+
 def verify_mask(grammars: list[tuple[RequestGrammar | None, list[int]]], vocab_size: int,
                 keep: torch.Tensor | None = None) -> GrammarMask | None:
     """Per verify chunk (its grammar, its drafts), in row order: len(drafts) + 1 rows each, row j
@@ -153,7 +172,4 @@ def verify_mask(grammars: list[tuple[RequestGrammar | None, list[int]]], vocab_s
     keep_rows = [n for n, r in enumerate(rows) if r >= 0]
     if not keep_rows:
         return None
-    bitmask = bitmask[keep_rows]
-    if keep is not None:
-        bitmask &= keep
-    return GrammarMask(torch.tensor([rows[n] for n in keep_rows], dtype=torch.long), bitmask)
+    return GrammarMask(torch.tensor([rows[n] for n in keep_rows], dtype=torch.long), bitmask[keep_rows], keep=keep)

@@ -232,9 +232,10 @@ def test_ignore_eos_after_the_grammar_ends_allows_eos_only(engine_of, run):
 
 def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     """Order of the host's work in a decode step with async scheduling: the forward is launched,
-    the matchers take the previous step's tokens, the mask fill starts (on the worker thread for
-    a batch of THREAD_MIN_ROWS or more), the previous step's tokens are appended while it runs,
-    and the fill is joined just before sampling. Tokens equal a run with async scheduling off."""
+    the mask job starts (on the worker thread for a batch of THREAD_MIN_ROWS or more: the
+    matchers take the previous step's tokens in one batch call, then the fill), the previous
+    step's tokens are appended while it runs, and the job is joined just before sampling (no
+    matcher takes a token on the main thread in those steps). Tokens equal a run with async scheduling off."""
     from dsv4.structured import masks
     from dsv4.structured.matcher import RequestGrammar
     monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # wait for the worker: no inline fallback
@@ -243,7 +244,7 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     reqs = {f"o{i}": (p, SamplingParams(max_tokens=6, temperature=0.0, structured=KINDS["json"]))
             for i, p in enumerate(prompts(eng, n))}
     run(eng, {"warm": reqs["o0"]})                     # eng.grammars exists from here on
-    events, fill_threads = [], []
+    events, fill_threads, accept_threads = [], [], []
 
     def record(name, fn):
         def wrapped(*a, **kw):
@@ -251,25 +252,29 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
             return fn(*a, **kw)
         return wrapped
 
+    def on_thread(threads, fn):
+        def wrapped(*a, **kw):
+            threads.append(threading.current_thread().name)
+            return fn(*a, **kw)
+        return wrapped
+
     monkeypatch.setattr(eng.runner, "execute", record("execute", eng.runner.execute))
     monkeypatch.setattr(eng, "_append", record("append", eng._append))
     monkeypatch.setattr(eng, "sampler", record("sample", eng.sampler))
-    monkeypatch.setattr(RequestGrammar, "accept", record("accept", RequestGrammar.accept))
+    monkeypatch.setattr(RequestGrammar, "accept", record("accept-one", RequestGrammar.accept))
+    monkeypatch.setattr(masks, "accept_batch", on_thread(accept_threads, masks.accept_batch))
     filler = eng.grammars.masks
     monkeypatch.setattr(filler, "start", record("fill-start", filler.start))
     monkeypatch.setattr(masks.PendingMask, "result", record("fill-join", masks.PendingMask.result))
-    batch_fill = filler.batch.batch_fill_next_token_bitmask
-
-    def fill(*a):
-        fill_threads.append(threading.current_thread().name)
-        return batch_fill(*a)
+    fill = on_thread(fill_threads, filler.batch.batch_fill_next_token_bitmask)
     monkeypatch.setattr(filler, "batch", SimpleNamespace(batch_fill_next_token_bitmask=fill))
     got = run(eng, reqs)
 
-    steady = ["execute"] + ["accept"] * n + ["fill-start"] + ["append"] * n + ["fill-join", "sample"]
+    steady = ["execute", "fill-start"] + ["append"] * n + ["fill-join", "sample"]
     text = " ".join(events)
     assert text.count(" ".join(steady)) >= 3, events        # the decode steps between prefill and the end
-    assert fill_threads and all(name.startswith("dsv4-grammar-masks") for name in fill_threads)
+    for threads in (fill_threads, accept_threads):
+        assert len(threads) >= 3 and all(name.startswith("dsv4-grammar-masks") for name in threads), threads
     monkeypatch.undo()
     sync = run(engine_of(async_scheduling="off"), reqs)
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in sync.items()}
@@ -277,8 +282,8 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
 
 @pytest.mark.parametrize("handoff", [None, 0.0])
 def test_mask_filler_reuses_one_buffer_and_matches_xgrammar(engine_of, monkeypatch, handoff):
-    """Threaded and inline fills give xgrammar's own per-matcher masks (special tokens cleared)
-    in one buffer reused from step to step; no constrained row -> no mask at all. handoff None:
+    """Threaded and inline fills give xgrammar's own per-matcher masks (with the special-token
+    filter the sampler ANDs in) in one buffer reused from step to step; no constrained row -> no mask at all. handoff None:
     the worker always fills; 0: a fill it has not begun is taken back by result()."""
     from dsv4.structured import masks
     from dsv4.structured.masks import THREAD_MIN_ROWS
@@ -301,7 +306,7 @@ def test_mask_filler_reuses_one_buffer_and_matches_xgrammar(engine_of, monkeypat
                 want = torch.zeros(len(live), mask.bitmask.shape[1], dtype=torch.int32)
                 for n, rid in enumerate(live):
                     grammars.get(rid).matcher.fill_next_token_bitmask(want, n)
-                assert torch.equal(mask.bitmask, want & grammars.keep)
+                assert torch.equal(mask.bitmask, want) and mask.keep is grammars.keep
                 assert mask.rows.tolist() == [i for i, r in enumerate(rows) if r is not None]
                 assert mask.covers_all == (None not in rows)
                 pointers.add(mask.bitmask.data_ptr())
