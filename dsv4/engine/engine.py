@@ -220,6 +220,7 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return outputs + self._drain()
+        self._sample_inflight()
         try:
             launched = self._launch(chunks)
         except BaseException:
@@ -230,9 +231,6 @@ class LLMEngine:
         previous, self._inflight = self._inflight, launched
         if previous is not None:
             outputs += self._complete(previous, following=launched)
-        if launched.sample_later is not None:      # grammars needed the previous step's tokens
-            with torch.inference_mode():
-                launched.sample_later()
         if not self.async_scheduling:
             outputs += self._drain()
         return outputs
@@ -255,7 +253,18 @@ class LLMEngine:
                 return True
         return False
 
+    def _sample_inflight(self) -> None:
+        """Sample the step in flight if its sampling waits for grammar masks (its `sample_later`,
+        the masks started by `_complete` when the step before it was read back). Deferred until
+        the next step is scheduled, so the masks fill while the host appends that step's tokens,
+        hands them out and schedules; the next forward takes these tokens on the device, so it
+        is launched after."""
+        if self._inflight is not None and self._inflight.sample_later is not None:
+            with torch.inference_mode():
+                self._inflight.sample_later()
+
     def _drain(self) -> list[RequestOutput]:
+        self._sample_inflight()
         previous, self._inflight = self._inflight, None
         return self._complete(previous) if previous is not None else []
 

@@ -4,11 +4,13 @@ it and cost nothing. The sampler applies it as one masked fill (engine/sampler.p
 with the special-token filter (`GrammarMask.keep`), so the host never touches the words again.
 
 Decode steps go through `MaskFiller` (docs/architecture.md, "Structured outputs"): the matchers
-first take the previous step's tokens (one xgrammar batch call), then the rows are filled into
-one preallocated buffer by a single xgrammar batch call; both release the GIL and run as one job
-on a worker thread, so the engine's bookkeeping of the previous step runs on the main thread
-meanwhile. `PendingMask.result()` joins it, or runs the job on the calling thread if the worker
-never picked it up (a busy host): the worst case is an inline fill."""
+take the previous step's tokens in one xgrammar batch call, then the rows are filled into one
+preallocated buffer by a single xgrammar batch call, which releases the GIL, on a worker thread,
+so the engine's host work runs on the main thread meanwhile; `PendingMask.result()` joins it,
+or fills on the calling thread if the worker never picked the fill up (a busy host): the worst
+case is an inline fill. The worker's job is that one call and nothing else: Python on the worker
+between two GIL-free calls would wait for the main thread to let go of the GIL (up to a whole
+switch interval while it runs pure Python)."""
 from __future__ import annotations
 
 import threading
@@ -88,36 +90,32 @@ class MaskFiller:
               taken: list[tuple[RequestGrammar, int]] = ()) -> PendingMask | None:
         """One entry per sampling row (None: unconstrained) -> the pending mask of the rows
         whose grammar constrains the next token, or None when there is none. `taken`: the
-        previous step's (grammar, token) pairs, a grammar at most once, accepted first (on the
-        worker with the fill). The matchers must not change until `result()` returns."""
+        previous step's (grammar, token) pairs, a grammar at most once, accepted first (one
+        batch call). The matchers must not change until `result()` returns."""
         self.idle()
-        accepts = [(g, t) for g, t in taken if g.take_gate(t)]     # the `</think>` gates, here
+        accept_batch([(g, t) for g, t in taken if g.take_gate(t)])    # the `</think>` gates, then the matchers
         rows = [i for i, g in enumerate(grammars) if g is not None and g.constrains]
         if not rows:
-            accept_batch(accepts)
             return None
         if self.buffer.shape[0] < len(rows):
             self.buffer = torch.empty(max(len(rows), 2 * self.buffer.shape[0]), self.width, dtype=torch.int32)
         bitmask = self.buffer[:len(rows)]
-        masked = [grammars[i] for i in rows]
+        live, matchers = [], []
+        for n, i in enumerate(rows):
+            if grammars[i].ended:
+                grammars[i].fill(bitmask, n)              # EOS only: xgrammar refuses to fill it
+            else:
+                live.append(n)
+                matchers.append(grammars[i].matcher)
 
-        @torch.inference_mode()            # (the buffer is an inference tensor; a worker thread's mode is its own)
         def fill() -> None:
-            accept_batch(accepts)
-            live, matchers = [], []
-            for n, g in enumerate(masked):
-                if g.ended:
-                    g.fill(bitmask, n)                    # EOS only: xgrammar refuses to fill it
-                else:
-                    live.append(n)
-                    matchers.append(g.matcher)
-            if live:
-                self.batch.batch_fill_next_token_bitmask(matchers, bitmask, live)
+            self.batch.batch_fill_next_token_bitmask(matchers, bitmask, live)
 
         covers_all = len(rows) == len(grammars)
-        if len(rows) >= self.thread_min_rows:
+        if len(live) >= self.thread_min_rows:
             return PendingMask(rows, bitmask, self.keep, covers_all, self._fill_on_worker(fill), fill)
-        fill()
+        if live:
+            fill()
         return PendingMask(rows, bitmask, self.keep, covers_all)
 
     def _fill_on_worker(self, fill: Callable[[], None]) -> Future:

@@ -231,11 +231,13 @@ def test_ignore_eos_after_the_grammar_ends_allows_eos_only(engine_of, run):
 
 
 def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
-    """Order of the host's work in a decode step with async scheduling: the forward is launched,
-    the mask job starts (on the worker thread for a batch of THREAD_MIN_ROWS or more: the
-    matchers take the previous step's tokens in one batch call, then the fill), the previous
-    step's tokens are appended while it runs, and the job is joined just before sampling (no
-    matcher takes a token on the main thread in those steps). Tokens equal a run with async scheduling off."""
+    """Order of the host's work in a decode step with async scheduling: the next step is
+    scheduled, the fill started by the step before is joined and the step in flight sampled, the
+    next forward is launched (it takes those tokens on the device), the previous step's tokens
+    are read back and taken by the matchers (one batch call), the fill of the launched step's
+    mask starts (on the worker thread for a batch of THREAD_MIN_ROWS or more) and the tokens are
+    appended while it runs, and it keeps running through the next schedule. Tokens equal a run
+    with async scheduling off."""
     from dsv4.structured import masks
     from dsv4.structured.matcher import RequestGrammar
     monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # wait for the worker: no inline fallback
@@ -244,7 +246,7 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     reqs = {f"o{i}": (p, SamplingParams(max_tokens=6, temperature=0.0, structured=KINDS["json"]))
             for i, p in enumerate(prompts(eng, n))}
     run(eng, {"warm": reqs["o0"]})                     # eng.grammars exists from here on
-    events, fill_threads, accept_threads = [], [], []
+    events, fill_threads = [], []
 
     def record(name, fn):
         def wrapped(*a, **kw):
@@ -252,29 +254,27 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
             return fn(*a, **kw)
         return wrapped
 
-    def on_thread(threads, fn):
-        def wrapped(*a, **kw):
-            threads.append(threading.current_thread().name)
-            return fn(*a, **kw)
-        return wrapped
-
+    monkeypatch.setattr(eng.scheduler, "schedule", record("schedule", eng.scheduler.schedule))
     monkeypatch.setattr(eng.runner, "execute", record("execute", eng.runner.execute))
     monkeypatch.setattr(eng, "_append", record("append", eng._append))
     monkeypatch.setattr(eng, "sampler", record("sample", eng.sampler))
     monkeypatch.setattr(RequestGrammar, "accept", record("accept-one", RequestGrammar.accept))
-    monkeypatch.setattr(masks, "accept_batch", on_thread(accept_threads, masks.accept_batch))
+    monkeypatch.setattr(masks, "accept_batch", record("accept", masks.accept_batch))
     filler = eng.grammars.masks
     monkeypatch.setattr(filler, "start", record("fill-start", filler.start))
     monkeypatch.setattr(masks.PendingMask, "result", record("fill-join", masks.PendingMask.result))
-    fill = on_thread(fill_threads, filler.batch.batch_fill_next_token_bitmask)
+    batch_fill = filler.batch.batch_fill_next_token_bitmask
+
+    def fill(*a):
+        fill_threads.append(threading.current_thread().name)
+        return batch_fill(*a)
     monkeypatch.setattr(filler, "batch", SimpleNamespace(batch_fill_next_token_bitmask=fill))
     got = run(eng, reqs)
 
-    steady = ["execute", "fill-start"] + ["append"] * n + ["fill-join", "sample"]
+    steady = ["schedule", "fill-join", "sample", "execute", "fill-start", "accept"] + ["append"] * n
     text = " ".join(events)
-    assert text.count(" ".join(steady)) >= 3, events        # the decode steps between prefill and the end
-    for threads in (fill_threads, accept_threads):
-        assert len(threads) >= 3 and all(name.startswith("dsv4-grammar-masks") for name in threads), threads
+    assert text.count(" ".join(steady)) >= 3, text      # the decode steps between prefill and the end
+    assert fill_threads and all(name.startswith("dsv4-grammar-masks") for name in fill_threads)
     monkeypatch.undo()
     sync = run(engine_of(async_scheduling="off"), reqs)
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in sync.items()}
