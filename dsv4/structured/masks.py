@@ -13,6 +13,7 @@ between two GIL-free calls would wait for the main thread to let go of the GIL (
 switch interval while it runs pure Python)."""
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +26,10 @@ from .matcher import RequestGrammar
 # Fewer constrained rows than this are filled on the calling thread: handing the work to the
 # worker and back costs about as much as filling a handful of rows.
 THREAD_MIN_ROWS = 8
+# Threads of xgrammar's own pool for one batch fill (the call still blocks its caller, the mask
+# worker): a quarter of the host's cores, at most 4, so a large batch fills in a fraction of the
+# time while the engine's threads keep theirs.
+FILL_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
 # How long `start` waits for the worker to pick a fill up before going on (its GIL hand-off needs
 # the OS to run the worker thread); a fill still not picked up by `result()` is done there.
 HANDOFF_WAIT_S = 2e-4
@@ -70,7 +75,7 @@ class MaskFiller:
 
     def __init__(self, vocab_size: int, keep: torch.Tensor | None):
         import xgrammar
-        self.batch = xgrammar.BatchGrammarMatcher(max_threads=1)   # one C++ call for all rows
+        self.batch = xgrammar.BatchGrammarMatcher(max_threads=FILL_THREADS)   # one C++ call for all rows
         self.keep, self.width = keep, words(vocab_size)
         self.thread_min_rows = THREAD_MIN_ROWS     # (benchmarks/structured_output.py compares both ways)
         self.buffer = torch.empty(0, self.width, dtype=torch.int32)
@@ -140,17 +145,6 @@ class MaskFiller:
             self._worker = None
 
 
-def accept_batch(taken: list[tuple[RequestGrammar, int]]) -> None:
-    """Each grammar's matcher takes its token, in one xgrammar call (grammars past their gate
-    and not ended, each at most once: `RequestGrammar.take_gate`)."""
-    if not taken:
-        return
-    import xgrammar
-    oks = xgrammar.BatchGrammarMatcher.batch_accept_token([g.matcher for g, _ in taken], [t for _, t in taken])
-    for (g, t), ok in zip(taken, oks):
-        g.took(t, ok)
-
-
 def verify_mask(grammars: list[tuple[RequestGrammar | None, list[int]]], vocab_size: int,
                 keep: torch.Tensor | None = None) -> GrammarMask | None:
     """Per verify chunk (its grammar, its drafts), in row order: len(drafts) + 1 rows each, row j
@@ -171,3 +165,17 @@ def verify_mask(grammars: list[tuple[RequestGrammar | None, list[int]]], vocab_s
     if not keep_rows:
         return None
     return GrammarMask(torch.tensor([rows[n] for n in keep_rows], dtype=torch.long), bitmask[keep_rows], keep=keep)
+
+
+def accept_batch(taken: list[tuple[RequestGrammar, int]]) -> None:
+    """Each grammar's matcher takes its token, in one xgrammar call (grammars past their gate
+    and not ended, each at most once: `RequestGrammar.take_gate`). The call's per-row results
+    are not read back (an element at a time, that costs as much as the call): a refused token
+    leaves its matcher as it was, and only the stop token can end one (`RequestGrammar.took`)."""
+    if not taken:
+        return
+    from xgrammar.base import _core
+    _core.BatchGrammarMatcher.batch_accept_token([g.matcher._handle for g, _ in taken], [t for _, t in taken], False)
+    for g, t in taken:
+        if t == g.stop_id:
+            g.took(t)

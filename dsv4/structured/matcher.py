@@ -1,10 +1,10 @@
 """One request's grammar state: an xgrammar matcher, gated by `</think>` in thinking mode.
 
 Before the gate opens (`after_think` and `</think>` not generated yet) the request is free:
-no mask. Every generated token is `accept`ed in order; a token the grammar refuses (only
-possible while the mask was not applied, e.g. a surplus row) is recorded in `errors` and
-leaves the state as it was. A decode step's tokens may instead go through `take_gate` (on the
-engine's thread) and then `masks.accept_batch` (one xgrammar call, on the mask worker)."""
+no mask. Every generated token is `accept`ed in order (or, a decode step's rows at once, through
+`take_gate`, one xgrammar batch call and `took`: structured/masks.accept_batch); a token the
+grammar refuses (only possible while the mask was not applied, e.g. a surplus row) leaves the
+state as it was."""
 from __future__ import annotations
 
 
@@ -20,7 +20,6 @@ class RequestGrammar:
         self.think_end_id = think_end_id
         self.open = not after_think or think_end_id is None
         self.ended = False          # == matcher.is_terminated(), kept without a call per step
-        self.errors = 0
 
     @property
     def constrains(self) -> bool:
@@ -35,7 +34,7 @@ class RequestGrammar:
         if not self.take_gate(token):
             return True
         ok = self.matcher.accept_token(token)
-        self.took(token, ok)
+        self.took(token)
         return ok
 
     def take_gate(self, token: int) -> bool:
@@ -47,10 +46,9 @@ class RequestGrammar:
             return False
         return not self.ended
 
-    def took(self, token: int, ok: bool) -> None:
-        """After the matcher's `accept_token(token)` returned `ok`."""
-        self.errors += not ok
-        if ok and token == self.stop_id:
+    def took(self, token: int) -> None:
+        """After the matcher was given `token` (accepted or not)."""
+        if token == self.stop_id:
             self.ended = self.matcher.is_terminated()
 
     def fill(self, bitmask, row: int) -> None:

@@ -280,14 +280,16 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in sync.items()}
 
 
-@pytest.mark.parametrize("handoff", [None, 0.0])
-def test_mask_filler_reuses_one_buffer_and_matches_xgrammar(engine_of, monkeypatch, handoff):
+@pytest.mark.parametrize("handoff,fill_threads", [(None, 1), (0.0, 1), (None, 3)])
+def test_mask_filler_reuses_one_buffer_and_matches_xgrammar(engine_of, monkeypatch, handoff, fill_threads):
     """Threaded and inline fills give xgrammar's own per-matcher masks (with the special-token
-    filter the sampler ANDs in) in one buffer reused from step to step; no constrained row -> no mask at all. handoff None:
-    the worker always fills; 0: a fill it has not begun is taken back by result()."""
+    filter the sampler ANDs in) in one buffer reused from step to step; no constrained row -> no
+    mask at all. handoff None: the worker always fills; 0: a fill it has not begun is taken back
+    by result(). fill_threads: xgrammar's own threads for one fill."""
     from dsv4.structured import masks
     from dsv4.structured.masks import THREAD_MIN_ROWS
     monkeypatch.setattr(masks, "HANDOFF_WAIT_S", handoff)
+    monkeypatch.setattr(masks, "FILL_THREADS", fill_threads)
     eng = engine_of(async_scheduling="off")
     grammars = eng._grammars()
     ids = [f"m{i}" for i in range(THREAD_MIN_ROWS + 2)]
