@@ -329,3 +329,44 @@ def test_masked_fill_in_place_when_every_row_has_a_grammar():
     apply_grammar_mask(ours, GrammarMask(torch.arange(3), bitmask, covers_all=True))
     xgrammar.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab)
     assert torch.equal(ours, theirs) and torch.isinf(ours).any()
+
+
+def test_deferred_sampling_through_ends_aborts_and_stops(engine_of, monkeypatch, h):
+    """With async scheduling a constrained step is sampled only once the next one is scheduled,
+    its mask filled on the worker meanwhile. Through that order: requests ending by their grammar
+    (EOS) while their next row is already launched, grammars ended under ignore_eos (EOS-only
+    masks), parallel copies of one prompt (n > 1), a stop string, unconstrained neighbours and an
+    abort while the aborted request's row is launched but not sampled: the same outputs as with
+    async scheduling off, every grammar dropped and every page freed."""
+    from dsv4.structured import masks
+    monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # the worker fills every large mask
+    ps = prompts(engine_of(async_scheduling="off"), 6)
+    choice = SamplingParams(max_tokens=12, temperature=0.0, structured=KINDS["choice"])
+    reqs = [h.Req(f"choice-{i}", p, choice) for i, p in enumerate(ps)]
+    reqs += [h.Req(f"json-{i}", ps[0], SamplingParams(max_tokens=30, temperature=0.9, seed=i, structured=KINDS["json"]))
+             for i in range(3)]                                                  # n = 3 copies of one prompt
+    reqs += [h.Req(f"ended-{i}", p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                                   structured=KINDS["choice"])) for i, p in enumerate(ps[:2])]
+    reqs += [h.Req("stopped", ps[1], SamplingParams(max_tokens=20, temperature=0.0, stop=["-"],
+                                                    structured=KINDS["regex"]))]
+    reqs += [h.Req(f"plain-{i}", p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+             for i, p in enumerate(ps[:3])]
+    reqs += [h.Req("aborted", ps[2], SamplingParams(max_tokens=30, temperature=0.0, structured=KINDS["json"]))]
+    outs = {}
+    eos = engine_of(async_scheduling="on").eos_token_id
+    for mode in ("off", "on"):
+        eng = engine_of(async_scheduling=mode)
+        outs[mode] = h.drive(eng, reqs, check=True, abort_at=("aborted", 4))
+        assert len(eng.grammars) == 0 and eng.cache.available_pages() == eng.plan.num_pages
+    h.assert_same_outputs(outs["off"], outs["on"])
+    done = outs["on"]
+    assert "aborted" not in done and len(done) == len(reqs) - 1
+    for i in range(len(ps)):
+        assert done[f"choice-{i}"].finish_reason == "stop"
+        check("choice", done[f"choice-{i}"].text)
+    for i in range(2):
+        out = done[f"ended-{i}"]
+        end = out.token_ids.index(eos)
+        assert len(out.token_ids) == 10 and set(out.token_ids[end:]) == {eos}
+    assert done["stopped"].finish_reason == "stop" and done["stopped"].stop_reason == "-"
+    assert len({tuple(done[f"json-{i}"].token_ids) for i in range(3)}) > 1     # the copies sample apart
