@@ -14,6 +14,7 @@ import dataclasses
 
 import torch
 
+from ..structured.masks import GrammarMask
 from .request import Request
 from .sampler import SamplingBatch, SamplingRow
 from .upload import HostToDevice, upload_tree
@@ -26,6 +27,7 @@ class SamplingInputs:
         self._reqs: tuple[Request, ...] = ()      # the requests of `_batch`'s rows, in order
         self._batch: SamplingBatch | None = None  # on the device; None: nothing to reuse
         self.builds = 0                           # batches built so far (how often reuse failed)
+        self._keep: tuple[torch.Tensor, torch.Tensor] | None = None   # a mask's `keep`: (host, device)
 
     def batch(self, reqs: list[Request], rows: list[int], masks=None
               ) -> tuple[SamplingBatch, torch.Tensor | None, torch.Tensor | None]:
@@ -40,7 +42,7 @@ class SamplingInputs:
             if masks is None:
                 rows_t = None if plain else self.h2d.upload([torch.tensor(rows)])[0]
                 return self._batch, rows_t, None
-            grammar, rows_t = upload_tree((masks.result(), None if plain else torch.tensor(rows)), self.h2d)
+            grammar, rows_t = self._upload_mask(masks.result(), None if plain else rows)
             return dataclasses.replace(self._batch, grammar=grammar), rows_t, None
         self.builds += 1
         batch = SamplingBatch.build(
@@ -54,3 +56,14 @@ class SamplingInputs:
         kept = batch if batch.grammar is None else dataclasses.replace(batch, grammar=None)   # the mask: the step's own
         self._reqs, self._batch = (key, kept) if reusable else ((), None)
         return batch, None if plain else rows_t, pending_t if pending else None
+
+    def _upload_mask(self, mask: GrammarMask, rows: list[int] | None) -> tuple[GrammarMask, torch.Tensor | None]:
+        """The mask on the device in one transfer, with `rows` (None: none to send); its `keep`
+        row, the same tensor from step to step, goes up once."""
+        sent = self.h2d.upload([mask.rows, mask.bitmask] + ([] if rows is None else [torch.tensor(rows)]))
+        keep = mask.keep
+        if keep is not None:
+            if self._keep is None or self._keep[0] is not keep:
+                self._keep = (keep, self.h2d.upload([keep])[0])
+            keep = self._keep[1]
+        return GrammarMask(sent[0], sent[1], mask.covers_all, keep), None if rows is None else sent[2]
