@@ -98,20 +98,24 @@ class MaskFiller:
         previous step's (grammar, token) pairs, a grammar at most once, accepted first (one
         batch call). The matchers must not change until `result()` returns."""
         self.idle()
-        accept_batch([(g, t) for g, t in taken if g.take_gate(t)])    # the `</think>` gates, then the matchers
-        rows = [i for i, g in enumerate(grammars) if g is not None and g.constrains]
+        accept_batch(taken)
+        rows, live, ended, matchers = [], [], [], []     # (live, ended: positions in rows)
+        for i, g in enumerate(grammars):
+            if g is None or not g.constrains:
+                continue
+            if g.ended:
+                ended.append(len(rows))
+            else:
+                live.append(len(rows))
+                matchers.append(g.matcher)
+            rows.append(i)
         if not rows:
             return None
         if self.buffer.shape[0] < len(rows):
             self.buffer = torch.empty(max(len(rows), 2 * self.buffer.shape[0]), self.width, dtype=torch.int32)
         bitmask = self.buffer[:len(rows)]
-        live, matchers = [], []
-        for n, i in enumerate(rows):
-            if grammars[i].ended:
-                grammars[i].fill(bitmask, n)              # EOS only: xgrammar refuses to fill it
-            else:
-                live.append(n)
-                matchers.append(grammars[i].matcher)
+        for n in ended:
+            grammars[rows[n]].fill(bitmask, n)            # EOS only: xgrammar refuses to fill it
 
         def fill() -> None:
             self.batch.batch_fill_next_token_bitmask(matchers, bitmask, live)
@@ -168,14 +172,20 @@ def verify_mask(grammars: list[tuple[RequestGrammar | None, list[int]]], vocab_s
 
 
 def accept_batch(taken: list[tuple[RequestGrammar, int]]) -> None:
-    """Each grammar's matcher takes its token, in one xgrammar call (grammars past their gate
-    and not ended, each at most once: `RequestGrammar.take_gate`). The call's per-row results
-    are not read back (an element at a time, that costs as much as the call): a refused token
-    leaves its matcher as it was, and only the stop token can end one (`RequestGrammar.took`)."""
-    if not taken:
-        return
-    from xgrammar.base import _core
-    _core.BatchGrammarMatcher.batch_accept_token([g.matcher._handle for g, _ in taken], [t for _, t in taken], False)
+    """A step's (grammar, token) pairs, a grammar at most once: the `</think>` gates take theirs
+    (`RequestGrammar.take_gate`), the matchers the rest in one xgrammar call. That call's per-row
+    results are not read back (an element at a time, that costs as much as the call: xgrammar's
+    own wrapper does): a refused token leaves its matcher as it was, and only the stop token can
+    end one (`RequestGrammar.took`)."""
+    handles, tokens, stops = [], [], []
     for g, t in taken:
-        if t == g.stop_id:
-            g.took(t)
+        if g.take_gate(t):
+            handles.append(g.matcher._handle)
+            tokens.append(t)
+            if t == g.stop_id:
+                stops.append(g)
+    if handles:
+        from xgrammar.base import _core
+        _core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
+    for g in stops:
+        g.took(g.stop_id)
