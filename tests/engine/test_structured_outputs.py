@@ -133,8 +133,9 @@ def test_speculative_drafts_follow_the_grammar(engine_of, run):
     assert spec.spec.stats.num_draft_tokens > 0
 
 
-def test_thinking_gate_starts_the_constraint_after_think_end(engine_of, run):
-    eng = engine_of(async_scheduling="off")
+@pytest.mark.parametrize("mode", ["off", "on"])     # on: the gate takes the token in masks.accept_batch
+def test_thinking_gate_starts_the_constraint_after_think_end(engine_of, run, mode):
+    eng = engine_of(async_scheduling=mode)
     think_end = eng.tokenizer.token_to_id("</think>")
     spec = StructuredOutputs(choice=CHOICES, after_think=True)
     # the logit bias makes the model close its reasoning at once: </think> then one of the choices
