@@ -1,13 +1,14 @@
 """The host path at high concurrency, one command (docs/architecture.md, "Engine").
 
 1. Host profile: the engine's own work per step and request, the model forward stubbed (zeros
-   for the streams, a fixed logits row), each step's outputs taken on through the engine core,
+   for the streams, logits rows with a varied maximum: serve_path.stub_forward), each step's outputs taken on through the engine core,
    the wire and the API process (benchmarks/host_sections.py), at each concurrency of
    --profile-concurrency: wall time, the breakdown by component, and the functions that take
    the most time (cProfile, own time) at the largest.
 2. Server: `dsv4 serve` on the demo model (start-up time from its log), `dsv4 bench serve`
    (--input-len-token prompts, --output-len tokens, --num-prompts requests) cold at
-   concurrency 1, then warm at --concurrency; then `dsv4 bench throughput` on the same
+   concurrency 1, then warm at --concurrency (with each process's CPU per output token: the
+   client, the API process, the engine core); then `dsv4 bench throughput` on the same
    workload (offline LLM); greedy tokens of the server equal the offline LLM's on a few prompts.
 3. A table against the targets: cold p99 TTFT at c1 <= 2x the warm median; median TPOT at
    c256 <= 6 ms; output tok/s >= 3 x 6,438; offline tok/s >= the server's.
@@ -15,6 +16,7 @@
     python -m benchmarks.host_path                 # H200, ~3 min
     python -m benchmarks.host_path --smoke         # CPU, tiny sizes, seconds
     python -m benchmarks.host_path --only-profile  # the host profile alone (c64, c256)
+    python -m benchmarks.host_path --skip-profile  # the server and offline parts alone
     python -m benchmarks.host_path --only-profile --device cpu --dtype float32   # the same, no GPU
 """
 from __future__ import annotations
@@ -54,6 +56,7 @@ def parse_args(argv):
     p.add_argument("--profile-repeats", type=int, default=3,
                    help="timed runs of --profile-steps steps; each figure is the least of them (shared hosts)")
     p.add_argument("--only-profile", action="store_true", help="the host profile alone (no server)")
+    p.add_argument("--skip-profile", action="store_true", help="the server and offline parts alone (no host profile)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.smoke:
@@ -64,18 +67,6 @@ def parse_args(argv):
 
 
 # ---- 1. host profile -------------------------------------------------------------------------
-def stub_forward(engine) -> None:
-    """The model's forward and head replaced by constant tensors: what is left is host work."""
-    import torch
-    m, cfg = engine.model, engine.model.cfg
-    logits = torch.zeros(4096, cfg.vocab_size, device=engine.config.device)
-    logits[:, 2:] = torch.arange(cfg.vocab_size - 2, device=logits.device) % 7   # argmax: a fixed token
-    m.forward = lambda fb, layers, *rest: torch.zeros(fb.num_tokens, cfg.hc_mult, cfg.hidden_size, device=logits.device)
-    m.logits = lambda hidden: logits[:hidden.shape[0]]
-    m.head_input = lambda streams: streams[:, 0]
-    m.head_logits = lambda head_in: logits[:head_in.shape[0]]
-
-
 def host_profile(args, concurrency: int) -> dict:
     """The engine at `concurrency` decoding requests, its forward stubbed, each step's outputs
     taken through the engine core, the wire and the API process (host_sections.ServePath):
@@ -87,6 +78,7 @@ def host_profile(args, concurrency: int) -> dict:
     from dsv4.engine.engine import LLMEngine
     from dsv4.sampling_params import SamplingParams
     from .host_sections import Sections, ServePath, breakdown, instrument
+    from .serve_path import stub_forward
     cfg = EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=concurrency, enable_prefix_caching=False,
                        max_num_batched_tokens=max(2048, args.input_len * 4), enforce_eager=True,
                        max_model_len=args.input_len + args.output_len + (args.profile_repeats * 3 + 1) * args.profile_steps + 16,
@@ -156,6 +148,7 @@ def host_profile(args, concurrency: int) -> dict:
 def serve_and_bench(args) -> dict:
     from dsv4.assets import demo_model_dir
     from dsv4.bench.serve import ServeBenchConfig, run_serve_benchmark
+    from .serve_path import cpu_seconds, engine_core_pid
     model = demo_model_dir()
     flags = ["--model", model, "--port", "0", "--device", args.device, "--dtype", args.dtype,
              "--max-num-seqs", str(args.concurrency), "--max-model-len", str(args.max_model_len),
@@ -174,11 +167,19 @@ def serve_and_bench(args) -> dict:
             found = WARMUP.search(text)
             out["warmup"] = found.group(0) if found else None
 
+            pids = {"api": proc.pid, "engine": engine_core_pid(proc.pid)}
+
             def bench(concurrency, n):
+                """The run's figures, and each process's CPU µs per output token (`cpu_us_per_token`)."""
                 cfg = ServeBenchConfig(base_url=url, model=model, input_len=args.input_len, output_len=args.output_len,
                                        num_prompts=n, max_concurrency=concurrency, vocab_size=8192,
                                        show_progress=False)
-                return run_serve_benchmark(cfg)
+                before, client = {k: cpu_seconds(pid) for k, pid in pids.items()}, time.process_time()
+                result = run_serve_benchmark(cfg)
+                cpu = {k: cpu_seconds(pid) - before[k] for k, pid in pids.items()}
+                cpu["client"] = time.process_time() - client
+                tokens = max(result["total_output_tokens"], 1)
+                return {**result, "cpu_us_per_token": {k: v / tokens * 1e6 for k, v in cpu.items()}}
             out["cold_c1"] = bench(1, 16 if not args.smoke else 2)
             out["warm_c1"] = bench(1, 16 if not args.smoke else 2)
             out["warm_c"] = bench(args.concurrency, args.num_prompts)
@@ -266,6 +267,9 @@ def table(profiles: list[dict], serve: dict | None, concurrency: int) -> tuple[s
             ok &= met != "NO"
             lines.append(f"{name:<38} {value if value is not None else float('nan'):>10.3f} "
                          f"{'' if target is None else f'{op} {target:g}':>10}  {met}")
+        us = warm["cpu_us_per_token"]
+        lines.append(f"warm c{concurrency}, CPU µs per output token by process: client {us['client']:.1f}, "
+                     f"API {us['api']:.1f}, engine core {us['engine']:.1f} (its GPU waits included)")
         lines.append(f"cold c1: first request's TTFT {cold.get('first_ttft_ms') or float('nan'):.1f} ms, "
                      f"median {cold['median_ttft_ms']:.1f} ms, p99 {cold['p99_ttft_ms']:.1f} ms; "
                      f"warm c{concurrency}: {warm['output_throughput']:.0f} out tok/s, {warm['completed']} done; "
@@ -275,8 +279,9 @@ def table(profiles: list[dict], serve: dict | None, concurrency: int) -> tuple[s
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    profiles = [host_profile(args, c) for c in args.profile_concurrency]
-    print(profiles[-1]["profile"])
+    profiles = [] if args.skip_profile else [host_profile(args, c) for c in args.profile_concurrency]
+    if profiles:
+        print(profiles[-1]["profile"])
     serve = None if args.only_profile else serve_and_bench(args)
     text, ok = table(profiles, serve, args.concurrency)
     print(text)

@@ -125,10 +125,14 @@ class ServePath:
 
     def add(self, request_id: str, prompt: list[int], params) -> None:
         from dsv4.serve.client import RequestGroup
+        from dsv4.serve.http.completions import PLAIN_CHOICE
+        from dsv4.serve.http.streaming import ChunkFormat
         from dsv4.serve.http.textstream import TextStream
         self.core.handle(self.ipc.AddRequest(request_id, prompt, params))
         group = self.client.groups[request_id] = RequestGroup(self.client, [request_id])
-        self.streams[request_id] = (group, TextStream(self.engine.tokenizer, prompt, params))
+        head = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": 0, "model": "demo"}
+        self.streams[request_id] = (group, TextStream(self.engine.tokenizer, prompt, params),
+                                    ChunkFormat(head, {"usage": None}, PLAIN_CHOICE))
 
     def step(self) -> int:
         """One engine step and its outputs all the way to SSE text; returns the chunks made."""
@@ -142,15 +146,16 @@ class ServePath:
         return self.ipc.encode(self.ipc.StepOutputs(outputs, self.core.take_failures(), self.core.stats()))
 
     def _stream(self) -> int:
-        from dsv4.serve.http.streaming import sse
+        """Each stream's waiting outputs as one write of SSE events (serve/http/completions.py)."""
         made = 0
-        for rid, (group, stream) in self.streams.items():
+        for group, stream, chunks in self.streams.values():
+            events = []
             while not group.queue.empty():
                 _, out = group.queue.get_nowait()
-                text = stream.push(out)
-                sse({"id": rid, "object": "text_completion", "choices": [
-                    {"index": 0, "text": text, "logprobs": None, "finish_reason": out.finish_reason}]})
-                made += 1
+                events.append(chunks.event({"index": 0, "text": stream.push(out), "logprobs": None,
+                                            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}))
+            made += len(events)
+            "".join(events)
         return made
 
 

@@ -10,7 +10,11 @@ One run, on `random:flash-slice:6` (random weights, no files) by default:
   * offload and restore bytes/s of the tiers' own copies (a burst of pages);
   * decode tokens/s of 16 running requests with and without GPU -> host offloads of the 32k
     prefix's pages in flight all the time (target: within 5%), and the host time the offloads
-    take on the step's thread.
+    take on the step's thread, with the mover's launches issued by its own thread (as served)
+    and, for comparison, by the step's thread;
+  * decode tokens/s of the same 16 requests while the 32k prompt is restored from disk beside
+    them (files read by the disk thread into host entries, uploaded on the side stream), the
+    steps that ran meanwhile, and the restored request's greedy tokens against the cold run's.
 
     python -m benchmarks.kv_tiers            # one H200, about 2 minutes
     python -m benchmarks.kv_tiers --smoke    # CPU, tiny sizes, seconds
@@ -23,9 +27,12 @@ import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from dsv4.cache.tiers.executors import make_executor
+from dsv4.cache.tiers.movers import Mover
 from dsv4.config import EngineConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.sampling_params import SamplingParams
@@ -112,6 +119,38 @@ def decode_rate(engine: LLMEngine, steps: int, offload=None) -> tuple[float, flo
     return n / (time.perf_counter() - t), host
 
 
+def decode_beside_disk_restore(eng: LLMEngine, prompt: list[int], want, folder: str, steps: int):
+    """The running decodes go on while `prompt` is restored from disk (GPU cache and host tier
+    emptied, the files' page cache dropped): (their tokens/s over the steps while the restore
+    was pending, those steps, seconds to the restored request's first token, parting margin of
+    its greedy tokens against the cold run's or None)."""
+    tiers = eng.cache.tiers
+    tiers.drain()
+    eng.reset_prefix_cache()
+    tiers.drop_host()
+    for name in os.listdir(folder):
+        drop_page_cache(os.path.join(folder, name))
+    eng.add_request("beside", prompt, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2))
+    sync(eng.config.device)
+    start, pending, n, first, final, span = time.perf_counter(), 0, 0, None, None, 0.0
+    for _ in range(100 * steps):
+        waiting = any(r.request_id == "beside" for r in eng.scheduler.waiting)
+        outs = eng.step()
+        if waiting:
+            pending += 1
+            n += sum(len(o.new_token_ids) for o in outs if o.request_id != "beside")
+            span = time.perf_counter() - start
+        for o in outs:
+            if o.request_id == "beside":
+                first = first or time.perf_counter() - start
+                final = o if o.finished else final
+        if final is not None:
+            break
+    sync(eng.config.device)
+    margin = float("inf") if final is None else parting_margin(final, want)
+    return n / span if span else 0.0, pending, first or float("nan"), margin
+
+
 def burst(tiers, pages: list[int], device: str) -> tuple[float, float]:
     """(offload, restore) GB/s of the tiers' mover on `pages` (host rows overwritten: run last)."""
     hp = tiers.host.pages
@@ -156,6 +195,9 @@ def main(argv=None) -> int:
                                              disk_cache_gb=4 * args.host_gb))
     plain = LLMEngine(args.model, EngineConfig(**base, enable_prefix_caching=False), model=eng.model)
     tiers = eng.cache.tiers
+    if args.smoke:                          # the disk and the mover on their threads, as on a GPU
+        tiers.executor = tiers.disk.executor = make_executor(True)
+        tiers.mover = Mover(tiers.mover.streams, tiers.codec, make_executor(True, "dsv4-kv-mover"))
     vocab = min(eng.cfg.vocab_size, 8000)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, vocab, (args.prompt_len,), generator=gen).tolist()
@@ -192,7 +234,7 @@ def main(argv=None) -> int:
     # decode of 16 running requests, without and with offloads in flight all the time
     for i in range(16):
         eng.add_request(f"d{i}", torch.randint(100, vocab, (300,), generator=gen).tolist(),
-                        SamplingParams(temperature=0.0, max_tokens=2000 if not args.smoke else 60, ignore_eos=True))
+                        SamplingParams(temperature=0.0, max_tokens=2000 if not args.smoke else 120, ignore_eos=True))
     for _ in range(5):
         eng.step()
     tiers.drain()
@@ -203,32 +245,42 @@ def main(argv=None) -> int:
         return 1
     n_pages = len(gpu_pages)
     prefixes = []                           # new prefixes over the same GPU pages, keys hashed beforehand
-    for i in range(40 if args.smoke else 400):  # (as a request's commits hash each page once)
+    for i in range(90 if args.smoke else 700):  # (as a request's commits hash each page once)
         tokens = [(i * 7919 + j) % (vocab - 100) + 100 for j in range(n_pages * 256)]
         tiers.keys(tokens, n_pages, owner=f"bench{i}")
         prefixes.append((f"bench{i}", tokens))
     fake = iter(prefixes)
     offloaded = tiers.stats.bytes["gpu_to_host"]
 
-    started = [0]
+    started = {"thread": 0, "inline": 0}
+    movers = {"thread": tiers.mover if isinstance(tiers.mover.executor, ThreadPoolExecutor) else None}
+    movers["thread"] = movers["thread"] or Mover(tiers.mover.streams, tiers.codec, make_executor(True, "dsv4-kv-mover"))
+    movers["inline"] = Mover(tiers.mover.streams, tiers.codec, make_executor(False))
+    serving = tiers.mover
 
     def offload():                          # one store in flight all the time
         if not tiers.stores:
-            started[0] += 1
+            started[mode] += 1
             owner, tokens = next(fake)
             tiers.offload(tokens, gpu_pages, n_pages * 256, eng.runner.storage.checkpoints[0], owner)
             tiers.forget(owner)
     disk, tiers.disk = tiers.disk, None     # GPU -> host offload only (no disk backlog to wait for)
     steps = 10 if args.smoke else 150
-    rates = {"no offload": [], "offloading": []}
-    host = 0.0
+    rates = {"no offload": [], "thread": [], "inline": []}   # the mover's launches on its thread / the step's
+    host = {"thread": 0.0, "inline": 0.0}
     for _ in range(2):
         rates["no offload"].append(decode_rate(eng, steps)[0])
-        rate, spent = decode_rate(eng, steps, offload)
-        rates["offloading"].append(rate)
-        host += spent
+        for mode in ("thread", "inline"):
+            tiers.mover = movers[mode]
+            rate, spent = decode_rate(eng, steps, offload)
+            tiers.drain()
+            rates[mode].append(rate)
+            host[mode] += spent
+    tiers.mover = serving
     offloaded = tiers.stats.bytes["gpu_to_host"] - offloaded
     tiers.disk = disk
+    beside = decode_beside_disk_restore(eng, prompt, want, folder, steps)
+    failures += beside[3] is not None and (beside[3] > args.tie_margin or args.smoke)
     for i in range(16):
         eng.abort(f"d{i}")
     tiers.drain()
@@ -246,12 +298,18 @@ def main(argv=None) -> int:
     print(f"{'PCIe device->host':<26}{d2h:>10.2f}{st:>9.2f}  (offload burst)")
     print(f"{'disk write (fsync)':<26}{dw:>10.2f}")
     print(f"{'disk read (uncached)':<26}{dr:>10.2f}")
-    off, on = max(rates["no offload"]), max(rates["offloading"])
-    ratio = on / off
-    print(f"decode tok/s, 16 requests: no offload {off:.1f}, offloading {on:.1f} ({ratio:.3f}x; target >= 0.95: "
-          f"{'met' if ratio >= 0.95 else 'MISSED'}); offloaded {offloaded / 2**20:.1f} MiB meanwhile")
-    print(f"offload on the step's thread: {1e3 * host / (2 * steps):.3f} ms per step, "
-          f"{1e3 * host / max(started[0], 1):.3f} ms per offload of {n_pages} pages + tail ({started[0]} offloads)")
+    off = max(rates["no offload"])
+    for mode, where in (("thread", "the mover's thread issues the copies"), ("inline", "the step's thread does")):
+        on = max(rates[mode])
+        print(f"decode tok/s, 16 requests, {where}: no offload {off:.1f}, offloading {on:.1f} ({on / off:.3f}x; "
+              f"target >= 0.95: {'met' if on / off >= 0.95 else 'MISSED'}); offload on the step's thread: "
+              f"{1e3 * host[mode] / (2 * steps):.3f} ms per step, {1e3 * host[mode] / max(started[mode], 1):.3f} ms "
+              f"per offload of {n_pages} pages + tail ({started[mode]} offloads)")
+    print(f"offloaded {offloaded / 2**20:.1f} MiB while decoding")
+    rate, pending, restore_s, margin = beside
+    print(f"decode tok/s, 16 requests, while the prompt is restored from disk: {rate:.1f} "
+          f"({rate / off:.3f}x of no offload; {pending} steps ran during the restore of {restore_s:.3f} s); "
+          f"its tokens: {'same' if margin is None else f'DIFFER, cold top-2 margin {margin:.4f}'}")
     print(f"tier stats: {tiers.stats.hit_tokens}, bytes {tiers.stats.bytes}")
     print(f"{failures} mismatch(es); {time.perf_counter() - t_all:.1f} s in all")
     tiers.close()

@@ -137,7 +137,7 @@ def table(title: str, args, best: dict) -> None:
 
 def host_only(args) -> None:
     """The ratio over the host's work: the forward stubbed, the padded step run eagerly."""
-    from benchmarks.host_path import stub_forward
+    from benchmarks.serve_path import stub_forward
     from dsv4.engine.cuda_graphs import StepGraphs
     engine = LLMEngine(demo_model_dir(), EngineConfig(device="cpu", async_scheduling="on", enforce_eager=True,
                                                       max_num_seqs=max(args.batch * 2, 8), num_pages=64))

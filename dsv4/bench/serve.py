@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from dsv4.bench.raw_http import RawClient
 from dsv4.bench.random_prompts import (DEEPSEEK_PLAIN_VOCAB, FIRST_PLAIN_TOKEN_ID, random_token_prompts,
                                      random_word_prompts)
 from dsv4.bench.multiturn import History, build_conversations, per_turn_summary, skipped_turn
@@ -116,7 +117,7 @@ async def _send_all(cfg: ServeBenchConfig, prompts: list[str | list[int]]) -> tu
     progress = tqdm(total=len(prompts), desc="bench serve", unit="req", file=sys.stderr,
                     disable=not cfg.show_progress)
 
-    async def one(client: httpx.AsyncClient, prompt: str | list[int]) -> RequestOutcome:
+    async def one(client, prompt: str | list[int]) -> RequestOutcome:
         body = request_body(cfg.endpoint, cfg.model, prompt, cfg.output_len)
         prompt_len = len(prompt) if isinstance(prompt, list) else cfg.input_len
         async with limit:
@@ -138,7 +139,7 @@ async def _converse_all(cfg: ServeBenchConfig) -> tuple[list[list[RequestOutcome
     progress = tqdm(total=cfg.num_prompts * cfg.num_turns, desc="bench serve", unit="req", file=sys.stderr,
                     disable=not cfg.show_progress)
 
-    async def one(client: httpx.AsyncClient, conv) -> list[RequestOutcome]:
+    async def one(client, conv) -> list[RequestOutcome]:
         history, outcomes = History(cfg.endpoint, conv.system), []
         async with limit:
             for user in conv.user_turns:
@@ -173,7 +174,11 @@ async def _launch(cfg: ServeBenchConfig, items: list, one, arrivals: random.Rand
         return list(results), time.perf_counter() - start
 
 
-def _client(cfg: ServeBenchConfig) -> httpx.AsyncClient:
+def _client(cfg: ServeBenchConfig) -> httpx.AsyncClient | RawClient:
+    """http://: the raw client, whose CPU per streamed chunk stays well below the server's (so
+    the run measures the server); https://: httpx."""
+    if cfg.base_url.startswith("http://"):
+        return RawClient(cfg.request_timeout)
     limits = httpx.Limits(max_connections=cfg.max_concurrency, max_keepalive_connections=cfg.max_concurrency)
     timeout = httpx.Timeout(cfg.request_timeout, pool=None)  # waiting for a free connection is not a failure
     return httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False)

@@ -9,6 +9,7 @@ Times are `time.perf_counter()` seconds:
   ttft    = first content chunk - request sent
   latency = end of stream - request sent  (>= ttft)
   itl     = gaps between successive content chunks (one per chunk, not per token)
+The client is an httpx.AsyncClient or, cheaper per chunk, a `raw_http.RawClient` (http:// only).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import httpx
+
+from dsv4.bench.raw_http import RawClient
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -63,7 +66,7 @@ def request_body(endpoint: str, model: str, prompt: str | list[int] | list[dict]
     return body
 
 
-async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, Any],
+async def stream_request(client: httpx.AsyncClient | RawClient, url: str, body: dict[str, Any],
                          prompt_len: int, headers: dict[str, str] | None = None) -> RequestOutcome:
     """Send one streaming request; every failure becomes an unsuccessful outcome. The body
     is encoded before the clock starts, so TTFT does not include client-side JSON work."""
@@ -80,7 +83,7 @@ async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, An
         return _failure(f"{type(e).__name__}: {e}", sent)
 
 
-async def _read_stream(response: httpx.Response, sent: float, prompt_len: int) -> RequestOutcome:
+async def _read_stream(response, sent: float, prompt_len: int) -> RequestOutcome:
     arrivals: list[float] = []  # perf_counter() of every content chunk, in order
     usage: dict[str, Any] = {}
     pieces: list[str] = []
@@ -108,7 +111,7 @@ async def _read_stream(response: httpx.Response, sent: float, prompt_len: int) -
     )
 
 
-async def _sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+async def _sse_chunks(response) -> AsyncIterator[dict[str, Any]]:
     """JSON payloads of the `data:` lines, up to `data: [DONE]`."""
     async for line in response.aiter_lines():
         if not line.startswith("data:"):

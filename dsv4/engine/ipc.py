@@ -76,7 +76,7 @@ class StartupFailed(msgspec.Struct, tag=True):
     message: str
 
 
-class TokenOutput(msgspec.Struct):
+class TokenOutput(msgspec.Struct, omit_defaults=True):    # (fields at their default are not sent)
     """What one request got in one step: tokens never sent before, in order."""
     request_id: str
     token_ids: list[int]

@@ -19,8 +19,11 @@ _REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, decode: Callable[..., str], prompt_ids: Sequence[int],
-                 skip_special_tokens: bool = False):
+                 skip_special_tokens: bool = False, decode_one: Callable[[int], str] | None = None):
+        """decode_one: `decode([id], skip_special_tokens)` of one id, memoised by the caller
+        (each step's window starts with the previous step's one new token)."""
         self._decode = decode
+        self._decode_one = decode_one
         self._skip = skip_special_tokens
         self._ids = list(prompt_ids[-_CONTEXT:])
         if self._text(0, len(self._ids)).endswith(_REPLACEMENT):
@@ -53,4 +56,6 @@ class IncrementalDetokenizer:
     def _text(self, start: int, end: int) -> str:
         if start >= end:
             return ""
+        if end - start == 1 and self._decode_one is not None:
+            return self._decode_one(self._ids[start])
         return self._decode(self._ids[start:end], skip_special_tokens=self._skip)

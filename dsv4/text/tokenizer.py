@@ -40,6 +40,7 @@ class Tokenizer:
         self.bos_id = _require_id(hf, bos_token)
         self.eos_id = _require_id(hf, eos_token)
         self.bos_token, self.eos_token = bos_token, eos_token
+        self._token_texts = (_TokenTexts(hf, False), _TokenTexts(hf, True))    # by skip_special_tokens
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -76,7 +77,21 @@ class Tokenizer:
                     skip_special_tokens: bool = False) -> IncrementalDetokenizer:
         """A streaming decoder for one request. Keep special tokens (the default) when the
         text goes to `OutputParser`: it needs `</think>` and the DSML markers to split it."""
-        return IncrementalDetokenizer(self.decode, prompt_ids or [], skip_special_tokens)
+        return IncrementalDetokenizer(self.decode, prompt_ids or [], skip_special_tokens,
+                                      self._token_texts[bool(skip_special_tokens)].get)
+
+
+class _TokenTexts:
+    """One id's text, memoised: at most one entry per vocabulary id (it never grows past it)."""
+
+    def __init__(self, hf: _HfTokenizer, skip_special_tokens: bool):
+        self._hf, self._skip, self._texts = hf, skip_special_tokens, {}
+
+    def get(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._hf.decode([token_id], skip_special_tokens=self._skip)
+        return text
 
 
 def _register_specials(hf: _HfTokenizer, tokens: list[str]) -> None:

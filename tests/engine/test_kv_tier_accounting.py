@@ -59,8 +59,14 @@ def check(sched: Scheduler, folder) -> None:
     for j in tiers.loads.values():
         refs["pages"].update(j.host_keys)
         refs["tails"].update([j.tail_key])
+    reading = set()                      # entries reserved for files being read (unready until read)
     for j in tiers.reads.values():
         refs["pages"].update(j.chain)
+        for f in j.files:
+            new = [k for k, e in zip(f.keys, f.page_entries) if e]
+            refs["pages"].update(new)
+            refs["tails"].update([f.tail_key] if f.tail_entry else [])
+            reading.update(new + ([f.tail_key] if f.tail_entry else []))
     for j in tiers.writes.values():
         refs["pages"].update(j.page_keys)
         refs["tails"].update([j.tail_key] if j.tail_key else [])
@@ -70,7 +76,11 @@ def check(sched: Scheduler, folder) -> None:
         assert len(slots) + len(pool.free) == pool.capacity
         for key, e in pool.index.items():
             assert e.refs == refs[name][key], name
-            assert e.ready or any(key in j.page_keys or key == j.tail_key for j in tiers.stores)
+            assert e.ready or key in reading or any(key in j.page_keys or key == j.tail_key
+                                                    for j in tiers.stores)
+    entries = tiers.host.pages.index.values()      # leaves first: children counted exactly
+    kids = Counter(id(e.parent) for e in entries if e.parent is not None)
+    assert all(e.children == kids[id(e)] for e in entries)
     disk = tiers.disk
     on_disk = {n for n in os.listdir(folder) if not (tiers.writes and n.startswith(".tmp-"))}
     assert set(disk.files) <= on_disk and on_disk <= set(disk.files) | set(tiers.writes)

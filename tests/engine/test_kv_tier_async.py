@@ -10,7 +10,9 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from dsv4.cache.tiers.executors import make_executor
 from dsv4.cache.tiers.movers import Mover
 from dsv4.sampling_params import SamplingParams
 from tier_streams import DeferredStreams
@@ -19,11 +21,26 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
+class Ops(TorchDispatchMode):
+    """The torch operators run inside it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
 def run(eng, prompts: dict[str, list[int]], max_tokens: dict[str, int], streams=None, on_step=None) -> dict:
     for rid, prompt in prompts.items():
         eng.add_request(rid, list(prompt), SamplingParams(max_tokens=max_tokens[rid], **GREEDY))
     out = {rid: [] for rid in prompts}
-    while eng.has_unfinished():
+    tiers = eng.cache.tiers
+    for _ in range(5000):                 # a stuck engine fails instead of hanging
+        if not eng.has_unfinished():
+            return out
         got = eng.step()
         for o in got:
             out[o.request_id] += o.new_token_ids
@@ -31,16 +48,21 @@ def run(eng, prompts: dict[str, list[int]], max_tokens: dict[str, int], streams=
             on_step(got)
         if streams is not None:
             streams.fire()
-    return out
+        if not got and tiers is not None:   # nothing to step: let a mover thread issue what it was asked
+            for job in [*tiers.stores, *tiers.loads.values()]:
+                job.ticket.future.result(timeout=60)
+    raise AssertionError("the engine did not finish")
 
 
-def test_offload_and_restore_beside_decodes_never_wait(tiny):
+@pytest.mark.parametrize("threaded", [False, True])
+def test_offload_and_restore_beside_decodes_never_wait(tiny, threaded):
+    """`threaded`: the mover issues its copies from a thread of its own, as when serving."""
     long = tiny.tie_free_ids(900, seed=611)
     others = {f"d{i}": tiny.ids(60 + 7 * i, seed=620 + i) for i in range(4)}
     eng = tiny.engine(max_num_batched_tokens=256, max_num_seqs=6, num_pages=60, host_cache_gb=0.02)
     streams = DeferredStreams(random.Random(3))
     tiers = eng.cache.tiers
-    tiers.mover = Mover(streams, tiers.codec)
+    tiers.mover = Mover(streams, tiers.codec, make_executor(threaded, "test-mover"))
     plain = tiny.engine(max_num_batched_tokens=256, max_num_seqs=6, num_pages=60, enable_prefix_caching=False)
 
     # 1. the long prompt prefills (offloading 256, 512, 768) while the others decode
@@ -52,6 +74,8 @@ def test_offload_and_restore_beside_decodes_never_wait(tiny):
 
     # 2. the GPU forgets; the prompt comes back while the others decode: it waits for its
     # restore from the host, steps go on meanwhile, and it resumes at 768
+    for job in tiers.stores:
+        job.ticket.future.result()        # issued (by the mover's thread, when threaded)
     for _ in range(30):
         streams.fire()
     tiers.poll()
@@ -69,26 +93,18 @@ def test_offload_and_restore_beside_decodes_never_wait(tiny):
     assert tiers.stats.hit_tokens["host"] == 768
     assert decoded_while_waiting, "no step ran while the restore was in flight"
     assert streams.waits == 0, "the step's thread waited for a tier copy"
-    tiers.drain()
+    tiers.close()
     assert not tiers.busy
 
 
-def test_a_store_issues_the_same_work_for_any_number_of_pages(tiny):
-    """What the step's thread launches per offload does not grow with the prefix's pages (one
-    gather per kind, coalesced host copies), and none of it reads a device value back."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_store_issues_the_same_work_for_any_number_of_pages(tiny, threaded):
+    """What is launched per offload does not grow with the prefix's pages (one gather per kind,
+    coalesced host copies), and none of it reads a device value back; with the mover on its own
+    thread (as when serving) the step's thread launches one operator per offload: the tail's clone."""
     eng = tiny.engine(max_num_batched_tokens=256, max_num_seqs=2, num_pages=60, host_cache_gb=0.02)
     tiers = eng.cache.tiers
+    tiers.mover = Mover(tiers.mover.streams, tiers.codec, make_executor(threaded, "test-mover"))
     counts = []
     for n in (1, 3, 7):
         tokens = tiny.ids(256 * n, seed=700 + n)
@@ -100,9 +116,73 @@ def test_a_store_issues_the_same_work_for_any_number_of_pages(tiny):
             tiers.offload(tokens, pages, 256 * n, eng.runner.storage.checkpoints[0])
         assert not any(name.startswith(("_local_scalar_dense", "item")) for name in ops.names), ops.names
         counts.append(len(ops.names))
+        if threaded:                  # views of the checkpoint rows, and the clone of the tail
+            assert sorted(name.split(".")[0] for name in ops.names) == ["clone", "select", "select"], ops.names
+        tiers.drain()
         rows = tiers.host.pages.rows[[tiers.host.pages.index[k].slot for k in tiers.keys(tokens, n)]]
         for p, row in zip(pages, rows, strict=True):
             assert torch.equal(row, torch.cat([eng.runner.storage.page(k, p).reshape(-1)
                                                for k in ("c4", "idx", "c128")]))
         eng.cache.pages.free(pages)
     assert counts[0] == counts[1] == counts[2], counts
+    tiers.close()
+
+
+def test_a_slow_disk_read_does_not_hold_up_other_requests(tiny, tmp_path, monkeypatch):
+    """A restart finds a prompt's prefix on disk only; its file read (on the disk thread) is held
+    until the test lets it go. Meanwhile four other requests are admitted, decode and finish; the
+    step's thread never waits for the read. Then the read completes (collecting it runs no
+    torch operator: the disk thread read the file into the host rows), the prompt resumes at 768
+    from the disk tier, and every request's greedy tokens equal a plain engine's (invariant 5)."""
+    import threading
+
+    from dsv4.cache.tiers import disk as disk_module
+    long = tiny.tie_free_ids(900, seed=631)
+    others = {f"d{i}": tiny.ids(60 + 7 * i, seed=640 + i) for i in range(4)}
+    cfg = dict(max_num_batched_tokens=256, max_num_seqs=6, num_pages=60, host_cache_gb=0.02,
+               disk_cache_dir=str(tmp_path), disk_cache_gb=1)
+    first = tiny.engine(**cfg)
+    run(first, {"first": long}, {"first": 2})
+    first.cache.tiers.close()
+
+    gate, read_file = threading.Event(), disk_module.read_file
+
+    def held(*args):
+        assert gate.wait(timeout=60), "the test never released the read"
+        return read_file(*args)
+    monkeypatch.setattr(disk_module, "read_file", held)
+    eng = tiny.engine(**cfg)
+    tiers = eng.cache.tiers
+    tiers.executor = tiers.disk.executor = make_executor(background=True)
+    tiers.mover = Mover(tiers.mover.streams, tiers.codec, make_executor(True, "test-mover"))   # as when serving
+    lengths = {"again": 8, **{rid: 20 for rid in others}}
+    prompts = {"again": long[:800], **others}
+    for rid, prompt in prompts.items():
+        eng.add_request(rid, list(prompt), SamplingParams(max_tokens=lengths[rid], **GREEDY))
+    out = {rid: [] for rid in prompts}
+    steps = 0
+    while any(len(out[rid]) < lengths[rid] for rid in others):
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+        assert tiers.reads, "the disk read is not pending"
+        steps += 1
+        assert steps < 200, "the other requests did not finish while the read was held"
+    assert tiers.reads and out["again"] == [], "the restore finished while its read was held"
+    gate.set()
+    for job in list(tiers.reads.values()):
+        job.future.result()
+    with Ops() as ops:
+        tiers.poll()                  # publishes the entries the disk thread filled: no copy here
+    assert not tiers.reads and not ops.names, ops.names
+    while eng.has_unfinished():
+        for job in list(tiers.loads.values()):
+            job.ticket.future.result()    # issued by the mover's thread (the test, not the engine, waits)
+        for o in eng.step():
+            out[o.request_id] += o.new_token_ids
+        steps += 1
+        assert steps < 400
+    plain = tiny.engine(max_num_batched_tokens=256, max_num_seqs=6, num_pages=60, enable_prefix_caching=False)
+    assert out == run(plain, prompts, lengths)
+    assert tiers.stats.hit_tokens["disk"] == 768 and tiers.stats.bytes["disk_to_host"] > 0
+    tiers.close()
+    assert not tiers.busy

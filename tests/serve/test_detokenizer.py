@@ -62,3 +62,28 @@ def test_decodes_a_bounded_window(tok):
     detok = IncrementalDetokenizer(decode, tok.encode("prompt text here"), False)
     assert "".join(d for i in ids for d in [detok.push(i)]) + detok.flush() == tok.decode(ids)
     assert len(ids) > 500 and max(calls) <= 8
+
+
+def test_memoised_single_ids_give_the_same_text_with_one_decode_per_token(tok):
+    """The tokenizer's detokenizer reads one-id windows from its memo: same deltas as without,
+    and one full decode call per pushed token."""
+    calls = []
+
+    def decode(ids, skip_special_tokens=False):
+        calls.append(len(ids))
+        return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    text = "naïve café 中文 😀 a</think>b " * 20
+    ids = tok.encode(text)
+    prompt = tok.encode("prompt ü")
+    for skip in (False, True):
+        plain = IncrementalDetokenizer(decode, prompt, skip)
+        memo = tok.detokenizer(prompt, skip_special_tokens=skip)
+        expected = [plain.push(i) for i in ids] + [plain.flush()]
+        assert [memo.push(i) for i in ids] + [memo.flush()] == expected
+        assert "".join(expected) == tok.decode(ids, skip_special_tokens=skip)
+    ascii_ids = tok.encode("the quick brown fox " * 20)
+    calls.clear()
+    counted = IncrementalDetokenizer(decode, prompt, False, tok.detokenizer()._decode_one)
+    assert "".join(counted.push(i) for i in ascii_ids) + counted.flush() == tok.decode(ascii_ids)
+    assert len(calls) == 1 + len(ascii_ids) + 1      # the prompt's context, one per token, the flush

@@ -1,8 +1,9 @@
 """The disk tier's folder and index (docs/architecture.md, "Host and disk tiers").
 
 Files (files.py) are written by the executor (a background thread when serving) and read the
-same way; the index (which page and tail keys which file holds, least recently used first) is
-changed only on the calling thread, when a write or read is collected.
+same way, straight into the host entries reserved for them (no copy on the calling thread);
+the index (which page and tail keys which file holds, least recently used first) is changed
+only on the calling thread, when a write or read is collected.
 
 Publishing: a group is written to a temporary name, flushed to disk, then renamed to its own
 name, and only if its parent's file (the group holding the page before its first one) exists
@@ -20,7 +21,7 @@ import os
 from collections import OrderedDict
 from concurrent.futures import Future
 
-from .files import SUFFIX, Corrupt, Header, SignatureMismatch, check, parse_header, read_group, read_header
+from .files import SUFFIX, Corrupt, Header, SignatureMismatch, check, parse_header, read_group_into, read_header
 
 log = logging.getLogger("dsv4.cache.tiers")
 TMP = ".tmp-"
@@ -166,10 +167,14 @@ class DiskStore:
         if name not in self.files and os.path.exists(path):
             os.remove(path)
 
-    def read(self, names: list[str]) -> Future:
-        for n in names:
-            self.reading[n] = self.reading.get(n, 0) + 1
-        return self.executor.submit(_read_all, self.folder, names, self.signature)
+    def read(self, jobs: list[tuple[str, list, object]]) -> Future:
+        """Read group files into rows: `jobs` of (name, its page rows, its tail row), as
+        files.read_group_into takes them; the future gives each file's bytes read or the
+        exception that refused it, in order."""
+        for name, _, _ in jobs:
+            self.reading[name] = self.reading.get(name, 0) + 1
+        work = [(os.path.join(self.folder, name), self.files[name][0], rows, tail) for name, rows, tail in jobs]
+        return self.executor.submit(_read_all, work)
 
     def done_reading(self, names: list[str]) -> None:
         for n in names:
@@ -178,12 +183,17 @@ class DiskStore:
                 del self.reading[n]
 
 
-def _read_all(folder: str, names: list[str], signature: str) -> list:
-    """(executor) Each file's (header, pages, tail), or the exception that refused it."""
+def read_file(path: str, head: Header, rows: list, tail) -> int:
+    """(executor) One group file into its rows (a seam: tests hold a read here)."""
+    return read_group_into(path, head, rows, tail)
+
+
+def _read_all(work: list) -> list:
+    """(executor) Each file's bytes read into rows, or the exception that refused it."""
     out = []
-    for n in names:
+    for path, head, rows, tail in work:
         try:
-            out.append(read_group(os.path.join(folder, n), signature))
+            out.append(read_file(path, head, rows, tail))
         except (Corrupt, SignatureMismatch, OSError, ValueError) as e:
             out.append(e)
     return out

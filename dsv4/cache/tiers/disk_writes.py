@@ -19,20 +19,24 @@ log = logging.getLogger("dsv4.cache.tiers")
 
 class DiskWriting:
     def _write_disk(self, keys: list[Key]) -> None:
-        """Write the chain's pages the disk lacks (and its tail) as one group, after its parent."""
+        """Write the chain's pages the disk lacks (and its tail) as one group, after its parent.
+        The pages on disk (or being written) are a prefix of any chain (a group is published only
+        after its parent), so they are found from the end: O(pages written), not O(chain)."""
         disk = self.disk
         if disk is None:
             return
-        hexes = [k.hex() for k in keys]
         on_disk = lambda h: h in disk.page_file or h in self._writing_pages  # noqa: E731
-        a = next((i for i, h in enumerate(hexes) if not on_disk(h)), len(keys))
-        tail = self.host.tails.has(keys[-1]) and hexes[-1] not in disk.tail_file
+        a = len(keys)
+        while a and not on_disk(keys[a - 1].hex()):
+            a -= 1
+        last = keys[-1].hex()
+        tail = self.host.tails.has(keys[-1]) and last not in disk.tail_file
         if a == len(keys):
             if not tail:
                 return
             a -= 1                            # the last page again, with its tail
-        name = group_name(hexes[-1], tail)
-        parent = (disk.page_file.get(hexes[a - 1]) or self._writing_pages.get(hexes[a - 1])) if a else None
+        name, parent_hex = group_name(last, tail), keys[a - 1].hex() if a else ""
+        parent = (disk.page_file.get(parent_hex) or self._writing_pages.get(parent_hex)) if a else None
         group = keys[a:]
         if name in self.writes or name in disk.files or (a and parent is None) \
                 or not all(self.host.pages.has(k) for k in group):
@@ -43,16 +47,16 @@ class DiskWriting:
             ht.acquire(keys[-1:])
         slots = [hp.index[k].slot for k in group]
         tail_slot = ht.index[keys[-1]].slot if tail else None
-        sig, parent_hex = self.fmt.signature, hexes[a - 1] if a else ""
+        sig, hexes = self.fmt.signature, [k.hex() for k in group]
 
         def build() -> list:                  # (disk thread) the entries are referenced meanwhile
             rows = hp.rows[slots]
-            return encode_parts(sig, parent_hex, hexes[a:], rows, ht.rows[tail_slot] if tail else None)
+            return encode_parts(sig, parent_hex, hexes, rows, ht.rows[tail_slot] if tail else None)
 
         nbytes = len(group) * self.page_bytes + tail * self.tail_bytes
         self.writes[name] = DiskWrite(disk.write(name, parent, build), name, group, keys[-1] if tail else None,
                                       nbytes)
-        for h in hexes[a:]:
+        for h in hexes:
             self._writing_pages.setdefault(h, name)
 
     def _poll_writes(self) -> None:

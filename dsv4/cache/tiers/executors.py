@@ -1,4 +1,4 @@
-"""Where the disk tier's file work runs: `SyncExecutor` (at once, on the caller's thread: CPU
+"""Where the disk tier's file work and the mover's copies run: `SyncExecutor` (at once, on the caller's thread: CPU
 tests, deterministic) or a one-thread pool (serving: the step loop never waits on a file)."""
 from __future__ import annotations
 
@@ -18,5 +18,6 @@ class SyncExecutor:
         pass
 
 
-def make_executor(background: bool):
-    return ThreadPoolExecutor(1, thread_name_prefix="dsv4-disk-kv") if background else SyncExecutor()
+def make_executor(background: bool, name: str = "dsv4-disk-kv"):
+    """One thread named `name` (jobs run in the order submitted), or at once when not `background`."""
+    return ThreadPoolExecutor(1, thread_name_prefix=name) if background else SyncExecutor()

@@ -123,24 +123,47 @@ def check(head: Header, size: int, signature: str) -> None:
 
 
 def read_group(path: str, signature: str) -> tuple[Header, torch.Tensor, torch.Tensor | None]:
-    """A whole group, checked (signature, size, sha256): (header, pages [n, page_numel], tail).
-    The file is read once into one buffer the rows are views of (no copy holds the interpreter
-    lock: reading and hashing release it)."""
+    """A whole group, checked (signature, size, sha256): (header, pages [n, page_numel], tail)."""
+    head, size = read_header(path)
+    check(head, size, signature)
+    dtype = _dtype(head.dtype)
+    pages = torch.empty(len(head.keys), head.page_numel, dtype=dtype)
+    tail = torch.empty(head.tail_numel, dtype=dtype) if head.tail else None
+    read_group_into(path, head, list(pages), tail)
+    return head, pages, tail
+
+
+def read_group_into(path: str, expect: Header, page_rows: list, tail_row) -> int:
+    """(disk thread) Read the group file `path`, whose header the index holds as `expect`, straight
+    into rows: page i into `page_rows[i]` and the tail into `tail_row` (CPU tensors of the
+    file's row sizes and dtype; None: read into a scratch row and dropped, e.g. a page the host
+    holds already). Everything is checked (header as indexed, size, sha256); on Corrupt the rows
+    hold garbage and the caller must not publish them. Bytes read into rows. No step of this
+    holds the interpreter lock for long: reads and hashing release it, and nothing is copied."""
     with open(path, "rb") as f:
         line = f.readline(MAX_HEADER)
         size = f.seek(0, 2)
         if not line.endswith(b"\n"):
             raise Corrupt("no header line")
         head = parse_header(line)
-        check(head, size, signature)
-        data = torch.empty(head.payload, dtype=torch.uint8)
+        check(head, size, expect.signature)
+        if head != expect:
+            raise Corrupt("its header changed since it was indexed")
+        if len(page_rows) != len(head.keys):
+            raise ValueError(f"{len(page_rows)} rows for a group of {len(head.keys)} pages")
         f.seek(head.header_bytes)
-        got = f.readinto(memoryview(data.numpy()))
-    if got != head.payload:
-        raise Corrupt(f"read {got} of {head.payload} payload bytes")
-    if hashlib.sha256(memoryview(data.numpy())).hexdigest() != head.sha256:
+        digest, moved, scratch = hashlib.sha256(), 0, {}
+        rows = [(r, head.page_numel) for r in page_rows] + ([(tail_row, head.tail_numel)] if head.tail else [])
+        for row, numel in rows:
+            dst = row if row is not None else scratch.setdefault(numel, torch.empty(numel, dtype=_dtype(head.dtype)))
+            if dst.numel() != numel or str(dst.dtype) != head.dtype or not dst.is_contiguous():
+                raise Corrupt(f"rows of {numel} {head.dtype}, the tier's are {dst.numel()} {dst.dtype}")
+            view = memoryview(dst.view(torch.uint8).numpy())
+            if f.readinto(view) != len(view):
+                raise Corrupt("truncated payload")
+            digest.update(view)
+            moved += len(view) if row is not None else 0
+    if digest.hexdigest() != head.sha256:
         raise Corrupt("checksum mismatch")
-    data = data.view(_dtype(head.dtype))
-    n = len(head.keys) * head.page_numel
-    pages = data[:n].view(len(head.keys), head.page_numel)
-    return head, pages, (data[n:] if head.tail else None)
+    return moved
+

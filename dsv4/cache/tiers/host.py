@@ -10,7 +10,11 @@ Invariants (tests/cache/tiers/test_accounting.py checks them after random worklo
   * an entry is readable only once `ready` (its copy finished); a new entry starts with one
     reference, its writer's;
   * an entry with references (a copy reading or writing it) is never evicted; eviction takes
-    ready, unreferenced entries, least recently used first.
+    ready, unreferenced entries, least recently used first;
+  * leaves go first: a page entry records its parent's (the chain's previous page, when the host
+    held it at reserve) and counts its children; eviction skips an entry with children and
+    moves it to the newest end (a lazy refresh), so a chain is never cut above an entry the
+    host keeps, and using a chain refreshes only its deepest entry: no work per page of it.
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ class Entry:
     slot: int
     refs: int = 1
     ready: bool = False
+    parent: "Entry | None" = None     # the chain's previous page's entry (page pools)
+    children: int = 0                 # entries whose parent this is
 
 
 class Pool:
@@ -48,27 +54,46 @@ class Pool:
     def row(self, key: Key) -> torch.Tensor:
         return self.rows[self.index[key].slot]
 
-    def reserve(self, key: Key) -> Entry | None:
-        """A new entry (one reference, not ready) for `key`, evicting the least recently used
-        unreferenced entry when no slot is free; None when every slot is referenced."""
+    def reserve(self, key: Key, parent: Key | None = None, spare=()) -> Entry | None:
+        """A new entry (one reference, not ready) for `key`, child of `parent`'s entry if there is
+        one, evicting the least recently used evictable entry not in `spare` when no slot is free;
+        None when there is none."""
         if key in self.index:
             raise ValueError("key already stored")
-        if not self.free and not self._evict_one():
+        if not self.free and not self._evict_one(spare):
             return None
-        entry = Entry(self.free.pop())
+        up = self.index.get(parent) if parent is not None else None
+        entry = Entry(self.free.pop(), parent=up)
+        if up is not None:
+            up.children += 1
         self.index[key] = entry
         return entry
 
-    def _evict_one(self) -> bool:
+    def _evict_one(self, spare=()) -> bool:
+        """Drop the least recently used ready, unreferenced leaf not in `spare`; the entries with
+        children passed on the way are moved to the newest end."""
+        passed, victim = [], None
         for key, e in self.index.items():
-            if e.ready and e.refs == 0:
-                self.drop(key)
-                return True
-        return False
+            if not e.ready or e.refs or key in spare:
+                continue
+            if e.children:
+                passed.append(key)
+                continue
+            victim = key
+            break
+        for key in passed:
+            self.index.move_to_end(key)
+        if victim is None:
+            return False
+        self.drop(victim)
+        return True
 
     def drop(self, key: Key) -> None:
         e = self.index.pop(key)
         self.free.append(e.slot)
+        if e.parent is not None:          # (a parent dropped before it is detached: harmless)
+            e.parent.children -= 1
+            e.parent = None
 
     def acquire(self, keys) -> None:
         for k in keys:

@@ -39,10 +39,20 @@ class LoadJob:
 
 
 @dataclass(eq=False)
+class FileRead:
+    """One group file being read into new host entries (None: the host had the key already)."""
+    name: str
+    keys: list[Key]                  # its pages' keys
+    page_entries: list               # host page Entry (reserved, unready, one reference) or None
+    tail_key: Key | None             # its tail's key, if it has a tail
+    tail_entry: object = None        # host tail Entry or None
+
+
+@dataclass(eq=False)
 class DiskRead:
     """Group files being read into host entries."""
     future: Future
-    names: list[str]
+    files: list[FileRead]
     chain: list[Key]                 # host entries of the chain referenced meanwhile
     start: float = field(default_factory=time.perf_counter)
 

@@ -23,10 +23,19 @@ def root_key(signature: str) -> Key:
 def chain_keys(root: Key, tokens: Sequence[int], num_pages: int, known: Sequence[Key] = ()) -> list[Key]:
     """key_0 .. key_{num_pages - 1} of `tokens` (which hold at least num_pages whole pages);
     `known`: keys of its first pages computed before (only the pages after them are hashed)."""
+    keys = list(known[:num_pages])
+    extend_chain(root, tokens, keys, num_pages)
+    return keys
+
+
+def extend_chain(root: Key, tokens: Sequence[int], keys: list[Key], num_pages: int) -> None:
+    """Append to `keys` (key_0 .. key_{k-1} of `tokens`) the keys of pages k .. num_pages - 1, in
+    place: only the new pages are hashed and nothing is copied (nothing is done if k >= num_pages)."""
     if len(tokens) < num_pages * PAGE_TOKENS:
         raise ValueError(f"{len(tokens)} tokens hold fewer than {num_pages} pages")
-    keys = list(known[:num_pages])
     first = len(keys)
+    if first >= num_pages:
+        return
     data = memoryview(array("q", tokens[first * PAGE_TOKENS:num_pages * PAGE_TOKENS]).tobytes())
     step, prev = PAGE_TOKENS * 8, keys[-1] if keys else root
     for k in range(num_pages - first):
@@ -34,4 +43,3 @@ def chain_keys(root: Key, tokens: Sequence[int], num_pages: int, known: Sequence
         h.update(data[k * step:(k + 1) * step])
         prev = h.digest()
         keys.append(prev)
-    return keys

@@ -14,8 +14,7 @@ from __future__ import annotations
 import time
 
 from ..layout import PAGE_TOKENS
-from .jobs import DiskRead, LoadJob
-from .keys import Key
+from .jobs import DiskRead, FileRead, LoadJob
 
 
 class Restoring:
@@ -37,7 +36,8 @@ class Restoring:
             depth, g, need_disk = plan
             target = keys[depth - 1]
             if need_disk:
-                self._start_read(keys, g, depth)
+                if not self._start_read(keys, g, depth):
+                    return False
             elif not self._start_load(tokens, keys, g, depth, gpu_tokens):
                 return False
             self.poll()
@@ -71,16 +71,61 @@ class Restoring:
             return None
         return best, min(g, best), best != host_best
 
-    def _start_read(self, keys, g, depth) -> None:
+    def _start_read(self, keys, g, depth) -> bool:
+        """Reserve host entries for the group files holding the chain's pages the host lacks (and
+        the tail) and have the disk thread read the files straight into them; False (nothing
+        started) when the host has no room. The step's thread copies nothing: `_poll_reads` only
+        publishes the entries of the files that were read and checked."""
         disk, hp, ht = self.disk, self.host.pages, self.host.tails
         names = [disk.page_file[k.hex()] for k in keys[g:depth] if not hp.has(k)]
         if not ht.has(keys[depth - 1]):
             names.append(disk.tail_file[keys[depth - 1].hex()])
-        names = list(dict.fromkeys(names))
         chain = [k for k in keys[:depth] if k in hp.index]
-        hp.acquire(chain)
-        disk.touch(names)
-        self.reads[keys[depth - 1]] = DiskRead(disk.read(names), names, chain)
+        hp.acquire(chain)                     # (before reserving: its entries are not evicted for the new)
+        files = self._reserve_files(list(dict.fromkeys(names)))
+        if files is None:
+            hp.release(chain)
+            self.stats.host_full += 1
+            return False
+        disk.touch([f.name for f in files])
+        future = disk.read([(f.name, [hp.rows[e.slot] if e else None for e in f.page_entries],
+                             ht.rows[f.tail_entry.slot] if f.tail_entry else None) for f in files])
+        self.reads[keys[depth - 1]] = DiskRead(future, files, chain)
+        return True
+
+    def _reserve_files(self, names: list[str]) -> list[FileRead] | None:
+        """New (unready, referenced) host entries for the files' pages and tails the host has no
+        entry for (None where it has: that row is read and dropped); None if a slot is missing."""
+        hp, ht, files = self.host.pages, self.host.tails, []
+        for name in names:
+            head = self.disk.files[name][0]
+            keys = [bytes.fromhex(h) for h in head.keys]
+            f = FileRead(name, keys, [None] * len(keys), keys[-1] if head.tail else None)
+            files.append(f)
+            parents = [bytes.fromhex(head.parent) if head.parent else None, *keys[:-1]]
+            want = [(hp, i, key, parents[i]) for i, key in enumerate(keys) if key not in hp.index]
+            if f.tail_key is not None and f.tail_key not in ht.index:
+                want.append((ht, None, f.tail_key, None))
+            for pool, i, key, parent in want:
+                e = pool.reserve(key, parent)
+                if e is None:
+                    for done in files:
+                        self._drop_entries(done)
+                    return None
+                if i is None:
+                    f.tail_entry = e
+                else:
+                    f.page_entries[i] = e
+        return files
+
+    def _drop_entries(self, f: FileRead) -> None:
+        hp, ht = self.host.pages, self.host.tails
+        for key, e in zip(f.keys, f.page_entries):
+            if e and hp.index.get(key) is e:
+                hp.drop(key)
+        if f.tail_entry and ht.index.get(f.tail_key) is f.tail_entry:
+            ht.drop(f.tail_key)
+        f.page_entries, f.tail_entry = [None] * len(f.keys), None
 
     def _poll_reads(self) -> None:
         hp, ht = self.host.pages, self.host.tails
@@ -88,20 +133,23 @@ class Restoring:
             if not job.future.done():
                 continue
             del self.reads[target]
-            self.disk.done_reading(job.names)
-            moved, results = 0, list(zip(job.names, job.future.result()))
-            for name, got in results:
+            names = [f.name for f in job.files]
+            self.disk.done_reading(names)
+            results = job.future.result()
+            for f, got in zip(job.files, results):
                 if isinstance(got, Exception):
-                    self.disk.remove(name, why=f"not loaded: {got}")
-            for name, got in results:        # files still indexed: their parents were not refused
-                if isinstance(got, Exception) or name not in self.disk.files:
+                    self.disk.remove(f.name, why=f"not loaded: {got}")
+            moved = 0
+            for f, got in zip(job.files, results):
+                # files still indexed were read whole and checked, and their parents were not refused
+                if isinstance(got, Exception) or f.name not in self.disk.files:
+                    self._drop_entries(f)
                     continue
-                head, rows, tail = got
-                for kh, row in zip(head.keys, rows):
-                    moved += self._put(hp, bytes.fromhex(kh), row)
-                if tail is not None and self._put(ht, bytes.fromhex(head.keys[-1]), tail):
-                    moved += tail.numel() * tail.element_size()
-                    self._from_disk.add(bytes.fromhex(head.keys[-1]))
+                self._settle(hp, [k for k, e in zip(f.keys, f.page_entries) if e])
+                if f.tail_entry:
+                    self._settle(ht, [f.tail_key])
+                    self._from_disk.add(f.tail_key)
+                moved += got
             hp.release(job.chain)
             if len(self._read) > 4096:            # targets never loaded: forget them (bounded memory)
                 self._read.clear()
@@ -109,18 +157,6 @@ class Restoring:
             self._read.add(target)
             self.stats.bytes["disk_to_host"] += moved
             self.stats.latency["disk_load"].observe(time.perf_counter() - job.start)
-
-    @staticmethod
-    def _put(pool, key: Key, row) -> int:
-        """A ready host entry for `key` holding `row` (bytes copied; 0 if present or no room)."""
-        if key in pool.index:
-            return 0
-        e = pool.reserve(key)
-        if e is None:
-            return 0
-        pool.rows[e.slot].copy_(row)
-        e.ready, e.refs = True, 0
-        return row.numel() * row.element_size()
 
     def _start_load(self, tokens, keys, g, depth, gpu_tokens) -> bool:
         hp, ht = self.host.pages, self.host.tails

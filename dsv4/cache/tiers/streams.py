@@ -1,8 +1,9 @@
 """Where the tiers' copies run and how their completion is seen (docs/architecture.md, "Host and
 disk tiers").
 
-A `Streams` gives the mover (movers.py) four things: order a side stream after the work the
-main stream has queued so far (`after_main`), run copies on it (`side`), mark a point of it
+A `Streams` gives the mover (movers.py) these: mark the work the main stream has queued so far
+(`mark_main`, on the step's thread when a copy is asked for) and order the side stream after
+that mark (`side_waits`, on the mover's thread), run copies on it (`side`), mark a point of it
 (`record`: an event with `query()` and `synchronize()`, or None for "already done") and make
 the main stream wait for a point before it reads what a copy wrote (`main_waits`).
 
@@ -25,8 +26,12 @@ class InlineStreams:
     def __init__(self, device="cpu"):
         self.device = torch.device(device)
 
-    def after_main(self) -> None:
-        pass
+    def mark_main(self):
+        """The main stream's work queued so far (an event, or None: all done)."""
+        return None
+
+    def side_waits(self, mark) -> None:
+        """Order the side stream after `mark` (from `mark_main`)."""
 
     def side(self):
         return contextlib.nullcontext()
@@ -55,8 +60,12 @@ class CudaStreams(InlineStreams):
     def _main(self):
         return torch.cuda.current_stream(self.device)
 
-    def after_main(self) -> None:
-        self.stream.wait_event(self._main().record_event())
+    def mark_main(self):
+        return self._main().record_event()
+
+    def side_waits(self, mark) -> None:
+        if mark is not None:
+            self.stream.wait_event(mark)
 
     def side(self):
         return torch.cuda.stream(self.stream)

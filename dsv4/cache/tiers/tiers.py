@@ -3,8 +3,9 @@
 `KVTiers` holds the tiers' state; its jobs live in their own files: storing into the host tier
 (storing.py, `offload`), writing groups to disk (disk_writes.py) and restoring into the GPU
 prefix tree (restoring.py, `fetch`). All bookkeeping runs on the caller's thread (`poll`
-collects finished copies and never waits); only copies run elsewhere (the side stream of
-streams.py, the disk thread of executors.py).
+collects finished copies and never waits); only copies run elsewhere (issued by the mover's
+thread onto the side stream of streams.py, and file reads and writes on the disk thread of
+executors.py).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from .disk_writes import DiskWriting
 from .executors import make_executor
 from .host import HostStore
 from .jobs import DiskRead, DiskWrite, LoadJob, StoreJob
-from .keys import Key, chain_keys, root_key
+from .keys import Key, chain_keys, extend_chain, root_key
 from .movers import make_mover
 from .options import TierOptions
 from .restoring import Restoring
@@ -34,7 +35,7 @@ class KVTiers(Storing, DiskWriting, Restoring):
         device = storage.kinds["c4"].device
         cuda = device.type == "cuda"
         background = cuda if options.background is None else options.background
-        self.mover = make_mover(self.codec)
+        self.mover = make_mover(self.codec, background)
         self.executor = make_executor(background)
         self.stats = TierStats()
         self.host = HostStore(self.codec.numel, self.fmt.numel, self.codec.dtype, options.host_bytes, pin=cuda)
@@ -61,11 +62,11 @@ class KVTiers(Storing, DiskWriting, Restoring):
     def keys(self, tokens: list[int], num_pages: int, owner: str | None = None) -> list[Key]:
         """Chain keys of `tokens`' first pages; with an `owner` (a request id, whose tokens only
         grow) the keys computed before are kept until `forget(owner)`, so each page is hashed once."""
-        known = self._memo.get(owner, ()) if owner is not None else ()
-        keys = chain_keys(self.root, tokens, num_pages, known)
-        if owner is not None and len(keys) > len(known):
-            self._memo[owner] = keys
-        return keys
+        if owner is None:
+            return chain_keys(self.root, tokens, num_pages)
+        known = self._memo.setdefault(owner, [])
+        extend_chain(self.root, tokens, known, num_pages)
+        return known if len(known) == num_pages else known[:num_pages]    # (callers never change it)
 
     def forget(self, owner: str) -> None:
         self._memo.pop(owner, None)
@@ -120,3 +121,4 @@ class KVTiers(Storing, DiskWriting, Restoring):
     def close(self) -> None:
         self.drain()
         self.executor.shutdown(wait=True)
+        self.mover.close()

@@ -29,7 +29,7 @@ from .fields import with_header
 from .limits import check_batch
 from .protocol import ChatCompletionRequest, parse_body
 from .state import ServerState
-from .streaming import Usage, answer, guarded, outputs, respond_whole, sse, sse_events
+from .streaming import ChunkFormat, Usage, answer, guarded, output_batches, respond_whole, sse, sse_events
 from .textstream import TextStream, TokenTexts, chat_logprobs, vllm_prompt_logprobs
 
 
@@ -145,17 +145,18 @@ def _whole_fields(prompt_top: int | None, first: ChatChoice, texts: TokenTexts):
 
 def _stream(group, tracker, head: dict, choices: list[ChatChoice], usage: Usage, include_usage: bool):
     head = {**head, "object": "chat.completion.chunk"}
-    extra = {"usage": None} if include_usage else {}
+    chunks = ChunkFormat(head, {"usage": None} if include_usage else {})
 
     async def events():
         with guarded(group, tracker):
             for c in choices:
-                yield sse({**head, "choices": [c.role_choice()], **extra})
+                yield chunks.event(c.role_choice())
                 for delta in c.initial:
-                    yield sse({**head, "choices": [c.delta_choice(delta.to_dict())], **extra})
-            async for index, out in outputs(group, tracker):
-                for choice in choices[index].update(out):
-                    yield sse({**head, "choices": [choice], **extra})
+                    yield chunks.event(c.delta_choice(delta.to_dict()))
+            async for batch in output_batches(group, tracker):      # one write per batch
+                text = "".join([chunks.event(choice) for index, out in batch for choice in choices[index].update(out)])
+                if text:
+                    yield text
             if include_usage:
                 yield sse({**head, "choices": [], "usage": usage.to_dict()})
     return sse_events(events())

@@ -28,10 +28,11 @@ from .limits import check_batch
 from .protocol import CompletionRequest, check_model, parse_body, resolve_max_tokens, sampling_params
 from .state import ServerState
 from .structured import request_constraint
-from .streaming import Usage, answer, guarded, outputs, respond_whole, sse, sse_events
+from .streaming import ChunkFormat, Usage, answer, guarded, output_batches, respond_whole, sse, sse_events
 from .textstream import LegacyLogprobs, TextStream, TokenTexts, prompt_offsets, vllm_prompt_logprobs
 
 DEFAULT_MAX_TOKENS = 16   # OpenAI's default for completions
+PLAIN_CHOICE = ("index", "text", "logprobs", "finish_reason", "stop_reason")    # CompletionChoice.update's keys
 
 
 @dataclass
@@ -194,12 +195,12 @@ async def create_completion(request: Request, state: ServerState) -> Response:
 
 
 def _stream(group, tracker, head: dict, choices: list[CompletionChoice], usage: Usage, include_usage: bool):
-    extra = {"usage": None} if include_usage else {}
+    chunks = ChunkFormat(head, {"usage": None} if include_usage else {}, PLAIN_CHOICE)
 
     async def events():
         with guarded(group, tracker):
-            async for index, out in outputs(group, tracker):
-                yield sse({**head, "choices": [choices[index].update(out)], **extra})
+            async for batch in output_batches(group, tracker):      # one write per batch
+                yield "".join([chunks.event(choices[index].update(out)) for index, out in batch])
             if include_usage:
                 yield sse({**head, "choices": [], "usage": usage.to_dict()})
     return sse_events(events())

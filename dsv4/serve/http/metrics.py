@@ -68,54 +68,64 @@ class ServerMetrics:
                                 m + ["what"], registry=r)
         r.register(_TierLatency(self))
         self.name = model_name
+        self._children: dict[tuple, object] = {}       # (metric id, label values) -> its labelled child
         self._last = EngineStats()
         self.pages_total.labels(model_name).set(num_pages)
         self.update(EngineStats(pages_free=num_pages))
 
     def update(self, stats: EngineStats) -> None:
-        name = self.name
-        self.running.labels(name).set(stats.num_running)
-        self.waiting.labels(name).set(stats.num_waiting)
-        self.pages_used.labels(name).set(stats.pages_used)
-        self.pages_free.labels(name).set(stats.pages_free)
-        self.swa_used.labels(name).set(stats.swa_pages_used)
-        self.slots_used.labels(name).set(stats.slots_used)
+        self.labelled(self.running).set(stats.num_running)
+        self.labelled(self.waiting).set(stats.num_waiting)
+        self.labelled(self.pages_used).set(stats.pages_used)
+        self.labelled(self.pages_free).set(stats.pages_free)
+        self.labelled(self.swa_used).set(stats.swa_pages_used)
+        self.labelled(self.slots_used).set(stats.slots_used)
         total = stats.pages_used + stats.pages_free
-        self.usage.labels(name).set(stats.pages_used / total if total else 0.0)
-        self.generation_tokens.labels(name).inc(max(0, stats.generated_tokens - self._last.generated_tokens))
-        self.steps.labels(name).inc(max(0, stats.steps - self._last.steps))
-        self.prefix_queries.labels(name).inc(max(0, stats.prefix_queries - self._last.prefix_queries))
-        self.prefix_hits.labels(name).inc(max(0, stats.prefix_hits - self._last.prefix_hits))
-        self.prefix_pages.labels(name).set(stats.prefix_pages)
+        self.labelled(self.usage).set(stats.pages_used / total if total else 0.0)
+        self.labelled(self.generation_tokens).inc(max(0, stats.generated_tokens - self._last.generated_tokens))
+        self.labelled(self.steps).inc(max(0, stats.steps - self._last.steps))
+        self.labelled(self.prefix_queries).inc(max(0, stats.prefix_queries - self._last.prefix_queries))
+        self.labelled(self.prefix_hits).inc(max(0, stats.prefix_hits - self._last.prefix_hits))
+        self.labelled(self.prefix_pages).set(stats.prefix_pages)
         self._update_tiers(stats)
         self._update_spec(stats)
         self._last = stats
 
     def _update_tiers(self, stats: EngineStats) -> None:
         """Tier counters from the engine's running totals; a GPU hit is a prefix hit no tier supplied."""
-        name, last = self.name, self._last
+        last = self._last
         gpu = stats.prefix_hits - sum(stats.tier_hit_tokens.values())
         gpu_before = last.prefix_hits - sum(last.tier_hit_tokens.values())
-        self.tier_hits.labels(name, "gpu").inc(max(0, gpu - gpu_before))
+        self.labelled(self.tier_hits, "gpu").inc(max(0, gpu - gpu_before))
         for tier, n in stats.tier_hit_tokens.items():
-            self.tier_hits.labels(name, tier).inc(max(0, n - last.tier_hit_tokens.get(tier, 0)))
+            self.labelled(self.tier_hits, tier).inc(max(0, n - last.tier_hit_tokens.get(tier, 0)))
         for direction, n in stats.tier_bytes.items():
-            self.tier_bytes.labels(name, direction).inc(max(0, n - last.tier_bytes.get(direction, 0)))
+            self.labelled(self.tier_bytes, direction).inc(max(0, n - last.tier_bytes.get(direction, 0)))
         for what, n in stats.tier_usage.items():
-            self.tier_usage.labels(name, what).set(n)
+            self.labelled(self.tier_usage, what).set(n)
 
     def _update_spec(self, stats: EngineStats) -> None:
         """Counters from the engine's running totals (the increase since the last message)."""
-        name, last = self.name, self._last
-        self.spec_drafts.labels(name).inc(max(0, stats.spec_drafts - last.spec_drafts))
-        self.spec_draft_tokens.labels(name).inc(max(0, stats.spec_draft_tokens - last.spec_draft_tokens))
-        self.spec_accepted.labels(name).inc(max(0, stats.spec_accepted_tokens - last.spec_accepted_tokens))
+        last = self._last
+        self.labelled(self.spec_drafts).inc(max(0, stats.spec_drafts - last.spec_drafts))
+        self.labelled(self.spec_draft_tokens).inc(max(0, stats.spec_draft_tokens - last.spec_draft_tokens))
+        self.labelled(self.spec_accepted).inc(max(0, stats.spec_accepted_tokens - last.spec_accepted_tokens))
         before = last.spec_accepted_per_pos
         for pos, n in enumerate(stats.spec_accepted_per_pos):
-            self.spec_accepted_pos.labels(name, str(pos)).inc(max(0, n - (before[pos] if pos < len(before) else 0)))
+            self.labelled(self.spec_accepted_pos, str(pos)).inc(max(0, n - (before[pos] if pos < len(before) else 0)))
+
+    def labelled(self, metric, *labels: str):
+        """metric.labels(model name, *labels), made once: labels() costs a lock and a tuple
+        each call, and update() runs for every engine step (one entry per metric and label
+        value, so the map stays as small as the metrics)."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(self.name, *labels)
+        return child
 
     def track(self, num_requests: int, prompt_tokens: int) -> "RequestTracker":
-        self.prompt_tokens.labels(self.name).inc(prompt_tokens)
+        self.labelled(self.prompt_tokens).inc(prompt_tokens)
         return RequestTracker(self, num_requests)
 
     def render(self) -> bytes:
@@ -132,16 +142,16 @@ class RequestTracker:
         self.done = [False] * n
 
     def observe(self, index: int, out: TokenOutput) -> None:
-        now, name = time.perf_counter(), self.m.name
+        now = time.perf_counter()
         if out.token_ids and self.first[index] is None:
             self.first[index] = now
-            self.m.ttft.labels(name).observe(now - self.start)
+            self.m.labelled(self.m.ttft).observe(now - self.start)
         self.tokens[index] += len(out.token_ids)
         if out.finished:
             self._end(index, out.finish_reason or "stop")
-            self.m.e2e.labels(name).observe(now - self.start)
+            self.m.labelled(self.m.e2e).observe(now - self.start)
             if self.tokens[index] > 1:
-                self.m.tpot.labels(name).observe((now - self.first[index]) / (self.tokens[index] - 1))
+                self.m.labelled(self.m.tpot).observe((now - self.first[index]) / (self.tokens[index] - 1))
 
     def close(self, reason: str) -> None:
         """Count every child not finished yet as ended for `reason` ("abort", "error")."""
@@ -151,7 +161,7 @@ class RequestTracker:
 
     def _end(self, index: int, reason: str) -> None:
         self.done[index] = True
-        self.m.finished.labels(self.m.name, reason).inc()
+        self.m.labelled(self.m.finished, reason).inc()
 
 
 class _TierLatency:

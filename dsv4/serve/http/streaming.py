@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+from json.encoder import encode_basestring     # JSON string literal, non-ASCII kept (as _dumps writes it)
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
@@ -43,16 +44,34 @@ async def first_output(group: RequestGroup, tracker: RequestTracker) -> None:
 async def outputs(group: RequestGroup, tracker: RequestTracker) -> AsyncIterator[tuple[int, TokenOutput]]:
     """(choice index, output) until every request of the group finished. The caller ends
     the group (`guarded`) whatever happens."""
-    remaining = len(group.request_ids)
+    async for batch in output_batches(group, tracker):
+        for pair in batch:
+            yield pair
+
+
+async def output_batches(group: RequestGroup, tracker: RequestTracker) -> AsyncIterator[list[tuple[int, TokenOutput]]]:
+    """The (choice index, output) pairs of `outputs`, all those already waiting at once (at
+    least one): a stream that fell behind the engine catches up with one write, not one per
+    engine step. A failure ends the batch before it and is raised on the next round."""
+    remaining, queue = len(group.request_ids), group.queue
     while remaining:
         if group.peeked is not None:
-            (index, item), group.peeked = group.peeked, None
+            pair, group.peeked = group.peeked, None
         else:
-            index, item = await group.queue.get()
-        _check(item)
-        tracker.observe(index, item)
-        remaining -= item.finished
-        yield index, item
+            pair = await queue.get()
+        batch = []
+        while True:
+            if batch and not isinstance(pair[1], TokenOutput):
+                group.peeked = pair           # the outputs before it go out first
+                break
+            _check(pair[1])
+            tracker.observe(*pair)
+            remaining -= pair[1].finished
+            batch.append(pair)
+            if not remaining or queue.empty():
+                break
+            pair = queue.get_nowait()
+        yield batch
 
 
 @contextlib.contextmanager
@@ -94,7 +113,31 @@ def _check(item) -> None:
 
 
 def sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_dumps(data)}\n\n"
+
+
+def _dumps(data) -> str:
+    return json.dumps(data, ensure_ascii=False, separators=(',', ':'))
+
+
+class ChunkFormat:
+    """`sse({**head, "choices": [choice], **extra})` of one response, its head and extra
+    encoded once: the same text, made without encoding the whole event each time. A plain
+    text choice (the fields `plain` lists, in that order, with only `index` and `text` set)
+    is written from a template."""
+
+    def __init__(self, head: dict, extra: dict, plain: tuple[str, ...] = ()):
+        whole = _dumps({**head, "choices": None, **extra})
+        at = whole.index('"choices":null')         # a key: quotes inside values are escaped
+        self.before, self.after = f'data: {whole[:at]}"choices":[', f"]{whole[at + 14:]}\n\n"
+        self.plain = plain
+        self.nulls = "".join(f',"{name}":null' for name in plain[2:])
+
+    def event(self, choice: dict) -> str:
+        if self.plain and tuple(choice) == self.plain and all(choice[k] is None for k in self.plain[2:]):
+            text = encode_basestring(choice["text"])
+            return f'{self.before}{{"index":{choice["index"]:d},"text":{text}{self.nulls}}}{self.after}'
+        return f"{self.before}{_dumps(choice)}{self.after}"
 
 
 def internal_error(error: Exception) -> APIError:

@@ -8,7 +8,7 @@ import torch
 from dsv4.cache.layout import CacheLayout, CachePlan
 from dsv4.cache.storage import KVStorage
 from dsv4.cache.tiers.codec import PageCodec
-from dsv4.cache.tiers.files import Corrupt, SignatureMismatch, encode, read_group
+from dsv4.cache.tiers.files import Corrupt, SignatureMismatch, encode, read_group, read_group_into, read_header
 from dsv4.cache.tiers.host import Pool
 from dsv4.cache.tiers.keys import chain_keys, root_key
 from dsv4.cache.tiers.movers import runs
@@ -46,6 +46,28 @@ def test_group_file_round_trip_and_refusals(tmp_path):
             read_group(str(path), "sig")
 
 
+def test_group_read_into_rows_skips_and_refuses(tmp_path):
+    """A group is read straight into given rows (None: a page the host holds already, read and
+    dropped); a file changed since it was indexed, or damaged, is refused (Corrupt)."""
+    pages, tail = torch.randn(3, 10), torch.randn(7)
+    path = tmp_path / "g.kv"
+    path.write_bytes(encode("sig", "", ["aa", "bb", "cc"], pages, tail))
+    head, _ = read_header(str(path))
+    rows, tail_row = torch.zeros(3, 10), torch.zeros(7)
+    moved = read_group_into(str(path), head, [rows[0], None, rows[2]], tail_row)
+    assert moved == (2 * 10 + 7) * 4
+    assert torch.equal(rows[[0, 2]], pages[[0, 2]]) and not rows[1].any() and torch.equal(tail_row, tail)
+    with pytest.raises(Corrupt):                                    # rows of another size
+        read_group_into(str(path), head, [torch.zeros(9), None, None], tail_row)
+    path.write_bytes(encode("sig", "", ["aa", "bb", "dd"], pages, tail))
+    with pytest.raises(Corrupt):                                    # not the file the index knows
+        read_group_into(str(path), head, [None] * 3, tail_row)
+    blob = encode("sig", "", ["aa", "bb", "cc"], pages, tail)
+    path.write_bytes(blob[:-3] + bytes([blob[-3] ^ 1]) + blob[-2:])
+    with pytest.raises(Corrupt):                                    # checksum
+        read_group_into(str(path), head, [None] * 3, tail_row)
+
+
 def test_page_codec_round_trip():
     layout = CacheLayout(preset_config("tiny"))
     st = KVStorage(layout, CachePlan(num_pages=6, num_swa_pages=4, max_num_seqs=1), torch.float32, "cpu")
@@ -76,6 +98,24 @@ def test_host_pool_evicts_only_ready_unreferenced_entries_lru_first():
     pool.release([b"a"])
     with pytest.raises(ValueError):
         pool.release([b"a"])
+
+
+def test_host_pool_evicts_leaves_before_their_parents():
+    """A chain root -> mid -> leaf stored in that order (root the oldest) loses its leaf first;
+    the entries with children passed on the way become the newest; a parent named in `spare`
+    is not taken for its child."""
+    pool = Pool(torch.empty(4, 4))
+    for key, parent in ((b"root", None), (b"mid", b"root"), (b"leaf", b"mid"), (b"other", None)):
+        e = pool.reserve(key, parent)
+        e.ready, e.refs = True, 0
+    assert pool.reserve(b"x") is not None                   # root and mid have children: leaf goes
+    assert b"leaf" not in pool.index and list(pool.index) == [b"other", b"root", b"mid", b"x"]
+    pool.index[b"x"].ready, pool.index[b"x"].refs = True, 0
+    assert pool.reserve(b"y") is not None and b"other" not in pool.index
+    pool.index[b"y"].ready, pool.index[b"y"].refs = True, 0
+    assert pool.reserve(b"z", b"mid", spare={b"mid"}) is not None
+    assert b"mid" in pool.index and b"x" not in pool.index  # mid (now a leaf) spared
+    assert pool.index[b"mid"].children == 1 and pool.index[b"root"].children == 1
 
 
 def test_runs_coalesce_consecutive_slots():

@@ -1,0 +1,248 @@
+"""The whole serving path at high concurrency with the model's forward stubbed, on any device
+(docs/architecture.md, "Serving"): `dsv4 serve`'s two processes (the API process and the engine
+core, whose forward and head return constants: what is left is host work) driven by
+`dsv4 bench serve`, each process's CPU seconds per output token measured apart, and each
+one's functions by own time (sampled, `--profile`: benchmarks/cpu_sampler.py).
+
+    python -m benchmarks.serve_path --smoke                    # CPU, seconds
+    python -m benchmarks.serve_path --device cpu --dtype float32 --concurrency 64 256
+    python -m benchmarks.serve_path --profile --concurrency 256   # + the top functions per process
+
+The client runs in this process; the server
+in a child (its engine core a grandchild); CPU seconds come from /proc (Linux).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+from .cpu_sampler import Sampler
+
+READY = re.compile(r"ready at (http://\S+)")
+PROFILE_ENV = "DSV4_SERVE_PATH_PROFILE"      # a path prefix: each process writes <prefix>.<role>.prof
+STUB_SHIFTS = 64                              # the stub's logits rows shift by one a step, cyclically
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny sizes")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=None, help="per concurrency (default 2x it)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--repeats", type=int, default=1, help="runs per concurrency; the least CPU of them is reported")
+    p.add_argument("--profile", action="store_true", help="sample each process's CPU by function; print the top ones")
+    p.add_argument("--top", type=int, default=18, help="functions shown per process with --profile")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.device, args.dtype, args.input_len, args.output_len, args.concurrency = "cpu", "float32", 16, 8, [4]
+    return args
+
+
+# ---- the server's side ---------------------------------------------------------------------
+def stub_forward(engine) -> None:
+    """The model's forward and head replaced by constant tensors (what is left is host work);
+    the logits row of batch slot i at step k has its maximum at a plain token that depends on
+    i + k, so the detokeniser and the SSE chunks see varied text."""
+    import torch
+    m, cfg, config = engine.model, engine.model.cfg, engine.config
+    device, vocab = config.device, cfg.vocab_size
+    rows = max(config.max_num_batched_tokens or 0, 2 * config.max_num_seqs) + STUB_SHIFTS
+    best = 100 + (torch.arange(rows, device=device)[:, None] * 7919) % (vocab - 100)
+    table = torch.zeros(rows, vocab, device=device).scatter_(1, best, 1.0)
+    step = [0]
+
+    def logits(hidden):
+        step[0] = (step[0] + 1) % STUB_SHIFTS
+        return table[step[0]:step[0] + hidden.shape[0]]
+    m.forward = lambda fb, layers, *rest: torch.zeros(fb.num_tokens, cfg.hc_mult, cfg.hidden_size, device=device)
+    m.logits = logits
+    m.head_input = lambda streams: streams[:, 0]
+    m.head_logits = logits
+
+
+def stub_engine_core(model_dir: str, config, addresses, parent_pid: int) -> None:
+    """`run_engine_core` (the engine-core process entry) with the forward stubbed and its
+    serving loop profiled when asked."""
+    from dsv4.engine import core
+    load, loop = core._load_engine, core.serve_loop
+
+    def load_stubbed(model_dir, config):
+        engine = load(model_dir, config)
+        stub_forward(engine)
+        return engine
+
+    def profiled_loop(*args):
+        with _profiled("engine"):
+            loop(*args)
+    core._load_engine, core.serve_loop = load_stubbed, profiled_loop
+    core.run_engine_core(model_dir, config, addresses, parent_pid)
+
+
+class _profiled:
+    """Sample the enclosed block's CPU by function (cpu_sampler.py) when PROFILE_ENV is set;
+    write the samples to <prefix>.<role>.json."""
+
+    def __init__(self, role: str):
+        self.path = os.environ.get(PROFILE_ENV) and f"{os.environ[PROFILE_ENV]}.{role}.json"
+        self.sampler = Sampler() if self.path else None
+
+    def __enter__(self):
+        if self.sampler:
+            self.sampler.start()
+
+    def __exit__(self, *exc):
+        if self.sampler:
+            self.sampler.stop()
+            with open(self.path, "w") as f:
+                json.dump(self.sampler.state(), f)
+
+
+def serve_child(args) -> int:
+    """The API process: `dsv4 serve` on the demo model with the stubbed engine core."""
+    from dsv4.assets import demo_model_dir
+    from dsv4.config import EngineConfig
+    from dsv4.serve.http.server import APIServer, ServeSettings
+    longest = max(args.concurrency)
+    # enforce_eager: CUDA graphs captured at load would replay the real forward, not the stub
+    engine = EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=longest, enable_prefix_caching=False,
+                          max_model_len=args.input_len + args.output_len + 16, cache_memory_gb=4.0,
+                          enforce_eager=True)
+    settings = ServeSettings(model_dir=demo_model_dir(), model_names=["demo"], engine=engine, port=0,
+                             log_level="warning")
+    server = APIServer(settings, engine_target=stub_engine_core)
+    server.start_engine()
+    with _profiled("api"):
+        return server.serve(on_ready=lambda: print(f"ready at {server.url}", flush=True))
+
+
+# ---- the client's side ---------------------------------------------------------------------
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process so far (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def engine_core_pid(api_pid: int) -> int:
+    """The API process's child that runs the engine core (not multiprocessing's resource tracker)."""
+    with open(f"/proc/{api_pid}/task/{api_pid}/children") as f:
+        pids = [int(x) for x in f.read().split()]
+    for pid in pids:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"resource_tracker" not in f.read():
+                return pid
+    raise RuntimeError(f"no engine-core child among {pids}")
+
+
+def bench_once(url: str, args, concurrency: int, pids: dict[str, int]) -> dict:
+    from dsv4.bench.serve import ServeBenchConfig, run_serve_benchmark
+    cfg = ServeBenchConfig(base_url=url, model="demo", input_len=args.input_len, output_len=args.output_len,
+                           num_prompts=args.num_prompts or 2 * concurrency, max_concurrency=concurrency,
+                           vocab_size=8192, show_progress=False)
+    before = {role: cpu_seconds(pid) for role, pid in pids.items()}
+    client_before = time.process_time()
+    result = run_serve_benchmark(cfg)
+    cpu = {role: cpu_seconds(pid) - before[role] for role, pid in pids.items()}
+    cpu["client"] = time.process_time() - client_before
+    tokens = max(result["total_output_tokens"], 1)
+    return {"concurrency": concurrency, "completed": result["completed"], "failed": result["failed"],
+            "output_tok_s": result["output_throughput"], "median_tpot_ms": result["median_tpot_ms"],
+            "duration_s": result["duration"], "output_tokens": result["total_output_tokens"],
+            "cpu_s": cpu, "cpu_us_per_token": {k: v / tokens * 1e6 for k, v in cpu.items()},
+            "errors": result["errors"]}
+
+
+def least(runs: list[dict]) -> dict:
+    """Runs of one concurrency as one: the fastest run's figures, each process's least CPU per
+    token (shared cores: other jobs only ever add), every run kept under "runs"."""
+    best = dict(max(runs, key=lambda r: r["output_tok_s"]))
+    best["cpu_us_per_token"] = {k: min(r["cpu_us_per_token"][k] for r in runs) for k in best["cpu_us_per_token"]}
+    best["failed"] = sum(r["failed"] for r in runs)
+    best["runs"] = runs
+    return best
+
+
+def run(args) -> dict:
+    results, profiles = [], {}
+    with tempfile.TemporaryDirectory() as tmp, open(os.path.join(tmp, "server.log"), "w+") as log:
+        env = dict(os.environ, **({PROFILE_ENV: os.path.join(tmp, "run")} if args.profile else {}))
+        argv = [sys.executable, "-m", "benchmarks.serve_path", "--serve-child", "--device", args.device,
+                "--dtype", args.dtype, "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                "--concurrency", *map(str, args.concurrency)]
+        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            url = _wait_ready(server, log.name, 600)
+            pids = {"api": server.pid, "engine": engine_core_pid(server.pid)}
+            sampler = Sampler().start() if args.profile else None
+            for concurrency in args.concurrency:
+                results.append(least([bench_once(url, args, concurrency, pids) for _ in range(args.repeats)]))
+            if sampler:
+                sampler.stop()
+        finally:
+            server.terminate()
+            server.wait(120)
+        if args.profile:
+            tokens = max(sum(x["output_tokens"] for r in results for x in r["runs"]), 1)
+            for role in ("client", "api", "engine"):
+                path = os.path.join(tmp, f"run.{role}.json")
+                got = sampler if role == "client" else (Sampler.from_state(json.load(open(path)))
+                                                         if os.path.exists(path) else None)
+                per = sum(x["cpu_s"][role] for r in results for x in r["runs"]) / tokens
+                profiles[role] = got.report(args.top, per, "output token") if got else "(no profile)"
+        log.seek(0)
+        tail = log.read()[-2000:]
+    return {"results": results, "profiles": profiles, "server_log_tail": tail}
+
+
+def _wait_ready(proc, path: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = READY.search(open(path, errors="replace").read())
+        if found:
+            return found.group(1)
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n" + open(path, errors="replace").read()[-3000:])
+        time.sleep(0.3)
+    raise RuntimeError(f"the server was not ready in {timeout:.0f} s")
+
+
+def table(results: list[dict]) -> str:
+    lines = [f"{'conc':>5} {'done':>5} {'tok/s':>9} {'TPOT ms':>8}   CPU us per output token: "
+             f"{'client':>7} {'api':>7} {'engine':>7}"]
+    for r in results:
+        us = r["cpu_us_per_token"]
+        lines.append(f"{r['concurrency']:>5} {r['completed']:>5} {r['output_tok_s']:>9.0f} {r['median_tpot_ms']:>8.2f}"
+                     f"   {'':>24} {us['client']:>7.1f} {us['api']:>7.1f} {us['engine']:>7.1f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.serve_child:
+        return serve_child(args)
+    out = run(args)
+    for role, text in out["profiles"].items():
+        print(f"==== {role} process: CPU by function ====\n{text}\n")
+    print(table(out["results"]))
+    failed = sum(r["failed"] for r in out["results"])
+    if failed:
+        print(f"{failed} request(s) failed: {out['results'][-1]['errors'][:3]}\n{out['server_log_tail']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""benchmarks/serve_path.py and cpu_sampler.py: the sampler charges a busy function its own
+samples and every caller a total sample; a state round-trips; runs of one concurrency merge to
+the least CPU per process; /proc CPU seconds grow with work; the stubbed forward picks a
+different plain token per batch slot and per step."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from benchmarks.cpu_sampler import Sampler
+from benchmarks.serve_path import cpu_seconds, least
+
+
+def _busy(seconds: float) -> int:
+    start, n = os.times().user, 0
+    while os.times().user - start < seconds:
+        n += sum(range(200))
+    return n
+
+
+def _caller() -> int:
+    return _busy(0.15)
+
+
+def test_sampler_charges_own_and_total_time():
+    sampler = Sampler(0.005).start()
+    try:
+        _caller()
+    finally:
+        sampler.stop()
+    busy = next(k for k in sampler.own if k.endswith("(_busy)"))
+    caller = next(k for k in sampler.total if k.endswith("(_caller)"))
+    assert sampler.samples >= 10
+    assert sampler.own[busy] >= sampler.samples // 2          # the loop itself (its C calls included)
+    assert sampler.total[caller] >= sampler.own[busy] and caller not in sampler.own
+    again = Sampler.from_state(sampler.state())
+    assert (again.samples, again.own, again.total) == (sampler.samples, sampler.own, sampler.total)
+    assert "(_busy)" in again.report(3, per=1e-6, unit="token")
+
+
+def test_runs_merge_to_the_least_cpu_and_the_fastest_run():
+    runs = [{"output_tok_s": 10.0, "failed": 0, "cpu_us_per_token": {"api": 5.0, "engine": 9.0}},
+            {"output_tok_s": 30.0, "failed": 1, "cpu_us_per_token": {"api": 7.0, "engine": 4.0}}]
+    merged = least(runs)
+    assert merged["output_tok_s"] == 30.0 and merged["failed"] == 1 and merged["runs"] == runs
+    assert merged["cpu_us_per_token"] == {"api": 5.0, "engine": 4.0}
+
+
+def test_proc_cpu_seconds_grow_with_work():
+    before = cpu_seconds(os.getpid())
+    _busy(0.05)
+    assert cpu_seconds(os.getpid()) - before >= 0.03
+
+
+def test_stubbed_forward_varies_tokens_by_slot_and_step():
+    from dsv4.assets import demo_model_dir
+    from dsv4.config import EngineConfig
+    from dsv4.engine.engine import LLMEngine
+    from dsv4.sampling_params import SamplingParams
+    from benchmarks.serve_path import stub_forward
+    engine = LLMEngine(demo_model_dir(), EngineConfig(device="cpu", dtype="float32", max_num_seqs=4,
+                                                     enforce_eager=True, num_pages=16, enable_prefix_caching=False))
+    stub_forward(engine)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(str(i), [200 + i] * 5, params)
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    tokens = [done[str(i)] for i in range(3)]
+    assert all(len(t) == 4 and len(set(t)) == 4 and min(t) >= 100 for t in tokens)
+    assert len({t[0] for t in tokens}) == 3
