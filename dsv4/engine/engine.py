@@ -354,10 +354,10 @@ class LLMEngine:
 
     def _advance_grammars(self, step: StepInFlight, tokens: list[int], following: StepInFlight | None) -> None:
         """Advance the matchers by the step's tokens, in row order (before `_append` runs). When
-        `following` samples after the masks, the matchers take the tokens on the mask worker,
-        just before its fill (one row per request in a non-speculative step); else here. Rows
-        past a request's finishing token (speculative rows) may be taken too: its matcher is
-        dropped when it finishes."""
+        `following` samples after the masks, they take them in one xgrammar batch call (one row
+        per request in a non-speculative step) and its masks start filling right after; else
+        one token at a time. Rows past a request's finishing token (speculative rows) may be
+        taken too: its matcher is dropped when it finishes."""
         taken = []
         for row, i in enumerate(step.sampled):
             req = step.chunks[i].request
