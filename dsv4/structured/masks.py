@@ -13,7 +13,6 @@ between two GIL-free calls would wait for the main thread to let go of the GIL (
 switch interval while it runs pure Python)."""
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,10 +25,10 @@ from .matcher import RequestGrammar
 # Fewer constrained rows than this are filled on the calling thread: handing the work to the
 # worker and back costs about as much as filling a handful of rows.
 THREAD_MIN_ROWS = 8
-# Threads of xgrammar's own pool for one batch fill (the call still blocks its caller, the mask
-# worker): a quarter of the host's cores, at most 4, so a large batch fills in a fraction of the
-# time while the engine's threads keep theirs.
-FILL_THREADS = max(1, min(4, (os.cpu_count() or 1) // 4))
+# Threads of xgrammar's own pool for one batch fill (the call still blocks its caller). One: on a
+# 2-core host, 2 threads made a 64-row fill of a cheap state 1.2 ms instead of 26 us (the pool's
+# threads start per call); the fill overlaps the main thread's work anyway. Unmeasured on a GPU host.
+FILL_THREADS = 1
 # How long `start` waits for the worker to pick a fill up before going on (its GIL hand-off needs
 # the OS to run the worker thread); a fill still not picked up by `result()` is done there.
 HANDOFF_WAIT_S = 2e-4
