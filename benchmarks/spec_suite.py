@@ -330,7 +330,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--ks", default="1,2,3", help="numbers of speculative tokens to compare with plain decode")
-    p.add_argument("--dspark-ks", default="3,4", help="numbers of DSpark drafts (demo with its drafter)")
+    p.add_argument("--dspark-ks", default="3,4", help="numbers of DSpark drafts (demo with its drafter); '' for none")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--batches", default="1,8,64")
@@ -352,7 +352,7 @@ def main() -> int:
         args.max_tokens, args.prompts, args.batches, args.ctx, args.reps = 12, 2, "1,2", 300, 2
         args.slice, args.dspark = "random:tiny", "random:tiny-dspark"
     ks = [int(k) for k in args.ks.split(",")]
-    methods = demo_methods(ks, [int(k) for k in args.dspark_ks.split(",")])
+    methods = demo_methods(ks, [int(k) for k in args.dspark_ks.split(",") if k])     # "": no DSpark rows
     os.makedirs(args.out, exist_ok=True)
     result = {"info": {"device": torch.cuda.get_device_name() if device == "cuda" else
                        "cpu, fp32" if args.cpu else "cpu (dry run)",

@@ -23,7 +23,7 @@ import sys
 
 import torch
 
-from benchmarks.kernels import moe as bench  (benchmarks/kernels/moe.py: shapes, weights, routing, timing)
+from benchmarks.kernels import moe as bench  # shapes, weights, routing, timing
 from dsv4.ops.quant import dequant_kept, quant_fp8_stacked
 from dsv4.ops import moe as ref
 from dsv4.ops.triton import moe as tri
@@ -83,15 +83,16 @@ def decode_times(q, s, dq, gen, label="fp8", weight_bytes=FP8_BYTES) -> None:
         print(f"{T:3d} {' '.join(cols)} {ms16 / ms8:7.2f}x")
 
 
-def tune_decode(q, s, gen) -> None:
-    """Whole-op ms on FP8 weights per up-gate tiles, then per down tiles x split (T = 1, 8)."""
+def tune_decode(q, s, gen, fmt="FP8", up_grid=bench.UP_GRID, down_grid=bench.DOWN_GRID) -> None:
+    """Whole-op ms on quantised weights (format fmt) per up-gate tiles, then per down tiles x
+    split (T = 1, 8)."""
     cases = {T: bench.make_routing(T, gen) for T in (1, 8)}
     run = lambda T, **kw: bench.graph_ms(lambda: tri.routed_experts(*cases[T], *q, LIMIT, scales=s, **kw))  # noqa: E731
-    scans = (("up-gate (BLOCK_I, BLOCK_H, warps)", [dict(up_tiles=t) for t in bench.UP_GRID]),
+    scans = (("up-gate (BLOCK_I, BLOCK_H, warps)", [dict(up_tiles=t) for t in up_grid]),
              ("down (BLOCK_H, BLOCK_I, warps) x split",
-              [dict(down_tiles=t, down_split=sp) for t in bench.DOWN_GRID for sp in (1, 2, 4, 8)]))
+              [dict(down_tiles=t, down_split=sp) for t in down_grid for sp in (1, 2, 4, 8)]))
     for label, configs in scans:
-        print(f"\nFP8 tuning {label}, defaults up {(tri.UP_BLOCK_I, tri.UP_BLOCK_H, tri.UP_WARPS)} "
+        print(f"\n{fmt} tuning {label}, bf16 defaults up {(tri.UP_BLOCK_I, tri.UP_BLOCK_H, tri.UP_WARPS)} "
               f"down {(tri.DOWN_BLOCK_H, tri.DOWN_BLOCK_I, tri.DOWN_WARPS)}:")
         best = {T: (float("inf"), None) for T in cases}
         for kw in configs:

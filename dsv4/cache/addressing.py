@@ -86,16 +86,9 @@ def build_step(chunks: list[SeqChunk], layout: CacheLayout, ring_slots: int, sha
         pages = tables.history_rows(s.slots, _history_columns(e4, e128), rows)
         swa = tables.swa_rows(s.slots, swa_base, swa_cols, rows)
     _check_held(s, pages, swa, swa_base, W)
-    pos, shift = s.pos, (swa_base * SWA_PAGE_TOKENS)[s.req]
-    swa_write = swa[s.req, (pos - shift) // SWA_PAGE_TOKENS] * layout.swa_pitch + pos % SWA_PAGE_TOKENS
-    lo, hi, width = np.maximum(pos - W + 1, 0), pos + 1, W
-    if any(c.images for c in chunks):
-        width = max(W, widen_windows(pos, lo, hi, s.offs, s.starts, [c.images for c in chunks]))
+    pos = s.pos
     return ForwardBatch(
-        token_ids=_pad(np.fromiter((t for c in chunks for t in c.token_ids), np.int64, s.T), T, 0),
-        positions=_pad(pos, T, 0),
-        swa_write=_pad(swa_write, T, scratch.swa_page * layout.swa_pitch),
-        swa=_ranges(swa, s, T, lo - shift, hi - shift, SWA_PAGE_TOKENS, layout.swa_pitch, width),
+        *_swa_part(chunks, s, layout, swa, swa_base, T, scratch),
         c4=_ranges(pages, s, T, 0, (pos + 1) // CSA_RATIO, PAGE_TOKENS // CSA_RATIO, layout.c4_pitch, e4),
         c128=_ranges(_one_item_pages(pages, PAGE_TOKENS // HCA_RATIO, layout.c128_pitch), s, T, 0,
                      (pos + 1) // HCA_RATIO, 1, 1, e128),
@@ -106,6 +99,106 @@ def build_step(chunks: list[SeqChunk], layout: CacheLayout, ring_slots: int, sha
                   layout.c128_pitch, T if shape is not None else None, scratch),
         logits_rows=torch.arange(T) if shape is not None else _logits_rows(chunks, s),
         seq_lens=(shape.tokens,) * rows if shape is not None else tuple(s.lens.tolist()))
+
+
+def build_swa_step(chunks: list[SeqChunk], layout: CacheLayout, shape: StepShape | None = None,
+                   scratch: Scratch | None = None) -> ForwardBatch:
+    """build_step for a forward whose layers all read only the sliding window (the MTP blocks:
+    compress ratio 0, model/mtp.py): token ids, positions, SWA writes and reads exactly as
+    build_step makes them; the compressed-entry reads and plans empty (none is read). About
+    half build_step's host time; `shape` pads as there (its e4 / e128 are not used)."""
+    s = _Seqs.of(chunks)
+    W = layout.cfg.sliding_window
+    swa_cols = step_widths(chunks, W)[2] if shape is None else shape.swa_pages
+    rows = shape.seqs if shape is not None else s.R
+    T = rows * shape.tokens if shape is not None else s.T
+    scratch = scratch or Scratch(0, 0, 0)
+    swa_base = np.maximum(s.starts - W + 1, 0) // SWA_PAGE_TOKENS
+    swa = _table([c.swa_table[b:] for c, b in zip(chunks, swa_base.tolist())], swa_cols, rows)
+    _check_swa_held(s, swa, swa_base, W)
+    return _swa_only_batch(*_swa_part(chunks, s, layout, swa, swa_base, T, scratch),
+                           logits_rows=torch.arange(T) if shape is not None else _logits_rows(chunks, s),
+                           seq_lens=(shape.tokens,) * rows if shape is not None else tuple(s.lens.tolist()))
+
+
+def swa_batch(rows: tuple[np.ndarray, ...], shape: StepShape, layout: CacheLayout) -> ForwardBatch:
+    """The padded SWA-only ForwardBatch (CPU tensors sharing `rows`' memory) of one group's
+    swa_step_rows."""
+    token_ids, positions, swa_write, pages, req, lo, hi = map(torch.from_numpy, rows)
+    reads = PagedRows(pages, req, lo, hi, per_page=SWA_PAGE_TOKENS, pitch=layout.swa_pitch,
+                      width=layout.cfg.sliding_window)
+    return _swa_only_batch(token_ids, positions, swa_write, reads, logits_rows=torch.arange(shape.seqs * shape.tokens),
+                           seq_lens=(shape.tokens,) * shape.seqs)
+
+
+def swa_step_rows(groups: list[list[SeqChunk]], layout: CacheLayout, shapes: list[StepShape],
+                  scratch: Scratch) -> list[tuple[np.ndarray, ...]]:
+    """What differs between the SWA-only batches (build_swa_step) of one shape, for each group
+    padded to its shape, in one numpy pass over all the groups' chunks (the MTP draft graph's
+    catch-up and chain steps: one build a draft, not one a forward): per group, int64 (token_ids
+    [T], positions [T], swa_write [T], SWA pages [seqs, swa_pages], req [T], lo [T], hi [T]) as
+    the ForwardBatch and its `swa` PagedRows hold them. Every chunk of groups[i] has
+    shapes[i].tokens tokens; no chunk has images."""
+    chunks = [c for g in groups for c in g]
+    assert not any(c.images for c in chunks)
+    s, W, pitch = _Seqs.of(chunks), layout.cfg.sliding_window, layout.swa_pitch
+    swa_base = np.maximum(s.starts - W + 1, 0) // SWA_PAGE_TOKENS
+    swa = _table([c.swa_table[b:] for c, b in zip(chunks, swa_base.tolist())], max(h.swa_pages for h in shapes), s.R)
+    _check_swa_held(s, swa, swa_base, W, np.repeat([h.swa_pages for h in shapes], [len(g) for g in groups]))
+    pos, shift = s.pos, (swa_base * SWA_PAGE_TOKENS)[s.req]
+    swa_write = swa[s.req, (pos - shift) // SWA_PAGE_TOKENS] * pitch + pos % SWA_PAGE_TOKENS
+    lo, hi = np.maximum(pos - W + 1, 0) - shift, pos + 1 - shift
+    tokens = np.fromiter((t for c in chunks for t in c.token_ids), np.int64, s.T)
+    out, r0, t0 = [], 0, 0
+    for g, shape in zip(groups, shapes):
+        R, T = len(g), shape.seqs * shape.tokens
+        ts = slice(t0, t0 + R * shape.tokens)
+        table = np.full((shape.seqs, shape.swa_pages), -1, np.int64)
+        table[:R] = swa[r0:r0 + R, :shape.swa_pages]
+        out.append((_pad_rows(tokens[ts], T, 0), _pad_rows(pos[ts], T, 0),
+                    _pad_rows(swa_write[ts], T, scratch.swa_page * pitch), table,
+                    _pad_rows(s.req[ts] - r0, T, 0), _pad_rows(lo[ts], T, 0), _pad_rows(hi[ts], T, 0)))
+        r0, t0 = r0 + R, t0 + R * shape.tokens
+    return out
+
+
+def _pad_rows(a: np.ndarray, rows: int, fill: int) -> np.ndarray:
+    """a [n] int64 -> [rows], the rows past n set to `fill`."""
+    out = np.full(rows, fill, np.int64)
+    out[:len(a)] = a
+    return out
+
+
+def _swa_only_batch(token_ids, positions, swa_write, swa: PagedRows, logits_rows: torch.Tensor,
+                    seq_lens: tuple[int, ...]) -> ForwardBatch:
+    """A ForwardBatch whose compressed-entry reads are empty and whose plans close no group."""
+    rows, T = swa.pages.shape[0], token_ids.shape[0]
+    none = PagedRows(pages=torch.full((rows, 1), -1), req=torch.zeros(T, dtype=torch.long),
+                     lo=torch.zeros(T, dtype=torch.long), hi=torch.zeros(T, dtype=torch.long),
+                     per_page=1, pitch=1, width=0)
+    return ForwardBatch(token_ids, positions, swa_write, swa, c4=none, c128=none, csa=_no_plan(2 * CSA_RATIO),
+                        hca=_no_plan(HCA_RATIO), logits_rows=logits_rows, seq_lens=seq_lens)
+
+
+def _swa_part(chunks: list[SeqChunk], s: "_Seqs", layout: CacheLayout, swa: np.ndarray, swa_base: np.ndarray,
+              T: int, scratch: Scratch) -> tuple:
+    """(token_ids, positions, swa_write, swa) of a ForwardBatch, padded to T rows."""
+    W = layout.cfg.sliding_window
+    pos, shift = s.pos, (swa_base * SWA_PAGE_TOKENS)[s.req]
+    swa_write = swa[s.req, (pos - shift) // SWA_PAGE_TOKENS] * layout.swa_pitch + pos % SWA_PAGE_TOKENS
+    lo, hi, width = np.maximum(pos - W + 1, 0), pos + 1, W
+    if any(c.images for c in chunks):
+        width = max(W, widen_windows(pos, lo, hi, s.offs, s.starts, [c.images for c in chunks]))
+    return (_pad(np.fromiter((t for c in chunks for t in c.token_ids), np.int64, s.T), T, 0), _pad(pos, T, 0),
+            _pad(swa_write, T, scratch.swa_page * layout.swa_pitch),
+            _ranges(swa, s, T, lo - shift, hi - shift, SWA_PAGE_TOKENS, layout.swa_pitch, width))
+
+
+def _no_plan(span: int) -> CompressPlan:
+    """A CompressPlan closing no group and keeping no ring row."""
+    empty = torch.zeros(0, dtype=torch.long)
+    return CompressPlan(rows=torch.zeros((0, span), dtype=torch.long), entry_slot=empty, entry_pos=empty,
+                        ring_dst=empty, ring_src=empty, ring_rows=0)
 
 
 @dataclass(frozen=True)
@@ -166,9 +259,16 @@ def _check_held(s: _Seqs, pages: np.ndarray, swa: np.ndarray, swa_base: np.ndarr
     if (need > pages.shape[1]).any() or ((np.arange(pages.shape[1]) < need[:, None]) & (pages[:s.R] < 0)).any():
         raise RuntimeError(f"history page missing: sequences ending at {ends.tolist()} need {need.tolist()} "
                            f"pages, tables {pages[:s.R].tolist()}")
+    _check_swa_held(s, swa, swa_base, W)
+
+
+def _check_swa_held(s: _Seqs, swa: np.ndarray, swa_base: np.ndarray, W: int, columns=None) -> None:
+    """Every SWA page the chunks' tokens write or their windows read must be held, within the
+    first `columns` columns of each chunk's table row (default: all)."""
+    ends = s.starts + s.lens
     swa_need = (ends - 1) // SWA_PAGE_TOKENS - swa_base + 1
     held = (np.arange(swa.shape[1]) < swa_need[:, None]) & (swa[:s.R] >= 0)
-    if (swa_need > swa.shape[1]).any() or (held.sum(1) < swa_need).any():
+    if (swa_need > (swa.shape[1] if columns is None else columns)).any() or (held.sum(1) < swa_need).any():
         raise RuntimeError(f"SWA page missing for a position the step reads or writes: positions from "
                            f"{s.starts.tolist()} to {ends.tolist()}, window {W}, tables {swa[:s.R].tolist()}")
 

@@ -272,7 +272,8 @@ class LLMEngine:
     @torch.inference_mode()
     def _launch(self, chunks: list[ScheduledChunk]) -> StepInFlight:
         prev = self._inflight.tokens if self._inflight is not None else None
-        step = self.runner.execute(chunks, prev)
+        fills = self.spec.draft_fills(chunks) if self.spec is not None else []    # drafts still on the device
+        step = self.runner.execute(chunks, prev, fills) if fills else self.runner.execute(chunks, prev)
         later = None
         if self.spec is None:
             sampled = [i for i, c in enumerate(chunks) if c.completes]

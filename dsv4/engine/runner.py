@@ -44,6 +44,14 @@ class PendingFill:
         token_ids[dst] = self.prev[src]
 
 
+class Fills(list):
+    """Several PendingFills of one step's token rows, applied as one."""
+
+    def apply(self, token_ids: torch.Tensor, h2d: HostToDevice) -> None:
+        for fill in self:
+            fill.apply(token_ids, h2d)
+
+
 @dataclass
 class WarmupMessage:
     """Rank 0 to the other ranks of a parallel run: run `ModelRunner.warmup(*args)` now, as
@@ -79,11 +87,16 @@ class ModelRunner:
         self.workers = None     # rank 0 of a parallel run: engine/workers.py's Workers (same steps on every rank)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None = None) -> StepLogits:
+    def execute(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None = None,
+                draft_fills: list[PendingFill] = ()) -> StepLogits:
         """`prev_tokens`: the sampled tokens of the step in flight, for requests whose last
-        token is still pending (Request.num_pending)."""
+        token is still pending (Request.num_pending). `draft_fills`: token rows of drafts still
+        on the device (speculative/device_drafts.py; one process only: speculation refuses
+        parallel runs)."""
         seqs = [self.seq_chunk(c) for c in chunks]
         fill = pending_fill(chunks, seqs, prev_tokens)
+        if draft_fills:
+            fill = Fills([f for f in (fill, *draft_fills) if f is not None])
         if self.workers is not None:
             self.workers.send_step(seqs, fill, num_sampled=sum(c.completes for c in chunks))
         return self.run_seqs(seqs, fill, self._images(chunks, seqs))

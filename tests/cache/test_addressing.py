@@ -8,7 +8,8 @@ import random
 import pytest
 import torch
 
-from dsv4.cache.addressing import Scratch, SeqChunk, StepShape, build_step, step_widths
+from dsv4.cache.addressing import (Scratch, SeqChunk, StepShape, build_step, build_swa_step, step_widths,
+                                  swa_batch, swa_step_rows)
 from dsv4.cache.layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout, CachePlan
 from dsv4.cache.storage import KVStorage
 from dsv4.engine.upload import tensor_leaves
@@ -90,6 +91,50 @@ def test_padding_rows_write_scratch_and_read_nothing(spans):
         assert torch.equal(plan.rows[:G], exact_plan.rows) and (plan.rows[G:] == -1).all()
         assert (plan.entry_slot[G:] == 50 * pitch).all() and (plan.ring_dst[Wr:] == 8 * ring_pitch).all()
         assert torch.equal(plan.ring_dst[:Wr], exact_plan.ring_dst) and plan.ring_rows == exact_plan.ring_rows
+
+
+@pytest.mark.parametrize("spans", SPANS)
+def test_swa_only_batch_equals_the_full_one_on_the_window(spans):
+    """build_swa_step (what the MTP blocks read): the same tokens, positions, SWA writes and reads
+    as build_step, exact and padded; no compressed entry read, no group closed."""
+    chunks = _chunks(spans, seed=11, logits=spans[0][1])
+    pairs = [(build_step(chunks, LAYOUT, RING_SLOTS), build_swa_step(chunks, LAYOUT))]
+    if len({n for _, n in spans}) == 1:
+        q, (e4, e128, swa_cols) = spans[0][1], step_widths(chunks, LAYOUT.cfg.sliding_window)
+        shape = StepShape(seqs=len(chunks) + 3, tokens=q, e4=e4, e128=e128, swa_pages=swa_cols + 1)
+        s = Scratch(50, 60, 8)
+        pairs.append((build_step(chunks, LAYOUT, RING_SLOTS, shape, s), build_swa_step(chunks, LAYOUT, shape, s)))
+    for full, swa in pairs:
+        for name in ("token_ids", "positions", "swa_write", "logits_rows"):
+            assert torch.equal(getattr(swa, name), getattr(full, name)), name
+        assert torch.equal(swa.swa.dense(), full.swa.dense()) and swa.seq_lens == full.seq_lens
+        assert (swa.c4.dense() == -1).all() and (swa.c128.dense() == -1).all()
+        assert swa.csa.rows.shape[0] == swa.hca.rows.shape[0] == swa.csa.ring_dst.shape[0] == 0
+    chunks[0].swa_table[-1] = -1
+    with pytest.raises(RuntimeError, match="SWA page missing"):
+        build_swa_step(chunks, LAYOUT)
+
+
+def test_swa_batches_built_together_equal_those_built_apart():
+    """swa_step_rows (the draft graph's catch-up and chain steps in one pass) against one
+    build_swa_step per group, padded; a group whose window needs more SWA columns than its
+    shape has is refused."""
+    groups = [_chunks([(130, 3), (7, 3), (400, 3)], seed=5, logits=3), _chunks([(133, 1), (10, 1), (403, 1)], seed=6),
+              _chunks([(255, 1), (2, 1)], seed=8)]
+    W = LAYOUT.cfg.sliding_window
+    shapes = [StepShape(seqs=4, tokens=len(g[0].token_ids), e4=0, e128=0,
+                        swa_pages=(W + len(g[0].token_ids) - 2) // SWA_PAGE_TOKENS + 2) for g in groups]
+    s = Scratch(50, 60, 8)
+    for rows, g, shape in zip(swa_step_rows(groups, LAYOUT, shapes, s), groups, shapes):
+        together = swa_batch(rows, shape, LAYOUT)
+        apart = build_swa_step(g, LAYOUT, shape, s)
+        assert [p for p, _ in tensor_leaves(together)] == [p for p, _ in tensor_leaves(apart)]
+        for (path, a), (_, b) in zip(tensor_leaves(together), tensor_leaves(apart)):
+            assert torch.equal(a, b), path
+        assert together.seq_lens == apart.seq_lens
+    narrow = [StepShape(4, 1, 0, 0, 1)]
+    with pytest.raises(RuntimeError, match="SWA page missing"):
+        swa_step_rows([_chunks([(127, 1), (130, 1)], seed=9)], LAYOUT, narrow, s)
 
 
 def test_size_is_tokens_plus_pages_not_tokens_times_entries():

@@ -13,7 +13,10 @@ plain decodes. Here, per completing chunk (rows = its last 1 + drafts rows):
 3. draft (MTPProposer): the next drafts, at most what max_tokens leaves room for; their
    positions reserved in the cache (fewer drafts when pages are short).
 Speculative steps run synchronously (the engine turns async scheduling off): the emitted
-tokens are needed on the host before the drafts can be scheduled.
+tokens are needed on the host before the drafts can be scheduled. One read-back a step: the
+verified tokens and acceptance flags together. Plain greedy requests' drafts are not read back
+(device_drafts.py: the next verify takes them from the device), and their verify needs no
+sampling batch (`_verify_greedy`).
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from ..runner import StepLogits
 from ..sampler import Sampler, SamplingBatch, SamplingRow, gather_logprobs
 from ..scheduler import ScheduledChunk
 from ..upload import upload_tree
+from .device_drafts import DeviceDrafts
 from .draft_graphs import DraftGraphs
 from .mtp import DraftWork, MTPProposer
 from .stats import SpecStats
@@ -49,6 +53,7 @@ class SpeculativeDecoder:
                 graphs = DraftGraphs(model, runner.storage, runner.graphs.max_bs, capture=True, h2d=runner.h2d)
             self.proposer = MTPProposer(model, runner.storage, runner.h2d, graphs)
         self.stats = SpecStats()
+        self.device_drafts = DeviceDrafts()     # drafts of plain greedy requests, not read back
         self._draft_probs: dict[str, tuple[Request, torch.Tensor]] = {}   # rid -> (request, q [k, V])
         # [(request, drafts)] per verified chunk -> structured.masks.GrammarMask of its rows, or None
         # (set by the engine: drafts are checked against a request's grammar like any token)
@@ -60,24 +65,26 @@ class SpeculativeDecoder:
         on the device; their HostCopy of (tokens, logprobs, top ids, top logprobs)). Sets each
         chunk's num_rejected and each completing request's next drafts."""
         self._draft_probs = {rid: v for rid, v in self._draft_probs.items() if not v[0].is_finished}
+        self.device_drafts.prune()
         done = [i for i, c in enumerate(chunks) if c.completes]
         if not done:
             self._draft(chunks, step, {})
             return [], None, None
         drafts = {i: self._drafts_in(chunks[i]) for i in done}
-        rows, sampling, draft_ids, q_rows = [], [], [], []
+        rows, draft_ids, targets = [], [], []       # targets: (request, its first verify row, drafts)
         for i in done:
-            req, d = chunks[i].request, drafts[i]
             last = step.first_row[i] + step.num_rows[i]
-            rows += range(last - len(d) - 1, last)
-            for j in range(len(d) + 1):
-                sampling.append(SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids + d[:j],
-                                            req.generator))
-                q_rows.append(self._q_row(req, j, len(d)))
-            draft_ids += d + [-1]
+            targets.append((chunks[i].request, len(draft_ids), len(drafts[i])))
+            rows += range(last - len(drafts[i]) - 1, last)
+            draft_ids += drafts[i] + [-1]
+        ids_t = self.device_drafts.ids(draft_ids, targets, self.runner.h2d)    # (held drafts: from the device)
         mask = self.grammar_mask([(chunks[i].request, drafts[i]) for i in done]) if self.grammar_mask else None
-        emitted, accepted, lps = self._verify(step.logits, rows, sampling, draft_ids, q_rows, mask)
-        emitted_host, accepted_host = emitted.tolist(), accepted.tolist()
+        if mask is None and all(_plain_greedy(chunks[i].request) for i in done):
+            emitted, accepted, lps = self._verify_greedy(step.logits, rows, ids_t)
+        else:
+            emitted, accepted, lps = self._verify(step.logits, rows, self._sampling_rows(chunks, done, drafts),
+                                                  ids_t, self._q_rows(chunks, done, drafts), draft_ids, mask)
+        emitted_host, accepted_host = torch.stack((emitted, accepted.to(emitted.dtype))).tolist()   # one read-back
         sampled, keep, emitted_of, first = [], [], {}, 0
         for i in done:
             n = len(drafts[i])
@@ -88,10 +95,26 @@ class SpeculativeDecoder:
             keep += range(first, first + a + 1)
             emitted_of[i] = emitted_host[first:first + n + 1]
             first += n + 1
-        keep_t = torch.tensor(keep, device=emitted.device)
-        values = [emitted[keep_t]] + [t[keep_t] for t in lps]
+        if len(keep) < len(rows):         # (every draft accepted: every row is kept, no gather)
+            keep_t = self.runner.h2d.upload([torch.tensor(keep)])[0]
+            emitted, lps = emitted[keep_t], tuple(t[keep_t] for t in lps)
+        values = [emitted, *lps]
         self._draft(chunks, step, emitted_of)
-        return sampled, values[0], HostCopy(values)
+        return sampled, emitted, HostCopy(values)
+
+    def draft_fills(self, chunks: list[ScheduledChunk]) -> list:
+        """The fills (runner.PendingFill) of the step's verify rows whose drafts are still on the
+        device (device_drafts.py), for runner.execute before the forward."""
+        targets, row = [], 0
+        for c in chunks:
+            n = len(self._drafts_in(c))
+            targets.append((c.request, row + c.num_tokens - n, n))     # the drafts: the chunk's last n rows
+            row += c.num_tokens
+        return self.device_drafts.fills(targets)
+
+    def drafts_of(self, req: Request) -> list[int]:
+        """A request's drafts (read back from the device if they are still there)."""
+        return self.device_drafts.values(req)
 
     # ---- verify -------------------------------------------------------------------------
     def _drafts_in(self, c: ScheduledChunk) -> list[int]:
@@ -99,16 +122,42 @@ class SpeculativeDecoder:
         req = c.request
         return req.spec_token_ids[:req.num_computed + c.num_tokens - req.num_tokens]
 
-    def _q_row(self, req: Request, j: int, n: int) -> torch.Tensor | None:
-        entry = self._draft_probs.get(req.request_id)
-        return entry[1][j] if entry is not None and j < n else None
+    def _sampling_rows(self, chunks: list[ScheduledChunk], done: list[int], drafts: dict) -> list[SamplingRow]:
+        """Per verify row, what the sampler knows: the drafts before the row count as output."""
+        rows = []
+        for i in done:
+            req, d = chunks[i].request, drafts[i]
+            rows += [SamplingRow(req.params, req.prompt_token_ids, req.output_token_ids + d[:j], req.generator)
+                     for j in range(len(d) + 1)]
+        return rows
 
-    def _verify(self, logits, rows, sampling, draft_ids, q_rows, mask=None):
-        """Target logits rows `rows` of the step -> (emitted [R], accepted [R], raw logprobs of
-        the emitted tokens: chosen [R], top ids [R, n], top logprobs [R, n])."""
+    def _q_rows(self, chunks: list[ScheduledChunk], done: list[int], drafts: dict) -> list[torch.Tensor | None]:
+        """Per verify row, the distribution its draft was drawn from (None: an argmax or no draft)."""
+        out = []
+        for i in done:
+            entry, n = self._draft_probs.get(chunks[i].request.request_id), len(drafts[i])
+            out += [entry[1][j] if entry is not None and j < n else None for j in range(n + 1)]
+        return out
+
+    def _verify_greedy(self, logits, rows, ids_t):
+        """`_verify` for rows of plain greedy requests (`_plain_greedy`): the processed logits are
+        the raw ones, so emitted = their argmax; no sampling batch, no logprobs."""
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            target = logits[rows[0]:rows[0] + len(rows)]
+        else:
+            target = logits[self.runner.h2d.upload([torch.tensor(rows)])[0]]
+        emitted = target.argmax(dim=-1)
+        empty = target.new_empty(len(rows), 0, dtype=torch.float32)
+        return emitted, (emitted == ids_t) & (ids_t >= 0), (empty.new_zeros(len(rows)), empty.long(), empty)
+
+    def _verify(self, logits, rows, sampling, ids_t, q_rows, draft_ids, mask=None):
+        """Target logits rows `rows` of the step, ids_t [R] the drafts to check on the device
+        (draft_ids: on the host, -1 where a greedy request's is on the device) -> (emitted [R],
+        accepted [R], raw logprobs of the emitted tokens: chosen [R], top ids [R, n], top
+        logprobs [R, n])."""
         batch = SamplingBatch.build(sampling, self.vocab, "cpu", self.eos_token_id, self.generator)
         batch.grammar = mask
-        batch, rows_t, ids_t = upload_tree((batch, torch.tensor(rows), torch.tensor(draft_ids)), self.runner.h2d)
+        batch, rows_t = upload_tree((batch, torch.tensor(rows)), self.runner.h2d)
         target = logits[rows_t]
         processed = Sampler.processed_logits(target, batch)
         emitted, accepted = accept_drafts(processed, batch, ids_t, self._draft_q(batch, q_rows, draft_ids, target))
@@ -141,15 +190,23 @@ class SpeculativeDecoder:
             if i in emitted_of:
                 c.request.spec_token_ids = []
                 self._draft_probs.pop(c.request.request_id, None)
+                self.device_drafts.drop(c.request)
             if work is not None:
                 works.append(work)
         if not works:
             return
         proposals = self.proposer.propose(works, step.taps if self.dspark else step.hidden, self._draft_batch)
         drafting = [w for w in works if w.num_drafts > 0]
-        host = torch.cat([d for d, _ in proposals]).tolist() if proposals else []
+        # plain greedy requests' drafts stay on the device (the next verify takes them from there,
+        # device_drafts.py); the others' are read back: their verify needs them on the host
+        stay = [not self.dspark and _plain_greedy(w.request) for w in drafting]
+        held = [(w.request, d) for w, (d, _), s in zip(drafting, proposals, stay) if s]
+        if held:
+            self.device_drafts.hold(*map(list, zip(*held)))
+        back = [(w, d, q) for w, (d, q), s in zip(drafting, proposals, stay) if not s]
+        host = torch.cat([d for _, d, _ in back]).tolist() if back else []
         first = 0
-        for w, (d, q) in zip(drafting, proposals):
+        for w, d, q in back:
             w.request.spec_token_ids = host[first:first + len(d)]
             first += len(d)
             if q is not None:
@@ -191,6 +248,15 @@ class SpeculativeDecoder:
         rows = [SamplingRow(_draft_params(r.params), (), (), r.generator) for r in reqs]
         batch = SamplingBatch.build(rows, self.vocab, "cpu", None, self.generator)
         return upload_tree(batch, self.runner.h2d)
+
+
+def _plain_greedy(req: Request) -> bool:
+    """Greedy with nothing that changes the logits (penalties, logit_bias, a grammar, a min_tokens
+    ban on any verify row) and no logprobs: its rows' tokens are the raw logits' argmax, and its
+    drafts' values matter only to the verify forward and the acceptance test."""
+    p = req.params
+    return (p.is_greedy and not p.has_penalties and not p.logit_bias and p.logprobs is None
+            and p.structured is None and len(req.output_token_ids) >= p.min_tokens)
 
 
 def _draft_params(params):

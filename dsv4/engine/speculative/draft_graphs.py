@@ -4,23 +4,27 @@ After a uniform verify step (every request q = k + 1 rows: engine/cuda_graphs.py
 requests that all draft n tokens, the whole draft — the catch-up over the q positions, the
 gather of each request's anchor row, n argmaxes and the n - 1 chained one-token steps, each
 feeding its argmax to the next inside the graph — replays as one graph per shape (batch
-bucket, q, n, entry widths). Its inputs are rebuilt on the host before each replay: the
-padded ForwardBatches of the catch-up and of every chain step (positions depend on how many
-drafts each request accepted), the anchor rows, and the target streams copied into a static
-buffer. Padding rows read nothing and write to the storage's scratch units, as in the
+bucket, q, n). Its inputs are rebuilt on the host before each replay, in one numpy pass and
+one host-to-device copy: the padded sliding-window addressing of the catch-up and of every
+chain step (positions depend on how many drafts each request accepted; the MTP blocks read no
+compressed entries, cache/addressing.py `swa_step_rows`) and the anchor rows; the target
+streams are copied into a static buffer. Padding rows read nothing and write to the storage's scratch units, as in the
 verify graphs. Requests that sample (drafts drawn from q, with their generators) take the
 eager path. With `capture=False` the same padded draft runs eagerly (the CPU tests).
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
-from ...cache.addressing import Scratch, SeqChunk, StepShape, build_step, step_widths
+from ...cache.addressing import Scratch, SeqChunk, StepShape, swa_batch, swa_step_rows
 from ...cache.layout import SWA_PAGE_TOKENS
-from ..cuda_graphs import MAX_GRAPHS, batch_bucket, width_bucket
-from ..upload import HostToDevice, replace_leaves, tensor_leaves
+from ...model.forward_batch import ForwardBatch
+from ..cuda_graphs import MAX_GRAPHS, batch_bucket
+from ..upload import HostToDevice, upload_tree
 
 
 class DraftGraphs:
@@ -40,35 +44,36 @@ class DraftGraphs:
 
     @torch.inference_mode()
     def run(self, works, hidden: torch.Tensor) -> list[tuple[torch.Tensor, None]]:
-        """-> per work, (drafts [n] long on the device, None)."""
+        """-> per work, (drafts [n] long on the device, None): rows of one [B, n] tensor."""
         R, q, n = len(works), len(works[0].tokens), works[0].num_drafts
-        inputs, key = self._inputs(works, q, n)
-        leaves = [t for _, t in tensor_leaves(inputs)]
-        rows = torch.tensor([w.hidden_row + i for w in works for i in range(q)])
-        if not self.capture:
-            static, streams = replace_leaves(inputs, _paths(inputs, self.h2d.allocate(leaves)[1])), \
-                torch.zeros(key[0] * q, *hidden.shape[1:], dtype=hidden.dtype, device=hidden.device)
-            streams[:R * q] = hidden[rows.to(hidden.device)]
-            drafts = self._draft(static, streams)
+        rows, anchors, shapes = self._inputs(works, q, n)
+        key = (shapes[0].seqs, q, n)
+        packed = torch.from_numpy(np.concatenate([a.ravel() for group in rows for a in group] + [anchors]))
+        graph, flat, streams, drafts, static = self._graph(key, rows, anchors, shapes, packed, hidden)
+        self.h2d.upload_into(flat, [packed])      # everything a step changes, in one copy
+        if all(w.hidden_row == i * q for i, w in enumerate(works)):
+            streams[:R * q].copy_(hidden[:R * q])         # the verify step's rows, in order: no index
         else:
-            graph, flat, streams, drafts = self._graph(key, inputs, leaves, hidden)
-            self.h2d.upload_into(flat, leaves)
-            streams[:R * q].copy_(hidden[rows.to(hidden.device)])
+            rows_t = self.h2d.upload([torch.tensor([w.hidden_row + i for w in works for i in range(q)])])[0]
+            streams[:R * q].copy_(hidden[rows_t])
+        if graph is not None:
             graph.replay()
+        else:                                     # capture=False: the graph's body, from the same buffers
+            drafts = self._draft(static, streams)
         return [(drafts[i], None) for i in range(R)]
 
     def _inputs(self, works, q: int, n: int):
-        """(catch-up batch, chain batches, anchor rows) padded to the graph's shape, and its key."""
+        """(swa_step_rows of the catch-up and of each chain step, anchor rows [B], their shapes),
+        padded to the graph's batch bucket B. The batches address the sliding window only (the
+        MTP blocks read nothing else): their shapes do not depend on the context length."""
         B, W = batch_bucket(len(works), self.max_bs), self.layout.cfg.sliding_window
         catch = [SeqChunk(w.slot, w.start, w.tokens, w.page_table, w.swa_table, logits=q) for w in works]
         chains = [[SeqChunk(w.slot, w.start + w.anchor + j, [0], w.page_table, w.swa_table, logits=1) for w in works]
                   for j in range(1, n)]
-        e4, e128 = (max(step_widths(s, W)[i] for s in [catch] + chains) for i in (0, 1))
-        e4, e128 = width_bucket(e4), width_bucket(e128)
-        build = (lambda seqs, tokens: build_step(seqs, self.layout, self.storage.ring_slots, StepShape(
-            B, tokens, e4, e128, (W + tokens - 2) // SWA_PAGE_TOKENS + 2), self.scratch))
-        anchors = torch.tensor([i * q + w.anchor for i, w in enumerate(works)] + [0] * (B - len(works)))
-        return (build(catch, q), tuple(build(c, 1) for c in chains), anchors), (B, q, n, e4, e128)
+        shapes = [StepShape(B, t, 0, 0, (W + t - 2) // SWA_PAGE_TOKENS + 2) for t in [q] + [1] * len(chains)]
+        anchors = np.zeros(B, np.int64)
+        anchors[:len(works)] = [i * q + w.anchor for i, w in enumerate(works)]
+        return swa_step_rows([catch, *chains], self.layout, shapes, self.scratch), anchors, shapes
 
     def _draft(self, static, streams: torch.Tensor) -> torch.Tensor:
         """The graph's body: catch-up, anchors, n argmaxes and n - 1 chain steps -> drafts [B, n]."""
@@ -83,15 +88,23 @@ class DraftGraphs:
             drafts.append(block.logits(model, h).argmax(dim=-1))
         return torch.stack(drafts, dim=1)
 
-    def _graph(self, key: tuple, inputs, leaves: list[torch.Tensor], hidden: torch.Tensor):
+    def _graph(self, key: tuple, rows, anchors: np.ndarray, shapes, packed: torch.Tensor, hidden: torch.Tensor):
+        """(graph or None without capture, its flat input buffer, its streams buffer, its drafts
+        [B, n] or None, its static inputs): made on a key's first step, kept (LRU, MAX_GRAPHS)
+        for the next ones. The static inputs' parts that a step changes are views of the flat
+        buffer (`packed`'s layout); the rest, the same for every step of the key, is uploaded once."""
         if key in self.graphs:
             self.graphs.move_to_end(key)
             return self.graphs[key]
         if len(self.graphs) >= MAX_GRAPHS:
             self.graphs.popitem(last=False)
-        flat, views = self.h2d.allocate(leaves)
-        static = replace_leaves(inputs, _paths(inputs, views))
+        flat, (view,) = self.h2d.allocate([packed])
+        batches = upload_tree(tuple(swa_batch(r, shape, self.layout) for r, shape in zip(rows, shapes)), self.h2d)
+        static = _rebind(batches, _split(view, [a.shape for group in rows for a in group]), view[-len(anchors):])
         streams = torch.zeros(key[0] * key[1], *hidden.shape[1:], dtype=hidden.dtype, device=hidden.device)
+        if not self.capture:
+            self.graphs[key] = (None, flat, streams, None, static)
+            return self.graphs[key]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):            # warm-up (allocations, autotuning); writes are idempotent
@@ -101,10 +114,25 @@ class DraftGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
             drafts = self._draft(static, streams)
-        self.graphs[key] = (graph, flat, streams, drafts)
+        self.graphs[key] = (graph, flat, streams, drafts, static)
         return self.graphs[key]
 
 
-def _paths(tree, tensors: list[torch.Tensor]) -> dict:
-    """{path: tensor} for the tree's leaves in tensor_leaves order."""
-    return dict(zip([p for p, _ in tensor_leaves(tree)], tensors))
+def _split(flat: torch.Tensor, shapes: list[tuple]) -> list[torch.Tensor]:
+    """Consecutive views of `flat` with these shapes."""
+    out, at = [], 0
+    for shape in shapes:
+        n = int(np.prod(shape))
+        out.append(flat[at:at + n].view(shape))
+        at += n
+    return out
+
+
+def _rebind(batches: list[ForwardBatch], views: list[torch.Tensor], anchors: torch.Tensor):
+    """(catch-up batch, chain batches, anchor rows): `batches` with the parts a step changes —
+    swa_step_rows' seven per batch, in its order — replaced by `views`."""
+    def one(fb: ForwardBatch, v: list[torch.Tensor]) -> ForwardBatch:
+        return dataclasses.replace(fb, token_ids=v[0], positions=v[1], swa_write=v[2],
+                                   swa=dataclasses.replace(fb.swa, pages=v[3], req=v[4], lo=v[5], hi=v[6]))
+    bound = [one(fb, views[7 * i:7 * i + 7]) for i, fb in enumerate(batches)]
+    return bound[0], tuple(bound[1:]), anchors

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...cache.addressing import SeqChunk, build_step
+from ...cache.addressing import SeqChunk, build_swa_step
 from ..upload import HostToDevice, upload_tree
 from .verify import sample_drafts
 
@@ -83,7 +83,11 @@ class MTPProposer:
                 keep = [n for n, i in enumerate(live) if works[i].num_drafts > j]
                 live, h, prev = [live[n] for n in keep], h[keep], prev[keep]
                 h = self._chain_step(block, [works[i] for i in live], j, prev, h)
-            prev, q = sample_drafts(block.logits(self.model, h), batch_of([works[i].request for i in live]))
+            reqs = [works[i].request for i in live]
+            if all(r.params.is_greedy for r in reqs):      # argmaxes: no sampling batch to build
+                prev, q = block.logits(self.model, h).argmax(dim=-1), None
+            else:
+                prev, q = sample_drafts(block.logits(self.model, h), batch_of(reqs))
             for n, i in enumerate(live):
                 tokens[i].append(prev[n])
                 if not works[i].request.params.is_greedy:      # (then q is not None)
@@ -94,7 +98,7 @@ class MTPProposer:
         """Block 0 over every work's catch-up positions -> its output streams [T', N, H]."""
         seqs = [SeqChunk(w.slot, w.start, w.tokens, w.page_table, w.swa_table, logits=0) for w in works]
         rows = torch.tensor([w.hidden_row + i for w in works for i in range(len(w.tokens))])
-        fb, rows = upload_tree((build_step(seqs, self.layout, self.storage.ring_slots), rows), self.h2d)
+        fb, rows = upload_tree((build_swa_step(seqs, self.layout), rows), self.h2d)
         return self.blocks[0].draft(self.model, hidden[rows], fb, self.storage.layers)
 
     def _chain_step(self, block, works: list[DraftWork], j: int, tokens: torch.Tensor,
@@ -102,7 +106,7 @@ class MTPProposer:
         """One token per work at position start + anchor + j, fed the previous draft (on the
         device) and the block's previous output streams h [R, N, H] -> new streams [R, N, H]."""
         seqs = [SeqChunk(w.slot, w.start + w.anchor + j, [0], w.page_table, w.swa_table, logits=0) for w in works]
-        fb = upload_tree(build_step(seqs, self.layout, self.storage.ring_slots), self.h2d)
+        fb = upload_tree(build_swa_step(seqs, self.layout), self.h2d)
         fb.token_ids.copy_(tokens)
         return block.draft(self.model, h, fb, self.storage.layers)
 

@@ -1,5 +1,5 @@
-"""Dequantisation of quantised weight tiles inside Triton kernels (the decode GEMVs of moe.py,
-the grouped GEMMs of moe_grouped.py); the formats are defined by dsv4/model/quant.py
+"""Dequantisation of quantised weights inside Triton kernels (the decode GEMVs of moe.py, the
+grouped GEMMs of moe_grouped.py); the formats are defined by dsv4/model/quant.py
 (`dequant_fp8`, `dequant_fp4`).
 
 FP8 (W8A16): float8_e4m3fn [R, C] with fp32 scales [cdiv(R, 128), cdiv(C, 128)] (QBLOCK blocks).
@@ -10,6 +10,8 @@ MXFP4 (W4A16): e2m1 values (magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}) packed two p
 the last (input) dim, low nibble = even input: bytes [R, C/2]; one E8M0 byte b per FP4_GROUP = 32
 inputs: [R, C/32], scale 2^(b - 127) (b = 255 reads as inf, as dsv4.ops.quant.e8m0_to_float).
 Tiles along the packed dim are multiples of MXFP4_BLOCK.
+`_mxfp4_dot` (the decode GEMVs) reads the bytes as int32 words (8 inputs, 16-byte vector loads)
+and never builds a dequantised tile: 3 integer ops + 1 FMA an element (see its docstring).
 
 Invariants (the tests check them bit for bit in Triton's interpreter):
 - a dequantised tile equals the load-time dequantisation: fp32 w * scale rounded to the dtype;
@@ -20,6 +22,7 @@ Invariants (the tests check them bit for bit in Triton's interpreter):
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -97,26 +100,60 @@ def _mxfp4_tile(q, sb, out_dtype: tl.constexpr, AXIS: tl.constexpr, BLOCK_R: tl.
     return tl.reshape(w, (BLOCK_R, BLOCK_C)).to(out_dtype)
 
 
+# `_mxfp4_dot`: its vector comes scaled by 2^X_SHIFT (products of raw e2m1 words, 2^-126 * value,
+# stay normal) and each group's sum is scaled by 2^(126 - X_SHIFT) (folded into its E8M0 scale)
+X_SHIFT = tl.constexpr(64)
+
+
+def word_major(v, out):
+    """v [..., C] (C % 8 == 0) -> out [..., 8, C/8] fp32: v[..., 8c + j] * 2^X_SHIFT at [..., j, c],
+    the vector layout `_mxfp4_dot` reads (one torch op; exact: a power of two in v's range)."""
+    return torch.mul(v.unflatten(-1, (-1, 8)).transpose(-1, -2), 2.0 ** X_SHIFT.value, out=out)
+
+
 @triton.jit
-def _mxfp4_rows(base, stride_row, rows, row_ok, c0, C, s_base, stride_srow,
-                out_dtype: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Rows `rows` [BLOCK_R] x columns [c0, c0 + BLOCK_C) of an MXFP4 matrix of C columns packed
-    along them (C % 32 == 0; c0, BLOCK_C multiples of 64): bytes at base [R, C/2] (row stride
-    stride_row), E8M0 bytes at s_base [R, C/32] (row stride stride_srow) -> [BLOCK_R, BLOCK_C]
-    with the values of out_dtype (the load-time dequantisation), 0 where not row_ok or past C.
-    For the GEMVs, whose products are fp32: a bf16 / fp32 out_dtype gets the fp32 tile, as
-    rounding it to bf16 and back is the identity: every e2m1 * 2^k (<= 2 significant bits,
-    k in [-127, 128]) finite in fp32 is exact in bf16 (same exponent range, subnormals down to
-    2^-133 <= 0.5 * 2^-127), and inf / NaN (b = 255) stay inf / NaN. Other dtypes (fp16, narrower
-    range) are rounded."""
-    cp = c0 // 2 + tl.arange(0, BLOCK_C // 2)                     # packed columns
-    q = tl.load(base + rows[:, None] * stride_row + cp[None, :],
-                mask=row_ok[:, None] & (cp < C // 2)[None, :], other=0)
-    cs = c0 // 32 + tl.arange(0, BLOCK_C // 32)                   # scale columns
-    sb = tl.load(s_base + rows[:, None] * stride_srow + cs[None, :],
-                 mask=row_ok[:, None] & (cs < C // 32)[None, :], other=0)
-    if out_dtype == tl.bfloat16 or out_dtype == tl.float32:
-        w = _mxfp4_tile(q, sb, tl.float32, 1, BLOCK_R, BLOCK_C)
-    else:
-        w = _mxfp4_tile(q, sb, out_dtype, 1, BLOCK_R, BLOCK_C)
-    return w
+def _word_major_index(c, C):
+    """Position of input c of a word-major vector of C inputs (`word_major`)."""
+    return (c % 8) * ((C // 32) * 4) + c // 8
+
+
+@triton.jit
+def _e2m1_word(w, J: tl.constexpr):
+    """Nibble J (bits 4J..4J+3: input 8c + J of word c) of int32 words w -> fp32 e2m1 value *
+    2^-126 (the bits of `_e2m1`, before its multiply): shifted left so its sign lands on bit 31,
+    then arithmetically right by 6 (the magnitude code to bits 22..24, copies of the sign to
+    25..30, cleared with the bits below by the mask). 2 shifts + 1 AND (1 + 1 for J = 7)."""
+    bits = ((w << (28 - 4 * J)) >> 6) & -0x7E400000                  # mask 0x81C00000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_dot(wq, stride_q, s_base, stride_s, rows, row_ok, c0, C, v_ptr,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """sum_c W[r, c] * v[c] over each group of 32 columns in [c0, c0 + BLOCK_C) for the rows
+    `rows` [BLOCK_R] (0 where not row_ok or past C) -> fp32 [BLOCK_R, BLOCK_C/32] (the caller adds
+    them up once, after its loop), W an MXFP4 matrix of C columns (C % 32 == 0) read as int32
+    words wq [R, C/8] (row stride stride_q words; word c holds inputs 8c..8c+7, nibble j = input
+    8c + j), its E8M0 bytes s_base [R, C/32] (row stride stride_s); v_ptr the vector in
+    `word_major` layout (fp32 [8, C/8], scaled by 2^X_SHIFT: nibble j of the words cw is the
+    contiguous v_ptr[j, cw], 16-byte loads). c0 and BLOCK_C multiples of 32.
+
+    No dequantised tile: the tile is [BLOCK_R, groups, 4 words] (a group's 4 words one 16-byte
+    load). Each word's 8 raw e2m1 values (`_e2m1_word`, 2^-126 * w) are multiplied by v *
+    2^X_SHIFT and summed (the products are the exact ones times 2^(X_SHIFT - 126), so they round
+    alike while |w * v| >= 2^-X_SHIFT), then each group's sum by its scale times 2^(126 - X_SHIFT)
+    (a power of two: exact). Differs from the dequantised dot only in the order of the fp32
+    additions (and for |v| >= 2^(128 - X_SHIFT) or scales >= 2^(X_SHIFT + 2): inf). Per element
+    3 integer ops + 1 FMA; a thread's v loads serve all the rows it holds."""
+    G: tl.constexpr = BLOCK_C // 32
+    g = c0 // 32 + tl.arange(0, G)                                    # groups (scale columns)
+    g_ok = g < C // 32
+    cw = (g * 4)[:, None] + tl.arange(0, 4)[None, :]                  # [G, 4] words along the row
+    m = row_ok[:, None, None] & g_ok[None, :, None]
+    q = tl.load(wq + rows[:, None, None] * stride_q + cw[None, :, :], mask=m, other=0)   # [BLOCK_R, G, 4]
+    part = tl.zeros((BLOCK_R, G, 4), dtype=tl.float32)               # a sum per word
+    for j in tl.static_range(8):
+        vj = tl.load(v_ptr + j * ((C // 32) * 4) + cw, mask=g_ok[:, None], other=0.0)   # [G, 4]
+        part += _e2m1_word(q, j) * vj[None, :, :]
+    sb = tl.load(s_base + rows[:, None] * stride_s + g[None, :], mask=row_ok[:, None] & g_ok[None, :], other=0)
+    return tl.sum(part, axis=2) * (_e8m0(sb) * 2.0 ** (126 - X_SHIFT))

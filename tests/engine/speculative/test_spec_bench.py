@@ -32,3 +32,14 @@ def test_bench_reports_acceptance(tiny, capsys, mode, extra):
 def test_bad_value_names_the_flag(tiny):
     with pytest.raises(SystemExit, match="--speculative-config: .*num_speculative_tokens"):
         main(["bench", "latency", "--model", tiny.path, "--speculative-config", '{"num_speculative_tokens": 0}'])
+
+
+def test_spec_host_profile_smoke():
+    """benchmarks/spec_host.py --smoke: every draft accepted under its stubs (k + 1 tokens a
+    verify), host figures and components for plain and speculative steps."""
+    from benchmarks.spec_host import main as spec_host
+    results = spec_host(["--smoke", "--batches", "2", "--ks", "2", "--steps", "3"])["results"]
+    assert [(r["batch"], r["k"]) for r in results] == [(2, 0), (2, 2)]
+    plain, spec = results
+    assert plain["tokens_per_step"] == 2 and spec["tokens_per_step"] == 6
+    assert spec["host_us_per_step"] > 0 and "spec: draft batches (build)" in spec["breakdown_us"]

@@ -88,9 +88,9 @@ class SteeredProposer(DSparkProposer):
 def _mixed_steps(engine) -> list:
     mixed, execute = [], engine.runner.execute
 
-    def spy(chunks, prev=None):
+    def spy(chunks, prev=None, *fills):
         mixed.append(any((c.num_logits or 0) > 1 for c in chunks) and any(not c.completes for c in chunks))
-        return execute(chunks, prev)
+        return execute(chunks, prev, *fills)
     engine.runner.execute = spy
     return mixed
 

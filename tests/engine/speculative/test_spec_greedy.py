@@ -53,11 +53,11 @@ def _mixed_steps(engine) -> list:
     """Record per step whether it verified drafts beside a prefill chunk that does not complete."""
     mixed, execute = [], engine.runner.execute
 
-    def spy(chunks, prev=None):
+    def spy(chunks, prev=None, *fills):
         verify = any((c.num_logits or 0) > 1 for c in chunks)
         prefill = any(not c.completes for c in chunks)
         mixed.append(verify and prefill)
-        return execute(chunks, prev)
+        return execute(chunks, prev, *fills)
     engine.runner.execute = spy
     return mixed
 

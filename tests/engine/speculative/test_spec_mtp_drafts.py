@@ -48,7 +48,7 @@ def check_drafts(engine, model, k: int, checked: list) -> None:
         if not req.spec_token_ids or req.num_remaining != 1:
             continue
         ref = reference_drafts(model, req.prompt_token_ids + req.output_token_ids, len(req.spec_token_ids))
-        for j, (draft, (want, margin)) in enumerate(zip(req.spec_token_ids, ref)):
+        for j, (draft, (want, margin)) in enumerate(zip(engine.spec.drafts_of(req), ref)):
             if margin < MARGIN:
                 break
             assert draft == want, (f"{req.request_id} after {len(req.output_token_ids)} tokens: draft {j} is "

@@ -23,13 +23,14 @@ def spy_rows(engine, rows: dict):
     logits row of every step, per request."""
     execute = engine.runner.execute
 
-    def spy(chunks, prev=None):
+    def spy(chunks, prev=None, draft_fills=()):
         inputs = []
         for c in chunks:
             req = c.request
             toks = req.known_tokens(req.num_computed, c.num_tokens)
-            inputs.append((req.request_id, req.num_computed, toks + req.spec_token_ids[:c.num_tokens - len(toks)]))
-        out = execute(chunks, prev)
+            drafts = engine.spec.drafts_of(req) if engine.spec is not None else req.spec_token_ids
+            inputs.append((req.request_id, req.num_computed, toks + drafts[:c.num_tokens - len(toks)]))
+        out = execute(chunks, prev, draft_fills)
         for i, (rid, start, toks) in enumerate(inputs):
             n = out.num_rows[i]
             for j in range(n):
