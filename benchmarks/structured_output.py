@@ -2,7 +2,8 @@
 every request under a JSON-schema constraint against the same batch with none (target >= 0.9x;
 docs/architecture.md, "Structured outputs"). CUDA graphs and async scheduling on: each step's
 masks are filled on the host (a worker thread for a large batch) while the GPU runs the forward
-and the main thread appends the previous step's tokens, and applied in the sampler.
+and the main thread appends the previous step's tokens and schedules the next step (the step is
+sampled after that schedule), and applied in the sampler.
 
     python -m benchmarks.structured_output [--batch 64] [--tokens 256] [--repeats 3]
     python -m benchmarks.structured_output --smoke        # tiny, on the CPU, in seconds
@@ -11,8 +12,9 @@ and the main thread appends the previous step's tokens, and applied in the sampl
 Three runs each time: no constraint; JSON with the masks filled on the worker thread (the
 default, structured/masks.py); JSON with them filled inline on the main thread
 (`MaskFiller.thread_min_rows` above the batch). Each constrained row reports the main thread's
-ms per step in `MaskFiller.start` (the hand-off to the worker, or the whole inline fill) and in
-`PendingMask.result` (waiting for the worker).
+ms per step in `MaskFiller.start` (the matchers taking the previous step's tokens, then the
+hand-off to the worker, or the whole inline fill) and in `PendingMask.result` (waiting for the
+worker).
 
 `--host` replaces the model's forward by constant logits (benchmarks/host_path.py) and reports
 the same over the host's work alone: the bound on the ratio of a host-bound step. On the CPU the
@@ -61,8 +63,9 @@ def workload(engine, batch: int, tokens: int, constrained: bool, tag: str) -> di
 
 
 class MaskTimer:
-    """Main-thread time in the masks' `start` (the fill's hand-off, or the whole fill for a
-    small batch) and `PendingMask.result()` (waiting for the worker), per step."""
+    """Main-thread time in the masks' `start` (the matchers' accept, then the fill's hand-off, or
+    the whole fill for a small batch) and `PendingMask.result()` (waiting for the worker), per
+    step."""
 
     def __init__(self):
         from dsv4.structured import masks

@@ -221,6 +221,7 @@ class LLMEngine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return outputs + self._drain()
+        self._sample_inflight()
         try:
             launched = self._launch(chunks)
         except BaseException:
@@ -231,9 +232,6 @@ class LLMEngine:
         previous, self._inflight = self._inflight, launched
         if previous is not None:
             outputs += self._complete(previous, following=launched)
-        if launched.sample_later is not None:      # grammars needed the previous step's tokens
-            with torch.inference_mode():
-                launched.sample_later()
         if not self.async_scheduling:
             outputs += self._drain()
         return outputs
@@ -256,7 +254,18 @@ class LLMEngine:
                 return True
         return False
 
+    def _sample_inflight(self) -> None:
+        """Sample the step in flight if its sampling waits for grammar masks (its `sample_later`,
+        the masks started by `_complete` when the step before it was read back). Deferred until
+        the next step is scheduled, so the masks fill while the host appends that step's tokens,
+        hands them out and schedules; the next forward takes these tokens on the device, so it
+        is launched after."""
+        if self._inflight is not None and self._inflight.sample_later is not None:
+            with torch.inference_mode():
+                self._inflight.sample_later()
+
     def _drain(self) -> list[RequestOutput]:
+        self._sample_inflight()
         previous, self._inflight = self._inflight, None
         return self._complete(previous) if previous is not None else []
 
@@ -298,9 +307,7 @@ class LLMEngine:
             return []
         tokens, lps, top_ids, top_lps = step.values.get()
         if self.grammars:
-            self._accept_tokens(step, tokens)
-        if following is not None and following.sample_later is not None:
-            following.masks = self._start_masks(following.chunks, following.sampled)
+            self._advance_grammars(step, tokens, following)
         outputs, chunks, append = [], step.chunks, self._append
         commit = self.cache.commit if self.cache.prefix is not None else None    # (a no-op without one)
         for row, i in enumerate(step.sampled):
@@ -346,16 +353,25 @@ class LLMEngine:
             return None
         return self.grammars.step_masks([chunks[i].request.request_id for i in idx])
 
-    def _accept_tokens(self, step: StepInFlight, tokens: list[int]) -> None:
-        """Advance the matchers by the step's tokens, in row order (before `_append` runs, so the
-        next step's masks can start filling). Rows past a request's finishing token (speculative
-        rows) may be taken too: its matcher is dropped when it finishes."""
-        self.grammars.masks.idle()
+    def _advance_grammars(self, step: StepInFlight, tokens: list[int], following: StepInFlight | None) -> None:
+        """Advance the matchers by the step's tokens, in row order (before `_append` runs). When
+        `following` samples after the masks, they take them in one xgrammar batch call (one row
+        per request in a non-speculative step) and its masks start filling right after; else
+        one token at a time. Rows past a request's finishing token (speculative rows) may be
+        taken too: its matcher is dropped when it finishes."""
+        taken = []
         for row, i in enumerate(step.sampled):
             req = step.chunks[i].request
             grammar = None if req.is_finished else self.grammars.get(req.request_id)
             if grammar is not None:
-                grammar.accept(tokens[row])
+                taken.append((grammar, tokens[row]))
+        if following is not None and following.sample_later is not None:
+            following.masks = self.grammars.step_masks(
+                [following.chunks[i].request.request_id for i in following.sampled], taken)
+            return
+        self.grammars.masks.idle()
+        for grammar, token in taken:
+            grammar.accept(token)
 
     def _grammar_waits(self, chunks: list[ScheduledChunk], idx: list[int]) -> bool:
         """Whether a row to sample is under a grammar while its last token is still on the
@@ -391,7 +407,7 @@ class LLMEngine:
             req.prompt_logprobs.append({t: lp, **dict(zip(ids, lps))})
 
     def _append(self, req: Request, token: int, logprob: float, top_ids, top_lps) -> RequestOutput:
-        req.output_token_ids.append(token)      # (its grammar took the token in _accept_tokens)
+        req.output_token_ids.append(token)      # (its grammar takes the token in _advance_grammars)
         if req.params.logprobs is not None:
             req.logprobs.append({token: logprob, **dict(zip(top_ids, top_lps))})
         result = self._stops[req.request_id].check(req.output_token_ids)    # EOS, stop ids, lengths

@@ -233,10 +233,12 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
     """Tokens a row's grammar does not allow -> -inf, in place: logits [B, V] fp32, mask.rows [R],
-    mask.bitmask [R, ceil(V / 32)] int32 (bit t % 32 of word t // 32 = token t allowed). One
-    unpack and one masked fill over the R rows (in place, with no gather, when they are all B)."""
-    bits = torch.arange(32, dtype=torch.int32, device=mask.bitmask.device)
-    allowed = ((mask.bitmask[:, :, None] >> bits) & 1).view(mask.bitmask.shape[0], -1)[:, :logits.shape[1]]
+    mask.bitmask [R, ceil(V / 32)] int32 (bit t % 32 of word t // 32 = token t allowed), ANDed
+    with mask.keep [ceil(V / 32)] when set. One unpack and one masked fill over the R rows (in
+    place, with no gather, when they are all B)."""
+    words = mask.bitmask if mask.keep is None else mask.bitmask & mask.keep
+    bits = torch.arange(32, dtype=torch.int32, device=words.device)
+    allowed = ((words[:, :, None] >> bits) & 1).view(words.shape[0], -1)[:, :logits.shape[1]]
     if mask.covers_all and mask.bitmask.shape[0] == logits.shape[0]:
         logits.masked_fill_(allowed == 0, NEG_INF)
     else:

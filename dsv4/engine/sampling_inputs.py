@@ -5,13 +5,17 @@ only for penalties, the min_tokens ban and grammar masks — their tokens so far
 samples the same requests in the same order as the previous one and none of those per-step
 parts is in use, the previous step's batch (already on the device, never written by the
 sampler) is the batch this step would build: it is reused, with no Python pass over the rows
-and no upload. Any join, leave or reorder, any penalty, ban or grammar rebuilds it.
+and no upload. Any join, leave or reorder, any penalty or ban rebuilds it. A grammar mask is
+per step too, but lives apart from the rest: a reused batch takes the step's mask, uploaded alone.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from ..sampling_params import SamplingParams
+from ..structured.masks import GrammarMask
 from .request import Request
 from .sampler import Sampler, SamplingBatch, SamplingRow, count_pending, make_generator
 from .upload import HostToDevice, upload_tree
@@ -24,6 +28,7 @@ class SamplingInputs:
         self._reqs: tuple[Request, ...] = ()      # the requests of `_batch`'s rows, in order
         self._batch: SamplingBatch | None = None  # on the device; None: nothing to reuse
         self.builds = 0                           # batches built so far (how often reuse failed)
+        self._keep: tuple[torch.Tensor, torch.Tensor] | None = None   # a mask's `keep`: (host, device)
 
     def batch(self, reqs: list[Request], rows: list[int], masks=None
               ) -> tuple[SamplingBatch, torch.Tensor | None, torch.Tensor | None]:
@@ -31,12 +36,15 @@ class SamplingInputs:
         the (row, pending row) pairs whose pending token counts toward penalties as [P, 2] on
         the device, or None when there are none). `masks`: the rows' grammar masks being filled
         (structured/masks.PendingMask; None: no row is under a grammar), waited for once the
-        batch is built."""
+        batch is built (at once when the previous step's batch is reused)."""
         key = tuple(reqs)
         plain = rows == list(range(len(rows)))
-        if masks is None and self._batch is not None and key == self._reqs:
-            rows_t = None if plain else self.h2d.upload([torch.tensor(rows)])[0]
-            return self._batch, rows_t, None
+        if self._batch is not None and key == self._reqs:
+            if masks is None:
+                rows_t = None if plain else self.h2d.upload([torch.tensor(rows)])[0]
+                return self._batch, rows_t, None
+            grammar, rows_t = self._upload_mask(masks.result(), None if plain else rows)
+            return dataclasses.replace(self._batch, grammar=grammar), rows_t, None
         self.builds += 1
         batch = SamplingBatch.build(
             [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.num_pending) for r in reqs],
@@ -45,9 +53,21 @@ class SamplingInputs:
             batch.grammar = masks.result()
         pending = [(j, r.pending_row) for j, r in enumerate(reqs) if r.num_pending and r.params.has_penalties]
         batch, rows_t, pending_t = upload_tree((batch, torch.tensor(rows), torch.tensor(pending).view(-1, 2)), self.h2d)
-        reusable = masks is None and batch.penalties is None and batch.banned is None
-        self._reqs, self._batch = (key, batch) if reusable else ((), None)
+        reusable = batch.penalties is None and batch.banned is None
+        kept = batch if batch.grammar is None else dataclasses.replace(batch, grammar=None)   # the mask: the step's own
+        self._reqs, self._batch = (key, kept) if reusable else ((), None)
         return batch, None if plain else rows_t, pending_t if pending else None
+
+    def _upload_mask(self, mask: GrammarMask, rows: list[int] | None) -> tuple[GrammarMask, torch.Tensor | None]:
+        """The mask on the device in one transfer, with `rows` (None: none to send); its `keep`
+        row, the same tensor from step to step, goes up once."""
+        sent = self.h2d.upload([mask.rows, mask.bitmask] + ([] if rows is None else [torch.tensor(rows)]))
+        keep = mask.keep
+        if keep is not None:
+            if self._keep is None or self._keep[0] is not keep:
+                self._keep = (keep, self.h2d.upload([keep])[0])
+            keep = self._keep[1]
+        return GrammarMask(sent[0], sent[1], mask.covers_all, keep), None if rows is None else sent[2]
 
     @torch.inference_mode()
     def warmup(self, sampler: Sampler, device: torch.device | str) -> None:

@@ -1,13 +1,16 @@
 """A step's token bitmask, built on the host (xgrammar's layout: int32 words, bit t % 32 of word
 t // 32 set = token t allowed) for the rows that have a grammar; rows without one are not in
-it and cost nothing. The sampler applies it as one masked fill (engine/sampler.py).
+it and cost nothing. The sampler applies it as one masked fill (engine/sampler.py), ANDed there
+with the special-token filter (`GrammarMask.keep`), so the host never touches the words again.
 
-Decode steps go through `MaskFiller` (docs/architecture.md, "Structured outputs"): the rows are
-filled into one preallocated buffer by a single xgrammar batch call, which releases the GIL, on
-a worker thread, so the engine's bookkeeping of the previous step runs on the main thread
-meanwhile; `PendingMask.result()` joins it, or fills on the calling thread if the worker never
-picked the fill up (a busy host): the worst case is an inline fill. Every mask is ANDed with
-the special-token filter once, over all its rows."""
+Decode steps go through `MaskFiller` (docs/architecture.md, "Structured outputs"): the matchers
+take the previous step's tokens in one xgrammar batch call, then the rows are filled into one
+preallocated buffer by a single xgrammar batch call, which releases the GIL, on a worker thread,
+so the engine's host work runs on the main thread meanwhile; `PendingMask.result()` joins it,
+or fills on the calling thread if the worker never picked the fill up (a busy host): the worst
+case is an inline fill. The worker's job is that one call and nothing else: Python on the worker
+between two GIL-free calls would wait for the main thread to let go of the GIL (up to a whole
+switch interval while it runs pure Python)."""
 from __future__ import annotations
 
 import threading
@@ -22,6 +25,10 @@ from .matcher import RequestGrammar
 # Fewer constrained rows than this are filled on the calling thread: handing the work to the
 # worker and back costs about as much as filling a handful of rows.
 THREAD_MIN_ROWS = 8
+# Threads of xgrammar's own pool for one batch fill (the call still blocks its caller). One: on a
+# 2-core host, 2 threads made a 64-row fill of a cheap state 1.2 ms instead of 26 us (the pool's
+# threads start per call); the fill overlaps the main thread's work anyway. Unmeasured on a GPU host.
+FILL_THREADS = 1
 # How long `start` waits for the worker to pick a fill up before going on (its GIL hand-off needs
 # the OS to run the worker thread); a fill still not picked up by `result()` is done there.
 HANDOFF_WAIT_S = 2e-4
@@ -32,6 +39,7 @@ class GrammarMask:
     rows: torch.Tensor        # [R] long: the sampling rows the mask applies to
     bitmask: torch.Tensor     # [R, ceil(V / 32)] int32
     covers_all: bool = False  # rows == 0..R-1 are every row of the batch: masked in place
+    keep: torch.Tensor | None = None   # [ceil(V / 32)] int32 ANDed into every row (special tokens)
 
 
 def words(vocab_size: int) -> int:
@@ -50,17 +58,14 @@ class PendingMask:
 
     def result(self) -> GrammarMask:
         """Wait for the fill (re-raising its error), or do it here if the worker has not begun
-        it; clear the special tokens. The bitmask is a view of the filler's buffer, valid until
-        its next `start`."""
+        it. The bitmask is a view of the filler's buffer, valid until its next `start`."""
         if self.filling is not None:
             if self.filling.cancel():
                 self.fill()
             else:
                 self.filling.result()
             self.filling = None
-        if self.keep is not None:
-            self.bitmask &= self.keep
-        return GrammarMask(self.rows, self.bitmask, self.covers_all)
+        return GrammarMask(self.rows, self.bitmask, self.covers_all, self.keep)
 
 
 class MaskFiller:
@@ -69,7 +74,7 @@ class MaskFiller:
 
     def __init__(self, vocab_size: int, keep: torch.Tensor | None):
         import xgrammar
-        self.batch = xgrammar.BatchGrammarMatcher(max_threads=1)   # one C++ call for all rows
+        self.batch = xgrammar.BatchGrammarMatcher(max_threads=FILL_THREADS)   # one C++ call for all rows
         self.keep, self.width = keep, words(vocab_size)
         self.thread_min_rows = THREAD_MIN_ROWS     # (benchmarks/structured_output.py compares both ways)
         self.buffer = torch.empty(0, self.width, dtype=torch.int32)
@@ -84,24 +89,33 @@ class MaskFiller:
                 self._filling.exception()
             self._filling = None
 
-    def start(self, grammars: list[RequestGrammar | None]) -> PendingMask | None:
+    @torch.inference_mode()
+    def start(self, grammars: list[RequestGrammar | None],
+              taken: list[tuple[RequestGrammar, int]] = ()) -> PendingMask | None:
         """One entry per sampling row (None: unconstrained) -> the pending mask of the rows
-        whose grammar constrains the next token, or None when there is none. The matchers must
-        not change until `result()` returns."""
-        rows = [i for i, g in enumerate(grammars) if g is not None and g.constrains]
+        whose grammar constrains the next token, or None when there is none. `taken`: the
+        previous step's (grammar, token) pairs, a grammar at most once, accepted first (one
+        batch call). The matchers must not change until `result()` returns."""
+        self.idle()
+        accept_batch(taken)
+        rows, live, ended, matchers = [], [], [], []     # (live, ended: positions in rows)
+        for i, g in enumerate(grammars):
+            if g is None or not g.constrains:
+                continue
+            if g.ended:
+                ended.append(len(rows))
+            else:
+                live.append(len(rows))
+                matchers.append(g.matcher)
+            rows.append(i)
         if not rows:
             return None
-        self.idle()
         if self.buffer.shape[0] < len(rows):
             self.buffer = torch.empty(max(len(rows), 2 * self.buffer.shape[0]), self.width, dtype=torch.int32)
         bitmask = self.buffer[:len(rows)]
-        live, matchers = [], []
-        for n, i in enumerate(rows):
-            if grammars[i].finished:
-                grammars[i].fill(bitmask, n)              # EOS only: xgrammar refuses to fill it
-            else:
-                live.append(n)
-                matchers.append(grammars[i].matcher)
+        for n in ended:
+            grammars[rows[n]].fill(bitmask, n)            # EOS only: xgrammar refuses to fill it
+
         def fill() -> None:
             self.batch.batch_fill_next_token_bitmask(matchers, bitmask, live)
 
@@ -153,7 +167,24 @@ def verify_mask(grammars: list[tuple[RequestGrammar | None, list[int]]], vocab_s
     keep_rows = [n for n, r in enumerate(rows) if r >= 0]
     if not keep_rows:
         return None
-    bitmask = bitmask[keep_rows]
-    if keep is not None:
-        bitmask &= keep
-    return GrammarMask(torch.tensor([rows[n] for n in keep_rows], dtype=torch.long), bitmask)
+    return GrammarMask(torch.tensor([rows[n] for n in keep_rows], dtype=torch.long), bitmask[keep_rows], keep=keep)
+
+
+def accept_batch(taken: list[tuple[RequestGrammar, int]]) -> None:
+    """A step's (grammar, token) pairs, a grammar at most once: the `</think>` gates take theirs
+    (`RequestGrammar.take_gate`), the matchers the rest in one xgrammar call. That call's per-row
+    results are not read back (an element at a time, that costs as much as the call: xgrammar's
+    own wrapper does): a refused token leaves its matcher as it was, and only the stop token can
+    end one (`RequestGrammar.took`)."""
+    handles, tokens, stops = [], [], []
+    for g, t in taken:
+        if g.take_gate(t):
+            handles.append(g.matcher._handle)
+            tokens.append(t)
+            if t == g.stop_id:
+                stops.append(g)
+    if handles:
+        from xgrammar.base import _core
+        _core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
+    for g in stops:
+        g.took(g.stop_id)

@@ -20,13 +20,14 @@ class Grammars:
         self.think_end_id = tokenizer.token_to_id(THINK_END)
         self.vocab_size = vocab_size
         self.keep = special_token_filter(tokenizer, vocab_size)
-        self.end_row = only_token(eos_token_id, vocab_size)
+        self.end_row, self.eos_token_id = only_token(eos_token_id, vocab_size), eos_token_id
         self.masks = MaskFiller(vocab_size, self.keep)      # decode steps' masks
         self._requests: dict[str, RequestGrammar] = {}
 
     def add(self, request_id: str, spec: StructuredOutputs) -> RequestGrammar:
         """Raises grammars.GrammarError (a ValueError naming the problem) for a bad constraint."""
-        grammar = RequestGrammar(self.cache.get(spec), self.think_end_id, spec.after_think, self.end_row)
+        grammar = RequestGrammar(self.cache.get(spec), self.think_end_id, spec.after_think, self.end_row,
+                                 self.eos_token_id)
         self._requests[request_id] = grammar
         return grammar
 
@@ -39,10 +40,11 @@ class Grammars:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def step_masks(self, request_ids: list[str]):
+    def step_masks(self, request_ids: list[str], taken: list[tuple[RequestGrammar, int]] = ()):
         """One id per sampling row -> masks.PendingMask of the rows under a grammar (filled on
-        the worker thread for a large batch), or None."""
-        return self.masks.start([self._requests.get(rid) for rid in request_ids])
+        the worker thread for a large batch), or None. `taken`: the previous step's tokens, one
+        per grammar, that the matchers accept first (masks.MaskFiller.start)."""
+        return self.masks.start([self._requests.get(rid) for rid in request_ids], taken)
 
     def verify_masks(self, chunks: list[tuple[str, list[int]]]):
         """Per verify chunk (its request id, its drafts) -> masks.GrammarMask of its rows, or None."""

@@ -52,10 +52,19 @@ def test_reused_only_while_the_same_requests_sample_in_the_same_order():
     joined, _, _ = si.batch([b, a, c], [0, 1, 2])
     assert si.builds == 3 and joined.is_greedy.tolist() == [False, True, True]
     grammar = GrammarMask(torch.tensor([0]), torch.full((1, 2), -1, dtype=torch.int32))
-    masked, _, _ = si.batch([b, a, c], [0, 1, 2], Filled(grammar))
-    assert torch.equal(masked.grammar.bitmask, grammar.bitmask) and si.builds == 4
-    si.batch([b, a, c], [0, 1, 2])
-    assert si.builds == 5                                                   # a masked batch is never kept
+    masked, _, _ = si.batch([b, a, c], [0, 1, 2], Filled(grammar))          # the rest reused, the mask its own
+    assert torch.equal(masked.grammar.bitmask, grammar.bitmask) and si.builds == 3
+    assert masked.is_greedy is joined.is_greedy and joined.grammar is None
+    other = GrammarMask(torch.tensor([2]), torch.zeros((1, 2), dtype=torch.int32))
+    remasked, rows_t, _ = si.batch([b, a, c], [0, 1, 3], Filled(other))
+    assert si.builds == 3 and remasked.grammar.rows.tolist() == [2] and rows_t.tolist() == [0, 1, 3]
+    keep = torch.tensor([-1, 5], dtype=torch.int32)                          # the filter goes up once
+    kept = [si.batch([b, a, c], [0, 1, 2], Filled(GrammarMask(torch.tensor([1]), other.bitmask, keep=keep)))[0]
+            for _ in range(2)]
+    assert kept[0].grammar.keep is kept[1].grammar.keep and kept[0].grammar.keep.tolist() == [-1, 5]
+    assert si.batch([b, a, c], [0, 1, 2])[0] is joined and si.builds == 3  # no mask: none kept from before
+    si.batch([c, a], [0, 1], Filled(grammar))
+    assert si.batch([c, a], [0, 1])[0].grammar is None and si.builds == 4    # a batch built with a mask, kept without
 
 
 def test_penalties_and_active_min_tokens_bans_rebuild_every_step():

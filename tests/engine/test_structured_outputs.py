@@ -133,8 +133,9 @@ def test_speculative_drafts_follow_the_grammar(engine_of, run):
     assert spec.spec.stats.num_draft_tokens > 0
 
 
-def test_thinking_gate_starts_the_constraint_after_think_end(engine_of, run):
-    eng = engine_of(async_scheduling="off")
+@pytest.mark.parametrize("mode", ["off", "on"])     # on: the gate takes the token in masks.accept_batch
+def test_thinking_gate_starts_the_constraint_after_think_end(engine_of, run, mode):
+    eng = engine_of(async_scheduling=mode)
     think_end = eng.tokenizer.token_to_id("</think>")
     spec = StructuredOutputs(choice=CHOICES, after_think=True)
     # the logit bias makes the model close its reasoning at once: </think> then one of the choices
@@ -231,10 +232,13 @@ def test_ignore_eos_after_the_grammar_ends_allows_eos_only(engine_of, run):
 
 
 def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
-    """Order of the host's work in a decode step with async scheduling: the forward is launched,
-    the matchers take the previous step's tokens, the mask fill starts (on the worker thread for
-    a batch of THREAD_MIN_ROWS or more), the previous step's tokens are appended while it runs,
-    and the fill is joined just before sampling. Tokens equal a run with async scheduling off."""
+    """Order of the host's work in a decode step with async scheduling: the next step is
+    scheduled, the fill started by the step before is joined and the step in flight sampled, the
+    next forward is launched (it takes those tokens on the device), the previous step's tokens
+    are read back and taken by the matchers (one batch call), the fill of the launched step's
+    mask starts (on the worker thread for a batch of THREAD_MIN_ROWS or more) and the tokens are
+    appended while it runs, and it keeps running through the next schedule. Tokens equal a run
+    with async scheduling off."""
     from dsv4.structured import masks
     from dsv4.structured.matcher import RequestGrammar
     monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # wait for the worker: no inline fallback
@@ -251,10 +255,12 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
             return fn(*a, **kw)
         return wrapped
 
+    monkeypatch.setattr(eng.scheduler, "schedule", record("schedule", eng.scheduler.schedule))
     monkeypatch.setattr(eng.runner, "execute", record("execute", eng.runner.execute))
     monkeypatch.setattr(eng, "_append", record("append", eng._append))
     monkeypatch.setattr(eng, "sampler", record("sample", eng.sampler))
-    monkeypatch.setattr(RequestGrammar, "accept", record("accept", RequestGrammar.accept))
+    monkeypatch.setattr(RequestGrammar, "accept", record("accept-one", RequestGrammar.accept))
+    monkeypatch.setattr(masks, "accept_batch", record("accept", masks.accept_batch))
     filler = eng.grammars.masks
     monkeypatch.setattr(filler, "start", record("fill-start", filler.start))
     monkeypatch.setattr(masks.PendingMask, "result", record("fill-join", masks.PendingMask.result))
@@ -266,23 +272,25 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     monkeypatch.setattr(filler, "batch", SimpleNamespace(batch_fill_next_token_bitmask=fill))
     got = run(eng, reqs)
 
-    steady = ["execute"] + ["accept"] * n + ["fill-start"] + ["append"] * n + ["fill-join", "sample"]
+    steady = ["schedule", "fill-join", "sample", "execute", "fill-start", "accept"] + ["append"] * n
     text = " ".join(events)
-    assert text.count(" ".join(steady)) >= 3, events        # the decode steps between prefill and the end
+    assert text.count(" ".join(steady)) >= 3, text      # the decode steps between prefill and the end
     assert fill_threads and all(name.startswith("dsv4-grammar-masks") for name in fill_threads)
     monkeypatch.undo()
     sync = run(engine_of(async_scheduling="off"), reqs)
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in sync.items()}
 
 
-@pytest.mark.parametrize("handoff", [None, 0.0])
-def test_mask_filler_reuses_one_buffer_and_matches_xgrammar(engine_of, monkeypatch, handoff):
-    """Threaded and inline fills give xgrammar's own per-matcher masks (special tokens cleared)
-    in one buffer reused from step to step; no constrained row -> no mask at all. handoff None:
-    the worker always fills; 0: a fill it has not begun is taken back by result()."""
+@pytest.mark.parametrize("handoff,fill_threads", [(None, 1), (0.0, 1), (None, 3)])
+def test_mask_filler_reuses_one_buffer_and_matches_xgrammar(engine_of, monkeypatch, handoff, fill_threads):
+    """Threaded and inline fills give xgrammar's own per-matcher masks (with the special-token
+    filter the sampler ANDs in) in one buffer reused from step to step; no constrained row -> no
+    mask at all. handoff None: the worker always fills; 0: a fill it has not begun is taken back
+    by result(). fill_threads: xgrammar's own threads for one fill."""
     from dsv4.structured import masks
     from dsv4.structured.masks import THREAD_MIN_ROWS
     monkeypatch.setattr(masks, "HANDOFF_WAIT_S", handoff)
+    monkeypatch.setattr(masks, "FILL_THREADS", fill_threads)
     eng = engine_of(async_scheduling="off")
     grammars = eng._grammars()
     ids = [f"m{i}" for i in range(THREAD_MIN_ROWS + 2)]
@@ -301,7 +309,7 @@ def test_mask_filler_reuses_one_buffer_and_matches_xgrammar(engine_of, monkeypat
                 want = torch.zeros(len(live), mask.bitmask.shape[1], dtype=torch.int32)
                 for n, rid in enumerate(live):
                     grammars.get(rid).matcher.fill_next_token_bitmask(want, n)
-                assert torch.equal(mask.bitmask, want & grammars.keep)
+                assert torch.equal(mask.bitmask, want) and mask.keep is grammars.keep
                 assert mask.rows.tolist() == [i for i, r in enumerate(rows) if r is not None]
                 assert mask.covers_all == (None not in rows)
                 pointers.add(mask.bitmask.data_ptr())
@@ -322,3 +330,44 @@ def test_masked_fill_in_place_when_every_row_has_a_grammar():
     apply_grammar_mask(ours, GrammarMask(torch.arange(3), bitmask, covers_all=True))
     xgrammar.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab)
     assert torch.equal(ours, theirs) and torch.isinf(ours).any()
+
+
+def test_deferred_sampling_through_ends_aborts_and_stops(engine_of, monkeypatch, h):
+    """With async scheduling a constrained step is sampled only once the next one is scheduled,
+    its mask filled on the worker meanwhile. Through that order: requests ending by their grammar
+    (EOS) while their next row is already launched, grammars ended under ignore_eos (EOS-only
+    masks), parallel copies of one prompt (n > 1), a stop string, unconstrained neighbours and an
+    abort while the aborted request's row is launched but not sampled: the same outputs as with
+    async scheduling off, every grammar dropped and every page freed."""
+    from dsv4.structured import masks
+    monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # the worker fills every large mask
+    ps = prompts(engine_of(async_scheduling="off"), 6)
+    choice = SamplingParams(max_tokens=12, temperature=0.0, structured=KINDS["choice"])
+    reqs = [h.Req(f"choice-{i}", p, choice) for i, p in enumerate(ps)]
+    reqs += [h.Req(f"json-{i}", ps[0], SamplingParams(max_tokens=30, temperature=0.9, seed=i, structured=KINDS["json"]))
+             for i in range(3)]                                                  # n = 3 copies of one prompt
+    reqs += [h.Req(f"ended-{i}", p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                                   structured=KINDS["choice"])) for i, p in enumerate(ps[:2])]
+    reqs += [h.Req("stopped", ps[1], SamplingParams(max_tokens=20, temperature=0.0, stop=["-"],
+                                                    structured=KINDS["regex"]))]
+    reqs += [h.Req(f"plain-{i}", p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+             for i, p in enumerate(ps[:3])]
+    reqs += [h.Req("aborted", ps[2], SamplingParams(max_tokens=30, temperature=0.0, structured=KINDS["json"]))]
+    outs = {}
+    eos = engine_of(async_scheduling="on").eos_token_id
+    for mode in ("off", "on"):
+        eng = engine_of(async_scheduling=mode)
+        outs[mode] = h.drive(eng, reqs, check=True, abort_at=("aborted", 4))
+        assert len(eng.grammars) == 0 and eng.cache.available_pages() == eng.plan.num_pages
+    h.assert_same_outputs(outs["off"], outs["on"])
+    done = outs["on"]
+    assert "aborted" not in done and len(done) == len(reqs) - 1
+    for i in range(len(ps)):
+        assert done[f"choice-{i}"].finish_reason == "stop"
+        check("choice", done[f"choice-{i}"].text)
+    for i in range(2):
+        out = done[f"ended-{i}"]
+        end = out.token_ids.index(eos)
+        assert len(out.token_ids) == 10 and set(out.token_ids[end:]) == {eos}
+    assert done["stopped"].finish_reason == "stop" and done["stopped"].stop_reason == "-"
+    assert len({tuple(done[f"json-{i}"].token_ids) for i in range(3)}) > 1     # the copies sample apart
