@@ -209,6 +209,12 @@ class CacheManager:
         gpu = max((n.end for n in path if n.checkpoint is not None), default=0)
         return self.tiers.fetch(tokens, limit, gpu, req.request_id)
 
+    def wait_for_tiers(self, timeout: float = 2e-3) -> None:
+        """Nothing to run this step: block briefly on the tiers' copies in flight, if any
+        (KVTiers.wait_briefly)."""
+        if self.tiers is not None and self.tiers.busy:
+            self.tiers.wait_briefly(timeout)
+
     def poll_tiers(self) -> None:
         """Collect the tiers' finished copies (once a step, before admission)."""
         if self.tiers is not None:

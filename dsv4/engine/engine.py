@@ -220,7 +220,10 @@ class LLMEngine:
             return outputs + self._drain()
         chunks = self.scheduler.schedule()
         if not chunks:
-            return outputs + self._drain()
+            drained = self._drain()
+            if not drained and not outputs:
+                self.cache.wait_for_tiers()     # e.g. a restore in flight: wait for it, don't spin
+            return outputs + drained
         self._sample_inflight()
         try:
             launched = self._launch(chunks)

@@ -10,6 +10,7 @@ executors.py).
 from __future__ import annotations
 
 import logging
+from concurrent.futures import FIRST_COMPLETED, wait
 
 from .codec import PageCodec
 from .disk import DiskStore
@@ -82,6 +83,16 @@ class KVTiers(Storing, DiskWriting, Restoring):
     @property
     def busy(self) -> bool:
         return bool(self.stores or self.loads or self.reads or self.writes)
+
+    def wait_briefly(self, timeout: float) -> None:
+        """Block up to `timeout` s, the GIL released, until a copy in flight is through its
+        thread. An engine with nothing to run waits here instead of spinning: a spinning loop
+        holds the GIL, and the tiers' threads then get it a switch interval (5 ms) at a time."""
+        jobs = (*self.reads.values(), *self.writes.values())
+        futures = [j.future for j in jobs] + [j.ticket.future for j in (*self.stores, *self.loads.values())]
+        pending = [f for f in futures if not f.done()]
+        if pending:
+            wait(pending, timeout, return_when=FIRST_COMPLETED)
 
     def drain(self) -> None:
         """Wait for every copy in flight and collect it (tests, benchmarks, shutdown)."""
