@@ -38,7 +38,7 @@ import triton.language as tl
 
 from ..kv_fp8 import entry_bytes
 from ..paged import PagedRows
-from .fp8_words import bf16_words_to_float, fp8_words_to_float, ue8m0_to_float
+from .fp8_words import bf16_words_to, fp8_words_to, ue8m0_to
 
 LOG2E = tl.constexpr(1.4426950408889634)
 # Triton's interpreter multiplies the raw uint16 bits in a bf16 tl.dot: upcast there (tests only)
@@ -110,14 +110,15 @@ def _split_keys(kv_ptr, idx, valid, stride_kv, dtype: tl.constexpr, PACKED: tl.c
         sb = tl.arange(0, NOPE_P // 64)                                             # scale bytes
         code = tl.load((kv_ptr + idx * stride_kv + (NOPE + 2 * ROPE))[:, None] + sb[None, :],
                        mask=valid[:, None] & (sb < (NOPE + 63) // 64)[None, :], other=127)
-        scale = tl.broadcast_to(ue8m0_to_float(code)[:, :, None], (idx.shape[0], NOPE_P // 64, 16))
+        work: tl.constexpr = tl.bfloat16 if dtype == tl.bfloat16 else tl.float32   # value x scale exact in it
+        scale = tl.broadcast_to(ue8m0_to(code, work)[:, :, None], (idx.shape[0], NOPE_P // 64, 16))
         scale = tl.reshape(scale, (idx.shape[0], NOPE_P // 4))                      # of each word's block
-        vals = tl.reshape(fp8_words_to_float(raw), (idx.shape[0], NOPE_P // 4, 4)) * scale[:, :, None]
+        vals = fp8_words_to(raw, work) * scale[:, :, None]                        # [BLOCK_K, NOPE_P // 4, 4]
         k_a = tl.reshape(vals, (idx.shape[0], NOPE_P)).to(dtype)
         r = tl.arange(0, ROPE_P // 2)                                               # 2 bf16 a word
         roped = tl.load(row[:, None] + NOPE // 4 + r[None, :], mask=valid[:, None] & (r < ROPE // 2)[None, :],
                         other=0)
-        k_b = bf16_words_to_float(roped).to(dtype)
+        k_b = bf16_words_to(roped, work).to(dtype)
     else:
         da, db = tl.arange(0, NOPE_P), tl.arange(0, ROPE_P)
         row = kv_ptr + idx * stride_kv

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ..paged import PagedRows, index_width
 from ..stream_topk import RunningTopk
-from .fp8_words import fp8_words_to_float
+from .fp8_words import fp8_words_to
 
 BLOCK_E = 128       # candidates per program (best measured on an H200 for E >= 1k: benchmarks/kernels/indexer.py)
 NUM_WARPS = 4
@@ -78,7 +78,7 @@ def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, ou
             offs_w = tl.arange(0, DI_P // 4)
             raw = tl.load(row[:, None] + offs_w[None, :], mask=valid[:, None] & (offs_w < DI // 4)[None, :], other=0)
             row_scale = tl.load((row + DI // 4).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
-            k = fp8_words_to_float(raw).to(q.dtype)            # e4m3 -> q's dtype: exact; [BLOCK_E, DI_P]
+            k = tl.reshape(fp8_words_to(raw, q.dtype), (BLOCK_E, DI_P))    # e4m3 -> q's dtype: exact
         else:
             k = tl.load(keys_ptr + rows[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                         mask=valid[:, None] & d_ok[None, :], other=0.0)      # [BLOCK_E, DI_P]
