@@ -111,9 +111,8 @@ def _split_keys(kv_ptr, idx, valid, stride_kv, dtype: tl.constexpr, PACKED: tl.c
         code = tl.load((kv_ptr + idx * stride_kv + (NOPE + 2 * ROPE))[:, None] + sb[None, :],
                        mask=valid[:, None] & (sb < (NOPE + 63) // 64)[None, :], other=127)
         work: tl.constexpr = tl.bfloat16 if dtype == tl.bfloat16 else tl.float32   # value x scale exact in it
-        scale = tl.broadcast_to(ue8m0_to(code, work)[:, :, None], (idx.shape[0], NOPE_P // 64, 16))
-        scale = tl.reshape(scale, (idx.shape[0], NOPE_P // 4))                      # of each word's block
-        vals = fp8_words_to(raw, work) * scale[:, :, None]                        # [BLOCK_K, NOPE_P // 4, 4]
+        vals = tl.reshape(fp8_words_to(raw, work), (idx.shape[0], NOPE_P // 64, 64))  # [BLOCK_K, blocks, 64]
+        vals = vals * ue8m0_to(code, work)[:, :, None]                              # times each block's scale
         k_a = tl.reshape(vals, (idx.shape[0], NOPE_P)).to(dtype)
         r = tl.arange(0, ROPE_P // 2)                                               # 2 bf16 a word
         roped = tl.load(row[:, None] + NOPE // 4 + r[None, :], mask=valid[:, None] & (r < ROPE // 2)[None, :],
