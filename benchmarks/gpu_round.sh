@@ -5,7 +5,7 @@
 # output in OUT_DIR/STEP.txt) or one of:
 #   kernels   the kernel tests compiled on the GPU (tests/ops_triton, tests/ops)
 #   host_path benchmarks/host_path.sh; prefix_cache benchmarks/prefix_cache.sh
-# A step's own flags come from ARGS_<step> (e.g. ARGS_prefix_cache="--models demo").
+# A step's own flags come from ARGS_<step, dots as _> (e.g. ARGS_prefix_cache="--models demo").
 # Wheels in .whl/ are installed into /tmp/site first (see benchmarks/gpu_check.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ t0=$(date +%s)
 for spec in "$@"; do
   step=${spec%%:*}; limit=${spec#*:}; [ "$limit" = "$spec" ] && limit=240
   s0=$(date +%s)
-  args_var=ARGS_$step; read -r -a args <<< "${!args_var:-}"
+  args_var=ARGS_${step//./_}; read -r -a args <<< "${!args_var:-}"
   case $step in
     kernels) DSV4_TRITON_DEVICE=cuda timeout "$limit" python3 -m pytest -q -n 14 -p no:cacheprovider \
                tests/ops_triton tests/ops > "$OUT/kernels.txt" 2>&1 ;;

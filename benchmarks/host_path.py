@@ -266,7 +266,8 @@ def table(profiles: list[dict], serve: dict | None, concurrency: int) -> tuple[s
             ok &= met != "NO"
             lines.append(f"{name:<38} {value if value is not None else float('nan'):>10.3f} "
                          f"{'' if target is None else f'{op} {target:g}':>10}  {met}")
-        lines.append(f"cold c1: median TTFT {cold['median_ttft_ms']:.1f} ms, p99 {cold['p99_ttft_ms']:.1f} ms; "
+        lines.append(f"cold c1: first request's TTFT {cold.get('first_ttft_ms') or float('nan'):.1f} ms, "
+                     f"median {cold['median_ttft_ms']:.1f} ms, p99 {cold['p99_ttft_ms']:.1f} ms; "
                      f"warm c{concurrency}: {warm['output_throughput']:.0f} out tok/s, {warm['completed']} done; "
                      f"offline {off:.0f} out tok/s")
     return "\n".join(lines), ok

@@ -1,7 +1,8 @@
 """Where a batch-1 decode step of the fast path spends its time: GPU time per step (torch
 profiler) against wall time, and the host side broken down by function (cProfile).
 
-    python -m benchmarks.profile_decode [--spec random:flash-slice:6] [--batch 1] [--context 4096]
+    python -m benchmarks.profile_decode [--spec random:flash-slice:6] [--batch 1] [--context 4096 1048448 ...]
+        [--kv-cache-dtype auto|fp8] [--no-host]
 """
 from __future__ import annotations
 
@@ -25,15 +26,25 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--spec", default="random:flash-slice:6")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--context", type=int, nargs="+", default=[4096], help="one profile per context")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rows", type=int, default=25, help="kernels listed per profile")
+    p.add_argument("--no-host", action="store_true", help="leave out the cProfile of the host side")
     args = p.parse_args()
     model = load_model(args.spec, "cuda", torch.bfloat16)
+    for context in args.context:
+        profile_context(args, model, context)
+
+
+def profile_context(args, model, context: int) -> None:
     eng = LLMEngine(args.spec, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=args.batch,
-                                            max_num_batched_tokens=256, max_model_len=args.context + 200,
-                                            num_pages=args.batch * (args.context // 256 + 2) + 8,
-                                            enable_prefix_caching=False), model=model)
-    bo._add_batch(eng, args.batch, args.context, 3 * args.steps + 10, True, "p")
+                                            max_num_batched_tokens=256,
+                                            max_model_len=min(context + 200, model.cfg.max_position_embeddings),
+                                            num_pages=args.batch * (context // 256 + 2) + 8,
+                                            kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False),
+                    model=model)
+    bo._add_batch(eng, args.batch, context, 3 * args.steps + 10, True, "p")
     for _ in range(5):                                           # capture and warm up
         eng.step()
     torch.cuda.synchronize()
@@ -47,20 +58,25 @@ def main() -> None:
         for _ in range(args.steps):
             eng.step()
         torch.cuda.synchronize()
-    gpu = sum(e.self_device_time_total for e in prof.key_averages()) / args.steps / 1e3
-    print(f"batch {args.batch}, context {args.context}: {wall * 1e3:.2f} ms per step wall, "
-          f"{gpu:.2f} ms of GPU time per step")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(args.steps):
-        eng.step()
-    torch.cuda.synchronize()
-    pr.disable()
-    out = io.StringIO()
-    pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(45)
-    pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
-    print(f"host profile over {args.steps} steps:\n{out.getvalue()}")
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]   # (ops' own time would count twice)
+    gpu = sum(e.self_device_time_total for e in kernels) / args.steps / 1e3
+    print(f"batch {args.batch}, context {context}, {args.kv_cache_dtype} KV: {wall * 1e3:.2f} ms per step wall, "
+          f"{gpu:.2f} ms of GPU time per step", flush=True)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows), flush=True)
+    if not args.no_host:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(args.steps):
+            eng.step()
+        torch.cuda.synchronize()
+        pr.disable()
+        out = io.StringIO()
+        pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(45)
+        pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
+        print(f"host profile over {args.steps} steps:\n{out.getvalue()}")
+    eng.close()
+    del eng
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

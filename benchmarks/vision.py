@@ -27,6 +27,8 @@ from dsv4.model.vision.spans import ImageSpan
 from dsv4.model.vision.tower import Aligner, ViT, encode_images
 from dsv4.sampling_params import SamplingParams
 
+from .prefix_check import parting_margin
+
 # DeepSeek-V4-Flash-Vision's tower (docs/vision.md) and the LLM width it feeds
 RELEASED = dict(vision_n_layers=32, vision_dim=1024, vision_n_heads=16, vision_inter_dim=2816,
                 vision_patch_size=14, vision_rope_theta=10000.0, vision_downsample_ratio=3,
@@ -110,21 +112,25 @@ def image_prompt(text: list[int], data: bytes, v: VisionConfig, token: int) -> t
     return ids, (ImageSpan(start, n, image_hash(data), data, g.n_llm_h, g.n_llm_w),)
 
 
-def first_token(engine: LLMEngine, rid: str, ids: list[int], images=(), max_tokens: int = 1) -> tuple[float, list[int]]:
+def first_token(engine: LLMEngine, rid: str, ids: list[int], images=(), max_tokens: int = 1):
+    """(seconds to the first token, the finished output with top-2 logprobs per position)."""
     t0 = time.perf_counter()
-    engine.add_request(rid, ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), images=images)
-    ttft, tokens = None, None
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    engine.add_request(rid, ids, params, images=images)
+    ttft, done = None, None
     while engine.has_unfinished():
         for out in engine.step():
             if out.token_ids and ttft is None:
                 ttft = time.perf_counter() - t0
             if out.finished:
-                tokens = out.token_ids
-    return ttft, tokens
+                done = out
+    return ttft, done
 
 
 def ttft(spec: str, device, dtype: str, side: int, text_len: int, reps: int,
-         cache_gb: float = 4.0) -> tuple[dict, bool]:
+         cache_gb: float = 4.0, tie_margin: float = 0.1) -> tuple[dict, bool]:
+    """Median TTFT of the text alone and with one image; whole = chunked prefill (greedy; in
+    bf16 a parting whose top-2 margin is <= tie_margin counts as a summation-order tie)."""
     settings = dict(device=device, dtype=dtype, max_num_batched_tokens=4096, max_num_seqs=4, cache_memory_gb=cache_gb,
                     enable_prefix_caching=False, max_model_len=8192)
     eng = LLMEngine(spec, EngineConfig(**settings))
@@ -139,13 +145,42 @@ def ttft(spec: str, device, dtype: str, side: int, text_len: int, reps: int,
         eng.runner.vision.cache.clear()                 # every image request encodes its image
         times["text"].append(first_token(eng, f"t{r}", text)[0])
         times["image"].append(first_token(eng, f"i{r}", ids, images)[0])
-    whole = first_token(eng, "whole", ids, images, max_tokens=16)[1]
-    chunked_eng = LLMEngine(spec, EngineConfig(**{**settings, "max_num_batched_tokens": len(ids) // 3}),
-                            model=eng.model, tokenizer=eng.tokenizer)
-    chunked = first_token(chunked_eng, "chunked", ids, images, max_tokens=16)[1]
-    same = whole == chunked
-    print(f"image request greedy tokens, whole vs chunked prefill: {'same' if same else 'DIFFER'}", flush=True)
+    same = paths_agree(eng, spec, settings, ids, images, tie_margin)
     return {k: sorted(t)[len(t) // 2] for k, t in times.items()} | {"text_len": len(text), "image_len": len(ids)}, same
+
+
+def paths_agree(eng: LLMEngine, spec: str, settings: dict, ids: list[int], images, tie_margin: float,
+                reference: bool = False) -> bool:
+    """The image request's greedy tokens, whole prefill (on `eng`) vs chunked in thirds, and vs
+    the reference ops (`reference`: torch ops, eager). In fp32 they must be equal; in bf16 a
+    parting whose top-2 margin is <= tie_margin counts as a summation-order tie."""
+    whole = first_token(eng, "whole", ids, images, max_tokens=16)[1]
+    others = {"chunked prefill": {"max_num_batched_tokens": len(ids) // 3}}
+    if reference:
+        others["reference ops"] = {"ops_backend": "reference", "enforce_eager": True}
+    same = True
+    for name, change in others.items():          # (the reference engine last: the backend is per process)
+        other = LLMEngine(spec, EngineConfig(**{**settings, **change}), model=eng.model, tokenizer=eng.tokenizer)
+        got = first_token(other, name, ids, images, max_tokens=16)[1]
+        margin = parting_margin(got, whole)
+        ok = margin is None or (settings["dtype"] != "float32" and margin <= tie_margin)
+        same &= ok
+        verdict = ("same" if margin is None else f"DIFFER, whole run's top-2 logprob margin {margin:.4f} at the "
+                   f"first parting ({'a near-tie' if ok else 'NOT a tie'})")
+        print(f"image request greedy tokens ({settings['dtype']}), whole vs {name}: {verdict}", flush=True)
+    return same
+
+
+def fp32_paths(spec: str, device, side: int, text_len: int, cache_gb: float) -> bool:
+    """paths_agree in fp32 (a smaller model where the bf16 one would not fit in fp32): whole vs
+    chunked prefill and fast vs reference ops must give the same greedy tokens."""
+    settings = dict(device=device, dtype="float32", max_num_batched_tokens=4096, max_num_seqs=4,
+                    cache_memory_gb=cache_gb, enable_prefix_caching=False, max_model_len=8192)
+    eng = LLMEngine(spec, EngineConfig(**settings))
+    v = eng.cfg.vision
+    text = torch.randint(100, min(eng.cfg.vocab_size, 8000), (text_len,), generator=torch.Generator().manual_seed(2)).tolist()
+    ids, images = image_prompt(text, png(side, side, 7), v, v.image_token_id)
+    return paths_agree(eng, spec, settings, ids, images, 0.0, reference=True)
 
 
 def main(argv=None) -> int:
@@ -156,15 +191,18 @@ def main(argv=None) -> int:
         device, dtype, tdtype = "cpu", torch.float32, "float32"
         v, hidden, side, batches, reps = preset_config("tiny-vision").vision, 64, 40, [1, 4], 2
         spec, text_len = "random:tiny-vision", 40
+        spec32 = spec
     else:
         device, dtype, tdtype = "cuda", torch.bfloat16, "bfloat16"
         v, hidden, side, batches, reps = vision_config(RELEASED), 4096, 1024, [1, 32], 5
         overrides = ",".join(f"{k}={val}" for k, val in RELEASED.items())
         # four layers: two window-only, one C4 (CSA), one C128 (HCA), as the released model begins
         spec, text_len = f"random:flash-slice:4:{overrides},image_token_id=128000", 1024
+        spec32 = f"{spec},n_routed_experts=8"
     ok = check_reference(device)
     rates, ok_batch = throughput(v, hidden, device, dtype, side, batches, reps)
     times, ok_tokens = ttft(spec, device, tdtype, side, text_len, 3, cache_gb=0.25 if args.smoke else 4.0)
+    ok_tokens &= fp32_paths(spec32, device, side, text_len, cache_gb=0.25 if args.smoke else 4.0)
     print()
     print("| measure | value |")
     print("|---|---|")

@@ -255,7 +255,7 @@ class EngineConfig:
     max_model_len: int | None = None       # prompt + output tokens; None: min(model max, cache)
     num_pages: int | None = None           # 256-token history pages; None: from the memory budget
     cache_memory_gb: float | None = None   # cache budget; None: 1 GiB on CPU, 90% of free on GPU
-    kv_cache_dtype: str = "auto"           # auto: the model dtype; fp8: DeepSeek's packed FP8 rows (no prefix cache yet)
+    kv_cache_dtype: str = "auto"           # auto: the model dtype; fp8: DeepSeek's packed FP8 rows
     spec_slots: int = 0                    # S: speculative tokens the private state can roll back
     seed: int = 0
     ops_backend: str = "auto"              # auto: Triton kernels on CUDA; reference: torch ops only
@@ -300,9 +300,6 @@ class EngineConfig:
             raise ConfigError("async_scheduling", f"expected 'auto', 'on' or 'off', got {self.async_scheduling!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError("kv_cache_dtype", f"expected 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
-        if self.kv_cache_dtype == "fp8" and self.host_cache_gb:
-            raise ConfigError("host_cache_gb", "the host / disk tiers store prefix-cache checkpoints, which "
-                                               "do not hold packed FP8 KV rows yet: use --kv-cache-dtype auto")
         if self.ops_backend not in ("auto", "reference"):
             raise ConfigError("ops_backend", f"expected 'auto' or 'reference', got {self.ops_backend!r}")
         f = self.index_topk_freq

@@ -55,6 +55,7 @@ def summarize(outcomes: Sequence[RequestOutcome], duration: float) -> dict[str, 
         summary[f"mean_{metric}_ms"] = sum(ms) / len(ms) if ms else 0.0
         summary[f"median_{metric}_ms"] = percentile(ms, 50)
         summary[f"p99_{metric}_ms"] = percentile(ms, 99)
+    summary["first_ttft_ms"] = outcomes[0].ttft * 1000 if outcomes and outcomes[0].success else None
     summary["errors"] = [o.error for o in outcomes if not o.success][:MAX_ERRORS_KEPT]
     return summary
 

@@ -8,8 +8,11 @@ private rows a chunk starting at L reads (cache/addressing.py):
   * nothing of the HCA compressor: its group closed at L (256 % 128 == 0).
 The overlap rows are read from the ring by position (`p % csa_ring`) when the chunk ended near
 L, or from the staging rows where a chunk that crossed L wrote them (layout.py).
-A checkpoint is those rows packed into one flat buffer of the cache dtype, sections in the
-order of `CheckpointFormat.sections`, each [layers, rows, width] row-major. Rows are indexed by
+A checkpoint is those rows packed into one flat buffer, sections in the order of
+`CheckpointFormat.sections`, each [layers, rows, width] row-major. The buffer is of the cache
+dtype; with packed FP8 KV (`layout.kv_fp8`) it is bytes (uint8), the SWA section holds the
+packed rows as they are stored and the ring sections (never packed) are viewed as the model
+dtype inside it (every section's byte length is a multiple of 4, so the views stay aligned). Rows are indexed by
 position, not by ring row or SWA slot, so a checkpoint restores into any request's pages and
 slot (and into a layout with another number of speculative slots).
 
@@ -42,11 +45,16 @@ class Section:
     kind: str            # the KVStorage kind its rows come from
     layers: int
     rows: int            # positions
-    width: int
+    width: int           # elements of `dtype` per row
+    dtype: torch.dtype   # the kind's storage dtype (cache/storage.py)
 
     @property
     def numel(self) -> int:
         return self.layers * self.rows * self.width
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -54,13 +62,15 @@ class CheckpointUnit:
     """One checkpoint outside the cache (what the host / disk tiers and disaggregation move)."""
     signature: str
     position: int                # L: the request resumes here
-    data: torch.Tensor           # [numel] flat, the cache dtype
+    data: torch.Tensor           # [numel] flat, CheckpointFormat.buffer_dtype
 
 
-def layout_signature(layout: CacheLayout, dtype: torch.dtype, kv_dtype: torch.dtype) -> str:
+def layout_signature(layout: CacheLayout, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> str:
+    """kv_dtype: the KV rows' dtype (None: `dtype`, or packed FP8 with `layout.kv_fp8`)."""
     cfg = layout.cfg
     fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.compare}
-    text = json.dumps({"format": FORMAT_VERSION, "model": fields, "dtype": str(dtype), "kv_dtype": str(kv_dtype),
+    kv = "packed-fp8" if layout.kv_fp8 else str(kv_dtype or dtype)
+    text = json.dumps({"format": FORMAT_VERSION, "model": fields, "dtype": str(dtype), "kv_dtype": kv,
                        "swa_layers": layout.num_swa_layers}, sort_keys=True, default=_jsonable)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -70,21 +80,26 @@ def _jsonable(value):
 
 
 class CheckpointFormat:
-    def __init__(self, layout: CacheLayout, dtype: torch.dtype, kv_dtype: torch.dtype | None = None):
+    def __init__(self, layout: CacheLayout, dtype: torch.dtype):
         c = layout.cfg
         self.window = c.sliding_window
         if not 0 < self.window <= PAGE_TOKENS:
             raise ValueError(f"sliding_window {self.window}: checkpoints need 0 < W <= {PAGE_TOKENS}")
-        self.kv_dtype = kv_dtype or dtype
+        self.buffer_dtype = torch.uint8 if layout.kv_fp8 else dtype
+        swa_dtype = torch.uint8 if layout.kv_fp8 else dtype          # (storage.storage_dtype)
         csa, D, Di = len(layout.csa_layers), c.head_dim, c.index_head_dim
-        self.sections = (Section("swa", layout.num_swa_layers, self.window, D),
-                         Section("ring_kv", csa, OVERLAP, 2 * D), Section("ring_gate", csa, OVERLAP, 2 * D),
-                         Section("iring_kv", csa, OVERLAP, 2 * Di), Section("iring_gate", csa, OVERLAP, 2 * Di))
-        self.numel = sum(s.numel for s in self.sections)
-        self.signature = layout_signature(layout, dtype, self.kv_dtype)
+        self.sections = (Section("swa", layout.num_swa_layers, self.window, layout.entry_width, swa_dtype),
+                         Section("ring_kv", csa, OVERLAP, 2 * D, dtype), Section("ring_gate", csa, OVERLAP, 2 * D, dtype),
+                         Section("iring_kv", csa, OVERLAP, 2 * Di, dtype),
+                         Section("iring_gate", csa, OVERLAP, 2 * Di, dtype))
+        if layout.kv_fp8 and any(s.nbytes % 4 for s in self.sections):
+            raise ValueError(f"checkpoint sections of {[s.nbytes for s in self.sections]} bytes: the typed "
+                             f"views of a byte buffer need multiples of 4")
+        self.numel = sum(s.nbytes for s in self.sections) // self.buffer_dtype.itemsize
+        self.signature = layout_signature(layout, dtype)
 
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.kv_dtype).element_size()
+        return self.numel * self.buffer_dtype.itemsize
 
     # ---- between the cache and a flat buffer ---------------------------------------------
     def pack(self, storage, swa_table: list[int], slot: int, L: int, out: torch.Tensor, staged: bool = False
@@ -104,8 +119,9 @@ class CheckpointFormat:
             raise ValueError(f"checkpoint buffer of shape {tuple(flat.shape)}, expected ({self.numel},)")
         out, start = [], 0
         for s in self.sections:
-            out.append(flat[start:start + s.numel].view(s.layers, s.rows, s.width))
-            start += s.numel
+            n = s.nbytes // flat.element_size()
+            out.append(flat[start:start + n].view(s.dtype).view(s.layers, s.rows, s.width))
+            start += n
         return out
 
     def _positions(self, section: Section, L: int) -> torch.Tensor:
@@ -148,9 +164,9 @@ class CheckpointFormat:
         if unit.signature != self.signature:
             raise CheckpointMismatch(f"checkpoint of layout {unit.signature[:16]}..., this cache's layout is "
                                      f"{self.signature[:16]}... (another model config, dtype or format version)")
-        if unit.data.dtype != self.kv_dtype or unit.data.shape != (self.numel,):
+        if unit.data.dtype != self.buffer_dtype or unit.data.shape != (self.numel,):
             raise CheckpointMismatch(f"checkpoint data {unit.data.dtype} x {tuple(unit.data.shape)}, expected "
-                                     f"{self.kv_dtype} x ({self.numel},)")
+                                     f"{self.buffer_dtype} x ({self.numel},)")
         return unit.data
 
 

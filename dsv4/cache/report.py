@@ -9,6 +9,7 @@ import re
 
 import torch
 
+from .checkpoint import CheckpointFormat
 from .layout import PAGE_TOKENS, CacheLayout, CachePlan
 from .sizing import cache_bytes, cache_components, requests_that_fit
 
@@ -53,14 +54,16 @@ def plan_report(weights: dict[str, int], layout: CacheLayout, plan: CachePlan, d
 
 def model_dtype_plan(layout: CacheLayout, plan: CachePlan, dtype: torch.dtype,
                      max_num_batched_tokens: int) -> CachePlan | None:
-    """With FP8 KV: the plan model-dtype KV gets from the bytes `plan` takes (None without FP8 KV
-    or when that budget holds no page)."""
+    """With FP8 KV: the plan model-dtype KV gets from the bytes `plan` takes, with prefix-cache
+    checkpoints (of the model-dtype format, as many as its plan gives) when `plan` has them (None
+    without FP8 KV or when that budget holds no page)."""
     if not layout.kv_fp8:
         return None
     plain = dataclasses.replace(layout, kv_fp8=False)
+    ckpt = CheckpointFormat(plain, dtype).nbytes() if plan.num_checkpoints else 0
     try:
         return plain.plan(cache_bytes(layout, plan, dtype), torch.empty((), dtype=dtype).element_size(),
-                          plan.max_num_seqs, max_num_batched_tokens)
+                          plan.max_num_seqs, max_num_batched_tokens, checkpoint_bytes=ckpt)
     except ValueError:
         return None
 

@@ -19,10 +19,9 @@ COMPONENTS = {"swa": "sliding-window pages", "c4": "C4 entries (CSA)", "idx": "i
 
 
 def prefix_caching(config: EngineConfig) -> bool:
-    """Whether the engine keeps a prefix cache: asked for and the KV rows are not packed FP8
-    (a checkpoint is one flat buffer of the model dtype, cache/checkpoint.py). Under
+    """Whether the engine keeps a prefix cache (with either KV dtype: cache/checkpoint.py). Under
     data-parallel attention every rank keeps its own (engine/data_parallel.py)."""
-    return config.enable_prefix_caching and config.kv_cache_dtype != "fp8"
+    return config.enable_prefix_caching
 
 
 def plan_cache(layout: CacheLayout, config: EngineConfig, dtype: torch.dtype) -> CachePlan:

@@ -12,7 +12,7 @@ One tensor per kind, [units, layers of the kind, rows per unit, C]:
 (with `layout.kv_fp8`, swa / c4 / c128 / idx are uint8 rows of packed FP8, dsv4/ops/kv_fp8.py:
 C = layout.entry_width / index_width bytes),
 
-and, with a prefix cache, `checkpoints` [num_checkpoints, numel]: one flat checkpoint a row
+and, with a prefix cache, `checkpoints` [num_checkpoints, numel] (bytes with packed FP8 KV): one flat checkpoint a row
 (checkpoint.py: the private rows a request resumes from at a page boundary),
 
 so one page of one kind (or one request's ring rows) is a contiguous block that can be copied,
@@ -57,7 +57,7 @@ def storage_dtype(layout: CacheLayout, kind: str, dtype: torch.dtype) -> torch.d
 
 class KVStorage:
     def __init__(self, layout: CacheLayout, plan: CachePlan, dtype: torch.dtype, device):
-        self.layout, self.plan = layout, plan
+        self.layout, self.plan, self.dtype = layout, plan, dtype     # dtype: the model's (rings, unpacked rows)
         self.scratch_page, self.scratch_swa_page, self.scratch_slot = (plan.num_pages, plan.num_swa_pages,
                                                                        plan.max_num_seqs)
         self.ring_slots = plan.max_num_seqs + 1
@@ -66,7 +66,8 @@ class KVStorage:
         self.layers = [self._layer_views(layer) for layer in range(layout.num_swa_layers)]
         self.checkpoint_format = CheckpointFormat(layout, dtype) if plan.num_checkpoints else None
         numel = self.checkpoint_format.numel if self.checkpoint_format else 0
-        self.checkpoints = torch.zeros(plan.num_checkpoints, numel, dtype=dtype, device=device)
+        ckpt_dtype = self.checkpoint_format.buffer_dtype if self.checkpoint_format else dtype
+        self.checkpoints = torch.zeros(plan.num_checkpoints, numel, dtype=ckpt_dtype, device=device)
 
     def _layer_views(self, layer: int) -> LayerKV:
         lay, k = self.layout, self.kinds

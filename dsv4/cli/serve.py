@@ -113,9 +113,6 @@ def _disagg(args):
         if args.kv_transfer is not None:
             raise SystemExit("dsv4 serve: --kv-transfer needs --role prefill|decode")
         return None
-    if getattr(args, "kv_cache_dtype", "auto") == "fp8":
-        raise SystemExit("dsv4 serve: --role: the transferred state does not hold packed FP8 KV rows yet; "
-                         "use --kv-cache-dtype auto")
     if getattr(args, "data_parallel_size", 1) > 1:
         raise SystemExit("dsv4 serve: --role: a prefill/decode engine sends one rank's cache; "
                          "--data-parallel-size spreads requests over several: use it without --role")

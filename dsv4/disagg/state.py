@@ -76,7 +76,7 @@ class StateCodec:
 
     def __init__(self, storage, kv_dtype: torch.dtype | None = None):
         self.storage, self.layout = storage, storage.layout
-        self.dtype = storage.kinds["swa"].dtype
+        self.dtype = storage.dtype                  # the model's; packed FP8 kinds are uint8 (layout.kv_fp8)
         self.signature = state_signature(self.layout, self.dtype, kv_dtype)
 
     # ---- out -------------------------------------------------------------------------
@@ -119,18 +119,18 @@ class StateCodec:
                                 f"{header.history_bytes + header.continuation_bytes} bytes announced")
         k, device = self.storage.kinds, self.storage.kinds["c4"].device
         idx = torch.tensor(pages[first:n], dtype=torch.long, device=device)
-        view = _Reader(data, device, self.dtype)
+        view = _Reader(data, device)
         for name in HISTORY_KINDS:
-            k[name].index_copy_(0, idx, view.take((n - first, *k[name].shape[1:])))
+            k[name].index_copy_(0, idx, view.take((n - first, *k[name].shape[1:]), k[name].dtype))
         pos = continuation_positions(self.layout, L)
         swa_p, swa_r = self._swa_index(swa_pages, pos["swa"])
-        swa = view.take((k["swa"].shape[1], len(pos["swa"]), k["swa"].shape[3]))
+        swa = view.take((k["swa"].shape[1], len(pos["swa"]), k["swa"].shape[3]), k["swa"].dtype)
         k["swa"][swa_p, :, swa_r] = swa.transpose(0, 1)
         for names, p, cap in ((CSA_RING_KINDS, pos["csa"], self.layout.csa_ring),
                               (HCA_RING_KINDS, pos["hca"], self.layout.hca_ring)):
             rows = self._ring_rows(p, cap)
             for name in names:
-                k[name][slot][:, rows] = view.take((k[name].shape[1], len(p), k[name].shape[3]))
+                k[name][slot][:, rows] = view.take((k[name].shape[1], len(p), k[name].shape[3]), k[name].dtype)
         if view.offset != len(data):
             raise StateMismatch(f"state of {len(data)} bytes, {view.offset} read")
 
@@ -153,21 +153,21 @@ def _raw(t: torch.Tensor) -> bytes:
 
 
 class _Reader:
-    """Consecutive tensors out of one byte string."""
+    """Consecutive tensors out of one byte string, each of its own dtype (packed FP8 kinds are
+    uint8, rings the model dtype; every part's byte length keeps the next one aligned)."""
 
-    def __init__(self, data: bytes, device, dtype: torch.dtype):
+    def __init__(self, data: bytes, device):
         self.buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-        self.device, self.dtype, self.offset = device, dtype, 0
-        self.elem = torch.empty((), dtype=dtype).element_size()
+        self.device, self.offset = device, 0
 
-    def take(self, shape: tuple[int, ...]) -> torch.Tensor:
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         numel = 1
         for s in shape:
             numel *= s
-        nbytes = numel * self.elem
+        nbytes = numel * dtype.itemsize
         if self.offset + nbytes > self.buf.numel():
             raise StateMismatch(f"state truncated: {self.buf.numel()} bytes, needs more than {self.offset + nbytes}")
-        out = self.buf[self.offset:self.offset + nbytes].view(self.dtype).view(shape)
+        out = self.buf[self.offset:self.offset + nbytes].view(dtype).view(shape)
         self.offset += nbytes
         return out.to(self.device)
 

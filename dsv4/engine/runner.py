@@ -123,15 +123,18 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                uniform_tokens: tuple[int, ...] = (1,)) -> dict:
-        """Before the first request: compile the kernels of eager steps (a one-token step and a
-        prefill chunk of the whole token budget) and run every CUDA-graph shape of uniform
+        """Before the first request: compile the kernels of eager steps (chunks of 1, 4, 16, ...
+        tokens up to the whole token budget: library kernels are chosen, and loaded, by size) and
+        run every CUDA-graph shape of uniform
         steps of `uniform_tokens` tokens (capturing it). Every step reads and writes only the
         storage's scratch units, so no request's state changes. Returns what ran. Rank 0 of a
         parallel run has every rank run it alongside."""
         if self.workers is not None:
             self.workers.send(WarmupMessage((max_model_len, max_num_seqs, max_num_batched_tokens, uniform_tokens)))
         scratch = Scratch(self.storage.scratch_page, self.storage.scratch_swa_page, self.storage.scratch_slot)
-        for n in sorted({1, max(1, min(max_num_batched_tokens, max_model_len - 1))}):
+        top = max(1, min(max_num_batched_tokens, max_model_len - 1))
+        sizes = sorted({top, *(4 ** i for i in range(12) if 4 ** i < top)})
+        for n in sizes:
             fb = upload_tree(build_step([scratch_chunk(scratch, 0, n)], self.layout, self.storage.ring_slots), self.h2d)
             self.model.logits(self.model(fb, self.storage.layers)[fb.logits_rows])
         shapes = []
@@ -139,7 +142,7 @@ class ModelRunner:
             self.graphs.tables = self.tables
             for q in uniform_tokens:
                 shapes += self.graphs.warmup(max_model_len, max_num_seqs, q)
-        return {"eager_steps": 2, "graph_shapes": len(shapes)}
+        return {"eager_steps": len(sizes), "graph_shapes": len(shapes)}
 
     def seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
         """What every rank needs of chunk `c` (its request's records in `self.cache`)."""

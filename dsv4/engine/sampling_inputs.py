@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from ..sampling_params import SamplingParams
 from .request import Request
-from .sampler import SamplingBatch, SamplingRow
+from .sampler import Sampler, SamplingBatch, SamplingRow, count_pending, make_generator
 from .upload import HostToDevice, upload_tree
 
 
@@ -47,3 +48,24 @@ class SamplingInputs:
         reusable = masks is None and batch.penalties is None and batch.banned is None
         self._reqs, self._batch = (key, batch) if reusable else ((), None)
         return batch, None if plain else rows_t, pending_t if pending else None
+
+    @torch.inference_mode()
+    def warmup(self, sampler: Sampler, device: torch.device | str) -> None:
+        """Run the sampler's kernels once for each kind of row (greedy; seeded and unseeded
+        random rows with top-k, top-p, min-p, penalties, a logit bias and logprobs) and read the
+        results back, so the first request loads and runs none of them for the first time
+        (docs/architecture.md, "Engine": warm-up). Draws from a generator of its own: the
+        engine's shared one is left as it was."""
+        kinds = [SamplingParams(temperature=0.0, logprobs=2),
+                 SamplingParams(temperature=0.7, top_k=8, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
+                                presence_penalty=0.2, frequency_penalty=0.2, logit_bias={1: 1.0}, min_tokens=4, logprobs=2),
+                 SamplingParams(temperature=1.0, top_p=0.95, seed=0)]
+        rows = [SamplingRow(p, [1, 2], [3], make_generator(p.seed, device)) for p in kinds]
+        shared = torch.Generator(device=device).manual_seed(0)
+        for some in (rows[:1], rows):
+            batch = upload_tree(SamplingBatch.build(some, self.vocab_size, "cpu", self.eos_token_id, shared), self.h2d)
+            if batch.penalties is not None:
+                count_pending(batch.penalties, torch.arange(len(some), device=device),
+                              torch.zeros(len(some), dtype=torch.long, device=device))
+            out = sampler(torch.zeros(len(some), self.vocab_size, device=device), batch)
+            [t.cpu() for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)]

@@ -80,5 +80,7 @@ def test_summary_by_hand():
     assert s["mean_ttft_ms"] == pytest.approx(200) and s["median_ttft_ms"] == pytest.approx(200)
     assert s["mean_tpot_ms"] == pytest.approx(200)  # only the 3-token request has a TPOT
     assert s["mean_itl_ms"] == pytest.approx(200) and s["p99_e2el_ms"] == pytest.approx(498)
+    assert s["first_ttft_ms"] == pytest.approx(100)                  # the first request sent
+    assert summarize(outcomes[::-1], duration=2.0)["first_ttft_ms"] is None      # it failed
     table = format_table(s)
     assert "Successful requests:" in table and "P99 TPOT (ms):" in table and "HTTP 500: boom" in table

@@ -57,10 +57,12 @@ def test_fp8_planned_bytes_equal_the_allocated_tensors():
     assert storage.kinds["ring_kv"].dtype == torch.bfloat16
 
 
-def test_cli_fp8_shows_the_capacity_gain(capsys):
+@pytest.mark.parametrize("caching", [[], ["--no-enable-prefix-caching"]])
+def test_cli_fp8_shows_the_capacity_gain(capsys, caching):
+    """Like for like: both plans keep prefix-cache checkpoints (each of its own format), or neither."""
     args = ["plan", "--model", "random:flash-slice:6", "--dtype", "bfloat16", "--cache-memory-gb", "40",
-            "--request-tokens", "1000000"]
-    assert main(args + ["--no-enable-prefix-caching"]) == 0        # FP8 KV keeps no checkpoints either
+            "--request-tokens", "1000000", *caching]
+    assert main(args) == 0
     plain = capsys.readouterr().out
     assert main(args + ["--kv-cache-dtype", "fp8"]) == 0
     fp8 = capsys.readouterr().out
@@ -69,5 +71,6 @@ def test_cli_fp8_shows_the_capacity_gain(capsys):
     gain = float(fp8.split("FP8 KV: ")[1].split("x")[0])
     assert gain == pytest.approx(tokens[1] / tokens[0], rel=1e-2)
     assert "packed FP8" in fp8 and "FP8 KV:" not in plain
+    assert ("prefix-cache checkpoints" in fp8) == (not caching)
     with pytest.raises(SystemExit, match="--kv-cache-dtype"):
         main(["plan", "--model", "random:tiny", "--kv-cache-dtype", "int4"])

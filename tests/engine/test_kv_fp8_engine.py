@@ -8,7 +8,9 @@
   indexer selections that FP8 keys flip);
 * chunked == whole prefill under FP8 KV (REL_TOL, as in the model dtype), and the greedy
   tokens of a chunked run equal those of a whole-prompt run (invariant 5);
-* storage: uint8 packed kinds, planner bytes equal to the allocated tensors, the prefix cache off.
+* storage: uint8 packed kinds, planner bytes equal to the allocated tensors;
+* the prefix cache under FP8 KV (checkpoints of packed SWA rows, cache/checkpoint.py): a request
+  resumed at each page boundary gives the logits of a cold FP8 engine (invariant 5).
 """
 from __future__ import annotations
 
@@ -93,7 +95,21 @@ def test_greedy_tokens_chunked_equal_whole_under_fp8(tiny):
     assert len(outs) == 2 and len(outs[0]) == 24 and outs[0] == outs[1]
 
 
-def test_fp8_turns_the_prefix_cache_off(tiny):
-    eng = tiny.engine(kv_cache_dtype="fp8", num_pages=8)
-    assert eng.plan.num_checkpoints == 0 and eng.cache.prefix is None
-    assert "packed FP8" in eng.memory_report()
+def test_fp8_prefix_hits_equal_a_cold_fp8_engine(tiny, h, forcer):
+    """A 1000-token request prefilled in chunks of 256 leaves checkpoints at 256, 512 and 768
+    (byte buffers: packed SWA rows, model-dtype ring rows); requests of the same tokens resume
+    at each and decode forced tokens: every logits row equals a cold FP8 engine's."""
+    tokens = tiny.tie_free_ids(1000, seed=241)
+    eng = tiny.engine(kv_cache_dtype="fp8", max_num_batched_tokens=256, max_num_seqs=8, num_pages=40)
+    assert eng.runner.storage.checkpoints.dtype == torch.uint8 and "packed FP8" in eng.memory_report()
+    forcer.run(eng, [h.Forced("first", tokens, all_logits=False)])
+    cold_eng = tiny.engine(kv_cache_dtype="fp8", max_num_batched_tokens=2048, max_num_seqs=2, num_pages=8,
+                           enable_prefix_caching=False)
+    _, cold = forcer.run(cold_eng, [h.Forced("cold", tokens[:900])]).rows("cold")
+    specs = [h.Forced(f"at{L}", tokens[:L + 37], tokens[L + 37:L + 57], all_logits=False) for L in (256, 512, 768)]
+    run = forcer.run(eng, specs)
+    for spec, L in zip(specs, (256, 512, 768)):
+        assert next(start for step in run.steps for r, start, _ in step if r == spec.rid) == L
+        positions, rows = run.rows(spec.rid)
+        h.assert_rows_close(rows, cold[positions], positions, f"{spec.rid} vs cold")
+    h.assert_cache_accounting(eng)

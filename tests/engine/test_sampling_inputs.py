@@ -113,3 +113,17 @@ def test_reusing_engine_equals_rebuilding_engine(tiny):
         assert x.token_ids == y.token_ids and (x.finish_reason, x.stop_reason) == (y.finish_reason, y.stop_reason)
         assert x.logprobs == y.logprobs, rid
     assert 0 < reuse.sampling_inputs.builds < si.builds, (reuse.sampling_inputs.builds, si.builds)
+
+
+def test_warmup_runs_every_row_kind_and_leaves_the_shared_generator_and_reuse_alone():
+    """The start-up pass over the sampler (engine warm-up) draws from a generator of its own: the
+    engine's shared generator gives the same draws afterwards, and no batch is kept for reuse."""
+    from dsv4.engine.sampler import Sampler
+    si = _inputs()
+    before = si.generator.get_state()
+    si.warmup(Sampler(), "cpu")
+    assert torch.equal(si.generator.get_state(), before)
+    assert si.builds == 0 and si._batch is None
+    a = _req("a", temperature=0.9)
+    batch, _, _ = si.batch([a], [0])
+    assert si.builds == 1 and batch.random_rows == [0]
