@@ -26,6 +26,11 @@ to m, l, acc (an all -1 block leaves them unchanged), so the result is bit-ident
 dense form's. PER_PAGE is a constexpr: a power of two makes the page arithmetic a shift and
 mask, and pages of at least BLOCK_K slots (the window's) are read as two scalars a block instead
 of a per-slot gather, which keeps the paged loop at the dense one's registers (sm_90).
+
+A packed FP8 pool (dsv4/ops/kv_fp8.py: 448 e4m3 bytes, 64 bf16 RoPE values, 7 UE8M0 scale bytes
+on V4) is read as int32 words, two a load (rows are 8-byte aligned), and unpacked in registers
+(dsv4/ops/triton/fp8_words.py); q and acc are then split at channel NOPE (`_attend_split`), so
+a packed key costs the plain key's dots plus one dequantisation, on the same grid and splits.
 """
 from __future__ import annotations
 

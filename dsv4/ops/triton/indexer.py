@@ -17,6 +17,10 @@ pass instead of a dozen torch ops), so scores and selection are bit-identical to
 dense form. `indexer_topk_offsets` has the same kernel also write the chosen positions
 (offsets into each token's range, IndexCache's raw top-k: dsv4/ops/translate.py).
 The tiling depends only on T, k and the width, never on the data (CUDA-graph safe).
+
+Packed FP8 keys (Di e4m3 bytes + an fp32 scale, dsv4/ops/kv_fp8.py) are read as int32 words and
+unpacked to q's dtype (exact), so they take q's tensor-core dot like model-dtype keys; each key's
+scale (> 0) multiplies its dot afterwards (it commutes with the ReLU).
 """
 import os
 
