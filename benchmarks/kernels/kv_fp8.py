@@ -10,6 +10,9 @@ Per context c, the three reads of a decode step whose cost is in the KV dtype:
   HCA attention   window 128 + all c/128 C128 entries (2-entry pages: read slot by slot)
   indexer         top-k 512 of the c/4 indexer keys (64-entry pages), and its scores kernel alone
 (H = 64, D = 512 with 64 RoPE channels, Hi = 64, Di = 128; LAYERS layers' pages interleave).
+Then the writes of one decode step's rows (T = 1): a bf16 row stored as is, against the packed
+row written by the torch definition (pack_entries / pack_index_keys and an index_put: ~20 ops)
+and by the Triton writer (dsv4/ops/triton/kv_pack.py: one kernel), which must match bit for bit.
 The bf16 attention pools hold the FP8 rows' exact dequantisation, so both kinds compute the
 same thing: the FP8 outputs must be within 2e-2 of the bf16 ones, the FP8 indexer scores within
 1e-5 (of the largest) of those of the exact fp32 dequantised keys, else exit 1. Times: median replay of a CUDA graph of
@@ -30,10 +33,12 @@ if SMOKE:
 import torch  # noqa: E402
 
 from dsv4.bench.timing import median_ms  # noqa: E402
-from dsv4.ops.kv_fp8 import pack_entries, pack_index_keys, unpack_entries, unpack_index_keys  # noqa: E402
+from dsv4.ops.kv_fp8 import (entry_bytes, index_key_bytes, pack_entries, pack_index_keys,  # noqa: E402
+                             unpack_entries, unpack_index_keys)
 from dsv4.ops.paged import PagedRows  # noqa: E402
 from dsv4.ops.triton import attention as tri_attn  # noqa: E402
 from dsv4.ops.triton import indexer as tri_idx  # noqa: E402
+from dsv4.ops.triton import kv_pack  # noqa: E402
 
 H, D, ROPE, HI, DI, WINDOW, TOPK = 64, 512, 64, 64, 128, 128, 512
 SWA_PAGE, C4_PAGE, C128_PAGE, LAYERS = 128, 64, 2, 2
@@ -145,6 +150,33 @@ def run_indexer(ctx: int, gen, device, reps: int) -> bool:
     return not ok
 
 
+def run_writes(gen, device, reps: int) -> bool:
+    """Print the write rows (one row into a pool, T = 1); -> True on a mismatch."""
+    failed = False
+    rows = torch.tensor([3], device=device)
+    for name, dim in (("attention entry", D), ("index key", DI)):
+        x = torch.randn(1, dim, generator=gen, device=device).to(torch.bfloat16)
+        packed = torch.zeros(8, entry_bytes(D, ROPE) if dim == D else index_key_bytes(DI), dtype=torch.uint8,
+                             device=device)
+        plain = torch.zeros(8, dim, dtype=torch.bfloat16, device=device)
+        if dim == D:
+            torch_fn, triton_fn = (lambda: packed.index_put_((rows,), pack_entries(x, ROPE)),
+                                   lambda: kv_pack.write_entries(packed, rows, x, ROPE))
+        else:
+            torch_fn, triton_fn = (lambda: packed.index_put_((rows,), pack_index_keys(x)),
+                                   lambda: kv_pack.write_index_keys(packed, rows, x))
+        torch_fn()
+        want = packed.clone()
+        packed.zero_()
+        triton_fn()
+        ok = torch.equal(packed, want)
+        failed |= not ok
+        ms = [timed_ms(fn, device, reps) for fn in (lambda: plain.index_put_((rows,), x), torch_fn, triton_fn)]
+        print(f"{'write':>8} {name:16} {1:8d} {ms[0]:9.4f} {ms[2]:9.4f} {ms[2] / ms[0]:8.2f} "
+              f"{'torch pack ' + format(ms[1], '.4f') + ' ms':>18} {'ok' if ok else 'MISMATCH'}")
+    return failed
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny contexts")
@@ -168,6 +200,7 @@ def main() -> int:
         failed |= run_indexer(ctx, gen, device, reps)
         if device == "cuda":
             torch.cuda.empty_cache()
+    failed |= run_writes(gen, device, reps)
     print("FAIL: FP8 disagrees with bf16" if failed else "OK: FP8 agrees with bf16")
     return 1 if failed else 0
 
