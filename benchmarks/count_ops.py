@@ -4,7 +4,7 @@ Every aten op dispatched inside StepGraphs._forward (the second decode step; the
 warms up) is recorded (TorchDispatchMode) with the
 module that issued it; ops that launch no kernel on a GPU (views, empty) are not counted.
 
-    python -m benchmarks.count_ops [--triton] [--spec SPEC] [--context N] [--by-op]
+    python -m benchmarks.count_ops [--triton] [--spec SPEC] [--context N] [--kv-cache-dtype fp8] [--by-op]
 
 --triton runs the Triton kernels in Triton's interpreter (as on CUDA: every use_triton(...)
 op takes its kernel) and counts each kernel launch as one kernel, plus the aten ops around it.
@@ -77,7 +77,7 @@ class Counter:
         InterpretedFunction.run = counted
 
 
-def build_engine(spec: str, context: int):
+def build_engine(spec: str, context: int, kv_cache_dtype: str = "auto"):
     import torch
     from dsv4.config import EngineConfig
     from dsv4.engine.cuda_graphs import StepGraphs
@@ -87,7 +87,7 @@ def build_engine(spec: str, context: int):
     model = build_random_model(spec, "cpu", torch.bfloat16)
     eng = LLMEngine(spec, EngineConfig(dtype="bfloat16", max_num_seqs=1, max_num_batched_tokens=256,
                                        max_model_len=context + 64, num_pages=context // 256 + 4,
-                                       enable_prefix_caching=False),
+                                       enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype),
                     model=model)
     eng.runner.graphs = StepGraphs(model, eng.runner.storage, max_bs=1, capture=False)
     bo._add_batch(eng, 1, context, 8, True, "c")
@@ -100,13 +100,14 @@ def main() -> None:
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--triton", action="store_true")
     p.add_argument("--by-op", action="store_true", help="also list every (module, op) count")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8"))
     args = p.parse_args()
     if args.triton:
         os.environ["TRITON_INTERPRET"] = "1"
     import torch
     torch.set_num_threads(1)
     from dsv4.ops import backend
-    eng = build_engine(args.spec, args.context)
+    eng = build_engine(args.spec, args.context, args.kv_cache_dtype)
     if args.triton:
         backend.use_triton = lambda t: True
         for mod in list(sys.modules.values()):
@@ -133,7 +134,7 @@ def report(ops: collections.Counter, args) -> None:
         by_cat[cat] += n
         by_op[op] += n
     print(f"kernels per decode step ({'triton' if args.triton else 'reference'} ops, batch 1, "
-          f"context {args.context}): {sum(ops.values())}")
+          f"context {args.context}, KV {args.kv_cache_dtype}): {sum(ops.values())}")
     print("by module: " + ", ".join(f"{c} {n}" for c, n in by_cat.most_common()))
     print("by op:     " + ", ".join(f"{o} {n}" for o, n in by_op.most_common()))
     if args.by_op:

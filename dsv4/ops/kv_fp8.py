@@ -21,26 +21,13 @@ from __future__ import annotations
 
 import torch
 
+from .backend import use_triton
+from .kv_fp8_layout import AMAX_FLOOR, FP8_MAX, KV_BLOCK, entry_bytes, index_key_bytes  # noqa: F401
 from .paged import PagedRows
-
-FP8_MAX = 448.0
-KV_BLOCK = 64
-AMAX_FLOOR = 1e-4
 
 
 def is_packed(pool: torch.Tensor) -> bool:
     return pool.dtype == torch.uint8
-
-
-def entry_bytes(dim: int, rope: int) -> int:
-    """Bytes of one packed attention entry of `dim` channels, the last `rope` RoPE'd."""
-    nope = dim - rope
-    raw = nope + 2 * rope + -(-nope // KV_BLOCK)
-    return -(-raw // 8) * 8
-
-
-def index_key_bytes(dim: int) -> int:
-    return dim + 4
 
 
 def pack_entries(x: torch.Tensor, rope: int) -> torch.Tensor:
@@ -85,11 +72,20 @@ def unpack_index_keys(rows: torch.Tensor) -> torch.Tensor:
 
 
 def write_entries(pool: torch.Tensor, rows: torch.Tensor, x: torch.Tensor, rope: int) -> None:
-    """pool[rows] = x: packed for a packed pool, else cast to the pool's dtype."""
+    """pool[rows] = x: packed for a packed pool (one Triton kernel where it runs), else cast to
+    the pool's dtype."""
+    if is_packed(pool) and use_triton(x):
+        from .triton import kv_pack
+        if kv_pack.supports_entries(pool, rows, x, rope):
+            return kv_pack.write_entries(pool, rows, x, rope)
     pool[rows] = pack_entries(x, rope) if is_packed(pool) else x.to(pool.dtype)
 
 
 def write_index_keys(pool: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
+    if is_packed(pool) and use_triton(x):
+        from .triton import kv_pack
+        if kv_pack.supports_index_keys(pool, rows, x):
+            return kv_pack.write_index_keys(pool, rows, x)
     pool[rows] = pack_index_keys(x) if is_packed(pool) else x.to(pool.dtype)
 
 

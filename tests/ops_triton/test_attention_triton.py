@@ -211,3 +211,41 @@ def test_packed_fp8_pools(device, dtype, mix, splits, monkeypatch):
     monkeypatch.setattr(triton_attention, "sparse_attention", lambda *a, **k: calls.append(k) or kernel(*a, **k))
     attention_ops.sparse_attention(q, packed, sinks, 0.125, 16)
     assert calls == [{"rope_dims": 16}]
+
+
+def v4_packed_inputs(device, T, dtype, window, history, seed=0):
+    """V4's row layout (D = 512: 448 FP8 channels in 7 scale blocks + 64 bf16 RoPE channels,
+    584-byte rows): q, [(SWA pool, window PagedRows), (C128-like pool, 2-entry pages)], sinks.
+    Each 64-channel block has its own magnitude (2^-3 .. 2^3), so every block gets its own
+    scale byte, and the RoPE channels another."""
+    from dsv4.ops.kv_fp8 import entry_bytes, pack_entries
+    g = torch.Generator().manual_seed(seed)
+    D, rope = 512, 64
+    magnitude = torch.cat([torch.full((64,), 2.0 ** (b - 3)) for b in range(7)] + [torch.full((rope,), 0.7)])
+    q = (torch.randn(T, 16, D, generator=g) / magnitude).to(device, dtype)   # each block counts alike in q.k
+    sources = []
+    for i, (width, per_page) in enumerate(((window, 16), (history, 2))):
+        paged, rows = random_paged(T, width, per_page=per_page, pitch=3 * per_page, seed=seed + i, device=device)
+        kv = torch.randn(rows, D, generator=g) * magnitude
+        packed = pack_entries(kv, rope).to(device)
+        assert packed.shape[1] == entry_bytes(D, rope) == 584
+        sources.append((packed, paged))
+    return q, sources, torch.randn(16, generator=g).to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_fp8_v4_rows_long_lists_split(device, dtype):
+    """V4-shaped packed rows over a long history (HCA-like pages of 2 entries, read slot by slot)
+    split over several programs, and not split: the reference's result given the packed pools,
+    the split and unsplit results within the kernel's own float error of each other."""
+    q, sources, sinks = v4_packed_inputs(device, 3, dtype, window=24, history=200)
+    scale = 512 ** -0.5
+    with backend.forced("reference"):
+        want = attention_ops.sparse_attention(q, sources, sinks, scale, 64)
+    outs = []
+    for splits in (1, 5):
+        out = triton_attention.sparse_attention(q, sources, sinks, scale, rope_dims=64, num_splits=splits, block_k=16)
+        torch.testing.assert_close(out.float(), want.float(), **TOL[dtype])
+        outs.append(out)
+    assert want.abs().max() > 0.1                                  # the scores are not all in the sink
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), **TOL[dtype])

@@ -221,3 +221,24 @@ def test_packed_fp8_keys(dtype, device):
                         reference_scores(q.cpu(), weights.cpu(), plain.cpu(), cand.dense().cpu()))
     got = tri.indexer_topk(q, weights, packed, cand, 7)
     assert_same_selection(got, q, weights, plain, cand.dense(), 7)
+
+
+def test_packed_fp8_keys_v4_rows(device):
+    """V4's indexer rows (Di = 128: 132-byte rows, 33 words, so rows are only 4-byte aligned),
+    keys of very different magnitudes (each row's own scale), bf16 q (the tensor-core dot of the
+    unpacked keys, scaled after it): the scores of the dequantised keys and the reference's
+    selection given the packed pool."""
+    from dsv4.ops.kv_fp8 import pack_index_keys, unpack_index_keys
+    q, weights, keys, cand = paged_inputs(5, 300, torch.bfloat16, device, seed=6, Di=128)
+    g = torch.Generator().manual_seed(7)
+    keys = keys.float() * torch.exp2(torch.randint(-6, 7, (keys.shape[0], 1), generator=g)).to(device)
+    packed = pack_index_keys(keys)
+    assert packed.shape[1] == 132
+    plain = unpack_index_keys(packed)
+    assert_scores_close(tri.indexer_scores(q, weights, packed, cand).cpu(),
+                        reference_scores(q.cpu(), weights.cpu(), plain.cpu(), cand.dense().cpu()))
+    got = tri.indexer_topk(q, weights, packed, cand, 40)
+    assert_same_selection(got, q, weights, plain, cand.dense(), 40)
+    with pytest.raises(ValueError, match="aligned"):
+        tri.indexer_scores(q, weights, torch.zeros(packed.numel() + 1, dtype=torch.uint8, device=device)[1:]
+                           .view(packed.shape), cand)

@@ -26,6 +26,11 @@ to m, l, acc (an all -1 block leaves them unchanged), so the result is bit-ident
 dense form's. PER_PAGE is a constexpr: a power of two makes the page arithmetic a shift and
 mask, and pages of at least BLOCK_K slots (the window's) are read as two scalars a block instead
 of a per-slot gather, which keeps the paged loop at the dense one's registers (sm_90).
+
+A packed FP8 pool (dsv4/ops/kv_fp8.py: 448 e4m3 bytes, 64 bf16 RoPE values, 7 UE8M0 scale bytes
+on V4) is read as int32 words, two a load (rows are 8-byte aligned), and unpacked in registers
+(dsv4/ops/triton/fp8_words.py); q and acc are then split at channel NOPE (`_attend_split`), so
+a packed key costs the plain key's dots plus one dequantisation, on the same grid and splits.
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ import triton.language as tl
 
 from ..kv_fp8 import entry_bytes
 from ..paged import PagedRows
+from .fp8_words import bf16_words_to, fp8_words_to, ue8m0_to
 
 LOG2E = tl.constexpr(1.4426950408889634)
 # Triton's interpreter multiplies the raw uint16 bits in a bf16 tl.dot: upcast there (tests only)
@@ -45,56 +51,108 @@ INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _block_rows(idx_ptr, start, hi, base, pitch, BLOCK_K: tl.constexpr, PAGED: tl.constexpr,
+                PER_PAGE: tl.constexpr):
+    """Pool rows [BLOCK_K] int64 of slots [start, start + BLOCK_K) of one source (-1: unused).
+    Dense: idx_ptr points at the token's index row. Paged: at its request's page-table row;
+    slot k is item base + k, on row page[(base + k) // PER_PAGE] * pitch + (base + k) % PER_PAGE
+    (the caller bounds hi by the range's length)."""
+    slots = start + tl.arange(0, BLOCK_K)
+    if PAGED:   # rows in int32 (fewer registers): 2^31 pool rows would not fit in GPU memory
+        e = base + slots                                                        # items
+        if PER_PAGE >= BLOCK_K:     # the block spans at most two pages: two scalar loads
+            p0 = (base + start) // PER_PAGE
+            page0 = tl.load(idx_ptr + p0).to(tl.int32)
+            page1 = tl.load(idx_ptr + p0 + 1, mask=(p0 + 1) * PER_PAGE < base + hi, other=-1).to(tl.int32)
+            page = tl.where(e // PER_PAGE == p0, page0, page1)
+        else:
+            page = tl.load(idx_ptr + e // PER_PAGE, mask=slots < hi, other=-1).to(tl.int32)
+        return tl.where(slots < hi, page * pitch + e % PER_PAGE, -1).to(tl.int64)
+    return tl.load(idx_ptr + slots, mask=slots < hi, other=-1).to(tl.int64)
+
+
+@triton.jit
+def _softmax_step(s, valid, m, l):
+    """Masked scores s [H_BLOCK, BLOCK_K] (log2 units) into the running (m, l): -> p, alpha, m, l."""
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])                                             # unused slots: 0
+    return p, alpha, m_new, l * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _attend(q, m, l, acc, kv_ptr, idx_ptr, stride_kv, lo, hi, qk_scale, dims, d_ok,
             base, pitch, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr,
-            PAGED: tl.constexpr, PER_PAGE: tl.constexpr,
-            PACKED: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr):
+            PAGED: tl.constexpr, PER_PAGE: tl.constexpr):
     """Online softmax of one token's q [H_BLOCK, BLOCK_D] over its key slots [lo, hi) of one
-    source, a slot naming a row of the pool kv_ptr (-1: unused). Dense: idx_ptr points at the
-    token's index row. Paged: at its request's page-table row; slot k is item base + k, on row
-    page[(base + k) // PER_PAGE] * pitch + (base + k) % PER_PAGE (the caller bounds hi by the
-    range's length). Carries m, l [H_BLOCK] (log2 units) and acc [H_BLOCK, BLOCK_D] fp32.
-    PACKED: the pool holds FP8 rows (dsv4/ops/kv_fp8.py: NOPE e4m3 bytes, ROPE bf16 values,
-    a UE8M0 byte per 64 NOPE channels), dequantised here to q's dtype (exact for bf16)."""
+    source of model-dtype rows, a slot naming a row of the pool kv_ptr (-1: unused; rows:
+    `_block_rows`). Carries m, l [H_BLOCK] (log2 units) and acc [H_BLOCK, BLOCK_D] fp32."""
     for start in range(lo, hi, BLOCK_K):
-        slots = start + tl.arange(0, BLOCK_K)
-        if PAGED:   # rows in int32 (fewer registers): 2^31 pool rows would not fit in GPU memory
-            e = base + slots                                                        # items
-            if PER_PAGE >= BLOCK_K:     # the block spans at most two pages: two scalar loads
-                p0 = (base + start) // PER_PAGE
-                page0 = tl.load(idx_ptr + p0).to(tl.int32)
-                page1 = tl.load(idx_ptr + p0 + 1, mask=(p0 + 1) * PER_PAGE < base + hi, other=-1).to(tl.int32)
-                page = tl.where(e // PER_PAGE == p0, page0, page1)
-            else:
-                page = tl.load(idx_ptr + e // PER_PAGE, mask=slots < hi, other=-1).to(tl.int32)
-            idx = tl.where(slots < hi, page * pitch + e % PER_PAGE, -1).to(tl.int64)
-        else:
-            idx = tl.load(idx_ptr + slots, mask=slots < hi, other=-1).to(tl.int64)
+        idx = _block_rows(idx_ptr, start, hi, base, pitch, BLOCK_K, PAGED, PER_PAGE)
         valid = idx >= 0                                                            # [BLOCK_K]
-        if PACKED:
-            row = kv_ptr + idx[:, None] * stride_kv                                 # uint8 row starts
-            is_nope = (dims < NOPE)[None, :]
-            nope_ok = valid[:, None] & is_nope
-            raw = tl.load(row + dims[None, :], mask=nope_ok, other=0)
-            code = tl.load(row + (NOPE + 2 * ROPE) + dims[None, :] // 64, mask=nope_ok, other=127)
-            vals = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tl.exp2(code.to(tl.float32) - 127.0)
-            roped = tl.load((row + NOPE).to(tl.pointer_type(tl.bfloat16)) + (dims[None, :] - NOPE),
-                            mask=valid[:, None] & (~is_nope) & d_ok[None, :], other=0.0)
-            k = tl.where(is_nope, vals, roped.to(tl.float32)).to(q.dtype)           # [BLOCK_K, BLOCK_D]
-        else:
-            k = tl.load(kv_ptr + idx[:, None] * stride_kv + dims[None, :],
-                        mask=valid[:, None] & d_ok[None, :], other=0.0)             # [BLOCK_K, BLOCK_D]
+        k = tl.load(kv_ptr + idx[:, None] * stride_kv + dims[None, :],
+                    mask=valid[:, None] & d_ok[None, :], other=0.0)                 # [BLOCK_K, BLOCK_D]
         if FP32_DOT:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee" if FP32_DOT else "tf32") * qk_scale  # [H_BLOCK, BLOCK_K]
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])                                             # unused slots: 0
-        l = l * alpha + tl.sum(p, axis=1)
+        p, alpha, m, l = _softmax_step(s, valid, m, l)
         acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision="ieee" if FP32_DOT else "tf32")
-        m = m_new
     return m, l, acc
+
+
+@triton.jit
+def _split_keys(kv_ptr, idx, valid, stride_kv, dtype: tl.constexpr, PACKED: tl.constexpr,
+                NOPE: tl.constexpr, ROPE: tl.constexpr, NOPE_P: tl.constexpr, ROPE_P: tl.constexpr):
+    """The rows idx [BLOCK_K] of a pool as (no-RoPE part [BLOCK_K, NOPE_P], RoPE part [BLOCK_K,
+    ROPE_P]) in dtype, zero past NOPE / ROPE and on invalid rows. PACKED: FP8 rows (dsv4/ops/
+    kv_fp8.py) read as int32 words (rows 8-byte aligned: two words a load) and unpacked in
+    registers, the nope words times their block's UE8M0 scale (exact: a power of two)."""
+    if PACKED:
+        row = kv_ptr.to(tl.pointer_type(tl.int32)) + tl.multiple_of(idx * (stride_kv // 4), 2)   # [BLOCK_K]
+        w = tl.arange(0, NOPE_P // 4)                                               # 4 nope bytes a word
+        raw = tl.load(row[:, None] + w[None, :], mask=valid[:, None] & (w < NOPE // 4)[None, :], other=0)
+        sb = tl.arange(0, NOPE_P // 64)                                             # scale bytes
+        code = tl.load((kv_ptr + idx * stride_kv + (NOPE + 2 * ROPE))[:, None] + sb[None, :],
+                       mask=valid[:, None] & (sb < (NOPE + 63) // 64)[None, :], other=127)
+        work: tl.constexpr = tl.bfloat16 if dtype == tl.bfloat16 else tl.float32   # value x scale exact in it
+        vals = tl.reshape(fp8_words_to(raw, work), (idx.shape[0], NOPE_P // 64, 64))  # [BLOCK_K, blocks, 64]
+        vals = vals * ue8m0_to(code, work)[:, :, None]                              # times each block's scale
+        k_a = tl.reshape(vals, (idx.shape[0], NOPE_P)).to(dtype)
+        r = tl.arange(0, ROPE_P // 2)                                               # 2 bf16 a word
+        roped = tl.load(row[:, None] + NOPE // 4 + r[None, :], mask=valid[:, None] & (r < ROPE // 2)[None, :],
+                        other=0)
+        k_b = bf16_words_to(roped, work).to(dtype)
+    else:
+        da, db = tl.arange(0, NOPE_P), tl.arange(0, ROPE_P)
+        row = kv_ptr + idx * stride_kv
+        k_a = tl.load(row[:, None] + da[None, :], mask=valid[:, None] & (da < NOPE)[None, :], other=0.0).to(dtype)
+        k_b = tl.load(row[:, None] + NOPE + db[None, :], mask=valid[:, None] & (db < ROPE)[None, :],
+                      other=0.0).to(dtype)
+    return k_a, k_b
+
+
+@triton.jit
+def _attend_split(q_a, q_b, m, l, acc_a, acc_b, kv_ptr, idx_ptr, stride_kv, lo, hi, qk_scale, base, pitch,
+                  BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, PAGED: tl.constexpr, PER_PAGE: tl.constexpr,
+                  PACKED: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, NOPE_P: tl.constexpr,
+                  ROPE_P: tl.constexpr):
+    """`_attend` with q, acc split at channel NOPE (q_a, acc_a [H_BLOCK, NOPE_P]: channels
+    [0, NOPE); q_b, acc_b [H_BLOCK, ROPE_P]: channels NOPE + [0, ROPE)), the form a packed FP8
+    row unpacks to: per key the same dots as the plain form plus one dequantisation in
+    registers. Either kind of pool (PACKED or not) reads into it."""
+    prec: tl.constexpr = "ieee" if FP32_DOT else "tf32"
+    for start in range(lo, hi, BLOCK_K):
+        idx = _block_rows(idx_ptr, start, hi, base, pitch, BLOCK_K, PAGED, PER_PAGE)
+        valid = idx >= 0                                                            # [BLOCK_K]
+        k_a, k_b = _split_keys(kv_ptr, idx, valid, stride_kv, q_a.dtype, PACKED, NOPE, ROPE, NOPE_P, ROPE_P)
+        s = (tl.dot(q_a, tl.trans(k_a), input_precision=prec)
+             + tl.dot(q_b, tl.trans(k_b), input_precision=prec)) * qk_scale        # [H_BLOCK, BLOCK_K]
+        p, alpha, m, l = _softmax_step(s, valid, m, l)
+        p = p.to(k_a.dtype)
+        acc_a = acc_a * alpha[:, None] + tl.dot(p, k_a, input_precision=prec)
+        acc_b = acc_b * alpha[:, None] + tl.dot(p, k_b, input_precision=prec)
+    return m, l, acc_a, acc_b
 
 
 @triton.jit
@@ -125,22 +183,17 @@ def _sparse_attn_kernel(
         D: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
         SPLIT: tl.constexpr, FP32_DOT: tl.constexpr,  # SPLIT: num_splits > 1, write partials
         PAGED0: tl.constexpr, PER_PAGE0: tl.constexpr, PAGED1: tl.constexpr, PER_PAGE1: tl.constexpr,
-        PACKED0: tl.constexpr, PACKED1: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr):
+        PACKED0: tl.constexpr, PACKED1: tl.constexpr,     # packed FP8 pools: split form (`_attend_split`)
+        NOPE: tl.constexpr, ROPE: tl.constexpr, NOPE_P: tl.constexpr, ROPE_P: tl.constexpr):
     n_hb = tl.cdiv(H, H_BLOCK)
     pid = tl.program_id(0)                      # token-major: the head blocks of a token are adjacent (L2 reuse)
     t = (pid // n_hb).to(tl.int64)
     heads = (pid % n_hb) * H_BLOCK + tl.arange(0, H_BLOCK)
-    dims = tl.arange(0, BLOCK_D)
-    h_ok, d_ok = heads < H, dims < D
-    hd_ok = h_ok[:, None] & d_ok[None, :]
-
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=hd_ok, other=0.0)
-    if FP32_DOT:
-        q = q.to(tl.float32)
+    h_ok = heads < H
+    q_row = q_ptr + t * stride_qt + heads[:, None] * stride_qh                        # [H_BLOCK, 1]
     sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * LOG2E
     m = sink                                            # [H_BLOCK] running max (log2 units), >= sink
     l = tl.zeros([H_BLOCK], dtype=tl.float32)           # [H_BLOCK] sum of exp2(s - m) over keys
-    acc = tl.zeros([H_BLOCK, BLOCK_D], dtype=tl.float32)
 
     # this program's slots [first, last) of the virtual list: W0 slots of source 0, then W1 of source 1;
     # a paged source's slots past its range's length are skipped (n0, n1 <= W0, W1)
@@ -148,21 +201,58 @@ def _sparse_attn_kernel(
     last = tl.minimum(first + slots_per_split, W0 + W1)
     row0, base0, n0 = _slots(idx0_ptr, req0_ptr, lo0_ptr, hi0_ptr, stride_i0, t, W0, PAGED0)
     row1, base1, n1 = _slots(idx1_ptr, req1_ptr, lo1_ptr, hi1_ptr, stride_i1, t, W1, PAGED1)
-    m, l, acc = _attend(q, m, l, acc, kv0_ptr, row0, stride_kv0, first, tl.minimum(last, n0), qk_scale,
-                        dims, d_ok, base0, pitch0, BLOCK_K, FP32_DOT, PAGED0, PER_PAGE0, PACKED0, NOPE, ROPE)
-    m, l, acc = _attend(q, m, l, acc, kv1_ptr, row1, stride_kv1, tl.maximum(first, W0) - W0,
-                        tl.minimum(last - W0, n1), qk_scale, dims, d_ok, base1, pitch1, BLOCK_K, FP32_DOT,
-                        PAGED1, PER_PAGE1, PACKED1, NOPE, ROPE)
-
-    if not SPLIT:
-        out = acc / (l + tl.exp2(sink - m))[:, None]
-        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=hd_ok)
+    lo1, hi1 = tl.maximum(first, W0) - W0, tl.minimum(last - W0, n1)
+    if PACKED0 or PACKED1:      # channels split at NOPE (the packed rows' form), both sources read into it
+        da, db = tl.arange(0, NOPE_P), tl.arange(0, ROPE_P)
+        a_ok, b_ok = da < NOPE, db < ROPE
+        q_a = tl.load(q_row + da[None, :], mask=h_ok[:, None] & a_ok[None, :], other=0.0)
+        q_b = tl.load(q_row + NOPE + db[None, :], mask=h_ok[:, None] & b_ok[None, :], other=0.0)
+        if FP32_DOT:
+            q_a, q_b = q_a.to(tl.float32), q_b.to(tl.float32)
+        acc_a = tl.zeros([H_BLOCK, NOPE_P], dtype=tl.float32)
+        acc_b = tl.zeros([H_BLOCK, ROPE_P], dtype=tl.float32)
+        m, l, acc_a, acc_b = _attend_split(q_a, q_b, m, l, acc_a, acc_b, kv0_ptr, row0, stride_kv0, first,
+                                           tl.minimum(last, n0), qk_scale, base0, pitch0, BLOCK_K, FP32_DOT,
+                                           PAGED0, PER_PAGE0, PACKED0, NOPE, ROPE, NOPE_P, ROPE_P)
+        m, l, acc_a, acc_b = _attend_split(q_a, q_b, m, l, acc_a, acc_b, kv1_ptr, row1, stride_kv1, lo1, hi1,
+                                           qk_scale, base1, pitch1, BLOCK_K, FP32_DOT,
+                                           PAGED1, PER_PAGE1, PACKED1, NOPE, ROPE, NOPE_P, ROPE_P)
+        _write(acc_a, da, a_ok, m, l, sink, t, heads, h_ok, out_ptr, part_ptr, H, num_splits,
+               stride_ot, stride_oh, D, SPLIT)
+        _write(acc_b, NOPE + db, b_ok, m, l, sink, t, heads, h_ok, out_ptr, part_ptr, H, num_splits,
+               stride_ot, stride_oh, D, SPLIT)
     else:
+        dims = tl.arange(0, BLOCK_D)
+        d_ok = dims < D
+        q = tl.load(q_row + dims[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+        if FP32_DOT:
+            q = q.to(tl.float32)
+        acc = tl.zeros([H_BLOCK, BLOCK_D], dtype=tl.float32)
+        m, l, acc = _attend(q, m, l, acc, kv0_ptr, row0, stride_kv0, first, tl.minimum(last, n0), qk_scale,
+                            dims, d_ok, base0, pitch0, BLOCK_K, FP32_DOT, PAGED0, PER_PAGE0)
+        m, l, acc = _attend(q, m, l, acc, kv1_ptr, row1, stride_kv1, lo1, hi1, qk_scale, dims, d_ok,
+                            base1, pitch1, BLOCK_K, FP32_DOT, PAGED1, PER_PAGE1)
+        _write(acc, dims, d_ok, m, l, sink, t, heads, h_ok, out_ptr, part_ptr, H, num_splits,
+               stride_ot, stride_oh, D, SPLIT)
+    if SPLIT:
         row = (t * H + heads) * num_splits + tl.program_id(1)      # [H_BLOCK] rows of [T, H, S]
         tl.store(m_ptr + row, m, mask=h_ok)
         tl.store(l_ptr + row, l, mask=h_ok)
-        tl.store(part_ptr + row[:, None] * D + dims[None, :], acc, mask=hd_ok)
+
+
+@triton.jit
+def _write(acc, cols, col_ok, m, l, sink, t, heads, h_ok, out_ptr, part_ptr, H, num_splits,
+           stride_ot, stride_oh, D: tl.constexpr, SPLIT: tl.constexpr):
+    """Channels `cols` of a program's result: acc [H_BLOCK, len(cols)] normalised into out, or
+    (SPLIT) as is into its split's partial row."""
+    ok = h_ok[:, None] & col_ok[None, :]
+    if not SPLIT:
+        out = acc / (l + tl.exp2(sink - m))[:, None]
+        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + cols[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        row = (t * H + heads) * num_splits + tl.program_id(1)      # [H_BLOCK] rows of [T, H, S]
+        tl.store(part_ptr + row[:, None] * D + cols[None, :], acc, mask=ok)
 
 
 # per-step sizes are not specialised: one compiled variant for every step shape
@@ -209,8 +299,10 @@ def _pool_ok(kv: torch.Tensor, q: torch.Tensor, rope_dims: int) -> bool:
     """A pool of q's dtype and width, or packed FP8 rows of q's width (with rope_dims > 0)."""
     if kv.dim() != 2 or kv.stride(1) != 1:
         return False
-    if kv.dtype == torch.uint8:
-        return 0 < rope_dims < q.shape[2] and kv.shape[1] == entry_bytes(q.shape[2], rope_dims)
+    if kv.dtype == torch.uint8:     # read as int32 words, two a load: whole words, 8-byte aligned rows
+        nope = q.shape[2] - rope_dims
+        return (0 < rope_dims < q.shape[2] and kv.shape[1] == entry_bytes(q.shape[2], rope_dims)
+                and nope % 4 == 0 and rope_dims % 2 == 0 and kv.stride(0) % 8 == 0 and kv.data_ptr() % 8 == 0)
     return kv.dtype == q.dtype and kv.shape[1] == q.shape[2]
 
 
@@ -233,6 +325,12 @@ def _source_args(kv: torch.Tensor, idx: torch.Tensor | PagedRows) -> tuple:
         return (kv, pages, req, lo, hi, pages.stride(0), idx.pitch), (idx.width, True, idx.per_page)
     idx = idx if idx.stride(1) == 1 else idx.contiguous()
     return (kv, idx, idx, idx, idx, idx.stride(0), 1), (idx.shape[1], False, 1)
+
+
+def _split_widths(nope: int, rope: int) -> tuple[int, int]:
+    """Padded widths of the split form (`_attend_split`): whole 64-channel scale blocks (a power
+    of two of them) and a power of two of RoPE channels, >= 16 (tl.dot's smallest)."""
+    return 64 * triton.next_power_of_2(max(1, triton.cdiv(nope, 64))), max(16, triton.next_power_of_2(max(1, rope)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -298,6 +396,7 @@ def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
     else:
         m = l = part = out                                   # unused by the kernel
     block_d = triton.next_power_of_2(D)
+    nope_p, rope_p = _split_widths(D - rope_dims, rope_dims)
     (kv0, idx0, req0, lo0, hi0, stride_i0, pitch0), (kv1, idx1, req1, lo1, hi1, stride_i1, pitch1) = args0, args1
     _sparse_attn_kernel[(T * n_hb, splits)](
         q, sinks, out, kv0, idx0, req0, lo0, hi0, kv1, idx1, req1, lo1, hi1, m, l, part,
@@ -308,6 +407,7 @@ def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
         FP32_DOT=q.dtype == torch.float32 or INTERPRETING,
         PAGED0=paged0, PER_PAGE0=per_page0, PAGED1=paged1, PER_PAGE1=per_page1,
         PACKED0=kv0.dtype == torch.uint8, PACKED1=kv1.dtype == torch.uint8, NOPE=D - rope_dims, ROPE=rope_dims,
+        NOPE_P=nope_p, ROPE_P=rope_p,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
         _merge_splits_kernel[(T * n_hb,)](

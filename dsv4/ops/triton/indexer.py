@@ -17,6 +17,10 @@ pass instead of a dozen torch ops), so scores and selection are bit-identical to
 dense form. `indexer_topk_offsets` has the same kernel also write the chosen positions
 (offsets into each token's range, IndexCache's raw top-k: dsv4/ops/translate.py).
 The tiling depends only on T, k and the width, never on the data (CUDA-graph safe).
+
+Packed FP8 keys (Di e4m3 bytes + an fp32 scale, dsv4/ops/kv_fp8.py) are read as int32 words and
+unpacked to q's dtype (exact), so they take q's tensor-core dot like model-dtype keys; each key's
+scale (> 0) multiplies its dot afterwards (it commutes with the ReLU).
 """
 import os
 
@@ -26,6 +30,7 @@ import triton.language as tl
 
 from ..paged import PagedRows, index_width
 from ..stream_topk import RunningTopk
+from .fp8_words import fp8_words_to
 
 BLOCK_E = 128       # candidates per program (best measured on an H200 for E >= 1k: benchmarks/kernels/indexer.py)
 NUM_WARPS = 4
@@ -72,12 +77,12 @@ def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, ou
     if tl.max(rows, axis=0) >= 0:
         q = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
                     mask=h_ok[:, None] & d_ok[None, :], other=0.0)            # [HI_P, DI_P]
-        if PACKED:      # FP8 row: DI e4m3 bytes, then an fp32 scale (dsv4/ops/kv_fp8.py)
-            raw = tl.load(keys_ptr + rows[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                          mask=valid[:, None] & d_ok[None, :], other=0)
-            row_scale = tl.load((keys_ptr + rows * stride_kn + DI).to(tl.pointer_type(tl.float32)),
-                                mask=valid, other=0.0)
-            k = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * row_scale[:, None]
+        if PACKED:      # FP8 row: DI e4m3 bytes (DI / 4 int32 words), then an fp32 scale (dsv4/ops/kv_fp8.py)
+            row = keys_ptr.to(tl.pointer_type(tl.int32)) + rows * (stride_kn // 4)           # [BLOCK_E] word rows
+            offs_w = tl.arange(0, DI_P // 4)
+            raw = tl.load(row[:, None] + offs_w[None, :], mask=valid[:, None] & (offs_w < DI // 4)[None, :], other=0)
+            row_scale = tl.load((row + DI // 4).to(tl.pointer_type(tl.float32)), mask=valid, other=0.0)
+            k = tl.reshape(fp8_words_to(raw, q.dtype), (BLOCK_E, DI_P))    # e4m3 -> q's dtype: exact
         else:
             k = tl.load(keys_ptr + rows[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                         mask=valid[:, None] & d_ok[None, :], other=0.0)      # [BLOCK_E, DI_P]
@@ -86,6 +91,8 @@ def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, ou
             k = k.to(tl.float32)
         # bf16 x bf16 products are exact in fp32 and accumulate in fp32, like the reference.
         dots = tl.dot(q, tl.trans(k), input_precision="ieee")               # [HI_P, BLOCK_E]
+        if PACKED:              # a key's one scale (> 0) factors out of its dot and commutes with the ReLU
+            dots = dots * row_scale[None, :]
         # Padded heads have q = 0 and w = 0: they add nothing.
         w = tl.load(w_ptr + t * stride_wt + offs_h * stride_wh, mask=h_ok, other=0.0)
         w = w.to(tl.float32) * scale                                          # [HI_P]
@@ -132,6 +139,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, c
     by default)."""
     T, Hi, Di = q.shape
     packed = keys.dtype == torch.uint8          # FP8 keys [N, Di + 4] (dsv4/ops/kv_fp8.py)
+    if packed and not _words_ok(keys, Di):
+        raise ValueError("indexer_scores: packed FP8 keys need Di % 4 == 0 and 4-byte aligned contiguous rows")
     e1 = index_width(cand) if e1 is None else e1
     scores = torch.empty((T, e1 - e0), dtype=torch.float32, device=q.device)
     if T == 0 or e1 <= e0:
@@ -149,7 +158,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, c
     # Tensor-core dot for bf16/fp16 pairs; fp32 otherwise. Triton's CPU interpreter multiplies
     # the raw bits of 16-bit floats in tl.dot, so there both sides go up to fp32 first (the same
     # products: 16-bit x 16-bit is exact in fp32).
-    fp32_dot = (q.dtype != keys.dtype or q.dtype not in (torch.bfloat16, torch.float16)
+    # FP8 keys are unpacked to q's dtype in the kernel (exact), so they take q's dot.
+    fp32_dot = ((q.dtype != keys.dtype and not packed) or q.dtype not in (torch.bfloat16, torch.float16)
                 or os.environ.get("TRITON_INTERPRET") == "1")
     _scores_kernel[(T * n_eblk,)](
         q, weights, keys, table, req, lo, hi, scores,
@@ -159,6 +169,13 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, c
         HI_P=hi_p, DI_P=di_p, BLOCK_E=block_e, FP32_DOT=fp32_dot, PAGED=paged, PER_PAGE=per_page,
         PACKED=packed, num_warps=NUM_WARPS)
     return scores
+
+
+def _words_ok(keys: torch.Tensor, di: int) -> bool:
+    """Packed rows the kernel reads as int32 words: whole words, 4-byte aligned (the cache's
+    pools always are: rows of Di + 4 bytes from an aligned base)."""
+    return (di % 4 == 0 and keys.shape[1] == di + 4 and keys.stride(1) == 1 and keys.stride(0) % 4 == 0
+            and keys.data_ptr() % 4 == 0)
 
 
 def tile_width(T: int, k: int, block_e: int = BLOCK_E) -> int:
