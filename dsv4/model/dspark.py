@@ -25,6 +25,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..ops.attention import sparse_attention
+from ..ops.kv_fp8 import is_packed, write_entries
 from ..ops.mhc import hc_head, hc_post
 from ..ops.rope import apply_rope, norm_rope, rope_cos_sin
 from .deepseek_v4 import Block, DeepseekV4
@@ -100,7 +101,7 @@ def block_attention(attn, x: torch.Tensor, cos, sin, swa: torch.Tensor, window: 
     keys = norm_rope(attn.wkv(x), attn.kv_norm.weight, attn.kv_norm.eps, cos, sin)
     own = torch.arange(x.shape[0], device=x.device).view(-1, B)
     own = own.repeat_interleave(B, dim=0)                                      # [R*B, B]
-    out = sparse_attention(q, [(swa, window), (keys, own)], attn.attn_sink, attn.scale)
+    out = sparse_attention(q, [(swa, window), (keys, own)], attn.attn_sink, attn.scale, attn.rope_dims)
     out = apply_rope(out, cos, sin, inverse=True)
     return attn.wo_b(attn._grouped_wo_a(out))
 
@@ -117,8 +118,11 @@ def write_window(model: DeepseekV4, taps: torch.Tensor, positions: torch.Tensor,
     main_x = first.main_norm(first.main_proj(taps.to(model.dtype)))
     cos, sin = rope_cos_sin(positions, model.main_freq)
     for stage in stages(model):
-        a = stage.attn
-        norm_rope(a.wkv(main_x), a.kv_norm.weight, a.kv_norm.eps, cos, sin, out=kv[a.layer].swa, rows=swa_rows)
+        a, swa = stage.attn, kv[stage.attn.layer].swa
+        if is_packed(swa):           # FP8 KV: quantised where written, as the main layers do
+            write_entries(swa, swa_rows, norm_rope(a.wkv(main_x), a.kv_norm.weight, a.kv_norm.eps, cos, sin), a.rope_dims)
+        else:
+            norm_rope(a.wkv(main_x), a.kv_norm.weight, a.kv_norm.eps, cos, sin, out=swa, rows=swa_rows)
 
 
 def run_block(model: DeepseekV4, anchors: torch.Tensor, anchor_pos: torch.Tensor, window: torch.Tensor,

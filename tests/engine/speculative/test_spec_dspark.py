@@ -263,3 +263,16 @@ def test_dspark_sampling_keeps_the_target_distribution(tiny, sp):
     stats = eng.spec.stats
     assert stat < chi_square_bound(dof), (stat, dof)
     assert 0.2 < stats.num_accepted_tokens / stats.num_draft_tokens < 0.95, "drafts rarely or always accepted"
+
+
+def test_dspark_with_fp8_kv_equals_plain_fp8(tiny, h, sp):
+    """Packed FP8 KV: the drafter writes its window keys packed and reads them with their RoPE
+    channels, as the main layers do; greedy output equals a plain FP8 engine's."""
+    fp8 = dict(ENGINE, kv_cache_dtype="fp8")
+    want = sp.drive(tiny.engine(**fp8), workload(tiny, sp))
+    eng = tiny.engine(speculative_config=dspark(3), **fp8)
+    initial = h.free_counts(eng)
+    got = sp.drive(eng, workload(tiny, sp), check=True)
+    sp.assert_same_outputs(got, want, GREEDY)
+    assert eng.spec.stats.num_drafts > 10 and eng.spec.stats.num_accepted_tokens > 0
+    assert h.free_counts(eng) == initial
