@@ -34,9 +34,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from .server_proc import wait_ready
 
 BASELINE_TOK_S, TPOT_TARGET_MS, HOST_TARGET_US = 6438.0, 6.0, 25.0
-READY = re.compile(r"ready at (http://\S+)")
 STARTUP = re.compile(r"engine core ready in ([0-9.]+) s")
 WARMUP = re.compile(r"warm-up: .*")
 
@@ -190,18 +190,6 @@ def serve_and_bench(args) -> dict:
             out["server_log_tail"] = "".join(open(log_file.name, errors="replace").readlines()[-15:])
     out["offline"] = offline(args)
     return out
-
-
-def wait_ready(proc, path: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = READY.search(open(path, errors="replace").read())
-        if found:
-            return found.group(1)
-        if proc.poll() is not None:
-            raise RuntimeError(f"dsv4 serve exited with {proc.returncode}:\n" + open(path, errors="replace").read()[-3000:])
-        time.sleep(0.5)
-    raise RuntimeError(f"dsv4 serve not ready in {timeout:.0f} s")
 
 
 def check_prompts(args) -> list[list[int]]:

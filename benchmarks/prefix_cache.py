@@ -23,7 +23,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -31,8 +30,8 @@ import time
 import urllib.request
 
 from dsv4.bench.serve import ServeBenchConfig, run_serve_benchmark
+from .server_proc import wait_ready
 
-READY = re.compile(r"ready at (http://\S+)")
 T0 = time.perf_counter()
 
 
@@ -109,18 +108,6 @@ def run_one(args, model: str, caching: bool) -> dict:
 def post(url: str) -> None:
     with urllib.request.urlopen(urllib.request.Request(url, data=b"", method="POST"), timeout=60) as r:
         r.read()
-
-
-def wait_ready(proc: subprocess.Popen, log_path: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = READY.search(open(log_path, errors="replace").read())
-        if found:
-            return found.group(1)
-        if proc.poll() is not None:
-            raise RuntimeError(f"dsv4 serve exited with {proc.returncode}")
-        time.sleep(0.5)
-    raise RuntimeError(f"dsv4 serve not ready in {timeout:.0f} s")
 
 
 def tail(path: str, n: int = 40) -> str:

@@ -28,7 +28,7 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-from dsv4.bench.timing import median_ms  # noqa: E402
+from dsv4.bench.timing import graph_ms  # noqa: E402
 from dsv4.ops import moe as moe_ops  # noqa: E402
 from dsv4.ops.backend import forced  # noqa: E402
 from dsv4.ops import quant_gemm as ref  # noqa: E402
@@ -48,21 +48,7 @@ LIMIT = 10.0
 
 
 def timed_ms(fn, device, reps: int) -> float:
-    """ms per call of fn: on CUDA the median replay of a CUDA graph holding GRAPH_CALLS calls
-    (compiled and warmed up first; launch gaps do not count), divided by GRAPH_CALLS; on the CPU
-    (--smoke) wall time."""
-    fn()
-    if device == "cpu":
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t) / reps * 1e3
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
-    return median_ms(graph.replay, reps) / GRAPH_CALLS
+    return graph_ms(fn, device, reps, GRAPH_CALLS)
 
 
 def close(got, want, tol) -> bool:

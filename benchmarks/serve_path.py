@@ -16,15 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 import time
 
 from .cpu_sampler import Sampler
+from .server_proc import wait_ready
 
-READY = re.compile(r"ready at (http://\S+)")
 PROFILE_ENV = "DSV4_SERVE_PATH_PROFILE"      # a path prefix: each process writes <prefix>.<role>.prof
 STUB_SHIFTS = 64                              # the stub's logits rows shift by one a step, cyclically
 
@@ -182,7 +181,7 @@ def run(args) -> dict:
                 "--concurrency", *map(str, args.concurrency)]
         server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            url = _wait_ready(server, log.name, 600)
+            url = wait_ready(server, log.name, 600)
             pids = {"api": server.pid, "engine": engine_core_pid(server.pid)}
             sampler = Sampler().start() if args.profile else None
             for concurrency in args.concurrency:
@@ -203,18 +202,6 @@ def run(args) -> dict:
         log.seek(0)
         tail = log.read()[-2000:]
     return {"results": results, "profiles": profiles, "server_log_tail": tail}
-
-
-def _wait_ready(proc, path: str, timeout: float) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = READY.search(open(path, errors="replace").read())
-        if found:
-            return found.group(1)
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n" + open(path, errors="replace").read()[-3000:])
-        time.sleep(0.3)
-    raise RuntimeError(f"the server was not ready in {timeout:.0f} s")
 
 
 def table(results: list[dict]) -> str:

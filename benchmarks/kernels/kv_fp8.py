@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:
@@ -32,7 +31,7 @@ if SMOKE:
 
 import torch  # noqa: E402
 
-from dsv4.bench.timing import median_ms  # noqa: E402
+from dsv4.bench.timing import graph_ms  # noqa: E402
 from dsv4.ops.kv_fp8 import (entry_bytes, index_key_bytes, pack_entries, pack_index_keys,  # noqa: E402
                              unpack_entries, unpack_index_keys)
 from dsv4.ops.paged import PagedRows  # noqa: E402
@@ -50,20 +49,8 @@ TILES = [(16, 32, 8, 2), (16, 32, 4, 2), (16, 64, 8, 2), (16, 16, 8, 2), (32, 32
 ATTN_TOL, SCORE_RTOL = 2e-2, 1e-5
 
 
-def timed_ms(fn, device: str, reps: int) -> float:
-    """ms per call: on CUDA the median replay of a CUDA graph of GRAPH_CALLS calls (warmed up
-    first), on the CPU (--smoke) one call's wall time."""
-    fn()
-    if device == "cpu":
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e3
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(GRAPH_CALLS):
-            fn()
-    return median_ms(graph.replay, reps) / GRAPH_CALLS
+def timed_ms(fn, device, reps: int) -> float:
+    return graph_ms(fn, device, reps, GRAPH_CALLS)
 
 
 def pools(rows: int, gen, device, dim: int):
