@@ -22,11 +22,8 @@
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
-import io
 import json
-import pstats
 import random
 import re
 import subprocess
@@ -77,7 +74,7 @@ def host_profile(args, concurrency: int) -> dict:
     from dsv4.engine.cuda_graphs import StepGraphs
     from dsv4.engine.engine import LLMEngine
     from dsv4.sampling_params import SamplingParams
-    from .host_sections import Sections, ServePath, breakdown, instrument
+    from .host_sections import Sections, ServePath, breakdown, instrument, profile_steps
     from .serve_path import stub_forward
     cfg = EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=concurrency, enable_prefix_caching=False,
                        max_num_batched_tokens=max(2048, args.input_len * 4), enforce_eager=True,
@@ -122,13 +119,7 @@ def host_profile(args, concurrency: int) -> dict:
                            else min(least.get(name, 1e9), seconds))
     rows, host = breakdown(least, args.profile_steps, concurrency)
     sections.restore()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(args.profile_steps):
-        serve.step()
-    profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    profile = profile_steps(serve.step, args.profile_steps, 25)
     assert len(engine.requests) == concurrency, "a request finished inside the measured steps"
     serve.close()
     del engine, runner, serve
@@ -141,7 +132,7 @@ def host_profile(args, concurrency: int) -> dict:
             "cpu_us_per_request_step": cpus["serve"] / concurrency * 1e6,
             "engine_cpu_us_per_request_step": cpus["engine"] / concurrency * 1e6,
             "host_us_per_request_step": host["all"], "engine_core_us_per_request_step": host["engine_core"],
-            "api_us_per_request_step": host["api"], "breakdown_us": rows, "profile": text.getvalue()}
+            "api_us_per_request_step": host["api"], "breakdown_us": rows, "profile": profile}
 
 
 # ---- 2. server and offline -------------------------------------------------------------------

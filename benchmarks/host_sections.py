@@ -13,6 +13,9 @@ sampler's kernels on a CPU device); they are reported apart from the host total.
 """
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import time
 from collections import defaultdict
 
@@ -167,3 +170,15 @@ def breakdown(seconds: dict[str, float], steps: int, concurrency: int) -> tuple[
     api = sum(v for k, v in rows if k.startswith("api:"))
     host = sum(v for k, v in rows if k not in DEVICE)
     return rows, {"all": host, "engine_core": host - api, "api": api}
+
+
+def profile_steps(step, steps: int, top: int) -> str:
+    """cProfile's `top` functions by own time over `steps` calls of `step`, as text."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        step()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()

@@ -15,11 +15,8 @@ marked "device": tensor work a GPU runs); the breakdown by component; cProfile's
 from __future__ import annotations
 
 import argparse
-import cProfile
 import gc
-import io
 import json
-import pstats
 import random
 import time
 
@@ -85,7 +82,7 @@ def make_engine(args, batch: int, k: int):
 
 def run_case(args, batch: int, k: int) -> dict:
     from dsv4.sampling_params import SamplingParams
-    from .host_sections import Sections, instrument
+    from .host_sections import Sections, instrument, profile_steps
     engine, tokens = make_engine(args, batch, k)
     rng, vocab = random.Random(0), engine.cfg.vocab_size
     params = SamplingParams(temperature=0, max_tokens=tokens - args.prompt_len, ignore_eos=True)
@@ -119,14 +116,7 @@ def run_case(args, batch: int, k: int) -> dict:
     sections.restore()
     profile = None
     if args.profile:
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(args.steps):
-            engine.step()
-        profiler.disable()
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
-        profile = text.getvalue()
+        profile = profile_steps(engine.step, args.steps, 20)
     assert len(engine.requests) == batch, "a request finished inside the measured steps"
     gc.unfreeze()
     host = sum(us for name, us in parts.items() if not name.endswith("(device)"))
