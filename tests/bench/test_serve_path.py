@@ -12,21 +12,30 @@ from benchmarks.cpu_sampler import Sampler
 from benchmarks.serve_path import cpu_seconds, least
 
 
-def _busy(seconds: float) -> int:
+def _busy(sampler: Sampler, samples: int, max_cpu_s: float = 20.0) -> int:
+    """Spin until `sampler` took `samples` samples (or max_cpu_s of user CPU went by: a
+    loaded host delivers the CPU-time signals late, never not at all)."""
+    start, n = os.times().user, 0
+    while sampler.samples < samples and os.times().user - start < max_cpu_s:
+        n += sum(range(200))
+    return n
+
+
+def _spin(seconds: float) -> int:
     start, n = os.times().user, 0
     while os.times().user - start < seconds:
         n += sum(range(200))
     return n
 
 
-def _caller() -> int:
-    return _busy(0.15)
+def _caller(sampler: Sampler) -> int:
+    return _busy(sampler, 30)
 
 
 def test_sampler_charges_own_and_total_time():
     sampler = Sampler(0.005).start()
     try:
-        _caller()
+        _caller(sampler)
     finally:
         sampler.stop()
     busy = next(k for k in sampler.own if k.endswith("(_busy)"))
@@ -49,7 +58,7 @@ def test_runs_merge_to_the_least_cpu_and_the_fastest_run():
 
 def test_proc_cpu_seconds_grow_with_work():
     before = cpu_seconds(os.getpid())
-    _busy(0.05)
+    _spin(0.05)
     assert cpu_seconds(os.getpid()) - before >= 0.03
 
 
