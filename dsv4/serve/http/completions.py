@@ -38,7 +38,7 @@ PLAIN_CHOICE = ("index", "text", "logprobs", "finish_reason", "stop_reason")    
 @dataclass
 class Prompt:
     ids: list[int]
-    text: str                              # what echo shows
+    text: str                              # what echo shows ("" for token ids without echo)
     offsets: list[int] | None = None       # each token's place in `text` (echo with logprobs)
 
 
@@ -126,7 +126,8 @@ def _prompts(req: CompletionRequest, state: ServerState) -> list[Prompt]:
             if bad:
                 raise bad_request(f"prompt: token id {bad[0]} is outside the vocabulary "
                                   f"[0, {state.info.vocab_size})", "prompt")
-            prompt = Prompt(list(item), state.tokenizer.decode(item, skip_special_tokens=req.skip_special_tokens))
+            text = state.tokenizer.decode(item, skip_special_tokens=req.skip_special_tokens) if req.echo else ""
+            prompt = Prompt(list(item), text)       # (the text only echo shows: not decoded without it)
             bos = []
         if not prompt.ids:
             raise bad_request("prompt: must contain at least one token", "prompt")
