@@ -176,15 +176,27 @@ def accept_batch(taken: list[tuple[RequestGrammar, int]]) -> None:
     results are not read back (an element at a time, that costs as much as the call: xgrammar's
     own wrapper does): a refused token leaves its matcher as it was, and only the stop token can
     end one (`RequestGrammar.took`)."""
-    handles, tokens, stops = [], [], []
+    matchers, tokens, stops = [], [], []
     for g, t in taken:
         if g.take_gate(t):
-            handles.append(g.matcher._handle)
+            matchers.append(g.matcher)
             tokens.append(t)
             if t == g.stop_id:
                 stops.append(g)
-    if handles:
-        from xgrammar.base import _core
-        _core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)
+    if matchers:
+        _batch_accept(matchers, tokens)
     for g in stops:
         g.took(g.stop_id)
+
+
+def _batch_accept(matchers: list, tokens: list[int]) -> None:
+    """xgrammar's batch accept without reading its results back, through its private core (the
+    installed 0.2.9 has it); xgrammar's public call if a release moves those internals."""
+    try:
+        from xgrammar.base import _core
+        handles = [m._handle for m in matchers]
+    except (ImportError, AttributeError):
+        import xgrammar
+        xgrammar.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        return
+    _core.BatchGrammarMatcher.batch_accept_token(handles, tokens, False)

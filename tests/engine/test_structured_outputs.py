@@ -371,3 +371,18 @@ def test_deferred_sampling_through_ends_aborts_and_stops(engine_of, monkeypatch,
         assert len(out.token_ids) == 10 and set(out.token_ids[end:]) == {eos}
     assert done["stopped"].finish_reason == "stop" and done["stopped"].stop_reason == "-"
     assert len({tuple(done[f"json-{i}"].token_ids) for i in range(3)}) > 1     # the copies sample apart
+
+
+def test_batch_accept_through_xgrammars_public_call_gives_the_same_outputs(engine_of, run, monkeypatch):
+    """masks.accept_batch uses xgrammar's private core when it has one; without it (a release that
+    moves it) the public batch call advances the matchers alike: same tokens, same texts."""
+    import xgrammar.base
+    eng = engine_of(async_scheduling="on")
+    reqs = {f"j{i}": (p, SamplingParams(max_tokens=30, temperature=0.0, structured=KINDS["json"]))
+            for i, p in enumerate(prompts(eng, 2))}
+    private = run(eng, reqs)
+    monkeypatch.delattr(xgrammar.base, "_core")
+    public = run(eng, reqs)
+    assert {r: o.token_ids for r, o in public.items()} == {r: o.token_ids for r, o in private.items()}
+    for rid, out in public.items():
+        check("json", out.text)
