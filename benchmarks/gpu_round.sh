@@ -8,6 +8,7 @@
 # A step's own flags come from ARGS_<step, dots as _> (e.g. ARGS_prefix_cache="--models demo").
 # Wheels in .whl/ are installed into /tmp/site first (see benchmarks/gpu_check.sh).
 set -uo pipefail
+export PYTHONUNBUFFERED=1   # a step killed by its timeout still leaves its output
 cd "$(dirname "$0")/.."
 OUT=$1; shift
 mkdir -p "$OUT"

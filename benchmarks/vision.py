@@ -175,7 +175,8 @@ def fp32_paths(spec: str, device, side: int, text_len: int, cache_gb: float) -> 
     """paths_agree in fp32 (a smaller model where the bf16 one would not fit in fp32): whole vs
     chunked prefill and fast vs reference ops must give the same greedy tokens."""
     settings = dict(device=device, dtype="float32", max_num_batched_tokens=2048, max_num_seqs=4,
-                    cache_memory_gb=cache_gb, enable_prefix_caching=False, max_model_len=2048)
+                    cache_memory_gb=cache_gb, enable_prefix_caching=False, max_model_len=2048,
+                    enforce_eager=True)   # prefill paths are compared; graphs would only add start-up
     eng = LLMEngine(spec, EngineConfig(**settings))
     v = eng.cfg.vision
     text = torch.randint(100, min(eng.cfg.vocab_size, 8000), (text_len,), generator=torch.Generator().manual_seed(2)).tolist()
