@@ -1,8 +1,10 @@
 """Where a batch-1 decode step of the fast path spends its time: GPU time per step (torch
-profiler) against wall time, and the host side broken down by function (cProfile).
+profiler) against wall time, and the host side broken down by function (cProfile). With
+`--prefill N`, the step profiled is instead a prefill of N new prompt tokens after `context`
+tokens of synthetic history (a chunk at a deep offset).
 
     python -m benchmarks.profile_decode [--spec random:flash-slice:6] [--batch 1] [--context 4096 1048448 ...]
-        [--kv-cache-dtype auto|fp8] [--no-host]
+        [--kv-cache-dtype auto|fp8] [--no-host] [--prefill 2048]
 """
 from __future__ import annotations
 
@@ -31,43 +33,52 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rows", type=int, default=25, help="kernels listed per profile")
     p.add_argument("--no-host", action="store_true", help="leave out the cProfile of the host side")
+    p.add_argument("--prefill", type=int, default=0, help="profile a prefill of this many tokens instead")
     args = p.parse_args()
+    if args.prefill and args.batch != 1:
+        p.error("--prefill: profiles one request (leave --batch at 1)")
     model = load_model(args.spec, "cuda", torch.bfloat16)
     for context in args.context:
         profile_context(args, model, context)
 
 
 def profile_context(args, model, context: int) -> None:
+    new = args.prefill or 200
     eng = LLMEngine(args.spec, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=args.batch,
-                                            max_num_batched_tokens=256,
-                                            max_model_len=min(context + 200, model.cfg.max_position_embeddings),
-                                            num_pages=args.batch * (context // 256 + 2) + 8,
+                                            max_num_batched_tokens=max(256, args.prefill),
+                                            max_model_len=min(context + new, model.cfg.max_position_embeddings),
+                                            num_pages=args.batch * ((context + new) // 256 + 2) + 8,
                                             kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False),
                     model=model)
-    bo._add_batch(eng, args.batch, context, 3 * args.steps + 10, True, "p")
+    if args.prefill:
+        step = lambda: deep_prefill(eng, context, args.prefill)
+    else:
+        bo._add_batch(eng, args.batch, context, 3 * args.steps + 10, True, "p")
+        step = eng.step
     for _ in range(5):                                           # capture and warm up
-        eng.step()
+        step()
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(args.steps):
-        eng.step()
+        step()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t) / args.steps
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
-            eng.step()
+            step()
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]   # (ops' own time would count twice)
     gpu = sum(e.self_device_time_total for e in kernels) / args.steps / 1e3
-    print(f"batch {args.batch}, context {context}, {args.kv_cache_dtype} KV: {wall * 1e3:.2f} ms per step wall, "
+    what = f"prefill of {args.prefill} tokens" if args.prefill else f"batch {args.batch}"
+    print(f"{what}, context {context}, {args.kv_cache_dtype} KV: {wall * 1e3:.2f} ms per step wall, "
           f"{gpu:.2f} ms of GPU time per step", flush=True)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows), flush=True)
     if not args.no_host:
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(args.steps):
-            eng.step()
+            step()
         torch.cuda.synchronize()
         pr.disable()
         out = io.StringIO()
@@ -77,6 +88,15 @@ def profile_context(args, model, context: int) -> None:
     eng.close()
     del eng
     torch.cuda.empty_cache()
+
+
+def deep_prefill(eng: LLMEngine, context: int, new: int) -> None:
+    """One request whose first `context` prompt tokens the cache 'holds' (synthetic history):
+    one step prefills its last `new` tokens and emits its only token."""
+    req = bo._add_batch(eng, 1, context + new, 1, True, f"deep{time.perf_counter_ns()}")[0]
+    req.num_computed = context
+    eng.step()
+    assert not eng.has_unfinished(), "the chunk did not fit one step"
 
 
 if __name__ == "__main__":
