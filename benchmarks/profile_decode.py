@@ -46,7 +46,7 @@ def profile_context(args, model, context: int) -> None:
     new = args.prefill or 200
     eng = LLMEngine(args.spec, EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=args.batch,
                                             max_num_batched_tokens=max(256, args.prefill),
-                                            max_model_len=min(context + new, model.cfg.max_position_embeddings),
+                                            max_model_len=min(context + new + 1, model.cfg.max_position_embeddings),
                                             num_pages=args.batch * ((context + new) // 256 + 2) + 8,
                                             kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False),
                     model=model)

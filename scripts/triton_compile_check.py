@@ -22,6 +22,7 @@ TYPES = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp
          "torch.int32": "i32", "torch.bool": "i1", "torch.uint8": "u8", "torch.int8": "i8",
          "torch.float8_e4m3fn": "fp8e4nv"}
 OPTIONS = ("num_warps", "num_stages")
+SM90_SHARED_BYTES = 232448          # an H100 / H200 block's opt-in shared memory
 
 
 def record(out_path: str, pytest_args: list[str]) -> int:
@@ -92,8 +93,10 @@ def compile_all(in_path: str) -> int:
             else:
                 sig[name] = "fp32"
         try:
-            triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32),
-                           options=launch["options"])
+            kernel = triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32),
+                                    options=launch["options"])
+            if kernel.metadata.shared > SM90_SHARED_BYTES:   # the launch, not the compile, would fail
+                raise RuntimeError(f"shared memory {kernel.metadata.shared} > {SM90_SHARED_BYTES} bytes")
             print(f"ok   {launch['module']}.{launch['name']} {launch['options']}")
         except Exception as e:  # noqa: BLE001
             failures += 1

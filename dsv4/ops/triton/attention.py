@@ -371,7 +371,8 @@ def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
     out = torch.empty_like(q)
     if T == 0:
         return out
-    tiles = PREFILL_TILES if T >= PREFILL_FROM else DECODE_TILES
+    # fp32 (checks only): the prefill tile's q and keys would need 273 KB of shared memory
+    tiles = PREFILL_TILES if T >= PREFILL_FROM and q.dtype != torch.float32 else DECODE_TILES
     h_block, block_k, num_warps, num_stages = (given if given is not None else default for given, default in
                                                zip((h_block, block_k, num_warps, num_stages), tiles))
     q = q if q.stride(2) == 1 else q.contiguous()
