@@ -23,8 +23,9 @@ from .verify import sample_drafts
 
 
 class DSparkProposer:
-    def __init__(self, model, storage, h2d: HostToDevice, confidence_threshold: float = 0.0):
-        self.model, self.storage, self.h2d = model, storage, h2d
+    def __init__(self, model, storage, h2d: HostToDevice, confidence_threshold: float = 0.0, graphs=None):
+        """graphs (dspark_graphs.DSparkGraphs): replays the draft of uniform greedy steps."""
+        self.model, self.storage, self.h2d, self.graphs = model, storage, h2d, graphs
         self.layout = storage.layout
         self.threshold = confidence_threshold
 
@@ -38,6 +39,9 @@ class DSparkProposer:
         works = [w for w in works if w.tokens]
         if not works:
             return []
+        if self.graphs is not None and self.graphs.accepts(works):
+            drafts, conf = self.graphs.run(works, taps)
+            return self._select(works, drafts, [None] * drafts.shape[1], conf)
         self._write_window(works, taps)
         drafting = [w for w in works if w.num_drafts > 0]
         return self._draft(drafting, batch_of) if drafting else []
@@ -60,6 +64,11 @@ class DSparkProposer:
         batch = batch_of([w.request for w in works])
         drafts, qs, conf = markov_drafts(self.model, logits, x, anchors, max(w.num_drafts for w in works),
                                          lambda lg, i: self._sample(lg, i, works, batch))
+        return self._select(works, drafts, qs, conf)
+
+    def _select(self, works: list[DraftWork], drafts: torch.Tensor, qs: list, conf: torch.Tensor) -> list[tuple]:
+        """drafts [R, n], qs [q_i [R, V] or None] per draft, conf [R, n] -> per work, its leading
+        drafts to verify (`_keep`) and their q (None: argmaxes)."""
         keep = self._keep(conf, [w.num_drafts for w in works])
         out = []
         for r, (w, n) in enumerate(zip(works, keep)):
