@@ -49,7 +49,8 @@ class SpeculativeDecoder:
             from .dspark import DSparkProposer
             from .dspark_graphs import DSparkGraphs
             if runner.graphs is not None:      # CUDA graphs on: the drafts of uniform steps replay too
-                graphs = DSparkGraphs(model, runner.storage, runner.graphs.max_bs, capture=True, h2d=runner.h2d)
+                graphs = DSparkGraphs(model, runner.storage, runner.graphs.max_bs, self.k + 1, capture=True,
+                                      h2d=runner.h2d)
             self.proposer = DSparkProposer(model, runner.storage, runner.h2d, spec_config.confidence_threshold,
                                            graphs)
         else:

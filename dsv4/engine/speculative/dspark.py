@@ -41,7 +41,10 @@ class DSparkProposer:
             return []
         if self.graphs is not None and self.graphs.accepts(works):
             drafts, conf = self.graphs.run(works, taps)
-            return self._select(works, drafts, [None] * drafts.shape[1], conf)
+            drafting = [i for i, w in enumerate(works) if w.num_drafts > 0]
+            if len(drafting) < len(works):
+                drafts, conf = drafts[drafting], conf[drafting]
+            return self._select([works[i] for i in drafting], drafts, [None] * drafts.shape[1], conf)
         self._write_window(works, taps)
         drafting = [w for w in works if w.num_drafts > 0]
         return self._draft(drafting, batch_of) if drafting else []

@@ -28,25 +28,37 @@ from ...model.dspark import markov_drafts, run_block, write_window
 from ...ops.paged import PagedRows
 from ..cuda_graphs import MAX_GRAPHS, batch_bucket
 from ..upload import HostToDevice
-from .draft_graphs import capture_graph, split_flat, uniform_greedy
+from .draft_graphs import capture_graph, split_flat
 
 
 class DSparkGraphs:
-    def __init__(self, model, storage, max_bs: int, capture: bool, h2d: HostToDevice):
+    def __init__(self, model, storage, max_bs: int, max_q: int, capture: bool, h2d: HostToDevice):
+        """max_q: the most rows a request's step has in a graph (k + 1: a verify step; the draft
+        after a prefill chunk runs eagerly, or every prompt length would make a graph)."""
         self.model, self.storage, self.max_bs, self.capture, self.h2d = model, storage, max_bs, capture, h2d
+        self.max_q = max_q
         self.layout = storage.layout
         self.scratch = Scratch(storage.scratch_page, storage.scratch_swa_page, storage.scratch_slot)
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
 
     def accepts(self, works) -> bool:
-        return uniform_greedy(works, self.max_bs)
+        """A batch bucket of completing chunks of the same q <= max_q rows, at least one drafting,
+        every drafting request greedy. (Requests that draft nothing, e.g. one token from their
+        end, still write their window keys: they need not bar the graph.)"""
+        if not works or batch_bucket(len(works), self.max_bs) is None:
+            return False
+        q = len(works[0].tokens)
+        return (q <= self.max_q and any(w.num_drafts > 0 for w in works)
+                and all(len(w.tokens) == q and w.anchor >= 0 and (w.num_drafts == 0 or w.request.params.is_greedy)
+                        for w in works))
 
     @torch.inference_mode()
     def run(self, works, taps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """works (accepted), taps [T, n_taps * H] of the verify step -> (drafts [R, n] long,
-        confidence logits [R, n]) on the device: rows of the graph's outputs."""
-        R, q, n = len(works), len(works[0].tokens), works[0].num_drafts
+        confidence logits [R, n]) on the device, n = the most drafts a work wants: rows of the
+        graph's outputs."""
+        R, q, n = len(works), len(works[0].tokens), max(w.num_drafts for w in works)
         packed, shapes = self._inputs(works, q)
         key = (shapes[0].seqs, q, n)
         graph, flat, taps_in, out, static = self._graph(key, packed, shapes, taps)
@@ -70,7 +82,7 @@ class DSparkGraphs:
         anchors = [SeqChunk(w.slot, w.start + w.anchor, [w.tokens[w.anchor]], w.page_table, w.swa_table, logits=1)
                    for w in works]
         shapes = [StepShape(B, t, 0, 0, (W + t - 2) // SWA_PAGE_TOKENS + 2) for t in (q, 1)]
-        (_, pos, write, *_), (tok, t, pages, req, lo, hi) = swa_step_rows([rows, anchors], self.layout, shapes,
+        (_, pos, write, *_), (tok, t, _, pages, req, lo, hi) = swa_step_rows([rows, anchors], self.layout, shapes,
                                                                            self.scratch)
         anchor = np.array([w.anchor for w in works])
         late = np.zeros((B, q), bool)
