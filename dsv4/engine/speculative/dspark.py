@@ -9,6 +9,7 @@ Per request after each step (`DraftWork`, shared with the MTP drafter):
   in the forward (nothing of the block is cached: a rejected block needs no rollback at all).
   The Markov head draws the drafts left to right; the confidence head cuts them to the leading
   ones at or above `confidence_threshold`.
+After a uniform verify step of greedy requests both replay one CUDA graph (dspark_graphs.py).
 """
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ class DSparkProposer:
             drafts, conf = self.graphs.run(works, taps)
             drafting = [i for i, w in enumerate(works) if w.num_drafts > 0]
             if len(drafting) < len(works):
-                drafts, conf = drafts[drafting], conf[drafting]
+                rows = self.h2d.upload([torch.tensor(drafting)])[0]
+                drafts, conf = drafts[rows], conf[rows]
             return self._select([works[i] for i in drafting], drafts, [None] * drafts.shape[1], conf)
         self._write_window(works, taps)
         drafting = [w for w in works if w.num_drafts > 0]
