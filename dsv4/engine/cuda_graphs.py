@@ -30,7 +30,7 @@ from .upload import HostToDevice, leaf_tensors, replace_leaves, tensor_leaves
 log = logging.getLogger("dsv4.engine")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MIN_WIDTH = 16
-MAX_GRAPHS = 48          # the MTP draft graphs' LRU bound (engine/speculative/draft_graphs.py)
+MAX_GRAPHS = 48          # the draft graphs' LRU bound (engine/speculative/draft_graphs.py, dspark_graphs.py)
 
 
 def batch_bucket(n: int, max_bs: int) -> int | None:
