@@ -6,7 +6,8 @@
    token) and with all 20 prompts at once, mean acceptance length, per-position acceptance,
    drafted vs accepted tokens, and how many sequences equal plain decode's (bf16 on the GPU:
    a verify step's k + 1 rows are summed in another order than k + 1 decode steps, so a
-   near-tie can part them; the CPU tests assert identity in fp32);
+   near-tie can part them; the CPU tests assert identity in fp32); before it, greedy identity in
+   fp32 on the GPU, plain vs MTP max(ks) and vs DSpark (the first of dspark-ks), 64 tokens;
 2. `random:flash-slice:6` (bf16): the main model's cost of a verify step of q = k + 1 tokens
    per request vs a decode step (q = 1) at batch 1, 8 and 64, context 1024, both through CUDA
    graphs; cost(q) / cost(1) is the acceptance length at which verifying pays for itself
@@ -206,36 +207,36 @@ def demo_runs(device: str, dtype: str, methods: dict[str, dict | None], max_toke
     return out
 
 
-def fp32_identity(device: str, k: int, max_tokens: int, n_prompts: int, padded: bool = False) -> dict:
-    """Greedy tokens of plain decode and of MTP k in fp32 (both through CUDA graphs: verify and
-    draft graphs): sequences identical, and where one parts, the plain run's top-2 margin there."""
+def fp32_identity(device: str, spec: dict, max_tokens: int, n_prompts: int, padded: bool = False) -> dict:
+    """Greedy tokens of plain decode and of `spec` (MTP or DSpark, k drafts) in fp32, all prompts
+    at once (both through CUDA graphs: verify and draft graphs): sequences identical, and where
+    one parts, the plain run's top-2 margin there; the draft steps that replayed a draft graph."""
     from dsv4.model.weights import load_model
     from dsv4.sampling_params import SamplingParams
     path, prompts = demo_prompts()
     prompts = prompts[:n_prompts]
-    model = load_model(path, device, torch.float32)
+    name, k = f"{spec['method']} k={spec['num_speculative_tokens']}", spec["num_speculative_tokens"]
     outs = {}
-    for kk in (0, k):
-        eng = demo_engine(path, model, device, "float32", kk, len(prompts), padded)
+    for run in (None, spec):
+        model = load_model(path, device, torch.float32)     # (DSpark replaces the model's MTP layer)
+        eng = demo_engine(path, model, device, "float32", run, len(prompts), padded)
+        paths = count_draft_paths(eng) if run else {}
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
         for i, p in enumerate(prompts):
             eng.add_request(str(i), p, params)
         done = {}
         while eng.has_unfinished():
             done.update({o.request_id: o for o in eng.step() if o.finished})
-        outs[kk] = [done[str(i)] for i in range(len(prompts))]
-        if kk:
-            graphs = eng.spec.proposer.graphs
-            draft_graphs = len(graphs.graphs) if graphs is not None else 0
+        outs[name if run else "plain"] = [done[str(i)] for i in range(len(prompts))]
     parted = []
-    for a, b in zip(outs[0], outs[k]):
+    for a, b in zip(outs["plain"], outs[name]):
         j = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
         if j is not None:
             lp = sorted(a.logprobs[j].values(), reverse=True)
             parted.append({"step": j, "plain_top2_margin": round(lp[0] - lp[1], 5)})
-    result = {"k": k, "sequences": len(prompts), "identical": len(prompts) - len(parted), "parted": parted,
-              "draft_graph_shapes": draft_graphs}
-    log(f"fp32 greedy identity plain vs mtp k={k}: {result}")
+    result = {"method": spec["method"], "k": k, "sequences": len(prompts), "identical": len(prompts) - len(parted),
+              "parted": parted} | spec_summary(eng, paths)
+    log(f"fp32 greedy identity plain vs {name}: {result}")
     return result
 
 
@@ -357,10 +358,11 @@ def verify_cost(device: str, spec: str, batches: list[int], qs: list[int], ctx: 
 
 def table(result: dict) -> str:
     lines = []
-    if "fp32_identity" in result:
-        r = result["fp32_identity"]
-        lines.append(f"== demo fp32, greedy plain vs mtp k={r['k']}: {r['identical']}/{r['sequences']} identical "
-                     f"{r['parted']}")
+    for key in ("fp32_identity", "fp32_identity_dspark"):
+        if key in result:
+            r = result[key]
+            lines.append(f"== demo fp32, greedy plain vs {r['method']} k={r['k']}: {r['identical']}/{r['sequences']} "
+                         f"identical {r['parted']}, graph drafts {r['graph_drafts']}/{r['draft_steps']}")
     lines.append("== demo model, greedy: decode tokens/s and acceptance")
     for name, row in result.get("demo", {}).items():
         acc = (f"  accept len {row['spec_mean_acceptance_length']:.2f}  per pos {row['spec_acceptance_rate_per_pos']}"
@@ -426,7 +428,12 @@ def main(argv: list[str] | None = None) -> int:
                        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "max_tokens": args.max_tokens}}
     if not args.skip_demo:
         if not args.cpu:            # on the CPU part 1 itself runs in fp32
-            result["fp32_identity"] = fp32_identity(device, max(ks), min(args.max_tokens, 64), args.prompts, args.smoke)
+            n = min(args.max_tokens, 64)
+            result["fp32_identity"] = fp32_identity(device, {"method": "mtp", "num_speculative_tokens": max(ks)}, n,
+                                                    args.prompts, args.smoke)
+            dspark = [m for m in methods.values() if m and m["method"] == "dspark"]
+            if dspark:
+                result["fp32_identity_dspark"] = fp32_identity(device, dspark[0], n, args.prompts, args.smoke)
         result["demo"] = demo_runs(device, dtype, methods, args.max_tokens, args.prompts, batch1=not args.cpu,
                                    padded=args.smoke)
     if not args.skip_slice:
