@@ -24,7 +24,7 @@ def with_graph_shapes(eng, graphs=DSparkGraphs, max_bs: int = 4) -> dict:
     calls = {"verify": 0, "draft": 0, "held": 0}
     runner, proposer, k = eng.runner, eng.spec.proposer, eng.spec.k
     runner.graphs = StepGraphs(eng.model, runner.storage, max_bs, capture=False, h2d=runner.h2d,
-                               keep_streams=True, keep_taps=True)
+                               keep_streams=runner.keep_hidden, keep_taps=runner.keep_taps)
     proposer.graphs = graphs(eng.model, runner.storage, max_bs, k + 1, capture=False, h2d=runner.h2d)
     for name, obj, method in (("verify", runner.graphs, "run_with_streams"), ("draft", proposer.graphs, "run")):
         original = getattr(obj, method)
@@ -170,3 +170,17 @@ def test_draft_graph_writes_committed_rows_only(tiny, sp):
             last = anchors[r] if r < len(anchors) else -1
             assert (write[r, last + 1:] == scratch).all() and (write[r, :last + 1] != scratch).all()
     assert any(min(a) < 3 for a, _, _ in seen)
+
+
+def test_dspark_graphs_with_fp8_kv(tiny, h, sp):
+    """Packed FP8 KV: the graph writes the window keys packed (committed rows only) and the block
+    reads them as the eager drafter does; greedy output equals a plain FP8 engine's."""
+    fp8 = dict(ENGINE, kv_cache_dtype="fp8")
+    reqs = mixed(tiny, sp)[:4]
+    want = sp.drive(tiny.engine(**fp8), reqs)
+    eng = tiny.engine(speculative_config=dspark(3), **fp8)
+    calls = with_graph_shapes(eng)
+    initial = h.free_counts(eng)
+    sp.assert_same_outputs(sp.drive(eng, reqs, check=True), want)
+    assert calls["verify"] >= 5 and calls["draft"] >= 5, calls
+    assert h.free_counts(eng) == initial
