@@ -6,7 +6,8 @@
    token) and with all 20 prompts at once, mean acceptance length, per-position acceptance,
    drafted vs accepted tokens, and how many sequences equal plain decode's (bf16 on the GPU:
    a verify step's k + 1 rows are summed in another order than k + 1 decode steps, so a
-   near-tie can part them; the CPU tests assert identity in fp32);
+   near-tie can part them; the CPU tests assert identity in fp32); before it, greedy identity in
+   fp32 on the GPU, plain vs MTP max(ks) and vs DSpark (the first of dspark-ks), 64 tokens;
 2. `random:flash-slice:6` (bf16): the main model's cost of a verify step of q = k + 1 tokens
    per request vs a decode step (q = 1) at batch 1, 8 and 64, context 1024, both through CUDA
    graphs; cost(q) / cost(1) is the acceptance length at which verifying pays for itself
@@ -17,8 +18,14 @@
    the drafter's cost per step (window keys + block + Markov / confidence heads, eager) beside the
    step's, at batch 1 and 8 (the figure a trained drafter's acceptance must pay for).
 
-    python -m benchmarks.spec_suite --out DIR [--max-tokens 128] [--ks 1,2,3] [--dspark-ks 3,4] [--dry-run-cpu]
+    python -m benchmarks.spec_suite --out DIR [--max-tokens 128] [--ks 1,2,3] [--dspark-ks 3,4]
     python -m benchmarks.spec_suite --out DIR --cpu     # part 1's acceptance on the CPU, fp32
+    python -m benchmarks.spec_suite --out DIR --smoke   # tiny sizes on the CPU, to test the suite itself
+
+Part 1's speculative rows run the CUDA graphs (verify graphs; the MTP or DSpark draft graph of
+uniform greedy steps): each row reports `graph_drafts` of `draft_steps` (the draft steps that
+replayed a draft graph) and the draft graph shapes captured. `--smoke` runs every part at tiny
+sizes on the CPU, part 1 through the same padded graph paths run eagerly (capture=False).
 
 `--cpu`: part 1 only, in fp32 on the CPU, all prompts at once (no batch-1 pass): acceptance
 length, per-position acceptance and identity with plain decode are properties of the models and
@@ -67,14 +74,56 @@ def demo_methods(ks: list[int], dspark_ks: list[int]) -> dict[str, dict | None]:
     return out
 
 
-def demo_engine(path, model, device, dtype, spec: dict | int | None, batch: int):
+def demo_engine(path, model, device, dtype, spec: dict | int | None, batch: int, padded: bool = False):
+    """padded (--smoke, on the CPU): the graph paths, run eagerly (`_padded_graphs`)."""
     from dsv4.config import EngineConfig
     from dsv4.engine.engine import LLMEngine
     if isinstance(spec, int):
         spec = {"method": "mtp", "num_speculative_tokens": spec} if spec else None
-    return LLMEngine(path, EngineConfig(device=device, dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=4096,
-                                        num_pages=batch * 4 + 8, max_model_len=1024, speculative_config=spec),
-                     model=model)
+    eng = LLMEngine(path, EngineConfig(device=device, dtype=dtype, max_num_seqs=batch, max_num_batched_tokens=4096,
+                                       num_pages=batch * 4 + 8, max_model_len=1024, speculative_config=spec),
+                    model=model)
+    if padded and eng.runner.graphs is None:
+        _padded_graphs(eng, batch)
+    return eng
+
+
+def _padded_graphs(eng, max_bs: int) -> None:
+    """The CUDA-graph paths without capture (as the CPU tests run them): verify steps through the
+    padded StepGraphs, drafts through the padded MTP or DSpark draft graph."""
+    from dsv4.engine.cuda_graphs import StepGraphs
+    from dsv4.engine.speculative.draft_graphs import DraftGraphs
+    from dsv4.engine.speculative.dspark_graphs import DSparkGraphs
+    runner = eng.runner
+    runner.graphs = StepGraphs(eng.model, runner.storage, max_bs, capture=False, h2d=runner.h2d,
+                               keep_streams=runner.keep_hidden, keep_taps=runner.keep_taps)
+    if eng.spec is not None and eng.spec.dspark:
+        eng.spec.proposer.graphs = DSparkGraphs(eng.model, runner.storage, max_bs, eng.spec.k + 1, capture=False,
+                                                h2d=runner.h2d)
+    elif eng.spec is not None:
+        eng.spec.proposer.graphs = DraftGraphs(eng.model, runner.storage, max_bs, capture=False, h2d=runner.h2d)
+
+
+def count_draft_paths(eng) -> dict:
+    """Count the engine's draft steps from now on, and those that replayed a draft graph."""
+    counts = {"draft_steps": 0, "graph_drafts": 0}
+    proposer = eng.spec.proposer
+    for obj, method, key in ((proposer, "propose", "draft_steps"), (proposer.graphs, "run", "graph_drafts")):
+        if obj is None:
+            continue
+        original = getattr(obj, method)
+
+        def counted(*a, _original=original, _key=key):
+            counts[_key] += 1
+            return _original(*a)
+        setattr(obj, method, counted)
+    return counts
+
+
+def spec_summary(eng, paths: dict) -> dict:
+    """Acceptance figures and the draft paths taken (graph drafts of draft steps, shapes captured)."""
+    graphs = eng.spec.proposer.graphs
+    return eng.spec.stats.summary() | paths | {"draft_graph_shapes": len(graphs.graphs) if graphs is not None else 0}
 
 
 def generate(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tuple[dict, float, float]:
@@ -102,21 +151,22 @@ def generate(engine, prompts: list[list[int]], max_tokens: int, tag: str) -> tup
 
 
 def demo_runs(device: str, dtype: str, methods: dict[str, dict | None], max_tokens: int, n_prompts: int,
-              batch1: bool = True) -> dict:
+              batch1: bool = True, padded: bool = False) -> dict:
     from dsv4.model.weights import load_model
     path, prompts = demo_prompts()
     prompts = prompts[:n_prompts]
     shared = load_model(path, device, getattr(torch, dtype))
-    out, plain = {}, None
+    out, plain, plain_batch = {}, None, None
     for name, spec in methods.items():
         row = out[name] = {}
         # DSpark replaces the model's MTP layer by its stages (speculative.check_speculative): a model of its own
         model = load_model(path, device, getattr(torch, dtype)) if spec and spec["method"] == "dspark" else shared
         if batch1:      # one prompt at a time; decode time after each prompt's first token
-            eng = demo_engine(path, model, device, dtype, spec, 1)
+            eng = demo_engine(path, model, device, dtype, spec, 1, padded)
             generate(eng, prompts[:1], max_tokens, "warm")         # graph shapes captured before timing
             if eng.spec is not None:
                 eng.spec.stats = type(eng.spec.stats)()
+                paths = count_draft_paths(eng)
             tokens, decode_s, outs = 0, 0.0, {}
             for i, p in enumerate(prompts):
                 done, _, after = generate(eng, [p], max_tokens, f"b1-{i}-")
@@ -125,20 +175,30 @@ def demo_runs(device: str, dtype: str, methods: dict[str, dict | None], max_toke
                 decode_s += after
             row["b1_decode_tokens_per_s"] = tokens / decode_s
             if eng.spec is not None:
-                row.update(eng.spec.stats.summary())
+                row.update(spec_summary(eng, paths))
         # every prompt at once
-        eng = demo_engine(path, model, device, dtype, spec, len(prompts))
+        eng = demo_engine(path, model, device, dtype, spec, len(prompts), padded)
         if batch1:
             generate(eng, prompts, max_tokens, "warm")
+        if eng.spec is not None:
+            eng.spec.stats = type(eng.spec.stats)()
+            paths = count_draft_paths(eng)
         done, _, after = generate(eng, prompts, max_tokens, "all-")
-        row[f"b{len(prompts)}_decode_tokens_per_s"] = sum(len(t) - 1 for t in done.values()) / after
+        batch = f"b{len(prompts)}"
         if not batch1:
             outs = done
-            if eng.spec is not None:
-                row.update(eng.spec.stats.summary())
+        row[f"{batch}_decode_tokens_per_s"] = sum(len(t) - 1 for t in done.values()) / after
+        if eng.spec is not None:
+            summary = spec_summary(eng, paths)
+            if batch1:      # the batch-1 figures stay the row's own; the batch's go beside them
+                row.update({f"{batch}_{k}": summary[k] for k in ("spec_mean_acceptance_length", "draft_steps",
+                                                                 "graph_drafts", "draft_graph_shapes")})
+            else:
+                row.update(summary)
         if plain is None:
-            plain = outs
+            plain, plain_batch = outs, done
         row["sequences_equal_plain"] = sum(outs[i] == plain[i] for i in outs)
+        row[f"{batch}_sequences_equal_plain"] = sum(done[i] == plain_batch[i] for i in done)
         log(f"demo {name}: {row}")
     if batch1:
         base = out["plain"]["b1_decode_tokens_per_s"]
@@ -147,36 +207,36 @@ def demo_runs(device: str, dtype: str, methods: dict[str, dict | None], max_toke
     return out
 
 
-def fp32_identity(device: str, k: int, max_tokens: int, n_prompts: int) -> dict:
-    """Greedy tokens of plain decode and of MTP k in fp32 (both through CUDA graphs: verify and
-    draft graphs): sequences identical, and where one parts, the plain run's top-2 margin there."""
+def fp32_identity(device: str, spec: dict, max_tokens: int, n_prompts: int, padded: bool = False) -> dict:
+    """Greedy tokens of plain decode and of `spec` (MTP or DSpark, k drafts) in fp32, all prompts
+    at once (both through CUDA graphs: verify and draft graphs): sequences identical, and where
+    one parts, the plain run's top-2 margin there; the draft steps that replayed a draft graph."""
     from dsv4.model.weights import load_model
     from dsv4.sampling_params import SamplingParams
     path, prompts = demo_prompts()
     prompts = prompts[:n_prompts]
-    model = load_model(path, device, torch.float32)
+    name, k = f"{spec['method']} k={spec['num_speculative_tokens']}", spec["num_speculative_tokens"]
     outs = {}
-    for kk in (0, k):
-        eng = demo_engine(path, model, device, "float32", kk, len(prompts))
+    for run in (None, spec):
+        model = load_model(path, device, torch.float32)     # (DSpark replaces the model's MTP layer)
+        eng = demo_engine(path, model, device, "float32", run, len(prompts), padded)
+        paths = count_draft_paths(eng) if run else {}
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
         for i, p in enumerate(prompts):
             eng.add_request(str(i), p, params)
         done = {}
         while eng.has_unfinished():
             done.update({o.request_id: o for o in eng.step() if o.finished})
-        outs[kk] = [done[str(i)] for i in range(len(prompts))]
-        if kk:
-            graphs = eng.spec.proposer.graphs
-            draft_graphs = len(graphs.graphs) if graphs is not None else 0
+        outs[name if run else "plain"] = [done[str(i)] for i in range(len(prompts))]
     parted = []
-    for a, b in zip(outs[0], outs[k]):
+    for a, b in zip(outs["plain"], outs[name]):
         j = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
         if j is not None:
             lp = sorted(a.logprobs[j].values(), reverse=True)
             parted.append({"step": j, "plain_top2_margin": round(lp[0] - lp[1], 5)})
-    result = {"k": k, "sequences": len(prompts), "identical": len(prompts) - len(parted), "parted": parted,
-              "draft_graph_shapes": draft_graphs}
-    log(f"fp32 greedy identity plain vs mtp k={k}: {result}")
+    result = {"method": spec["method"], "k": k, "sequences": len(prompts), "identical": len(prompts) - len(parted),
+              "parted": parted} | spec_summary(eng, paths)
+    log(f"fp32 greedy identity plain vs {name}: {result}")
     return result
 
 
@@ -298,10 +358,11 @@ def verify_cost(device: str, spec: str, batches: list[int], qs: list[int], ctx: 
 
 def table(result: dict) -> str:
     lines = []
-    if "fp32_identity" in result:
-        r = result["fp32_identity"]
-        lines.append(f"== demo fp32, greedy plain vs mtp k={r['k']}: {r['identical']}/{r['sequences']} identical "
-                     f"{r['parted']}")
+    for key in ("fp32_identity", "fp32_identity_dspark"):
+        if key in result:
+            r = result[key]
+            lines.append(f"== demo fp32, greedy plain vs {r['method']} k={r['k']}: {r['identical']}/{r['sequences']} "
+                         f"identical {r['parted']}, graph drafts {r['graph_drafts']}/{r['draft_steps']}")
     lines.append("== demo model, greedy: decode tokens/s and acceptance")
     for name, row in result.get("demo", {}).items():
         acc = (f"  accept len {row['spec_mean_acceptance_length']:.2f}  per pos {row['spec_acceptance_rate_per_pos']}"
@@ -310,8 +371,15 @@ def table(result: dict) -> str:
         batch_key = next(k for k in row if k.endswith("_decode_tokens_per_s") and not k.startswith("b1_"))
         b1 = (f"b1 {row['b1_decode_tokens_per_s']:8.1f} tok/s ({row['b1_speedup']:.2f}x)  "
               if "b1_speedup" in row else "")
-        lines.append(f"{name:<11} {b1}{batch_key.split('_')[0]} {row[batch_key]:8.1f} tok/s  "
-                     f"equal {row['sequences_equal_plain']}" + acc)
+        batch = batch_key.split('_')[0]
+        graphs = (f"  graph drafts {row['graph_drafts']}/{row['draft_steps']} ({row['draft_graph_shapes']} shapes)"
+                  if "draft_steps" in row else "")
+        at_batch = (f"  [{batch}: accept len {row[f'{batch}_spec_mean_acceptance_length']:.2f}, graph drafts "
+                    f"{row[f'{batch}_graph_drafts']}/{row[f'{batch}_draft_steps']}]"
+                    if f"{batch}_draft_steps" in row else "")
+        lines.append(f"{name:<11} {b1}{batch} {row[batch_key]:8.1f} tok/s  "
+                     f"equal {row['sequences_equal_plain']} ({batch}: {row[f'{batch}_sequences_equal_plain']})"
+                     + acc + graphs + at_batch)
     lines.append("== slice: verify step of q tokens per request vs decode (q = 1), ms and ratio")
     for name, row in result.get("verify", {}).items():
         qs = sorted(int(k[1:-3]) for k in row if k.endswith("_ms"))
@@ -326,7 +394,7 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--ks", default="1,2,3", help="numbers of speculative tokens to compare with plain decode")
@@ -342,13 +410,14 @@ def main() -> int:
     p.add_argument("--dspark", default="random:flash-slice-dspark::n_routed_experts=32",
                    help="the DSpark model of part 3's cost")
     p.add_argument("--skip-dspark", action="store_true")
-    p.add_argument("--dry-run-cpu", action="store_true", help="tiny sizes on the CPU, to test the suite itself")
+    p.add_argument("--smoke", "--dry-run-cpu", dest="smoke", action="store_true",
+                   help="tiny sizes on the CPU, part 1 through the padded graph paths: to test the suite itself")
     p.add_argument("--cpu", action="store_true", help="part 1's acceptance and identity on the CPU in fp32")
-    args = p.parse_args()
-    device, dtype = ("cpu", "float32") if args.dry_run_cpu or args.cpu else ("cuda", "bfloat16")
+    args = p.parse_args(argv)
+    device, dtype = ("cpu", "float32") if args.smoke or args.cpu else ("cuda", "bfloat16")
     if args.cpu:
         args.skip_slice = args.skip_dspark = True
-    if args.dry_run_cpu:
+    if args.smoke:
         args.max_tokens, args.prompts, args.batches, args.ctx, args.reps = 12, 2, "1,2", 300, 2
         args.slice, args.dspark = "random:tiny", "random:tiny-dspark"
     ks = [int(k) for k in args.ks.split(",")]
@@ -359,8 +428,14 @@ def main() -> int:
                        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "max_tokens": args.max_tokens}}
     if not args.skip_demo:
         if not args.cpu:            # on the CPU part 1 itself runs in fp32
-            result["fp32_identity"] = fp32_identity(device, max(ks), min(args.max_tokens, 64), args.prompts)
-        result["demo"] = demo_runs(device, dtype, methods, args.max_tokens, args.prompts, batch1=not args.cpu)
+            n = min(args.max_tokens, 64)
+            result["fp32_identity"] = fp32_identity(device, {"method": "mtp", "num_speculative_tokens": max(ks)}, n,
+                                                    args.prompts, args.smoke)
+            dspark = [m for m in methods.values() if m and m["method"] == "dspark"]
+            if dspark:
+                result["fp32_identity_dspark"] = fp32_identity(device, dspark[0], n, args.prompts, args.smoke)
+        result["demo"] = demo_runs(device, dtype, methods, args.max_tokens, args.prompts, batch1=not args.cpu,
+                                   padded=args.smoke)
     if not args.skip_slice:
         result["verify"] = verify_cost(device, args.slice, [int(b) for b in args.batches.split(",")],
                                        [1] + [k + 1 for k in ks], args.ctx, args.reps)

@@ -30,7 +30,7 @@ from .upload import HostToDevice, leaf_tensors, replace_leaves, tensor_leaves
 log = logging.getLogger("dsv4.engine")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 MIN_WIDTH = 16
-MAX_GRAPHS = 48          # the MTP draft graphs' LRU bound (engine/speculative/draft_graphs.py)
+MAX_GRAPHS = 48          # the draft graphs' LRU bound (engine/speculative/draft_graphs.py, dspark_graphs.py)
 
 
 def batch_bucket(n: int, max_bs: int) -> int | None:
@@ -80,10 +80,11 @@ def scratch_chunk(scratch: Scratch, start: int, n: int, logits: int = 1) -> SeqC
 
 class StepGraphs:
     def __init__(self, model, storage, max_bs: int, capture: bool, h2d: HostToDevice | None = None,
-                 keep_streams: bool = False):
-        """keep_streams: the graphs also output the final residual streams (what a drafter reads)."""
+                 keep_streams: bool = False, keep_taps: bool = False):
+        """keep_streams: the graphs also output the final residual streams (what the MTP drafter
+        reads); keep_taps: and the DSpark target layers' taps (what the DSpark drafter reads)."""
         self.model, self.storage, self.max_bs, self.capture = model, storage, max_bs, capture
-        self.keep_streams = keep_streams
+        self.keep_streams, self.keep_taps = keep_streams, keep_taps
         self.layout = storage.layout
         self.h2d = h2d if h2d is not None else HostToDevice(next(model.parameters()).device)
         self.graphs: dict[StepShape, tuple] = {}     # kept for the engine's life (see warmup)
@@ -114,9 +115,11 @@ class StepGraphs:
         return self.run_with_streams(seqs, fill)[0]
 
     @torch.inference_mode()
-    def run_with_streams(self, seqs: list[SeqChunk], fill=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`run`, and the final residual streams [R * q, hc_mult, hidden] of the real rows when
-        keep_streams (else None)."""
+    def run_with_streams(self, seqs: list[SeqChunk], fill=None) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                         torch.Tensor | None]:
+        """`run`, and of the real rows the final residual streams [R * q, hc_mult, hidden] when
+        keep_streams and the taps [R * q, n_taps * hidden] (runner.StepLogits.taps) when keep_taps
+        (else None)."""
         real = len(seqs) * len(seqs[0].token_ids)
         shape = self.shape(seqs)
         if self.warmed and shape not in self.warmed and shape not in self.late:
@@ -133,8 +136,9 @@ class StepGraphs:
         else:
             graph, out = self._graph(shape, static)
             graph.replay()
-        head_in, streams = out
-        return self.model.head_logits(head_in[:real]), streams[:real] if streams is not None else None
+        head_in, streams, taps = out
+        return (self.model.head_logits(head_in[:real]), streams[:real] if streams is not None else None,
+                taps[:real] if taps is not None else None)
 
     def warmup(self, max_model_len: int, max_seqs: int, q: int = 1) -> list[StepShape]:
         """Run one step of every shape uniform steps of q tokens can take (batches up to
@@ -165,13 +169,15 @@ class StepGraphs:
             self.graphs[shape] = self._capture(static)
         return self.graphs[shape]
 
-    def _forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """-> (head input [B * q, hidden], the streams [B * q, hc_mult, hidden] or None). A padded
-        step keeps every row's logits (its logits_rows are all B * q rows, cache/addressing.py):
-        the streams are taken whole, not gathered by row."""
+    def _forward(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """-> (head input [B * q, hidden], the streams [B * q, hc_mult, hidden] or None, the taps
+        [B * q, n_taps * hidden] or None). A padded step keeps every row's logits (its logits_rows
+        are all B * q rows, cache/addressing.py): the streams are taken whole, not gathered by row."""
         assert fb.logits_rows.shape[0] == fb.num_tokens, (fb.logits_rows.shape, fb.num_tokens)
-        streams = self.model(fb, self.storage.layers)
-        return self.model.head_input(streams), streams if self.keep_streams else None
+        taps = [] if self.keep_taps else None
+        streams = self.model(fb, self.storage.layers, None, taps)
+        return (self.model.head_input(streams), streams if self.keep_streams else None,
+                torch.cat(taps, -1) if self.keep_taps else None)
 
     def _capture(self, static: ForwardBatch):
         """The graph reads its batch from `static`, views of one flat buffer refilled before each replay."""

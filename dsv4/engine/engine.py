@@ -76,7 +76,7 @@ class LLMEngine:
             self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs)
             self.runner = ModelRunner(self.model, self.layout, self.plan, self.cache, config.device,
                                       0 if config.enforce_eager else config.cuda_graph_max_bs,
-                                      keep_hidden=spec is not None,
+                                      keep_hidden=spec is not None and spec.method != "dspark",
                                       keep_taps=spec is not None and spec.method == "dspark")
         self.cache.bind(self.runner.storage, TierOptions.from_config(config))
         if self.workers is not None:

@@ -74,15 +74,15 @@ class ModelRunner:
         """cuda_graph_max_bs > 0 on a CUDA device: uniform steps (every request the same number
         of tokens, all with logits) up to that batch replay CUDA graphs. keep_hidden: every step
         also returns its final residual streams (StepLogits.hidden); keep_taps: and the DSpark
-        target layers' streams (StepLogits.taps; such steps run eagerly)."""
+        target layers' streams (StepLogits.taps; the graphs output them too)."""
         self.model, self.layout, self.cache, self.device = model, layout, cache, device
         self.keep_hidden, self.keep_taps = keep_hidden, keep_taps
         self.storage = KVStorage(layout, plan, model.dtype, device)
         self.h2d = HostToDevice(device)
         self.tables = PersistentTables(self.storage.ring_slots)   # page tables by slot, kept between steps
-        use_graphs = cuda_graph_max_bs > 0 and torch.device(device).type == "cuda" and not keep_taps
+        use_graphs = cuda_graph_max_bs > 0 and torch.device(device).type == "cuda"
         self.graphs = StepGraphs(model, self.storage, cuda_graph_max_bs, capture=True, h2d=self.h2d,
-                                 keep_streams=keep_hidden) if use_graphs else None
+                                 keep_streams=keep_hidden, keep_taps=keep_taps) if use_graphs else None
         self.vision = VisionEncoder(model) if model.cfg.vision is not None else None
         self.workers = None     # rank 0 of a parallel run: engine/workers.py's Workers (same steps on every rank)
 
@@ -112,9 +112,9 @@ class ModelRunner:
             self.tables.sync(s.slot, s.page_table, s.swa_table)
         if images is None and self.graphs is not None and self.graphs.accepts(seqs):
             self.graphs.tables = self.tables      # (graphs a test installs read them too)
-            if self.keep_hidden:
-                logits, streams = self.graphs.run_with_streams(seqs, fill)
-                return StepLogits(logits, first, counts, streams)
+            if self.keep_hidden or self.keep_taps:
+                logits, streams, taps = self.graphs.run_with_streams(seqs, fill)
+                return StepLogits(logits, first, counts, streams, taps)
             return StepLogits(self.graphs.run(seqs, fill), first, counts)
         fb = upload_tree(build_step(seqs, self.layout, self.storage.ring_slots, tables=self.tables), self.h2d)
         if fill is not None:

@@ -99,8 +99,7 @@ def block_attention(attn, x: torch.Tensor, cos, sin, swa: torch.Tensor, window: 
     q = norm_rope(attn.wq_b(attn.q_norm(attn.wq_a(x))).unflatten(-1, (attn.heads, attn.head_dim)),
                   None, attn.eps, cos, sin)
     keys = norm_rope(attn.wkv(x), attn.kv_norm.weight, attn.kv_norm.eps, cos, sin)
-    own = torch.arange(x.shape[0], device=x.device).view(-1, B)
-    own = own.repeat_interleave(B, dim=0)                                      # [R*B, B]
+    own = torch.arange(x.shape[0], device=x.device).view(-1, 1, B).expand(-1, B, -1).reshape(-1, B)   # [R*B, B]
     out = sparse_attention(q, [(swa, window), (keys, own)], attn.attn_sink, attn.scale, attn.rope_dims)
     out = apply_rope(out, cos, sin, inverse=True)
     return attn.wo_b(attn._grouped_wo_a(out))
@@ -136,7 +135,7 @@ def run_block(model: DeepseekV4, anchors: torch.Tensor, anchor_pos: torch.Tensor
     tokens = tokens.flatten()
     positions = (anchor_pos[:, None] + torch.arange(B, device=anchors.device)).flatten()
     cos, sin = rope_cos_sin(positions, model.main_freq)
-    rows = window.repeat_interleave(B, dim=0)
+    rows = window.unsqueeze(1).expand(-1, B, -1).reshape(-1, window.shape[1])      # [R*B, W] (no host sync: graphs)
     h = model.embed(tokens).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
     for stage in stages(model):
         h = stage.block(h, tokens, cos, sin, kv[stage.attn.layer].swa, rows, B)

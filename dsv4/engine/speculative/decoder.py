@@ -44,12 +44,17 @@ class SpeculativeDecoder:
         self.vocab, self.window = model.cfg.vocab_size, model.cfg.sliding_window
         self.eos_token_id, self.generator = eos_token_id, generator
         self.dspark = spec_config.method == "dspark"
+        graphs = None
         if self.dspark:
             from .dspark import DSparkProposer
-            self.proposer = DSparkProposer(model, runner.storage, runner.h2d, spec_config.confidence_threshold)
-        else:
-            graphs = None
+            from .dspark_graphs import DSparkGraphs
             if runner.graphs is not None:      # CUDA graphs on: the drafts of uniform steps replay too
+                graphs = DSparkGraphs(model, runner.storage, runner.graphs.max_bs, self.k + 1, capture=True,
+                                      h2d=runner.h2d)
+            self.proposer = DSparkProposer(model, runner.storage, runner.h2d, spec_config.confidence_threshold,
+                                           graphs)
+        else:
+            if runner.graphs is not None:
                 graphs = DraftGraphs(model, runner.storage, runner.graphs.max_bs, capture=True, h2d=runner.h2d)
             self.proposer = MTPProposer(model, runner.storage, runner.h2d, graphs)
         self.stats = SpecStats()
@@ -198,8 +203,10 @@ class SpeculativeDecoder:
         proposals = self.proposer.propose(works, step.taps if self.dspark else step.hidden, self._draft_batch)
         drafting = [w for w in works if w.num_drafts > 0]
         # plain greedy requests' drafts stay on the device (the next verify takes them from there,
-        # device_drafts.py); the others' are read back: their verify needs them on the host
-        stay = [not self.dspark and _plain_greedy(w.request) for w in drafting]
+        # device_drafts.py); the others' are read back: their verify needs them on the host. (A
+        # DSpark confidence threshold cuts the drafts by values on the device: read back already.)
+        on_device = not self.dspark or self.proposer.threshold <= 0
+        stay = [on_device and _plain_greedy(w.request) for w in drafting]
         held = [(w.request, d) for w, (d, _), s in zip(drafting, proposals, stay) if s]
         if held:
             self.device_drafts.hold(*map(list, zip(*held)))

@@ -36,11 +36,7 @@ class DraftGraphs:
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
 
     def accepts(self, works) -> bool:
-        if not works or batch_bucket(len(works), self.max_bs) is None:
-            return False
-        q, n = len(works[0].tokens), works[0].num_drafts
-        return n > 0 and all(len(w.tokens) == q and w.num_drafts == n and w.request.params.is_greedy
-                             for w in works)
+        return uniform_greedy(works, self.max_bs)
 
     @torch.inference_mode()
     def run(self, works, hidden: torch.Tensor) -> list[tuple[torch.Tensor, None]]:
@@ -100,25 +96,41 @@ class DraftGraphs:
             self.graphs.popitem(last=False)
         flat, (view,) = self.h2d.allocate([packed])
         batches = upload_tree(tuple(swa_batch(r, shape, self.layout) for r, shape in zip(rows, shapes)), self.h2d)
-        static = _rebind(batches, _split(view, [a.shape for group in rows for a in group]), view[-len(anchors):])
+        static = _rebind(batches, split_flat(view, [a.shape for group in rows for a in group]), view[-len(anchors):])
         streams = torch.zeros(key[0] * key[1], *hidden.shape[1:], dtype=hidden.dtype, device=hidden.device)
         if not self.capture:
             self.graphs[key] = (None, flat, streams, None, static)
             return self.graphs[key]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):            # warm-up (allocations, autotuning); writes are idempotent
-            for _ in range(2):
-                self._draft(static, streams)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            drafts = self._draft(static, streams)
+        graph, drafts = capture_graph(lambda: self._draft(static, streams), self.mempool)
         self.graphs[key] = (graph, flat, streams, drafts, static)
         return self.graphs[key]
 
 
-def _split(flat: torch.Tensor, shapes: list[tuple]) -> list[torch.Tensor]:
+def uniform_greedy(works, max_bs: int) -> bool:
+    """Works a draft graph replays: a batch bucket of greedy requests, each with the same number
+    of catch-up rows (a uniform verify step's q) and the same number n > 0 of drafts."""
+    if not works or batch_bucket(len(works), max_bs) is None:
+        return False
+    q, n = len(works[0].tokens), works[0].num_drafts
+    return n > 0 and all(len(w.tokens) == q and w.num_drafts == n and w.request.params.is_greedy for w in works)
+
+
+def capture_graph(body, pool):
+    """(graph, body's outputs): `body` run twice on a side stream (allocations, autotuning; a
+    draft's writes are idempotent), then captured reading and writing the same buffers."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = body()
+    return graph, out
+
+
+def split_flat(flat: torch.Tensor, shapes: list[tuple]) -> list[torch.Tensor]:
     """Consecutive views of `flat` with these shapes."""
     out, at = [], 0
     for shape in shapes:

@@ -9,6 +9,7 @@ Per request after each step (`DraftWork`, shared with the MTP drafter):
   in the forward (nothing of the block is cached: a rejected block needs no rollback at all).
   The Markov head draws the drafts left to right; the confidence head cuts them to the leading
   ones at or above `confidence_threshold`.
+After a uniform verify step of greedy requests both replay one CUDA graph (dspark_graphs.py).
 """
 from __future__ import annotations
 
@@ -23,8 +24,9 @@ from .verify import sample_drafts
 
 
 class DSparkProposer:
-    def __init__(self, model, storage, h2d: HostToDevice, confidence_threshold: float = 0.0):
-        self.model, self.storage, self.h2d = model, storage, h2d
+    def __init__(self, model, storage, h2d: HostToDevice, confidence_threshold: float = 0.0, graphs=None):
+        """graphs (dspark_graphs.DSparkGraphs): replays the draft of uniform greedy steps."""
+        self.model, self.storage, self.h2d, self.graphs = model, storage, h2d, graphs
         self.layout = storage.layout
         self.threshold = confidence_threshold
 
@@ -38,6 +40,13 @@ class DSparkProposer:
         works = [w for w in works if w.tokens]
         if not works:
             return []
+        if self.graphs is not None and self.graphs.accepts(works):
+            drafts, conf = self.graphs.run(works, taps)
+            drafting = [i for i, w in enumerate(works) if w.num_drafts > 0]
+            if len(drafting) < len(works):
+                rows = self.h2d.upload([torch.tensor(drafting)])[0]
+                drafts, conf = drafts[rows], conf[rows]
+            return self._select([works[i] for i in drafting], drafts, [None] * drafts.shape[1], conf)
         self._write_window(works, taps)
         drafting = [w for w in works if w.num_drafts > 0]
         return self._draft(drafting, batch_of) if drafting else []
@@ -60,6 +69,11 @@ class DSparkProposer:
         batch = batch_of([w.request for w in works])
         drafts, qs, conf = markov_drafts(self.model, logits, x, anchors, max(w.num_drafts for w in works),
                                          lambda lg, i: self._sample(lg, i, works, batch))
+        return self._select(works, drafts, qs, conf)
+
+    def _select(self, works: list[DraftWork], drafts: torch.Tensor, qs: list, conf: torch.Tensor) -> list[tuple]:
+        """drafts [R, n], qs [q_i [R, V] or None] per draft, conf [R, n] -> per work, its leading
+        drafts to verify (`_keep`) and their q (None: argmaxes)."""
         keep = self._keep(conf, [w.num_drafts for w in works])
         out = []
         for r, (w, n) in enumerate(zip(works, keep)):
