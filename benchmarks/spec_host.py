@@ -76,7 +76,7 @@ def make_engine(args, batch: int, k: int):
                                keep_streams=bool(k))
     if k:
         from dsv4.engine.speculative.draft_graphs import DraftGraphs
-        engine.spec.proposer.graphs = DraftGraphs(engine.model, runner.storage, max_bs, capture=False, h2d=runner.h2d)
+        engine.spec.proposer.graphs = DraftGraphs(engine.model, runner.storage, max_bs, k + 1, capture=False, h2d=runner.h2d)
     return engine, tokens
 
 

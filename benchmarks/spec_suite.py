@@ -101,7 +101,7 @@ def _padded_graphs(eng, max_bs: int) -> None:
         eng.spec.proposer.graphs = DSparkGraphs(eng.model, runner.storage, max_bs, eng.spec.k + 1, capture=False,
                                                 h2d=runner.h2d)
     elif eng.spec is not None:
-        eng.spec.proposer.graphs = DraftGraphs(eng.model, runner.storage, max_bs, capture=False, h2d=runner.h2d)
+        eng.spec.proposer.graphs = DraftGraphs(eng.model, runner.storage, max_bs, eng.spec.k + 1, capture=False, h2d=runner.h2d)
 
 
 def count_draft_paths(eng) -> dict:

@@ -55,7 +55,8 @@ class SpeculativeDecoder:
                                            graphs)
         else:
             if runner.graphs is not None:
-                graphs = DraftGraphs(model, runner.storage, runner.graphs.max_bs, capture=True, h2d=runner.h2d)
+                graphs = DraftGraphs(model, runner.storage, runner.graphs.max_bs, self.k + 1, capture=True,
+                                     h2d=runner.h2d)
             self.proposer = MTPProposer(model, runner.storage, runner.h2d, graphs)
         self.stats = SpecStats()
         self.device_drafts = DeviceDrafts()     # drafts of plain greedy requests, not read back

@@ -28,15 +28,18 @@ from ..upload import HostToDevice, upload_tree
 
 
 class DraftGraphs:
-    def __init__(self, model, storage, max_bs: int, capture: bool, h2d: HostToDevice):
+    def __init__(self, model, storage, max_bs: int, max_q: int, capture: bool, h2d: HostToDevice):
+        """max_q: the most catch-up rows a request has in a graph (k + 1: a verify step; the
+        draft after a prefill chunk runs eagerly, or every prompt length would make a graph)."""
         self.model, self.storage, self.max_bs, self.capture, self.h2d = model, storage, max_bs, capture, h2d
+        self.max_q = max_q
         self.layout, self.blocks = storage.layout, list(model.mtp)
         self.scratch = Scratch(storage.scratch_page, storage.scratch_swa_page, storage.scratch_slot)
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
 
     def accepts(self, works) -> bool:
-        return uniform_greedy(works, self.max_bs)
+        return uniform_greedy(works, self.max_bs) and len(works[0].tokens) <= self.max_q
 
     @torch.inference_mode()
     def run(self, works, hidden: torch.Tensor) -> list[tuple[torch.Tensor, None]]:

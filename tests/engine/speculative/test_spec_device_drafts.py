@@ -50,7 +50,7 @@ def test_plain_greedy_drafts_stay_on_the_device(tiny, h, sp, graphs):
     if graphs:      # the padded verify and draft paths (CUDA graphs on a GPU), run eagerly
         runner = eng.runner
         runner.graphs = StepGraphs(eng.model, runner.storage, 4, capture=False, h2d=runner.h2d, keep_streams=True)
-        eng.spec.proposer.graphs = DraftGraphs(eng.model, runner.storage, 4, capture=False, h2d=runner.h2d)
+        eng.spec.proposer.graphs = DraftGraphs(eng.model, runner.storage, 4, eng.spec.k + 1, capture=False, h2d=runner.h2d)
     initial, seen = h.free_counts(eng), {}
     got = sp.drive(eng, workload(tiny, sp), check=True, on_step=watch(seen))
     sp.assert_same_outputs(got, want)

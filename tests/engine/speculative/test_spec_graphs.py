@@ -21,7 +21,7 @@ def with_graph_shapes(eng, max_bs: int = 4) -> dict:
     calls = {"verify": 0, "draft": 0}
     runner, proposer = eng.runner, eng.spec.proposer
     runner.graphs = StepGraphs(eng.model, runner.storage, max_bs, capture=False, h2d=runner.h2d, keep_streams=True)
-    proposer.graphs = DraftGraphs(eng.model, runner.storage, max_bs, capture=False, h2d=runner.h2d)
+    proposer.graphs = DraftGraphs(eng.model, runner.storage, max_bs, eng.spec.k + 1, capture=False, h2d=runner.h2d)
     for name, obj, method in (("verify", runner.graphs, "run_with_streams"), ("draft", proposer.graphs, "run")):
         original = getattr(obj, method)
 
@@ -45,6 +45,19 @@ def test_graph_shapes_keep_greedy_output(tiny, h, sp, k):
     sp.assert_same_outputs(sp.drive(eng, reqs, check=True), want)
     assert calls["verify"] >= 8 and calls["draft"] >= 8, calls
     assert h.free_counts(eng) == initial
+
+
+def test_a_prefill_chunks_draft_makes_no_graph(tiny, h, sp):
+    """One request at a time: each prompt length's first draft runs eagerly (a graph per prompt
+    length would fill the LRU), the verify steps' drafts replay graphs keyed (bucket, q, n)."""
+    k, config = 2, dict(max_num_batched_tokens=256, max_num_seqs=4, num_pages=8)
+    eng = tiny.engine(speculative_config=sp.spec(k), **config)
+    calls = with_graph_shapes(eng)
+    for n in (9, 23, 40):
+        req = sp.Req(str(n), tiny.ids(n, seed=n), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        sp.assert_same_outputs(sp.drive(eng, [req]), sp.drive(tiny.engine(**config), [req]))
+    keys = list(eng.spec.proposer.graphs.graphs)
+    assert calls["draft"] >= 6 and keys and all(q <= k + 1 for _, q, _ in keys), (calls, keys)
 
 
 def test_graph_shapes_draft_what_the_mtp_block_predicts(demo, sp):
