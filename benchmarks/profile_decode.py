@@ -48,7 +48,9 @@ def profile_context(args, model, context: int) -> None:
                                             max_num_batched_tokens=max(256, args.prefill),
                                             max_model_len=min(context + new + 1, model.cfg.max_position_embeddings),
                                             num_pages=args.batch * ((context + new) // 256 + 2) + 8,
-                                            kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False),
+                                            kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False,
+                                            # a prefill's request ends in its own step
+                                            async_scheduling="off" if args.prefill else "auto"),
                     model=model)
     if args.prefill:
         step = lambda: deep_prefill(eng, context, args.prefill)
