@@ -50,11 +50,7 @@ class DraftGraphs:
         packed = torch.from_numpy(np.concatenate([a.ravel() for group in rows for a in group] + [anchors]))
         graph, flat, streams, drafts, static = self._graph(key, rows, anchors, shapes, packed, hidden)
         self.h2d.upload_into(flat, [packed])      # everything a step changes, in one copy
-        if all(w.hidden_row == i * q for i, w in enumerate(works)):
-            streams[:R * q].copy_(hidden[:R * q])         # the verify step's rows, in order: no index
-        else:
-            rows_t = self.h2d.upload([torch.tensor([w.hidden_row + i for w in works for i in range(q)])])[0]
-            streams[:R * q].copy_(hidden[rows_t])
+        copy_verify_rows(streams, hidden, works, q, self.h2d)
         if graph is not None:
             graph.replay()
         else:                                     # capture=False: the graph's body, from the same buffers
@@ -116,6 +112,17 @@ def uniform_greedy(works, max_bs: int) -> bool:
         return False
     q, n = len(works[0].tokens), works[0].num_drafts
     return n > 0 and all(len(w.tokens) == q and w.num_drafts == n and w.request.params.is_greedy for w in works)
+
+
+def copy_verify_rows(dst: torch.Tensor, src: torch.Tensor, works, q: int, h2d: HostToDevice) -> None:
+    """dst[:R * q] = the q rows of each work in the verify step's output src (a graph's static
+    input buffer); one plain copy when the works' rows are src's first R * q, in order."""
+    R = len(works)
+    if all(w.hidden_row == i * q for i, w in enumerate(works)):
+        dst[:R * q].copy_(src[:R * q])
+    else:
+        rows = h2d.upload([torch.tensor([w.hidden_row + i for w in works for i in range(q)])])[0]
+        dst[:R * q].copy_(src[rows])
 
 
 def capture_graph(body, pool):

@@ -28,7 +28,7 @@ from ...model.dspark import markov_drafts, run_block, write_window
 from ...ops.paged import PagedRows
 from ..cuda_graphs import MAX_GRAPHS, batch_bucket
 from ..upload import HostToDevice
-from .draft_graphs import capture_graph, split_flat
+from .draft_graphs import capture_graph, copy_verify_rows, split_flat
 
 
 class DSparkGraphs:
@@ -63,11 +63,7 @@ class DSparkGraphs:
         key = (shapes[0].seqs, q, n)
         graph, flat, taps_in, out, static = self._graph(key, packed, shapes, taps)
         self.h2d.upload_into(flat, [torch.from_numpy(packed)])     # everything a step changes, in one copy
-        if all(w.hidden_row == i * q for i, w in enumerate(works)):
-            taps_in[:R * q].copy_(taps[:R * q])            # the verify step's rows, in order: no index
-        else:
-            rows = self.h2d.upload([torch.tensor([w.hidden_row + i for w in works for i in range(q)])])[0]
-            taps_in[:R * q].copy_(taps[rows])
+        copy_verify_rows(taps_in, taps, works, q, self.h2d)
         if graph is not None:
             graph.replay()
         else:                                     # capture=False: the graph's body, from the same buffers

@@ -7,29 +7,17 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4.engine.cuda_graphs import StepGraphs
 from dsv4.engine.speculative.draft_graphs import DraftGraphs
 from dsv4.sampling_params import SamplingParams
 
+import graph_paths
 from test_spec_mtp_drafts import check_drafts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def with_graph_shapes(eng, max_bs: int = 4) -> dict:
-    """Give the engine both padded paths; count the calls that took them."""
-    calls = {"verify": 0, "draft": 0}
-    runner, proposer = eng.runner, eng.spec.proposer
-    runner.graphs = StepGraphs(eng.model, runner.storage, max_bs, capture=False, h2d=runner.h2d, keep_streams=True)
-    proposer.graphs = DraftGraphs(eng.model, runner.storage, max_bs, eng.spec.k + 1, capture=False, h2d=runner.h2d)
-    for name, obj, method in (("verify", runner.graphs, "run_with_streams"), ("draft", proposer.graphs, "run")):
-        original = getattr(obj, method)
-
-        def counted(*a, _original=original, _name=name):
-            calls[_name] += 1
-            return _original(*a)
-        setattr(obj, method, counted)
-    return calls
+def with_graph_shapes(eng) -> dict:
+    return graph_paths.with_graph_shapes(eng, DraftGraphs)
 
 
 @pytest.mark.parametrize("k", [1, 3])
