@@ -236,7 +236,7 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     scheduled, the fill started by the step before is joined and the step in flight sampled, the
     next forward is launched (it takes those tokens on the device), the previous step's tokens
     are read back and taken by the matchers (one batch call), the fill of the launched step's
-    mask starts (on the worker thread for a batch of THREAD_MIN_ROWS or more) and the tokens are
+    mask starts (on the fill threads for a batch of THREAD_MIN_ROWS or more) and the tokens are
     appended while it runs, and it keeps running through the next schedule. Tokens equal a run
     with async scheduling off."""
     from dsv4.structured import masks
@@ -264,12 +264,13 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     filler = eng.grammars.masks
     monkeypatch.setattr(filler, "start", record("fill-start", filler.start))
     monkeypatch.setattr(masks.PendingMask, "result", record("fill-join", masks.PendingMask.result))
-    batch_fill = filler.batch.batch_fill_next_token_bitmask
 
-    def fill(*a):
-        fill_threads.append(threading.current_thread().name)
-        return batch_fill(*a)
-    monkeypatch.setattr(filler, "batch", SimpleNamespace(batch_fill_next_token_bitmask=fill))
+    def recorded(batch_fill):
+        def fill(*a):
+            fill_threads.append(threading.current_thread().name)
+            return batch_fill(*a)
+        return SimpleNamespace(batch_fill_next_token_bitmask=fill)
+    monkeypatch.setattr(filler, "batches", [recorded(b.batch_fill_next_token_bitmask) for b in filler.batches])
     got = run(eng, reqs)
 
     steady = ["schedule", "fill-join", "sample", "execute", "fill-start", "accept"] + ["append"] * n
@@ -281,19 +282,20 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in sync.items()}
 
 
-@pytest.mark.parametrize("handoff,fill_threads", [(None, 1), (0.0, 1), (None, 3)])
+@pytest.mark.parametrize("handoff,fill_threads", [(None, 1), (0.0, 1), (None, 3), (0.0, 3)])
 def test_mask_filler_reuses_one_buffer_and_matches_xgrammar(engine_of, monkeypatch, handoff, fill_threads):
     """Threaded and inline fills give xgrammar's own per-matcher masks (with the special-token
     filter the sampler ANDs in) in one buffer reused from step to step; no constrained row -> no
-    mask at all. handoff None: the worker always fills; 0: a fill it has not begun is taken back
-    by result(). fill_threads: xgrammar's own threads for one fill."""
+    mask at all. handoff None: the fill threads always fill; 0: a slice no thread has begun is
+    taken back by result(). fill_threads: threads filling a slice of the rows each (3: three
+    slices of at least THREAD_MIN_ROWS rows)."""
     from dsv4.structured import masks
     from dsv4.structured.masks import THREAD_MIN_ROWS
     monkeypatch.setattr(masks, "HANDOFF_WAIT_S", handoff)
     monkeypatch.setattr(masks, "FILL_THREADS", fill_threads)
     eng = engine_of(async_scheduling="off")
     grammars = eng._grammars()
-    ids = [f"m{i}" for i in range(THREAD_MIN_ROWS + 2)]
+    ids = [f"m{i}" for i in range(3 * THREAD_MIN_ROWS + 2)]
     for i, rid in enumerate(ids):
         grammars.add(rid, KINDS["json"] if i % 2 else KINDS["regex"])
     for i, rid in enumerate(ids):                       # matchers in different states
