@@ -49,9 +49,14 @@ class Job:
         return False
 
     def drop(self) -> None:
-        """Never run it if its thread has not begun it; else wait for it (its error dropped)."""
-        if not self.claim.acquire(blocking=False):
-            self.done.acquire()
+        """Never run it if its thread has not begun it; else wait for it (its error dropped).
+        A `join` after it returns at once."""
+        if self.claim.acquire(blocking=False):
+            self.done.release()
+            return
+        self.done.acquire()
+        self.done.release()
+        self.error = None
 
 
 class FillThreads:

@@ -30,7 +30,7 @@ FILL_THREADS = min(4, max(1, (os.cpu_count() or 1) // 4))
 # How long `start` waits for the threads to begin their slices before going on (each needs the
 # GIL to start, which the caller's pure-Python work would otherwise hold for up to a whole switch
 # interval); a slice still not begun by `result()` is filled there.
-HANDOFF_WAIT_S = 2e-4
+HANDOFF_WAIT_S = 5e-4
 
 
 @dataclass
@@ -70,15 +70,16 @@ class MaskFiller:
     """The masks of decode steps, one at a time, into a buffer reused from step to step (grown
     to the largest batch seen). Created with the engine's grammars (`registry.Grammars`)."""
 
-    def __init__(self, vocab_size: int, keep: torch.Tensor | None):
+    def __init__(self, vocab_size: int, keep: torch.Tensor | None, threads: int | None = None):
+        """threads: fill threads (None: FILL_THREADS)."""
         self.keep, self.width = keep, words(vocab_size)
         self.thread_min_rows = THREAD_MIN_ROWS     # (benchmarks/structured_output.py compares both ways)
         self.buffer = torch.empty(0, self.width, dtype=torch.int32)
         self.all_rows = torch.arange(0)            # rows 0..R-1 of a mask that covers every row
-        self.threads = FillThreads(FILL_THREADS, "dsv4-grammar-masks")     # started by the first threaded fill
+        self.threads = FillThreads(threads or FILL_THREADS, "dsv4-grammar-masks")   # started by the first threaded fill
         self.batches = [_batch_matcher() for _ in range(self.threads.n)]    # one per thread (the inline fill: 0)
         self.pending: list[Job] = []               # the threads' jobs of the last fill, until joined
-        self.taken_back = 0                        # jobs no thread had begun by `result()` (run there)
+        self.slices = self.taken_back = 0          # slices handed to the threads; of them, run by `result()`
 
     def idle(self) -> None:
         """Wait for a fill still running (one whose step failed before its `result()`; a slice
@@ -121,6 +122,7 @@ class MaskFiller:
             return PendingMask(rows_t, bitmask, self.keep, covers_all)
         fills = [self._fill(k, matchers, bitmask, live, slices) for k in range(slices)]
         self.pending = self.threads.submit(fills, HANDOFF_WAIT_S)
+        self.slices += slices
         return PendingMask(rows_t, bitmask, self.keep, covers_all, self.pending, self)
 
     def _rows(self, n: int) -> torch.Tensor:

@@ -388,3 +388,38 @@ def test_batch_accept_through_xgrammars_public_call_gives_the_same_outputs(engin
     assert {r: o.token_ids for r, o in public.items()} == {r: o.token_ids for r, o in private.items()}
     for rid, out in public.items():
         check("json", out.text)
+
+
+def test_masks_filled_in_slices_on_several_threads(engine_of, run, monkeypatch):
+    """Three fill threads, a slice of the rows each (THREAD_MIN_ROWS lowered so 12 constrained
+    rows make three slices), async scheduling on: every output validates, the constrained tokens
+    equal an inline fill's, and unconstrained greedy rows in the same batch give the tokens of a
+    run without any constraint (invariant 5)."""
+    from dsv4.structured import masks
+    eng = engine_of(async_scheduling="on")
+    ps = prompts(eng, 12)
+    plain = {f"p{i}": (p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)) for i, p in enumerate(ps[:4])}
+    alone = run(eng, plain)
+    mixed = dict(plain)
+    mixed.update({f"c{i}": (p, SamplingParams(max_tokens=40, temperature=0.0 if i % 2 else 0.8, seed=i,
+                                              structured=KINDS["json" if i % 3 else "regex"]))
+                  for i, p in enumerate(ps)})
+    grammars = eng._grammars()
+    monkeypatch.setattr(masks, "THREAD_MIN_ROWS", 4)
+    monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # every slice on its thread
+    outs = {}
+    for threads in (3, 0):                                  # 0: every fill inline
+        grammars.masks.close()
+        monkeypatch.setattr(grammars, "masks", masks.MaskFiller(eng.cfg.vocab_size, grammars.keep, threads=threads or None))
+        if threads == 0:
+            grammars.masks.thread_min_rows = 1 << 30
+        outs[threads] = run(eng, mixed)
+        assert grammars.masks.slices >= (3 if threads else 0) and grammars.masks.taken_back == 0
+    grammars.masks.close()
+    assert {r: o.token_ids for r, o in outs[3].items()} == {r: o.token_ids for r, o in outs[0].items()}
+    for rid, out in outs[3].items():
+        if rid.startswith("p"):
+            assert out.token_ids == alone[rid].token_ids, rid
+        else:
+            assert out.finish_reason == "stop", (rid, out.text)
+            check("json" if int(rid[1:]) % 3 else "regex", out.text)
