@@ -186,8 +186,8 @@ def main() -> None:
     if any(n < 1 for n in args.fill_threads):
         ap.error("--fill-threads: counts must be 1 or more (the inline fill always runs)")
     args.fill_threads = sorted(set(args.fill_threads))
-    if args.smoke:
-        args.batch, args.tokens, args.repeats = 4, 8, 1
+    if args.smoke:       # two slices of THREAD_MIN_ROWS rows on two threads
+        args.batch, args.tokens, args.repeats, args.fill_threads = 2 * THREAD_MIN_ROWS, 8, 1, [1, 2]
     if args.host or args.smoke:
         host_only(args)
     if args.host:

@@ -24,9 +24,10 @@ from .matcher import RequestGrammar
 # least this many: handing the work to a thread and back costs about as much as a handful of rows.
 THREAD_MIN_ROWS = 8
 # Threads that fill a step's rows, a slice each (one xgrammar call, its own pool off: that pool
-# starts its threads on every call). A quarter of the host's cores, at most 4, at least 1: the
-# main thread, the GPU's launches and the API process need the rest.
-FILL_THREADS = min(4, max(1, (os.cpu_count() or 1) // 4))
+# starts its threads on every call). A quarter of the cores this process may use, at most 4, at
+# least 1: the main thread, the GPU's launches and the API process need the rest.
+FILL_THREADS = min(4, max(1, len(os.sched_getaffinity(0)) // 4 if hasattr(os, "sched_getaffinity")
+                          else (os.cpu_count() or 1) // 4))
 # How long `start` waits for the threads to begin their slices before going on (each needs the
 # GIL to start, which the caller's pure-Python work would otherwise hold for up to a whole switch
 # interval); a slice still not begun by `result()` is filled there.
@@ -60,9 +61,9 @@ class PendingMask:
         The bitmask is a view of the filler's buffer, valid until its next `start`."""
         if self.filling:
             jobs, self.filling = self.filling, ()
-            taken_back = sum(job.join() for job in jobs)
-            self.filler.taken_back += taken_back
-            self.filler.pending = []
+            self.filler.taken_back += sum(job.join() for job in jobs)
+            if self.filler.pending is jobs:
+                self.filler.pending = []
         return GrammarMask(self.rows, self.bitmask, self.covers_all, self.keep)
 
 
