@@ -65,18 +65,22 @@ def workload(engine, batch: int, tokens: int, constrained: bool, tag: str) -> di
 
 
 class MaskTimer:
-    """Main-thread time in the masks' `start` (the matchers' accept, then the fill's hand-off, or
-    the whole fill for a small batch) and `PendingMask.result()` (waiting for the worker), per
-    step."""
+    """Main-thread time per step in the masks: `start` (the matchers' accept, then the hand-off to
+    the fill threads, or the whole fill for a small batch), of it `accept` (the batch accept) and
+    `hand-off` (waiting for the threads to begin), `result` (waiting for the threads), and
+    `upload` (the mask to the device)."""
 
     def __init__(self):
-        from dsv4.structured import masks
-        self.seconds = {"start": 0.0, "result": 0.0}
+        from dsv4.engine.sampling_inputs import SamplingInputs
+        from dsv4.structured import fill_threads, masks
+        self.seconds = {"start": 0.0, "accept": 0.0, "hand-off": 0.0, "result": 0.0, "upload": 0.0}
         self.steps = 0
-        self._saved = [(masks.MaskFiller, "start"), (masks.PendingMask, "result")]
-        self._saved = [(cls, name, getattr(cls, name)) for cls, name in self._saved]
-        for cls, name, fn in self._saved:
-            setattr(cls, name, self._timed(name, fn))
+        timed = {"start": (masks.MaskFiller, "start"), "accept": (masks, "accept_batch"),
+                 "hand-off": (fill_threads.FillThreads, "submit"), "result": (masks.PendingMask, "result"),
+                 "upload": (SamplingInputs, "_upload_mask")}
+        self._saved = [(owner, attr, getattr(owner, attr)) for owner, attr in timed.values()]
+        for key, (owner, attr, fn) in zip(timed, self._saved):
+            setattr(owner, attr, self._timed(key, fn))
 
     def _timed(self, name, fn):
         def timed(*a, **kw):
@@ -97,8 +101,8 @@ class MaskTimer:
         self.steps = 0
 
     def close(self) -> None:
-        for cls, name, fn in self._saved:
-            setattr(cls, name, fn)
+        for owner, attr, fn in self._saved:
+            setattr(owner, attr, fn)
 
 
 def variants(args) -> list[tuple[str, int | None]]:
