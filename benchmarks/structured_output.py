@@ -1,20 +1,23 @@
 """Structured outputs on the GPU, one command: decode tokens/s of the demo model at batch 64 with
 every request under a JSON-schema constraint against the same batch with none (target >= 0.9x;
 docs/architecture.md, "Structured outputs"). CUDA graphs and async scheduling on: each step's
-masks are filled on the host (a worker thread for a large batch) while the GPU runs the forward
+masks are filled on the host (fill threads for a large batch) while the GPU runs the forward
 and the main thread appends the previous step's tokens and schedules the next step (the step is
 sampled after that schedule), and applied in the sampler.
 
-    python -m benchmarks.structured_output [--batch 64] [--tokens 256] [--repeats 3]
+    python -m benchmarks.structured_output [--batch 64] [--tokens 256] [--repeats 3] [--fill-threads 1,4]
     python -m benchmarks.structured_output --smoke        # tiny, on the CPU, in seconds
     python -m benchmarks.structured_output --host [--batch 64] [--tokens 64]   # forward stubbed
 
-Three runs each time: no constraint; JSON with the masks filled on the worker thread (the
-default, structured/masks.py); JSON with them filled inline on the main thread
-(`MaskFiller.thread_min_rows` above the batch). Each constrained row reports the main thread's
-ms per step in `MaskFiller.start` (the matchers taking the previous step's tokens, then the
-hand-off to the worker, or the whole inline fill) and in `PendingMask.result` (waiting for the
-worker).
+Each time: no constraint; JSON with the masks filled on the fill threads, once per count in
+--fill-threads (structured/masks.py: persistent threads, a slice of the rows each); JSON with them
+filled inline on the main thread; each JSON run twice: the step in flight read back before the
+next launch (the default, `LLMEngine.grammar_read_ahead`: the fill overlaps the launch's host
+work too) and after it ("read after"). Each constrained row reports the main thread's ms per step in
+`MaskFiller.start` (the matchers taking the previous step's tokens, then the hand-off to the
+threads, or the whole inline fill) and in `PendingMask.result` (waiting for the threads), and how
+many of the slices handed to the threads no thread had begun by `result()` (filled there: a
+hand-off that failed).
 
 `--host` replaces the model's forward by constant logits (benchmarks/host_path.py) and reports
 the same over the host's work alone: the bound on the ratio of a host-bound step. On the CPU the
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -37,7 +41,7 @@ from dsv4.assets import demo_model_dir
 from dsv4.config import EngineConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.sampling_params import SamplingParams, StructuredOutputs
-from dsv4.structured.masks import THREAD_MIN_ROWS
+from dsv4.structured.masks import FILL_THREADS, THREAD_MIN_ROWS
 
 SCHEMA = {"type": "object", "properties": {"story": {"type": "string", "minLength": 4000}}, "required": ["story"]}
 TARGET = 0.9
@@ -63,18 +67,22 @@ def workload(engine, batch: int, tokens: int, constrained: bool, tag: str) -> di
 
 
 class MaskTimer:
-    """Main-thread time in the masks' `start` (the matchers' accept, then the fill's hand-off, or
-    the whole fill for a small batch) and `PendingMask.result()` (waiting for the worker), per
-    step."""
+    """Main-thread time per step in the masks: `start` (the matchers' accept, then the hand-off to
+    the fill threads, or the whole fill for a small batch), of it `accept` (the batch accept) and
+    `hand-off` (waiting for the threads to begin), `result` (waiting for the threads), and
+    `upload` (the mask to the device)."""
 
     def __init__(self):
-        from dsv4.structured import masks
-        self.seconds = {"start": 0.0, "result": 0.0}
+        from dsv4.engine.sampling_inputs import SamplingInputs
+        from dsv4.structured import fill_threads, masks
+        self.seconds = {"start": 0.0, "accept": 0.0, "hand-off": 0.0, "result": 0.0, "upload": 0.0}
         self.steps = 0
-        self._saved = [(masks.MaskFiller, "start"), (masks.PendingMask, "result")]
-        self._saved = [(cls, name, getattr(cls, name)) for cls, name in self._saved]
-        for cls, name, fn in self._saved:
-            setattr(cls, name, self._timed(name, fn))
+        timed = {"start": (masks.MaskFiller, "start"), "accept": (masks, "accept_batch"),
+                 "hand-off": (fill_threads.FillThreads, "submit"), "result": (masks.PendingMask, "result"),
+                 "upload": (SamplingInputs, "_upload_mask")}
+        self._saved = [(owner, attr, getattr(owner, attr)) for owner, attr in timed.values()]
+        for key, (owner, attr, fn) in zip(timed, self._saved):
+            setattr(owner, attr, self._timed(key, fn))
 
     def _timed(self, name, fn):
         def timed(*a, **kw):
@@ -95,44 +103,72 @@ class MaskTimer:
         self.steps = 0
 
     def close(self) -> None:
-        for cls, name, fn in self._saved:
-            setattr(cls, name, fn)
+        for owner, attr, fn in self._saved:
+            setattr(owner, attr, fn)
 
 
-VARIANTS = ("no constraint", "JSON, fill on worker", "JSON, fill inline")
+def variants(args) -> list[tuple[str, int | None, bool]]:
+    """(name, fill threads, read ahead): no constraint (threads None); JSON on each --fill-threads
+    count and inline (0), each with the step in flight read back before the next launch
+    (`LLMEngine.grammar_read_ahead`, the default) and after it."""
+    runs = [("no constraint", None, True)]
+    for n in [*args.fill_threads, 0]:
+        fill = f"{n} fill thread{'s' * (n > 1)}" if n else "fill inline"
+        runs += [(f"JSON, {fill}", n, True), (f"JSON, {fill}, read after", n, False)]
+    return runs
+
+
+def use_filler(engine, threads: int | None) -> None:
+    """The engine's mask filler with `threads` fill threads (0: every fill inline; None: the default)."""
+    from dsv4.structured.masks import MaskFiller
+    grammars = engine.grammars
+    grammars.masks.close()
+    grammars.masks = MaskFiller(engine.cfg.vocab_size, grammars.keep, threads=threads or None)
+    if threads == 0:
+        grammars.masks.thread_min_rows = 1 << 30
 
 
 def measure(engine, args) -> dict:
     """Best time of each variant over args.repeats, with the main thread's ms per step in the
-    masks; the outputs of the last constrained runs."""
+    masks and the share of fill slices no thread had begun by `result()`; the outputs of the
+    last constrained runs."""
     best, outs, timer = {}, {}, MaskTimer()
     try:
         for r in range(args.repeats):
-            for v, name in enumerate(VARIANTS):
-                if v:
-                    engine.grammars.masks.thread_min_rows = THREAD_MIN_ROWS if v == 1 else args.batch + 1
+            for name, threads, read_ahead in variants(args):
+                if threads is not None:
+                    use_filler(engine, threads)
+                engine.grammar_read_ahead = read_ahead
                 timer.reset()
-                done, dt = run(engine, workload(engine, args.batch, args.tokens, v > 0, f"{v}-{r}-"))
+                done, dt = run(engine, workload(engine, args.batch, args.tokens, threads is not None, f"{name}-{r}-"))
                 assert all(len(o.token_ids) == args.tokens for o in done.values()), "a request stopped early"
+                notes = timer.per_step_ms() + (taken_back(engine) if threads else "")
                 if name not in best or dt < best[name][0]:
-                    best[name] = (dt, timer.per_step_ms())
-                if v:
+                    best[name] = (dt, notes)
+                if threads is not None:
                     outs[name] = done
     finally:
         timer.close()
-        engine.grammars.masks.thread_min_rows = THREAD_MIN_ROWS
+        use_filler(engine, None)
+        engine.grammar_read_ahead = True
     return {"best": best, "outs": outs}
 
 
+def taken_back(engine) -> str:
+    filler = engine.grammars.masks
+    return f", slices taken back {filler.taken_back}/{filler.slices}"
+
+
 def table(title: str, args, best: dict) -> None:
-    total, plain = args.batch * args.tokens, best[VARIANTS[0]][0]
-    print(f"\n{title}, batch {args.batch}, {args.tokens} decode tokens each (best of {args.repeats})")
-    print(f"{'run':<24}{'seconds':>10}{'tokens/s':>12}{'ratio':>8}   main thread's ms per step in the masks")
-    for name in VARIANTS:
+    total, plain = args.batch * args.tokens, best["no constraint"][0]
+    print(f"\n{title}, batch {args.batch}, {args.tokens} decode tokens each (best of {args.repeats}); "
+          f"{os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable")
+    print(f"{'run':<36}{'seconds':>10}{'tokens/s':>12}{'ratio':>8}   main thread's ms per step in the masks")
+    for name, _, _ in variants(args):
         dt, masks_ms = best[name]
-        print(f"{name:<24}{dt:>10.3f}{total / dt:>12.0f}{plain / dt:>8.3f}   {masks_ms if name != VARIANTS[0] else ''}")
+        print(f"{name:<36}{dt:>10.3f}{total / dt:>12.0f}{plain / dt:>8.3f}   {masks_ms if name != 'no constraint' else ''}")
     if args.batch < THREAD_MIN_ROWS:
-        print(f"(batch < THREAD_MIN_ROWS = {THREAD_MIN_ROWS}: both constrained runs fill inline)")
+        print(f"(batch < THREAD_MIN_ROWS = {THREAD_MIN_ROWS}: every constrained run fills inline)")
 
 
 def host_only(args) -> None:
@@ -155,11 +191,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--fill-threads", type=lambda v: [int(n) for n in v.split(",")], default=[1, FILL_THREADS],
+                    help="comma-separated fill-thread counts to run (structured/masks.py FILL_THREADS)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     ap.add_argument("--host", action="store_true", help="the model's forward stubbed: host work only, on the CPU")
     args = ap.parse_args()
-    if args.smoke:
-        args.batch, args.tokens, args.repeats = 4, 8, 1
+    if any(n < 1 for n in args.fill_threads):
+        ap.error("--fill-threads: counts must be 1 or more (the inline fill always runs)")
+    args.fill_threads = sorted(set(args.fill_threads))
+    if args.smoke:       # two slices of THREAD_MIN_ROWS rows on two threads
+        args.batch, args.tokens, args.repeats, args.fill_threads = 2 * THREAD_MIN_ROWS, 8, 1, [1, 2]
     if args.host or args.smoke:
         host_only(args)
     if args.host:
@@ -190,7 +231,7 @@ def main() -> None:
     best = result["best"]
     table(f"structured outputs, demo model on {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}",
           args, best)
-    ratio = best[VARIANTS[0]][0] / min(best[VARIANTS[1]][0], best[VARIANTS[2]][0])
+    ratio = best["no constraint"][0] / min(dt for name, (dt, _) in best.items() if name != "no constraint")
     verdict = ('MET' if ratio >= TARGET else 'MISSED') if device == "cuda" else "not judged on the CPU"
     print(f"best constrained ratio {ratio:.3f} (target >= {TARGET}, on the GPU): {verdict}")
     print(f"grammar outputs accepted by a fresh matcher: yes; unconstrained tokens unchanged: {'yes' if same else 'NO'}")

@@ -5,33 +5,33 @@ with the special-token filter (`GrammarMask.keep`), so the host never touches th
 
 Decode steps go through `MaskFiller` (docs/architecture.md, "Structured outputs"): the matchers
 take the previous step's tokens in one xgrammar batch call, then the rows are filled into one
-preallocated buffer by a single xgrammar batch call, which releases the GIL, on a worker thread,
-so the engine's host work runs on the main thread meanwhile; `PendingMask.result()` joins it,
-or fills on the calling thread if the worker never picked the fill up (a busy host): the worst
-case is an inline fill. The worker's job is that one call and nothing else: Python on the worker
-between two GIL-free calls would wait for the main thread to let go of the GIL (up to a whole
-switch interval while it runs pure Python)."""
+preallocated buffer by xgrammar batch calls, which release the GIL, on `FILL_THREADS` persistent
+threads (structured/fill_threads.py), a slice of the rows each, so the engine's host work runs on
+the main thread meanwhile; `PendingMask.result()` joins them, filling on the calling thread a
+slice whose thread never picked it up (a busy host): the worst case is an inline fill."""
 from __future__ import annotations
 
-import threading
+import os
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from .fill_threads import FillThreads, Job
 from .matcher import RequestGrammar
 
-# Fewer constrained rows than this are filled on the calling thread: handing the work to the
-# worker and back costs about as much as filling a handful of rows.
+# Fewer constrained rows than this are filled on the calling thread, and a fill thread gets at
+# least this many: handing the work to a thread and back costs about as much as a handful of rows.
 THREAD_MIN_ROWS = 8
-# Threads of xgrammar's own pool for one batch fill (the call still blocks its caller). One: on a
-# 2-core host, 2 threads made a 64-row fill of a cheap state 1.2 ms instead of 26 us (the pool's
-# threads start per call); the fill overlaps the main thread's work anyway. Unmeasured on a GPU host.
-FILL_THREADS = 1
-# How long `start` waits for the worker to pick a fill up before going on (its GIL hand-off needs
-# the OS to run the worker thread); a fill still not picked up by `result()` is done there.
-HANDOFF_WAIT_S = 2e-4
+# Threads that fill a step's rows, a slice each (one xgrammar call, its own pool off: that pool
+# starts its threads on every call). A quarter of the cores this process may use, at most 4, at
+# least 1: the main thread, the GPU's launches and the API process need the rest.
+FILL_THREADS = min(4, max(1, len(os.sched_getaffinity(0)) // 4 if hasattr(os, "sched_getaffinity")
+                          else (os.cpu_count() or 1) // 4))
+# How long `start` waits for the threads to begin their slices before going on (each needs the
+# GIL to start, which the caller's pure-Python work would otherwise hold for up to a whole switch
+# interval); a slice still not begun by `result()` is filled there.
+HANDOFF_WAIT_S = 5e-4
 
 
 @dataclass
@@ -47,24 +47,23 @@ def words(vocab_size: int) -> int:
 
 
 class PendingMask:
-    """A mask whose rows may still be being filled on the worker thread."""
+    """A mask whose rows may still be being filled on the fill threads."""
 
-    def __init__(self, rows: list[int], bitmask: torch.Tensor, keep: torch.Tensor | None,
-                 covers_all: bool, filling: Future | None = None, fill: Callable[[], None] | None = None):
-        """filling: the worker's future of `fill` (None: already filled)."""
-        self.rows = torch.tensor(rows, dtype=torch.long)
-        self.bitmask, self.keep, self.covers_all = bitmask, keep, covers_all
-        self.filling, self.fill = filling, fill
+    def __init__(self, rows: torch.Tensor, bitmask: torch.Tensor, keep: torch.Tensor | None,
+                 covers_all: bool, filling: list[Job] = (), filler: MaskFiller | None = None):
+        """rows: [R] long; filling: the fill threads' jobs (none: already filled); filler: whose
+        `taken_back` counts the jobs `result()` runs itself."""
+        self.rows, self.bitmask, self.keep, self.covers_all = rows, bitmask, keep, covers_all
+        self.filling, self.filler = filling, filler
 
     def result(self) -> GrammarMask:
-        """Wait for the fill (re-raising its error), or do it here if the worker has not begun
-        it. The bitmask is a view of the filler's buffer, valid until its next `start`."""
-        if self.filling is not None:
-            if self.filling.cancel():
-                self.fill()
-            else:
-                self.filling.result()
-            self.filling = None
+        """Wait for the fill (re-raising its error), doing here any slice no thread has begun.
+        The bitmask is a view of the filler's buffer, valid until its next `start`."""
+        if self.filling:
+            jobs, self.filling = self.filling, ()
+            self.filler.taken_back += sum(job.join() for job in jobs)
+            if self.filler.pending is jobs:
+                self.filler.pending = []
         return GrammarMask(self.rows, self.bitmask, self.covers_all, self.keep)
 
 
@@ -72,22 +71,24 @@ class MaskFiller:
     """The masks of decode steps, one at a time, into a buffer reused from step to step (grown
     to the largest batch seen). Created with the engine's grammars (`registry.Grammars`)."""
 
-    def __init__(self, vocab_size: int, keep: torch.Tensor | None):
-        import xgrammar
-        self.batch = xgrammar.BatchGrammarMatcher(max_threads=FILL_THREADS)   # one C++ call for all rows
+    def __init__(self, vocab_size: int, keep: torch.Tensor | None, threads: int | None = None):
+        """threads: fill threads (None: FILL_THREADS)."""
         self.keep, self.width = keep, words(vocab_size)
         self.thread_min_rows = THREAD_MIN_ROWS     # (benchmarks/structured_output.py compares both ways)
         self.buffer = torch.empty(0, self.width, dtype=torch.int32)
-        self._worker: ThreadPoolExecutor | None = None     # started by the first threaded fill
-        self._filling: Future | None = None                # the worker's last fill
+        self.all_rows = torch.arange(0)            # rows 0..R-1 of a mask that covers every row
+        self.threads = FillThreads(threads or FILL_THREADS, "dsv4-grammar-masks")   # started by the first threaded fill
+        self.batches = [_batch_matcher() for _ in range(self.threads.n)]    # one per thread (the inline fill: 0)
+        self.pending: list[Job] = []               # the threads' jobs of the last fill, until joined
+        self.slices = self.taken_back = 0          # slices handed to the threads; of them, run by `result()`
 
     def idle(self) -> None:
-        """Wait for a fill still running (one whose step failed before its `result()`): the
-        buffer and the matchers are free afterwards. Its error, if any, was the step's."""
-        if self._filling is not None:
-            if not self._filling.cancel():
-                self._filling.exception()
-            self._filling = None
+        """Wait for a fill still running (one whose step failed before its `result()`; a slice
+        not begun is dropped): the buffer and the matchers are free afterwards. Its error, if
+        any, was the step's."""
+        for job in self.pending:
+            job.drop()
+        self.pending = []
 
     @torch.inference_mode()
     def start(self, grammars: list[RequestGrammar | None],
@@ -110,42 +111,44 @@ class MaskFiller:
             rows.append(i)
         if not rows:
             return None
-        if self.buffer.shape[0] < len(rows):
-            self.buffer = torch.empty(max(len(rows), 2 * self.buffer.shape[0]), self.width, dtype=torch.int32)
-        bitmask = self.buffer[:len(rows)]
+        bitmask = self._rows(len(rows))
         for n in ended:
             grammars[rows[n]].fill(bitmask, n)            # EOS only: xgrammar refuses to fill it
-
-        def fill() -> None:
-            self.batch.batch_fill_next_token_bitmask(matchers, bitmask, live)
-
         covers_all = len(rows) == len(grammars)
-        if len(live) >= self.thread_min_rows:
-            return PendingMask(rows, bitmask, self.keep, covers_all, self._fill_on_worker(fill), fill)
-        if live:
-            fill()
-        return PendingMask(rows, bitmask, self.keep, covers_all)
+        rows_t = self.all_rows[:len(rows)] if covers_all else torch.tensor(rows, dtype=torch.long)
+        slices = min(self.threads.n, len(live) // self.thread_min_rows)
+        if slices == 0:
+            if live:
+                self.batches[0].batch_fill_next_token_bitmask(matchers, bitmask, live)
+            return PendingMask(rows_t, bitmask, self.keep, covers_all)
+        fills = [self._fill(k, matchers, bitmask, live, slices) for k in range(slices)]
+        self.pending = self.threads.submit(fills, HANDOFF_WAIT_S)
+        self.slices += slices
+        return PendingMask(rows_t, bitmask, self.keep, covers_all, self.pending, self)
 
-    def _fill_on_worker(self, fill: Callable[[], None]) -> Future:
-        """Hand `fill` to the worker and give it up to HANDOFF_WAIT_S to begin: it needs the GIL
-        to start, which the caller's pure-Python work would otherwise hold for up to a whole
-        switch interval. The worker gives the GIL back inside xgrammar's call."""
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-grammar-masks")
-        started = threading.Event()
+    def _rows(self, n: int) -> torch.Tensor:
+        """The first n rows of the reused buffer (grown, with `all_rows`, when short)."""
+        if self.buffer.shape[0] < n:
+            size = max(n, 2 * self.buffer.shape[0])
+            self.buffer = torch.empty(size, self.width, dtype=torch.int32)
+            self.all_rows = torch.arange(size)
+        return self.buffer[:n]
 
-        def run() -> None:
-            started.set()
-            fill()
-
-        self._filling = self._worker.submit(run)
-        started.wait(HANDOFF_WAIT_S)
-        return self._filling
+    def _fill(self, k: int, matchers: list, bitmask: torch.Tensor, live: list[int], slices: int
+              ) -> Callable[[], None]:
+        """Slice k of `slices` near-equal contiguous slices of the live rows, as one xgrammar call."""
+        lo, hi = k * len(live) // slices, (k + 1) * len(live) // slices
+        part, at, batch = matchers[lo:hi], live[lo:hi], self.batches[k]
+        return lambda: batch.batch_fill_next_token_bitmask(part, bitmask, at)
 
     def close(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown(wait=True)
-            self._worker = None
+        self.idle()
+        self.threads.close()
+
+
+def _batch_matcher():
+    import xgrammar
+    return xgrammar.BatchGrammarMatcher(max_threads=1)     # (its own pool would start threads per call)
 
 
 def verify_mask(grammars: list[tuple[RequestGrammar | None, list[int]]], vocab_size: int,

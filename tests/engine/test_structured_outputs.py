@@ -231,18 +231,31 @@ def test_ignore_eos_after_the_grammar_ends_allows_eos_only(engine_of, run):
         assert set(out.token_ids[first_eos:]) == {eng.eos_token_id} and len(out.token_ids) == 8
 
 
-def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
+@pytest.mark.parametrize("read_ahead", [True, False, "forward running"])
+def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run, read_ahead):
     """Order of the host's work in a decode step with async scheduling: the next step is
-    scheduled, the fill started by the step before is joined and the step in flight sampled, the
-    next forward is launched (it takes those tokens on the device), the previous step's tokens
-    are read back and taken by the matchers (one batch call), the fill of the launched step's
-    mask starts (on the worker thread for a batch of THREAD_MIN_ROWS or more) and the tokens are
-    appended while it runs, and it keeps running through the next schedule. Tokens equal a run
-    with async scheduling off."""
+    scheduled, the fill started by the step before is joined and the step in flight sampled;
+    read ahead (the default), that step is read back at once and its tokens taken by the
+    matchers (one batch call), the fill of the next step's mask starts (on the fill threads for
+    a batch of THREAD_MIN_ROWS or more), and the next forward is launched (it takes those
+    tokens on the device) while it runs; without (or while the step's forward still runs on
+    the GPU: its event says so), the forward is launched first and the step read back after.
+    Either way the tokens are appended while the fill runs, and it keeps running through the
+    next schedule. Tokens equal a run with async scheduling off."""
     from dsv4.structured import masks
     from dsv4.structured.matcher import RequestGrammar
     monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # wait for the worker: no inline fallback
     eng = engine_of(async_scheduling="on")
+    monkeypatch.setattr(eng, "grammar_read_ahead", bool(read_ahead))
+    if read_ahead == "forward running":           # a GPU-bound step: its forward's event not passed
+        launch = eng._launch
+
+        def launched_busy(*a):
+            step = launch(*a)
+            if step.waited:
+                step.forward_done = SimpleNamespace(query=lambda: False)
+            return step
+        monkeypatch.setattr(eng, "_launch", launched_busy)
     n = masks.THREAD_MIN_ROWS
     reqs = {f"o{i}": (p, SamplingParams(max_tokens=6, temperature=0.0, structured=KINDS["json"]))
             for i, p in enumerate(prompts(eng, n))}
@@ -264,15 +277,18 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     filler = eng.grammars.masks
     monkeypatch.setattr(filler, "start", record("fill-start", filler.start))
     monkeypatch.setattr(masks.PendingMask, "result", record("fill-join", masks.PendingMask.result))
-    batch_fill = filler.batch.batch_fill_next_token_bitmask
 
-    def fill(*a):
-        fill_threads.append(threading.current_thread().name)
-        return batch_fill(*a)
-    monkeypatch.setattr(filler, "batch", SimpleNamespace(batch_fill_next_token_bitmask=fill))
+    def recorded(batch_fill):
+        def fill(*a):
+            fill_threads.append(threading.current_thread().name)
+            return batch_fill(*a)
+        return SimpleNamespace(batch_fill_next_token_bitmask=fill)
+    monkeypatch.setattr(filler, "batches", [recorded(b.batch_fill_next_token_bitmask) for b in filler.batches])
     got = run(eng, reqs)
 
-    steady = ["schedule", "fill-join", "sample", "execute", "fill-start", "accept"] + ["append"] * n
+    ahead = read_ahead is True
+    launch_then_read = ["fill-start", "accept", "execute"] if ahead else ["execute", "fill-start", "accept"]
+    steady = ["schedule", "fill-join", "sample"] + launch_then_read + ["append"] * n
     text = " ".join(events)
     assert text.count(" ".join(steady)) >= 3, text      # the decode steps between prefill and the end
     assert fill_threads and all(name.startswith("dsv4-grammar-masks") for name in fill_threads)
@@ -281,19 +297,20 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in sync.items()}
 
 
-@pytest.mark.parametrize("handoff,fill_threads", [(None, 1), (0.0, 1), (None, 3)])
+@pytest.mark.parametrize("handoff,fill_threads", [(None, 1), (0.0, 1), (None, 3), (0.0, 3)])
 def test_mask_filler_reuses_one_buffer_and_matches_xgrammar(engine_of, monkeypatch, handoff, fill_threads):
     """Threaded and inline fills give xgrammar's own per-matcher masks (with the special-token
     filter the sampler ANDs in) in one buffer reused from step to step; no constrained row -> no
-    mask at all. handoff None: the worker always fills; 0: a fill it has not begun is taken back
-    by result(). fill_threads: xgrammar's own threads for one fill."""
+    mask at all. handoff None: the fill threads always fill; 0: a slice no thread has begun is
+    taken back by result(). fill_threads: threads filling a slice of the rows each (3: three
+    slices of at least THREAD_MIN_ROWS rows)."""
     from dsv4.structured import masks
     from dsv4.structured.masks import THREAD_MIN_ROWS
     monkeypatch.setattr(masks, "HANDOFF_WAIT_S", handoff)
     monkeypatch.setattr(masks, "FILL_THREADS", fill_threads)
     eng = engine_of(async_scheduling="off")
     grammars = eng._grammars()
-    ids = [f"m{i}" for i in range(THREAD_MIN_ROWS + 2)]
+    ids = [f"m{i}" for i in range(3 * THREAD_MIN_ROWS + 2)]
     for i, rid in enumerate(ids):
         grammars.add(rid, KINDS["json"] if i % 2 else KINDS["regex"])
     for i, rid in enumerate(ids):                       # matchers in different states
@@ -332,15 +349,18 @@ def test_masked_fill_in_place_when_every_row_has_a_grammar():
     assert torch.equal(ours, theirs) and torch.isinf(ours).any()
 
 
-def test_deferred_sampling_through_ends_aborts_and_stops(engine_of, monkeypatch, h):
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_deferred_sampling_through_ends_aborts_and_stops(engine_of, monkeypatch, h, read_ahead):
     """With async scheduling a constrained step is sampled only once the next one is scheduled,
-    its mask filled on the worker meanwhile. Through that order: requests ending by their grammar
-    (EOS) while their next row is already launched, grammars ended under ignore_eos (EOS-only
-    masks), parallel copies of one prompt (n > 1), a stop string, unconstrained neighbours and an
-    abort while the aborted request's row is launched but not sampled: the same outputs as with
-    async scheduling off, every grammar dropped and every page freed."""
+    its mask filled on the fill threads meanwhile (the step before read back ahead of the
+    launch, or after it). Through that order: requests ending by their grammar (EOS) while their
+    next row is already launched, grammars ended under ignore_eos (EOS-only masks), parallel
+    copies of one prompt (n > 1), a stop string, unconstrained neighbours and an abort while the
+    aborted request's row is launched but not sampled: the same outputs as with async
+    scheduling off, every grammar dropped and every page freed."""
     from dsv4.structured import masks
-    monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # the worker fills every large mask
+    monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # the threads fill every large mask
+    monkeypatch.setattr(engine_of(async_scheduling="on"), "grammar_read_ahead", read_ahead)
     ps = prompts(engine_of(async_scheduling="off"), 6)
     choice = SamplingParams(max_tokens=12, temperature=0.0, structured=KINDS["choice"])
     reqs = [h.Req(f"choice-{i}", p, choice) for i, p in enumerate(ps)]
@@ -386,3 +406,38 @@ def test_batch_accept_through_xgrammars_public_call_gives_the_same_outputs(engin
     assert {r: o.token_ids for r, o in public.items()} == {r: o.token_ids for r, o in private.items()}
     for rid, out in public.items():
         check("json", out.text)
+
+
+def test_masks_filled_in_slices_on_several_threads(engine_of, run, monkeypatch):
+    """Three fill threads, a slice of the rows each (THREAD_MIN_ROWS lowered so 12 constrained
+    rows make three slices), async scheduling on: every output validates, the constrained tokens
+    equal an inline fill's, and unconstrained greedy rows in the same batch give the tokens of a
+    run without any constraint (invariant 5)."""
+    from dsv4.structured import masks
+    eng = engine_of(async_scheduling="on")
+    ps = prompts(eng, 12)
+    plain = {f"p{i}": (p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)) for i, p in enumerate(ps[:4])}
+    alone = run(eng, plain)
+    mixed = dict(plain)
+    mixed.update({f"c{i}": (p, SamplingParams(max_tokens=40, temperature=0.0 if i % 2 else 0.8, seed=i,
+                                              structured=KINDS["json" if i % 3 else "regex"]))
+                  for i, p in enumerate(ps)})
+    grammars = eng._grammars()
+    monkeypatch.setattr(masks, "THREAD_MIN_ROWS", 4)
+    monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # every slice on its thread
+    outs = {}
+    for threads in (3, 0):                                  # 0: every fill inline
+        grammars.masks.close()
+        monkeypatch.setattr(grammars, "masks", masks.MaskFiller(eng.cfg.vocab_size, grammars.keep, threads=threads or None))
+        if threads == 0:
+            grammars.masks.thread_min_rows = 1 << 30
+        outs[threads] = run(eng, mixed)
+        assert grammars.masks.slices >= (3 if threads else 0) and grammars.masks.taken_back == 0
+    grammars.masks.close()
+    assert {r: o.token_ids for r, o in outs[3].items()} == {r: o.token_ids for r, o in outs[0].items()}
+    for rid, out in outs[3].items():
+        if rid.startswith("p"):
+            assert out.token_ids == alone[rid].token_ids, rid
+        else:
+            assert out.finish_reason == "stop", (rid, out.text)
+            check("json" if int(rid[1:]) % 3 else "regex", out.text)

@@ -1,0 +1,110 @@
+"""Persistent threads for the GIL-free part of a step's mask fill: each runs xgrammar batch calls on
+a slice of the step's rows (docs/architecture.md, "Structured outputs").
+
+xgrammar's own multi-threaded batch fill starts its threads on every call (two clones a call for
+two threads); these start once. A thread runs nothing but its job between two blocking waits
+(the queue's `get`, a lock): Python on it must hold the GIL, which the main thread's pure-Python
+work keeps for up to a whole switch interval.
+
+A job runs exactly once, on its thread or on the caller: whoever takes its `claim` lock first.
+`Job.join` runs a job its thread has not begun (a busy host) on the calling thread."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from queue import SimpleQueue
+
+
+class Job:
+    __slots__ = ("fn", "claim", "started", "done", "error")
+
+    def __init__(self, fn: Callable[[], None]):
+        self.fn = fn
+        self.claim, self.started, self.done = threading.Lock(), threading.Lock(), threading.Lock()
+        self.started.acquire()          # released by the thread once it has claimed the job
+        self.done.acquire()             # released by the thread once the job has run
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        """On the job's thread: nothing if the caller took it back first."""
+        if not self.claim.acquire(blocking=False):
+            return
+        self.started.release()
+        try:
+            self.fn()
+        except BaseException as e:      # re-raised by join
+            self.error = e
+        self.done.release()
+
+    def join(self) -> bool:
+        """Wait for the job (re-raising its error), or run it here if its thread has not begun
+        it. -> whether it ran here."""
+        if self.claim.acquire(blocking=False):
+            self.fn()
+            return True
+        self.done.acquire()
+        if self.error is not None:
+            raise self.error
+        return False
+
+    def drop(self) -> None:
+        """Never run it if its thread has not begun it; else wait for it (its error dropped).
+        A `join` after it returns at once."""
+        if self.claim.acquire(blocking=False):
+            self.done.release()
+            return
+        self.done.acquire()
+        self.done.release()
+        self.error = None
+
+
+class FillThreads:
+    """`n` daemon threads, started on the first `submit`, one job queue each."""
+
+    def __init__(self, n: int, name: str):
+        self.n, self.name = n, name
+        self._queues: list[SimpleQueue] = []
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, fns: list[Callable[[], None]], wait_s: float | None) -> list[Job]:
+        """Job i on thread i (at most n). Waits up to `wait_s` in all (None: without limit) for
+        the threads to begin them: each needs the GIL to start, which this wait lets go of."""
+        assert len(fns) <= self.n, (len(fns), self.n)
+        if not self._threads:
+            self._start()
+        jobs = [Job(fn) for fn in fns]
+        for q, job in zip(self._queues, jobs):
+            q.put(job)
+        if wait_s is None:
+            for job in jobs:
+                job.started.acquire()
+        elif wait_s > 0:
+            deadline = time.perf_counter() + wait_s
+            for job in jobs:
+                left = deadline - time.perf_counter()
+                if left <= 0 or not job.started.acquire(timeout=left):
+                    break
+        return jobs
+
+    def _start(self) -> None:
+        self._queues = [SimpleQueue() for _ in range(self.n)]
+        self._threads = [threading.Thread(target=_serve, args=(q,), name=f"{self.name}-{i}", daemon=True)
+                         for i, q in enumerate(self._queues)]
+        for t in self._threads:
+            t.start()
+
+    def close(self) -> None:
+        for q in self._queues:
+            q.put(None)
+        for t in self._threads:
+            t.join()
+        self._queues, self._threads = [], []
+
+
+def _serve(jobs: SimpleQueue) -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        job.run()

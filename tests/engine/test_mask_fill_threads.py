@@ -1,0 +1,72 @@
+"""The mask fill's persistent threads (structured/fill_threads.py): each job runs exactly once, on
+its thread or, when no thread has begun it, on the caller of `join`; errors reach the caller; a
+dropped job never runs late. Synchronised with events, no sleeps."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from dsv4.structured.fill_threads import FillThreads
+
+
+@pytest.fixture
+def threads():
+    pool = FillThreads(2, "test-fill")
+    yield pool
+    pool.close()
+
+
+def test_jobs_run_once_each_on_their_own_threads(threads):
+    ran = []
+    jobs = threads.submit([lambda k=k: ran.append((k, threading.current_thread().name)) for k in range(2)], None)
+    assert [job.join() for job in jobs] == [False, False]           # none ran on the caller
+    assert sorted(ran) == [(0, "test-fill-0"), (1, "test-fill-1")]
+    again = threads.submit([lambda: ran.append("again")], None)     # the same threads serve the next step
+    again[0].join()
+    assert ran[-1] == "again" and len(ran) == 3
+
+
+def test_a_job_no_thread_has_begun_runs_on_the_caller_once(threads):
+    release, busy = threading.Event(), threading.Event()
+
+    def block():
+        busy.set()
+        release.wait()
+    first = threads.submit([block], None)            # thread 0 is held inside this job
+    assert busy.wait(5)
+    ran = []
+    late = threads.submit([lambda: ran.append(threading.current_thread().name)], 0.0)
+    assert late[0].join() is True                    # taken back: thread 0 is still busy
+    assert ran == [threading.current_thread().name]
+    release.set()
+    first[0].join()
+    threads.submit([lambda: ran.append("next")], None)[0].join()   # thread 0 passed over the claimed job
+    assert ran == [threading.current_thread().name, "next"]
+
+
+def test_an_error_on_a_thread_reaches_the_caller(threads):
+    def fail():
+        raise ValueError("bad fill")
+    jobs = threads.submit([fail, lambda: None], None)
+    with pytest.raises(ValueError, match="bad fill"):
+        jobs[0].join()
+    assert jobs[1].join() is False
+
+
+def test_a_dropped_job_never_runs_and_join_returns(threads):
+    release, busy = threading.Event(), threading.Event()
+
+    def block():
+        busy.set()
+        release.wait()
+    first = threads.submit([block], None)
+    assert busy.wait(5)
+    ran = []
+    late = threads.submit([lambda: ran.append("late")], 0.0)
+    late[0].drop()                                   # not begun: never runs
+    release.set()
+    first[0].drop()                                  # running: waited for
+    assert late[0].join() is False and first[0].join() is False
+    threads.submit([lambda: ran.append("next")], None)[0].join()
+    assert ran == ["next"]
