@@ -40,6 +40,7 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=1, help="runs per concurrency; the least CPU of them is reported")
     p.add_argument("--profile", action="store_true", help="sample each process's CPU by function; print the top ones")
     p.add_argument("--top", type=int, default=18, help="functions shown per process with --profile")
+    p.add_argument("--by", choices=("own", "total"), default="own", help="order the functions by own or total time")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -198,7 +199,7 @@ def run(args) -> dict:
                 got = sampler if role == "client" else (Sampler.from_state(json.load(open(path)))
                                                          if os.path.exists(path) else None)
                 per = sum(x["cpu_s"][role] for r in results for x in r["runs"]) / tokens
-                profiles[role] = got.report(args.top, per, "output token") if got else "(no profile)"
+                profiles[role] = got.report(args.top, per, "output token", args.by) if got else "(no profile)"
         log.seek(0)
         tail = log.read()[-2000:]
     return {"results": results, "profiles": profiles, "server_log_tail": tail}

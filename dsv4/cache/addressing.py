@@ -9,7 +9,7 @@ never [tokens x entries] tables.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ from .batch_tables import PersistentTables
 from .layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout
 
 
-@dataclass
+@dataclass(slots=True)     # (made per request and step: no instance dict)
 class SeqChunk:
     """One sequence's share of a step: tokens [start, start + len(token_ids))."""
     slot: int                     # request state slot (its ring rows)
@@ -35,7 +35,6 @@ class SeqChunk:
                                   # are also written to the CSA rings' staging rows (0: none)
     images: tuple[tuple[int, int], ...] = ()   # image blocks [s, e) inside the chunk: their rows see the
                                                # whole block in the window (dsv4/model/vision/visibility.py)
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
