@@ -293,7 +293,8 @@ class LLMEngine:
         else:                           # verify drafts, rewind rejected ones, draft the next
             sampled, tokens, values = self.spec.step(chunks, step)
         lps = [self._prompt_logprobs(c.request, c, step, i) for i, c in enumerate(chunks)
-               if c.request.wants_prompt_logprobs and c.request.num_computed < len(c.request.prompt_token_ids)]
+               if c.request.params.prompt_logprobs is not None      # (wants_prompt_logprobs, inlined)
+               and c.request.num_computed < len(c.request.prompt_token_ids)]
         for row, i in enumerate(sampled):
             chunks[i].request.num_pending += 1
             chunks[i].request.pending_row = row

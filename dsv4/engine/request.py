@@ -78,7 +78,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in (Status.FINISHED, Status.ABORTED)
+        return self.status is Status.FINISHED or self.status is Status.ABORTED
 
     @property
     def wants_prompt_logprobs(self) -> bool:
