@@ -10,6 +10,7 @@ never [tokens x entries] tables.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -188,7 +189,8 @@ def _swa_part(chunks: list[SeqChunk], s: "_Seqs", layout: CacheLayout, swa: np.n
     lo, hi, width = np.maximum(pos - W + 1, 0), pos + 1, W
     if any(c.images for c in chunks):
         width = max(W, widen_windows(pos, lo, hi, s.offs, s.starts, [c.images for c in chunks]))
-    return (_pad(np.fromiter((t for c in chunks for t in c.token_ids), np.int64, s.T), T, 0), _pad(pos, T, 0),
+    token_ids = np.fromiter(chain.from_iterable([c.token_ids for c in chunks]), np.int64, s.T)   # (no Python loop per token)
+    return (_pad(token_ids, T, 0), _pad(pos, T, 0),
             _pad(swa_write, T, scratch.swa_page * layout.swa_pitch),
             _ranges(swa, s, T, lo - shift, hi - shift, SWA_PAGE_TOKENS, layout.swa_pitch, width))
 
