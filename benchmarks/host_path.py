@@ -71,7 +71,6 @@ def host_profile(args, concurrency: int) -> dict:
     import torch
     from dsv4.assets import demo_model_dir
     from dsv4.config import EngineConfig
-    from dsv4.engine.core import serving_gc
     from dsv4.engine.cuda_graphs import StepGraphs
     from dsv4.engine.engine import LLMEngine
     from dsv4.sampling_params import SamplingParams
@@ -87,8 +86,7 @@ def host_profile(args, concurrency: int) -> dict:
     runner.graphs = StepGraphs(engine.model, runner.storage, concurrency, capture=False, h2d=runner.h2d)
     sections = Sections()
     serve = ServePath(engine, sections)
-    threshold = gc.get_threshold()
-    serving_gc()                   # as the engine-core process does once it is loaded (engine/core.py)
+    gc.freeze()                    # as the engine-core process does once it is loaded (engine/core.py)
     rng = random.Random(0)
     vocab = engine.cfg.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.output_len + (args.profile_repeats * 3 + 1) * args.profile_steps + 8, ignore_eos=True)
@@ -126,7 +124,6 @@ def host_profile(args, concurrency: int) -> dict:
     serve.close()
     del engine, runner, serve
     gc.unfreeze()
-    gc.set_threshold(*threshold)
     gc.collect()
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()

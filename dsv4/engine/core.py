@@ -34,7 +34,6 @@ from .ipc import (AbortRequests, AddRequest, Addresses, EngineStats, Ready, Requ
 
 log = logging.getLogger("dsv4.engine_core")
 IDLE_POLL_MS = 200   # how often an idle engine checks that its parent is still there
-SERVING_GC_YOUNG = 20_000   # allocations between young collections in a serving process (see serving_gc)
 
 
 class EngineCore:
@@ -199,7 +198,7 @@ def run_engine_core(model_dir: str, config, addresses: Addresses, parent_pid: in
         outbox.close(linger=2000)
         sys.exit(1)
     engine.check_stop_strings = False      # the API process does (serve/client.py, text/stop_watch.py)
-    serving_gc()
+    gc.freeze()     # the start-up's objects (model, tokenizer, plans) are never scanned by a full collection again
     log.info("engine core ready in %.1f s (load, cache, warm-up)", time.perf_counter() - started)
     outbox.send(encode(ready_message(engine)))
     try:
@@ -209,18 +208,6 @@ def run_engine_core(model_dir: str, config, addresses: Addresses, parent_pid: in
         ctx.destroy(linger=0)
         if not parent_alive(parent_pid):
             addresses.remove()     # the API process died without cleaning up: its IPC folder
-
-
-def serving_gc() -> None:
-    """Garbage collection for a serving process, once it has started (the engine core and the
-    API process): the start-up's objects (model, tokenizer, app) are never scanned by a full
-    collection again, and young collections run every SERVING_GC_YOUNG allocations, not 700:
-    at high concurrency a step allocates thousands of short-lived objects, which then mostly
-    die by reference count before a collection sees them (the API process spent ~4 µs per
-    streamed token in collections at c256 with the default, under 1 with this; CPU host,
-    benchmarks/serve_path.py)."""
-    gc.freeze()
-    gc.set_threshold(SERVING_GC_YOUNG, *gc.get_threshold()[1:])
 
 
 def _load_engine(model_dir: str, config):

@@ -9,6 +9,7 @@ removes the IPC folder.
 """
 from __future__ import annotations
 
+import gc
 import socket
 import sys
 from collections.abc import Callable
@@ -19,7 +20,7 @@ import uvicorn
 from ...config import EngineConfig
 from .api import build_app
 from ..client import EngineClient
-from ...engine.core import run_engine_core, serving_gc
+from ...engine.core import run_engine_core
 from ...engine.ipc import Ready
 from .limits import ServerLimits
 from .shutdown import GracefulServer
@@ -90,7 +91,7 @@ class APIServer:
                 from ...disagg.serving import add_disagg_routes
                 add_disagg_routes(app, state, s.disagg)
             config = uvicorn.Config(app, log_level=s.log_level)
-            serving_gc()    # start-up objects (app, tokenizer) out of the full collections; fewer young ones
+            gc.freeze()     # start-up objects (app, tokenizer) out of the full collections that run while serving
             self.uvicorn = GracefulServer(config, s.limits.shutdown_timeout, self.client.fail_all)
             self.uvicorn.run(sockets=[self.sock])
         except KeyboardInterrupt:
