@@ -170,7 +170,9 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if not ids:
             raise ValueError("prompt: must contain at least one token")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size]
+        plain = set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < self.cfg.vocab_size   # (in C)
+        bad = [] if plain else [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+                                or not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: {bad[0]!r} is not a token id of the vocabulary "
                              f"[0, {self.cfg.vocab_size})")

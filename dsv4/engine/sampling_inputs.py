@@ -5,7 +5,10 @@ only for penalties, the min_tokens ban and grammar masks — their tokens so far
 samples the same requests in the same order as the previous one and none of those per-step
 parts is in use, the previous step's batch (already on the device, never written by the
 sampler) is the batch this step would build: it is reused, with no Python pass over the rows
-and no upload. Any join, leave or reorder, any penalty or ban rebuilds it. A grammar mask is
+and no upload. A plain greedy row (`Request.plain_greedy`: greedy and nothing else) is the
+same whichever request it belongs to, so such requests joining and leaving in place of one
+another change nothing (a served batch of greedy requests, whose members change every few
+steps). Any other join, leave or reorder, any penalty or ban rebuilds it. A grammar mask is
 per step too, but lives apart from the rest: a reused batch takes the step's mask, uploaded alone.
 """
 from __future__ import annotations
@@ -37,7 +40,7 @@ class SamplingInputs:
         the device, or None when there are none). `masks`: the rows' grammar masks being filled
         (structured/masks.PendingMask; None: no row is under a grammar), waited for once the
         batch is built (at once when the previous step's batch is reused)."""
-        key = tuple(reqs)
+        key = tuple([None if r.plain_greedy else r for r in reqs])   # plain greedy rows are interchangeable
         plain = rows == list(range(len(rows)))
         if self._batch is not None and key == self._reqs:
             if masks is None:

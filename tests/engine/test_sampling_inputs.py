@@ -136,3 +136,21 @@ def test_warmup_runs_every_row_kind_and_leaves_the_shared_generator_and_reuse_al
     a = _req("a", temperature=0.9)
     batch, _, _ = si.batch([a], [0])
     assert si.builds == 1 and batch.random_rows == [0]
+
+
+def test_plain_greedy_requests_replace_one_another_without_a_rebuild():
+    """Rows that are greedy and nothing else are interchangeable: requests of that kind
+    joining and leaving keep the batch; any other kind of row, or another count, rebuilds."""
+    si = _inputs()
+    a, b, c = (_req(x, temperature=0, max_tokens=8) for x in "abc")
+    first, _, _ = si.batch([a, b], [0, 1])
+    assert si.batch([c, a], [0, 1])[0] is first and si.builds == 1
+    assert si.batch([a, b, c], [0, 1, 2])[0] is not first and si.builds == 2
+    for kw in (dict(temperature=0.5), dict(temperature=0, logprobs=0), dict(temperature=0, logit_bias={3: 1.0}),
+               dict(temperature=0, min_tokens=1), dict(temperature=0, presence_penalty=0.5)):
+        si.batch([a, b], [0, 1])
+        builds = si.builds
+        other = _req("x", max_tokens=8, **kw)
+        assert not other.plain_greedy
+        batch, _, _ = si.batch([a, other], [0, 1])
+        assert si.builds == builds + 1 and batch.is_greedy.tolist() == [True, other.params.is_greedy]
