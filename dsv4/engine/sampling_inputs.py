@@ -32,6 +32,7 @@ class SamplingInputs:
         self._batch: SamplingBatch | None = None  # on the device; None: nothing to reuse
         self.builds = 0                           # batches built so far (how often reuse failed)
         self._keep: tuple[torch.Tensor, torch.Tensor] | None = None   # a mask's `keep`: (host, device)
+        self._plain: SamplingBatch | None = None   # plain greedy rows, as many as seen at most (`_plain_rows`)
 
     def batch(self, reqs: list[Request], rows: list[int], masks=None
               ) -> tuple[SamplingBatch, torch.Tensor | None, torch.Tensor | None]:
@@ -42,6 +43,9 @@ class SamplingInputs:
         batch is built (at once when the previous step's batch is reused)."""
         key = tuple([None if r.plain_greedy else r for r in reqs])   # plain greedy rows are interchangeable
         plain = rows == list(range(len(rows)))
+        if masks is None and reqs and not any(key):          # every row plain greedy: any count of them
+            rows_t = None if plain else self.h2d.upload([torch.tensor(rows)])[0]
+            return self._plain_rows(reqs), rows_t, None
         if self._batch is not None and key == self._reqs:
             if masks is None:
                 rows_t = None if plain else self.h2d.upload([torch.tensor(rows)])[0]
@@ -60,6 +64,21 @@ class SamplingInputs:
         kept = batch if batch.grammar is None else dataclasses.replace(batch, grammar=None)   # the mask: the step's own
         self._reqs, self._batch = (key, kept) if reusable else ((), None)
         return batch, None if plain else rows_t, pending_t if pending else None
+
+    def _plain_rows(self, reqs: list[Request]) -> SamplingBatch:
+        """The batch of len(reqs) plain greedy rows: the first rows of one built for the most
+        such rows seen so far (a batch of them differs only in its [B] `is_greedy` and
+        `temperature`, constant along B)."""
+        n = len(reqs)
+        if self._plain is None or self._plain.is_greedy.shape[0] < n:
+            self.builds += 1
+            rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.num_pending) for r in reqs]
+            self._plain = upload_tree(SamplingBatch.build(rows, self.vocab_size, "cpu", self.eos_token_id,
+                                                          self.generator), self.h2d)
+        full = self._plain
+        if full.is_greedy.shape[0] == n:
+            return full
+        return dataclasses.replace(full, is_greedy=full.is_greedy[:n], temperature=full.temperature[:n])
 
     def _upload_mask(self, mask: GrammarMask, rows: list[int] | None) -> tuple[GrammarMask, torch.Tensor | None]:
         """The mask on the device in one transfer, with `rows` (None: none to send); its `keep`
