@@ -40,14 +40,16 @@ class Sampler:
             frame = frame.f_back
         self.total.update(seen)
 
-    def report(self, top: int = 20, per: float = 0.0, unit: str = "") -> str:
-        """The `top` functions by own samples, with their totals; as a share of all samples
-        and, when `per` (seconds of CPU per unit, e.g. per output token) is given, in µs per unit."""
+    def report(self, top: int = 20, per: float = 0.0, unit: str = "", by: str = "own") -> str:
+        """The `top` functions by own samples (`by="total"`: by total samples), with their totals;
+        as a share of all samples and, when `per` (seconds of CPU per unit, e.g. per output
+        token) is given, in µs per unit."""
         n = max(self.samples, 1)
         scale = (per * 1e6 / n) if per else 0.0
         head = f"{self.samples} samples of {self.interval * 1e3:g} ms CPU" + (f"; µs per {unit}" if per else "")
         lines = [head, f"{'own %':>6} {'total %':>7}" + (f" {'own µs':>7} {'tot µs':>7}" if per else "") + "  function"]
-        for name, count in self.own.most_common(top):
+        for name, _ in (self.own if by == "own" else self.total).most_common(top):
+            count = self.own[name]
             row = f"{100 * count / n:6.1f} {100 * self.total[name] / n:7.1f}"
             if per:
                 row += f" {count * scale:7.2f} {self.total[name] * scale:7.2f}"

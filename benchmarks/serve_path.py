@@ -7,6 +7,8 @@ one's functions by own time (sampled, `--profile`: benchmarks/cpu_sampler.py).
     python -m benchmarks.serve_path --smoke                    # CPU, seconds
     python -m benchmarks.serve_path --device cpu --dtype float32 --concurrency 64 256
     python -m benchmarks.serve_path --profile --concurrency 256   # + the top functions per process
+    python -m benchmarks.serve_path --device cuda --dtype bfloat16 --input-len 512 --concurrency 256 \
+        --profile --real-model                                    # the real forward: where a GPU run's CPU goes
 
 The client runs in this process; the server
 in a child (its engine core a grandchild); CPU seconds come from /proc (Linux).
@@ -40,6 +42,10 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=1, help="runs per concurrency; the least CPU of them is reported")
     p.add_argument("--profile", action="store_true", help="sample each process's CPU by function; print the top ones")
     p.add_argument("--top", type=int, default=18, help="functions shown per process with --profile")
+    p.add_argument("--by", choices=("own", "total"), default="own", help="order the functions by own or total time")
+    p.add_argument("--real-model", action="store_true",
+                   help="the demo model's own forward (CUDA graphs on a GPU), as `dsv4 serve` runs it: the engine "
+                        "core's CPU then includes its kernel launches and GPU waits")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -70,15 +76,16 @@ def stub_forward(engine) -> None:
     m.head_logits = logits
 
 
-def stub_engine_core(model_dir: str, config, addresses, parent_pid: int) -> None:
-    """`run_engine_core` (the engine-core process entry) with the forward stubbed and its
-    serving loop profiled when asked."""
+def stub_engine_core(model_dir: str, config, addresses, parent_pid: int, stub: bool = True) -> None:
+    """`run_engine_core` (the engine-core process entry) with the forward stubbed (unless not
+    `stub`) and its serving loop profiled when asked."""
     from dsv4.engine import core
     load, loop = core._load_engine, core.serve_loop
 
     def load_stubbed(model_dir, config):
         engine = load(model_dir, config)
-        stub_forward(engine)
+        if stub:
+            stub_forward(engine)
         return engine
 
     def profiled_loop(*args):
@@ -108,7 +115,9 @@ class _profiled:
 
 
 def serve_child(args) -> int:
-    """The API process: `dsv4 serve` on the demo model with the stubbed engine core."""
+    """The API process: `dsv4 serve` on the demo model with the stubbed engine core (or the
+    real one, `--real-model`)."""
+    from functools import partial
     from dsv4.assets import demo_model_dir
     from dsv4.config import EngineConfig
     from dsv4.serve.http.server import APIServer, ServeSettings
@@ -116,10 +125,10 @@ def serve_child(args) -> int:
     # enforce_eager: CUDA graphs captured at load would replay the real forward, not the stub
     engine = EngineConfig(device=args.device, dtype=args.dtype, max_num_seqs=longest, enable_prefix_caching=False,
                           max_model_len=args.input_len + args.output_len + 16, cache_memory_gb=4.0,
-                          enforce_eager=True)
+                          enforce_eager=not args.real_model)
     settings = ServeSettings(model_dir=demo_model_dir(), model_names=["demo"], engine=engine, port=0,
                              log_level="warning")
-    server = APIServer(settings, engine_target=stub_engine_core)
+    server = APIServer(settings, engine_target=partial(stub_engine_core, stub=not args.real_model))
     server.start_engine()
     with _profiled("api"):
         return server.serve(on_ready=lambda: print(f"ready at {server.url}", flush=True))
@@ -178,7 +187,7 @@ def run(args) -> dict:
         env = dict(os.environ, **({PROFILE_ENV: os.path.join(tmp, "run")} if args.profile else {}))
         argv = [sys.executable, "-m", "benchmarks.serve_path", "--serve-child", "--device", args.device,
                 "--dtype", args.dtype, "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                "--concurrency", *map(str, args.concurrency)]
+                "--concurrency", *map(str, args.concurrency), *(["--real-model"] if args.real_model else [])]
         server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             url = wait_ready(server, log.name, 600)
@@ -198,7 +207,7 @@ def run(args) -> dict:
                 got = sampler if role == "client" else (Sampler.from_state(json.load(open(path)))
                                                          if os.path.exists(path) else None)
                 per = sum(x["cpu_s"][role] for r in results for x in r["runs"]) / tokens
-                profiles[role] = got.report(args.top, per, "output token") if got else "(no profile)"
+                profiles[role] = got.report(args.top, per, "output token", args.by) if got else "(no profile)"
         log.seek(0)
         tail = log.read()[-2000:]
     return {"results": results, "profiles": profiles, "server_log_tail": tail}

@@ -9,7 +9,8 @@ never [tokens x entries] tables.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from .batch_tables import PersistentTables
 from .layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout
 
 
-@dataclass
+@dataclass(slots=True)     # (made per request and step: no instance dict)
 class SeqChunk:
     """One sequence's share of a step: tokens [start, start + len(token_ids))."""
     slot: int                     # request state slot (its ring rows)
@@ -35,7 +36,6 @@ class SeqChunk:
                                   # are also written to the CSA rings' staging rows (0: none)
     images: tuple[tuple[int, int], ...] = ()   # image blocks [s, e) inside the chunk: their rows see the
                                                # whole block in the window (dsv4/model/vision/visibility.py)
-    extra: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -189,7 +189,8 @@ def _swa_part(chunks: list[SeqChunk], s: "_Seqs", layout: CacheLayout, swa: np.n
     lo, hi, width = np.maximum(pos - W + 1, 0), pos + 1, W
     if any(c.images for c in chunks):
         width = max(W, widen_windows(pos, lo, hi, s.offs, s.starts, [c.images for c in chunks]))
-    return (_pad(np.fromiter((t for c in chunks for t in c.token_ids), np.int64, s.T), T, 0), _pad(pos, T, 0),
+    token_ids = np.fromiter(chain.from_iterable([c.token_ids for c in chunks]), np.int64, s.T)   # (no Python loop per token)
+    return (_pad(token_ids, T, 0), _pad(pos, T, 0),
             _pad(swa_write, T, scratch.swa_page * layout.swa_pitch),
             _ranges(swa, s, T, lo - shift, hi - shift, SWA_PAGE_TOKENS, layout.swa_pitch, width))
 

@@ -39,7 +39,9 @@ IDLE_POLL_MS = 200   # how often an idle engine checks that its parent is still 
 class EngineCore:
     def __init__(self, engine):
         self.engine = engine
+        engine.make_output = self._output   # the engine's step returns our wire outputs (made per token)
         self._sent: dict[str, int] = {}   # request id -> tokens already forwarded
+        self._aborted: set[str] = set()   # aborted since the last step: their outputs made before are dropped
         self._failures: list[RequestFailed] = []
         self._steps = 0
         self._generated = 0
@@ -54,6 +56,7 @@ class EngineCore:
             for rid in message.request_ids:
                 self.engine.abort(rid)
                 self._sent.pop(rid, None)
+                self._aborted.add(rid)
 
     def _add(self, message: AddRequest) -> None:
         try:
@@ -75,13 +78,18 @@ class EngineCore:
         return self.engine.has_unfinished()
 
     def step(self) -> list[TokenOutput]:
+        """The step's outputs (`_output`'s, made as the engine appended each token), less those
+        of requests aborted since they were made (outputs a failed step carried over)."""
         self._steps += 1
         try:
             outs = self.engine.step()
         except Exception:  # noqa: BLE001
             log.exception("engine step failed; running its requests one by one")
             outs = self._isolate()
-        return [self._forward(o) for o in outs if o.request_id in self._sent]
+        if self._aborted:
+            outs = [o for o in outs if o.request_id not in self._aborted]
+            self._aborted.clear()
+        return outs
 
     def _isolate(self) -> list:
         """Run each request the failed step may have touched (the running ones and the next
@@ -98,6 +106,7 @@ class EngineCore:
         for rid, message in culprits:
             self.engine.abort(rid)
             self._sent.pop(rid, None)
+            self._aborted.add(rid)
             self._failures.append(RequestFailed(rid, 500, f"engine step failed: {message}"))
         return outs
 
@@ -106,25 +115,29 @@ class EngineCore:
         with self.engine.scheduler.only(req):
             return self.engine.step()
 
-    def _forward(self, out) -> TokenOutput:
-        """Everything of `out` not forwarded before (a step that raised may have appended
-        tokens whose output was lost)."""
-        sent = self._sent[out.request_id]
-        new = TokenOutput(out.request_id, out.token_ids[sent:])
-        self._generated += len(new.token_ids)
-        if out.logprobs is not None:
-            new.logprobs = [list(entry.items()) for entry in out.logprobs[sent:]]
-        if sent == 0 and out.prompt_logprobs is not None:
-            new.prompt_logprobs = [None if e is None else list(e.items()) for e in out.prompt_logprobs]
+    def _output(self, req, new_tokens: list[int]) -> TokenOutput | None:
+        """The engine's output of `req` once it appended a token (`LLMEngine.make_output`):
+        every token not forwarded before (a step that raised may have appended tokens whose
+        output was lost); None for a request this core does not serve (or no longer: aborted)."""
+        sent = self._sent.get(req.request_id)
+        if sent is None:
+            return None
+        tokens = req.output_token_ids
+        new = TokenOutput(req.request_id, tokens[sent:])
+        self._generated += len(tokens) - sent
+        if req.params.logprobs is not None:
+            new.logprobs = [list(entry.items()) for entry in req.logprobs[sent:]]
         if sent == 0:
-            new.num_cached_tokens = out.num_cached_tokens
-        if out.finished:
-            new.finished, new.finish_reason, new.stop_reason = True, out.finish_reason, out.stop_reason
-            if isinstance(out.stop_reason, str):
-                new.final_text = out.text
-            self._sent.pop(out.request_id)
+            new.num_cached_tokens = req.num_cached_tokens or 0
+            if req.params.prompt_logprobs is not None:
+                new.prompt_logprobs = [None if e is None else list(e.items()) for e in req.prompt_logprobs]
+        if req.is_finished:
+            new.finished, new.finish_reason, new.stop_reason = True, req.finish_reason, req.stop_reason
+            if isinstance(req.stop_reason, str):
+                new.final_text = req.output_text
+            del self._sent[req.request_id]
         else:
-            self._sent[out.request_id] = len(out.token_ids)
+            self._sent[req.request_id] = len(tokens)
         return new
 
     # ---- reporting ---------------------------------------------------------------------
@@ -185,7 +198,6 @@ def run_engine_core(model_dir: str, config, addresses: Addresses, parent_pid: in
         outbox.close(linger=2000)
         sys.exit(1)
     engine.check_stop_strings = False      # the API process does (serve/client.py, text/stop_watch.py)
-    engine.live_outputs = True             # each output's new tokens are forwarded within the step
     gc.freeze()     # the start-up's objects (model, tokenizer, plans) are never scanned by a full collection again
     log.info("engine core ready in %.1f s (load, cache, warm-up)", time.perf_counter() - started)
     outbox.send(encode(ready_message(engine)))

@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -106,10 +107,11 @@ class LLMEngine:
         # False in the engine-core process: the API process detokenises and checks stop strings
         # (text/stop_watch.py); the engine then never decodes text
         self.check_stop_strings = True
-        # True in the engine-core process, which forwards each output's new tokens at once: an
-        # output then holds the request's own lists (no O(generated) copy per step), valid until
-        # the next step; False keeps every RequestOutput a snapshot
-        self.live_outputs = False
+        # what a step returns per sampled token, made from the request as `_append` leaves it:
+        # `output_of` (a RequestOutput, a snapshot) here; the engine core makes its wire output
+        # straight from the request instead (engine/core.py: only the new tokens, no copy of
+        # all generated ones per step, one object per token); None: no output
+        self.make_output: Callable[[Request, list[int]], object | None] = self.output_of
         self._carried: list[RequestOutput] = []           # outputs of a step read after a failure
         self.grammars = None        # structured/registry.Grammars, made on the first constrained request
         # with grammars, the step in flight is read back before the next launch (_read_ahead)
@@ -170,7 +172,9 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if not ids:
             raise ValueError("prompt: must contain at least one token")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size]
+        plain = set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < self.cfg.vocab_size   # (in C)
+        bad = [] if plain else [t for t in ids if not isinstance(t, int) or isinstance(t, bool)
+                                or not 0 <= t < self.cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: {bad[0]!r} is not a token id of the vocabulary "
                              f"[0, {self.cfg.vocab_size})")
@@ -295,7 +299,8 @@ class LLMEngine:
         else:                           # verify drafts, rewind rejected ones, draft the next
             sampled, tokens, values = self.spec.step(chunks, step)
         lps = [self._prompt_logprobs(c.request, c, step, i) for i, c in enumerate(chunks)
-               if c.request.wants_prompt_logprobs and c.request.num_computed < len(c.request.prompt_token_ids)]
+               if c.request.params.prompt_logprobs is not None      # (wants_prompt_logprobs, inlined)
+               and c.request.num_computed < len(c.request.prompt_token_ids)]
         for row, i in enumerate(sampled):
             chunks[i].request.num_pending += 1
             chunks[i].request.pending_row = row
@@ -330,7 +335,9 @@ class LLMEngine:
             if req.is_finished:             # finished after this step was launched: surplus row
                 continue
             req.num_pending -= 1
-            outputs.append(append(req, tokens[row], lps[row], top_ids[row], top_lps[row]))
+            out = append(req, tokens[row], lps[row], top_ids[row], top_lps[row])
+            if out is not None:
+                outputs.append(out)
             if commit is not None and not req.is_finished:
                 commit(req)                 # a boundary whose last token was still pending at launch
         return outputs
@@ -459,7 +466,7 @@ class LLMEngine:
             if self.grammars is not None:
                 self.grammars.drop(req.request_id)
             self._watches.pop(req.request_id, None)
-        return self.output_of(req, [token])
+        return self.make_output(req, [token])
 
     def _text(self, req: Request) -> tuple[str | None, int | None]:
         if self.tokenizer is None:
@@ -469,12 +476,11 @@ class LLMEngine:
         return req.output_text, max(len(req.output_text) - len(old), 0)
 
     def output_of(self, req: Request, new_tokens: list[int]) -> RequestOutput:
-        snapshot = (lambda xs: xs) if self.live_outputs else list
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            token_ids=snapshot(req.output_token_ids), new_token_ids=new_tokens, finished=req.is_finished,
+            token_ids=list(req.output_token_ids), new_token_ids=new_tokens, finished=req.is_finished,
             finish_reason=req.finish_reason, stop_reason=req.stop_reason, text=req.output_text,
-            logprobs=snapshot(req.logprobs) if req.params.logprobs is not None else None,
+            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             prompt_logprobs=list(req.prompt_logprobs) if req.wants_prompt_logprobs else None,
             num_cached_tokens=req.num_cached_tokens or 0)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)     # (made per request and step: no instance dict)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -78,8 +79,17 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status in (Status.FINISHED, Status.ABORTED)
+        return self.status is Status.FINISHED or self.status is Status.ABORTED
 
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.params.prompt_logprobs is not None
+
+    @cached_property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing else on its sampling row (no penalties, logit bias, min_tokens
+        ban or logprobs): its row of the sampler's inputs is the same as any other such row
+        (engine/sampling_inputs.py). `params` never change after admission: read once."""
+        p = self.params
+        return (p.is_greedy and not p.has_penalties and p.logit_bias is None and p.min_tokens == 0
+                and p.logprobs is None)

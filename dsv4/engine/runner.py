@@ -161,10 +161,12 @@ class ModelRunner:
         """What every rank needs of chunk `c` (its request's records in `self.cache`)."""
         req, held, n = c.request, self.cache.seq(c.request), c.num_tokens
         start = req.num_computed
-        if req.wants_prompt_logprobs and start < len(req.prompt_token_ids):
-            logits = n
+        if req.params.prompt_logprobs is not None and start < len(req.prompt_token_ids):
+            logits = n                                  # (every row: the prompt's logprobs)
+        elif c.num_logits:
+            logits = min(c.num_logits, n)
         else:
-            logits = min(max(c.num_logits or 0, 1 if c.completes else 0), n)
+            logits = 1 if n and c.completes else 0
         known = req.known_tokens(start, n)
         if c.num_logits:
             known += req.spec_token_ids[:n - len(known)]     # drafts to verify

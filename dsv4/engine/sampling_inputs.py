@@ -5,7 +5,10 @@ only for penalties, the min_tokens ban and grammar masks — their tokens so far
 samples the same requests in the same order as the previous one and none of those per-step
 parts is in use, the previous step's batch (already on the device, never written by the
 sampler) is the batch this step would build: it is reused, with no Python pass over the rows
-and no upload. Any join, leave or reorder, any penalty or ban rebuilds it. A grammar mask is
+and no upload. A plain greedy row (`Request.plain_greedy`: greedy and nothing else) is the
+same whichever request it belongs to, so such requests joining and leaving in place of one
+another change nothing (a served batch of greedy requests, whose members change every few
+steps). Any other join, leave or reorder, any penalty or ban rebuilds it. A grammar mask is
 per step too, but lives apart from the rest: a reused batch takes the step's mask, uploaded alone.
 """
 from __future__ import annotations
@@ -29,6 +32,7 @@ class SamplingInputs:
         self._batch: SamplingBatch | None = None  # on the device; None: nothing to reuse
         self.builds = 0                           # batches built so far (how often reuse failed)
         self._keep: tuple[torch.Tensor, torch.Tensor] | None = None   # a mask's `keep`: (host, device)
+        self._plain: SamplingBatch | None = None   # plain greedy rows, as many as seen at most (`_plain_rows`)
 
     def batch(self, reqs: list[Request], rows: list[int], masks=None
               ) -> tuple[SamplingBatch, torch.Tensor | None, torch.Tensor | None]:
@@ -37,8 +41,11 @@ class SamplingInputs:
         the device, or None when there are none). `masks`: the rows' grammar masks being filled
         (structured/masks.PendingMask; None: no row is under a grammar), waited for once the
         batch is built (at once when the previous step's batch is reused)."""
-        key = tuple(reqs)
+        key = tuple([None if r.plain_greedy else r for r in reqs])   # plain greedy rows are interchangeable
         plain = rows == list(range(len(rows)))
+        if masks is None and reqs and not any(key):          # every row plain greedy: any count of them
+            rows_t = None if plain else self.h2d.upload([torch.tensor(rows)])[0]
+            return self._plain_rows(reqs), rows_t, None
         if self._batch is not None and key == self._reqs:
             if masks is None:
                 rows_t = None if plain else self.h2d.upload([torch.tensor(rows)])[0]
@@ -57,6 +64,21 @@ class SamplingInputs:
         kept = batch if batch.grammar is None else dataclasses.replace(batch, grammar=None)   # the mask: the step's own
         self._reqs, self._batch = (key, kept) if reusable else ((), None)
         return batch, None if plain else rows_t, pending_t if pending else None
+
+    def _plain_rows(self, reqs: list[Request]) -> SamplingBatch:
+        """The batch of len(reqs) plain greedy rows: the first rows of one built for the most
+        such rows seen so far (a batch of them differs only in its [B] `is_greedy` and
+        `temperature`, constant along B)."""
+        n = len(reqs)
+        if self._plain is None or self._plain.is_greedy.shape[0] < n:
+            self.builds += 1
+            rows = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, r.num_pending) for r in reqs]
+            self._plain = upload_tree(SamplingBatch.build(rows, self.vocab_size, "cpu", self.eos_token_id,
+                                                          self.generator), self.h2d)
+        full = self._plain
+        if full.is_greedy.shape[0] == n:
+            return full
+        return dataclasses.replace(full, is_greedy=full.is_greedy[:n], temperature=full.temperature[:n])
 
     def _upload_mask(self, mask: GrammarMask, rows: list[int] | None) -> tuple[GrammarMask, torch.Tensor | None]:
         """The mask on the device in one transfer, with `rows` (None: none to send); its `keep`

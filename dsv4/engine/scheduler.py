@@ -27,7 +27,7 @@ from ..model.vision.spans import atomic_chunk
 from .request import Request, Status
 
 
-@dataclass
+@dataclass(slots=True)     # (made per request and step: no instance dict)
 class ScheduledChunk:
     """Tokens [num_computed, num_computed + num_tokens) of a request in this step: a prefill
     chunk, one decode token, or k + 1 tokens to verify (the last known token and k drafts,

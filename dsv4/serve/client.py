@@ -34,6 +34,7 @@ import zmq.asyncio
 
 from ..sampling_params import SamplingParams
 from ..text.stop_watch import StopStringWatch
+from .item_queue import ItemQueue
 from ..engine.core import run_engine_core
 from ..engine.ipc import (AbortRequests, AddRequest, Addresses, ImageItem, EngineStats, Ready, RequestFailed, ResetPrefixCache,
                   Shutdown, StartupFailed, StepOutputs, TokenOutput, api_sockets, decode_output, encode)
@@ -70,7 +71,7 @@ class RequestGroup:
     def __init__(self, client: "EngineClient", request_ids: list[str]):
         self.client, self.request_ids = client, request_ids
         self.index = {rid: i for i, rid in enumerate(request_ids)}
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue = ItemQueue()        # (one reader: the handler of the HTTP request)
         self.unfinished = set(request_ids)
         self.peeked: tuple | None = None      # an item taken early (see streaming.first_output)
         self.cached_tokens = [0] * len(request_ids)   # per child: prompt tokens resumed from the prefix cache

@@ -6,6 +6,10 @@ Each step decodes only a short window of recent ids, never the whole sequence. I
   * a step whose window text ends in U+FFFD (an incomplete UTF-8 sequence) emits nothing and
     waits for the next token, so a multi-byte character is never split;
   * concatenating every `push` result and the final `flush` gives `decode(all pushed ids)`.
+
+With `concatenates` (a byte-level decoder: the text of ids is their bytes, concatenated, read
+as UTF-8), a token pushed when nothing is held back and whose own text is whole characters
+(no U+FFFD) adds exactly its own text: that one-id text is the delta, no window is decoded.
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ _REPLACEMENT = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, decode: Callable[..., str], prompt_ids: Sequence[int],
-                 skip_special_tokens: bool = False, decode_one: Callable[[int], str] | None = None):
+                 skip_special_tokens: bool = False, decode_one: Callable[[int], str] | None = None,
+                 concatenates: bool = False):
         """decode_one: `decode([id], skip_special_tokens)` of one id, memoised by the caller
-        (each step's window starts with the previous step's one new token)."""
+        (each step's window starts with the previous step's one new token). concatenates:
+        `decode` is byte-level (see above; needs `decode_one`)."""
         self._decode = decode
         self._decode_one = decode_one
+        self._concatenates = concatenates and decode_one is not None
         self._skip = skip_special_tokens
         self._ids = list(prompt_ids[-_CONTEXT:])
         if self._text(0, len(self._ids)).endswith(_REPLACEMENT):
@@ -33,6 +40,11 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Add one generated token; return the new text it completes ("" if none yet)."""
+        if self._concatenates and self._read == len(self._ids):     # nothing held back
+            text = self._decode_one(token_id)
+            if _REPLACEMENT not in text:
+                self._ids, self._prefix, self._read = [token_id], 0, 1     # as `_advance` leaves them
+                return text
         self._ids.append(token_id)
         return self._step(final=False)
 

@@ -78,7 +78,8 @@ class Tokenizer:
         """A streaming decoder for one request. Keep special tokens (the default) when the
         text goes to `OutputParser`: it needs `</think>` and the DSML markers to split it."""
         return IncrementalDetokenizer(self.decode, prompt_ids or [], skip_special_tokens,
-                                      self._token_texts[bool(skip_special_tokens)].get)
+                                      self._token_texts[bool(skip_special_tokens)].get,
+                                      concatenates=isinstance(self._hf.decoder, decoders.ByteLevel))
 
 
 class _TokenTexts:

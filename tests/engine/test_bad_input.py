@@ -40,6 +40,7 @@ CASES = {
     "negative token id": ([1, -1, 2], greedy(), "prompt_token_ids"),
     "float token id": ([1, 2.0], greedy(), "prompt_token_ids"),
     "bool token id": ([1, True], greedy(), "prompt_token_ids"),
+    "string token id": ([1, "7"], greedy(), "prompt_token_ids"),
     "max_tokens 0": (OK, greedy(0), "max_tokens"),
     "max_tokens -3": (OK, greedy(-3), "max_tokens"),
     "max_tokens not an int": (OK, greedy(2.5), "max_tokens"),

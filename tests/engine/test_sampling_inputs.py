@@ -5,6 +5,8 @@ rebuilds every step (invariant 5), through joins, leaves, seeded and unseeded sa
 bias, min_tokens bans and penalties."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -63,8 +65,8 @@ def test_reused_only_while_the_same_requests_sample_in_the_same_order():
             for _ in range(2)]
     assert kept[0].grammar.keep is kept[1].grammar.keep and kept[0].grammar.keep.tolist() == [-1, 5]
     assert si.batch([b, a, c], [0, 1, 2])[0] is joined and si.builds == 3  # no mask: none kept from before
-    si.batch([c, a], [0, 1], Filled(grammar))
-    assert si.batch([c, a], [0, 1])[0].grammar is None and si.builds == 4    # a batch built with a mask, kept without
+    si.batch([c, b], [0, 1], Filled(grammar))
+    assert si.batch([c, b], [0, 1])[0].grammar is None and si.builds == 4    # a batch built with a mask, kept without
 
 
 def test_penalties_and_active_min_tokens_bans_rebuild_every_step():
@@ -136,3 +138,30 @@ def test_warmup_runs_every_row_kind_and_leaves_the_shared_generator_and_reuse_al
     a = _req("a", temperature=0.9)
     batch, _, _ = si.batch([a], [0])
     assert si.builds == 1 and batch.random_rows == [0]
+
+
+def test_plain_greedy_requests_replace_one_another_without_a_rebuild():
+    """Rows that are greedy and nothing else are interchangeable: requests of that kind
+    joining and leaving keep the batch (fewer of them take its first rows, more rebuild it);
+    any other kind of row rebuilds."""
+    si = _inputs()
+    a, b, c = (_req(x, temperature=0, max_tokens=8) for x in "abc")
+    first, _, _ = si.batch([a, b], [0, 1])
+    assert si.batch([c, a], [0, 1])[0] is first and si.builds == 1
+    three, _, rows_t = si.batch([a, b, c], [0, 1, 2])
+    assert three is not first and si.builds == 2
+    for n in (1, 2):
+        part, rows_t, _ = si.batch([c, b][:n], [0, 3][:n])
+        fresh = SamplingInputs(VOCAB, EOS, si.generator, HostToDevice("cpu")).batch([a, b][:n], [0, 1][:n])[0]
+        assert si.builds == 2 and (rows_t is None) == (n == 1)
+        for f in dataclasses.fields(part):
+            got, want = getattr(part, f.name), getattr(fresh, f.name)
+            assert torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want, f.name
+    for kw in (dict(temperature=0.5), dict(temperature=0, logprobs=0), dict(temperature=0, logit_bias={3: 1.0}),
+               dict(temperature=0, min_tokens=1), dict(temperature=0, presence_penalty=0.5)):
+        si.batch([a, b], [0, 1])
+        builds = si.builds
+        other = _req("x", max_tokens=8, **kw)
+        assert not other.plain_greedy
+        batch, _, _ = si.batch([a, other], [0, 1])
+        assert si.builds == builds + 1 and batch.is_greedy.tolist() == [True, other.params.is_greedy]

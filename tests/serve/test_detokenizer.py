@@ -87,3 +87,30 @@ def test_memoised_single_ids_give_the_same_text_with_one_decode_per_token(tok):
     counted = IncrementalDetokenizer(decode, prompt, False, tok.detokenizer()._decode_one)
     assert "".join(counted.push(i) for i in ascii_ids) + counted.flush() == tok.decode(ascii_ids)
     assert len(calls) == 1 + len(ascii_ids) + 1      # the prompt's context, one per token, the flush
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_byte_level_fast_path_gives_the_window_deltas_without_decoding_windows(tok, skip):
+    """`concatenates` (a byte-level decoder, as the tokenizer's): each push returns what the
+    window decode returns, split characters and specials included, and plain text decodes no
+    window at all (its one-id texts come from the memo)."""
+    calls = []
+
+    def decode(ids, skip_special_tokens=False):
+        calls.append(len(ids))
+        return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    one = tok.detokenizer(skip_special_tokens=skip)._decode_one
+    rng = random.Random(7)
+    for _ in range(200):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(0, 30))]
+        ids += tok.encode(rng.choice(SAMPLES))
+        prompt = tok.encode(rng.choice(SAMPLES))[: rng.randrange(8)]
+        window = IncrementalDetokenizer(tok.decode, prompt, skip, one)
+        fast = IncrementalDetokenizer(tok.decode, prompt, skip, one, concatenates=True)
+        assert stream(fast, ids) == stream(window, ids)
+    ascii_ids = tok.encode("the quick brown fox " * 20)
+    fast = IncrementalDetokenizer(decode, tok.encode("prompt"), skip, one, concatenates=True)
+    calls.clear()
+    assert "".join(fast.push(i) for i in ascii_ids) + fast.flush() == tok.decode(ascii_ids)
+    assert calls == []
