@@ -2,7 +2,7 @@
 (E = 256, k = 6, H = 4096, I = 2048, bf16 activations, SwiGLU limit 10).
 
     python -m benchmarks.kernels.moe_mxfp4          # needs CUDA (~30 GiB of GPU memory); ~1 minute
-    python -m benchmarks.kernels.moe_mxfp4 --tune   # + a scan of the decode tiles (~1 more minute)
+    python -m benchmarks.kernels.moe_mxfp4 --tune   # + a scan of the decode tiles (MXFP4_*_TILES; ~1 more minute)
     python -m benchmarks.kernels.moe_mxfp4 --tune grouped   # + the grouped GEMM tiles at T = 512, 4096
 
 The experts of benchmarks/kernels/moe.py are quantised to MXFP4 (packed e2m1 pairs + an E8M0

@@ -1,5 +1,5 @@
-"""Dequantisation of quantised weight tiles inside Triton kernels (the decode GEMVs of moe.py,
-the grouped GEMMs of moe_grouped.py); the formats are defined by dsv4/model/quant.py
+"""Dequantisation of quantised weights inside Triton kernels (the decode GEMVs of moe.py, the
+grouped GEMMs of moe_grouped.py); the formats are defined by dsv4/model/quant.py
 (`dequant_fp8`, `dequant_fp4`).
 
 FP8 (W8A16): float8_e4m3fn [R, C] with fp32 scales [cdiv(R, 128), cdiv(C, 128)] (QBLOCK blocks).
@@ -10,6 +10,8 @@ MXFP4 (W4A16): e2m1 values (magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}) packed two p
 the last (input) dim, low nibble = even input: bytes [R, C/2]; one E8M0 byte b per FP4_GROUP = 32
 inputs: [R, C/32], scale 2^(b - 127) (b = 255 reads as inf, as dsv4.ops.quant.e8m0_to_float).
 Tiles along the packed dim are multiples of MXFP4_BLOCK.
+`_mxfp4_dot` (the decode GEMVs) reads the bytes as int32 words (8 inputs, 16-byte vector loads)
+and never builds a dequantised tile: 3 integer ops + 1 FMA an element (see its docstring).
 
 Invariants (the tests check them bit for bit in Triton's interpreter):
 - a dequantised tile equals the load-time dequantisation: fp32 w * scale rounded to the dtype;
@@ -20,6 +22,7 @@ Invariants (the tests check them bit for bit in Triton's interpreter):
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -97,26 +100,77 @@ def _mxfp4_tile(q, sb, out_dtype: tl.constexpr, AXIS: tl.constexpr, BLOCK_R: tl.
     return tl.reshape(w, (BLOCK_R, BLOCK_C)).to(out_dtype)
 
 
+def word_major(v, out):
+    """v [..., C] (C % 8 == 0) -> out [..., 8, C/8] fp32: v[..., 8c + j] at [..., j, c], the vector
+    layout `_mxfp4_dot` reads (one torch op; exact)."""
+    return torch.mul(v.unflatten(-1, (-1, 8)).transpose(-1, -2), 1.0, out=out)
+
+
 @triton.jit
-def _mxfp4_rows(base, stride_row, rows, row_ok, c0, C, s_base, stride_srow,
-                out_dtype: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Rows `rows` [BLOCK_R] x columns [c0, c0 + BLOCK_C) of an MXFP4 matrix of C columns packed
-    along them (C % 32 == 0; c0, BLOCK_C multiples of 64): bytes at base [R, C/2] (row stride
-    stride_row), E8M0 bytes at s_base [R, C/32] (row stride stride_srow) -> [BLOCK_R, BLOCK_C]
-    with the values of out_dtype (the load-time dequantisation), 0 where not row_ok or past C.
-    For the GEMVs, whose products are fp32: a bf16 / fp32 out_dtype gets the fp32 tile, as
-    rounding it to bf16 and back is the identity: every e2m1 * 2^k (<= 2 significant bits,
-    k in [-127, 128]) finite in fp32 is exact in bf16 (same exponent range, subnormals down to
-    2^-133 <= 0.5 * 2^-127), and inf / NaN (b = 255) stay inf / NaN. Other dtypes (fp16, narrower
-    range) are rounded."""
-    cp = c0 // 2 + tl.arange(0, BLOCK_C // 2)                     # packed columns
-    q = tl.load(base + rows[:, None] * stride_row + cp[None, :],
-                mask=row_ok[:, None] & (cp < C // 2)[None, :], other=0)
-    cs = c0 // 32 + tl.arange(0, BLOCK_C // 32)                   # scale columns
-    sb = tl.load(s_base + rows[:, None] * stride_srow + cs[None, :],
-                 mask=row_ok[:, None] & (cs < C // 32)[None, :], other=0)
-    if out_dtype == tl.bfloat16 or out_dtype == tl.float32:
-        w = _mxfp4_tile(q, sb, tl.float32, 1, BLOCK_R, BLOCK_C)
+def _word_major_index(c, C):
+    """Position of input c of a word-major vector of C inputs (`word_major`)."""
+    return (c % 8) * ((C // 32) * 4) + c // 8
+
+
+# `_e2m1_f16_pair` halves hold e2m1 * 2^-F16_SHIFT (the fp16 exponent bias minus e2m1's)
+F16_SHIFT = tl.constexpr(14)
+
+
+@triton.jit
+def _e2m1_f16_pair(w, J: tl.constexpr):
+    """Nibbles J and J + 4 (J < 4; inputs 8c + J and 8c + J + 4 of word c) of int32 words w -> an
+    int32 whose low / high 16 bits are the fp16 bits of e2m1 * 2^-14 of nibble J / J + 4: each
+    nibble's magnitude code (e1 e0 m) moved to bits 9..11 of its half (fp16 exponent field e1 e0,
+    mantissa MSB m: subnormal for e = 0, as e2m1's 0.5), its sign to bit 15. Nibbles J and J + 4
+    lie 16 bits apart, as the halves do, so one shift moves both magnitudes and one both signs:
+    2 shifts + 2 LOP3 for two elements (J = 3: the sign shift is none)."""
+    if J == 3:
+        mag = w >> 3                                                # bits 12..14 -> 9..11 (sign fill masked)
     else:
-        w = _mxfp4_tile(q, sb, out_dtype, 1, BLOCK_R, BLOCK_C)
-    return w
+        mag = w << (9 - 4 * J)
+    sign = w << (12 - 4 * J)                                        # bit 4J + 3 -> 15, 4J + 19 -> 31
+    return (mag & 0x0E000E00) | (sign & -0x7FFF8000)                # mask 0x80008000
+
+
+@triton.jit
+def _f16_halves_to_f32(d):
+    """int32 d -> (fp32 of its low fp16 half, fp32 of its high half): exact (an fp16 -> fp32
+    convert each)."""
+    lo = d.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (d >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _mxfp4_dot(wq, stride_q, s_base, stride_s, rows, row_ok, c0, C, v_ptr,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """sum_c W[r, c] * v[c] over each group of 32 columns in [c0, c0 + BLOCK_C) for the rows
+    `rows` [BLOCK_R] (0 where not row_ok or past C) -> fp32 [BLOCK_R, BLOCK_C/32] (the caller adds
+    them up once, after its loop), W an MXFP4 matrix of C columns (C % 32 == 0) read as int32
+    words wq [R, C/8] (row stride stride_q words; word c holds inputs 8c..8c+7, nibble j = input
+    8c + j), its E8M0 bytes s_base [R, C/32] (row stride stride_s); v_ptr the vector in
+    `word_major` layout (fp32 [8, C/8]: nibble j of the words cw is the contiguous v_ptr[j, cw],
+    16-byte loads). c0 and BLOCK_C multiples of 32.
+
+    No dequantised tile: the tile is [BLOCK_R, groups, 4 words] (a group's 4 words one 16-byte
+    load). Each word gives 4 pairs of fp16 e2m1 * 2^-14 (`_e2m1_f16_pair`: 1 shift and 1 LOP3 an
+    element), each converted to fp32 and multiplied into v (an FMA), and each group's sum is
+    scaled by 2^14 and its E8M0 scale (powers of two: exact). Differs from the dequantised dot
+    only in the order of the fp32 additions, and where a product |e2m1 * v| < 2^-112 (its
+    2^-14 copy is an fp32 subnormal: rounded to a multiple of 2^-149). A thread's v loads serve
+    all the rows it holds."""
+    G: tl.constexpr = BLOCK_C // 32
+    g = c0 // 32 + tl.arange(0, G)                                    # groups (scale columns)
+    g_ok = g < C // 32
+    cw = (g * 4)[:, None] + tl.arange(0, 4)[None, :]                  # [G, 4] words along the row
+    m = row_ok[:, None, None] & g_ok[None, :, None]
+    q = tl.load(wq + rows[:, None, None] * stride_q + cw[None, :, :], mask=m, other=0)   # [BLOCK_R, G, 4]
+    part = tl.zeros((BLOCK_R, G, 4), dtype=tl.float32)               # a sum per word
+    for j in tl.static_range(4):
+        lo, hi = _f16_halves_to_f32(_e2m1_f16_pair(q, j))
+        v_lo = tl.load(v_ptr + j * ((C // 32) * 4) + cw, mask=g_ok[:, None], other=0.0)         # [G, 4]
+        v_hi = tl.load(v_ptr + (j + 4) * ((C // 32) * 4) + cw, mask=g_ok[:, None], other=0.0)
+        part += lo * v_lo[None, :, :]                                  # FMAs
+        part += hi * v_hi[None, :, :]
+    sb = tl.load(s_base + rows[:, None] * stride_s + g[None, :], mask=row_ok[:, None] & g_ok[None, :], other=0)
+    return (tl.sum(part, axis=2) * 2.0 ** F16_SHIFT) * _e8m0(sb)
