@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from dsv4.ops.quant import dequant_fp4
-from dsv4.ops.triton.quant_tiles import _e2m1_f16_pair, _f16_halves_to_f32, _mxfp4_dot, _mxfp4_tile, word_major
+from dsv4.ops.triton.quant_tiles import _e2m1_word_f32, _mxfp4_dot, _mxfp4_tile, word_major
 
 EXPONENTS = (0, 1, 2, 3, 64, 125, 126, 127, 128, 129, 130, 200, 252, 253, 254, 255)   # one per row
 R, C = len(EXPONENTS), 512                                     # C / 2 = 256: every byte once a row
@@ -30,14 +30,12 @@ def _rows_kernel(q_ptr, s_ptr, out_ptr, DTYPE: tl.constexpr, BLOCK_R: tl.constex
 
 
 @triton.jit
-def _pairs_kernel(w_ptr, out_ptr, N: tl.constexpr):
+def _words_kernel(w_ptr, out_ptr, N: tl.constexpr, ASM: tl.constexpr):
     # w [N] int32 words -> out [N, 8] fp32: nibble j of word n (input 8n + j) at [n, j], times 2^14
     n = tl.arange(0, N)
-    w = tl.load(w_ptr + n)
-    for j in tl.static_range(4):
-        lo, hi = _f16_halves_to_f32(_e2m1_f16_pair(w, j))
-        tl.store(out_ptr + n * 8 + j, lo * 2.0 ** 14)
-        tl.store(out_ptr + n * 8 + j + 4, hi * 2.0 ** 14)
+    v = _e2m1_word_f32(tl.load(w_ptr + n), ASM)
+    for j in tl.static_range(8):
+        tl.store(out_ptr + n * 8 + j, v[j] * 2.0 ** 14)
 
 
 @triton.jit
@@ -95,19 +93,38 @@ def test_mxfp4_tile_packed_along_rows_exact(device):
     assert torch.equal(bits(got.cpu()), bits(want.T))
 
 
-def test_e2m1_f16_pairs_exact(device):
-    """Every byte in each of a word's 4 byte positions (so every code in all 8 nibble positions):
-    the fp16 pairs, converted and scaled back by 2^14, are the e2m1 values bit for bit (-0 too)."""
+def word_codes() -> torch.Tensor:
+    """int32 words [1024]: every byte in each of a word's 4 positions (so every e2m1 code in all 8
+    nibble positions, -0 included), random bytes around it."""
     g = torch.Generator().manual_seed(0)
     q = torch.randint(0, 256, (4, 256, 4), generator=g, dtype=torch.uint8)
     for i in range(4):
         q[i, :, i] = torch.arange(256, dtype=torch.uint8)
-    q = q.reshape(-1, 4)                                                         # [1024 words, 4 bytes]
-    got = torch.empty(q.shape[0], 8, device=device)
-    _pairs_kernel[(1,)](q.view(torch.int32).reshape(-1).to(device), got, N=q.shape[0])
-    want = dequant_fp4(q.reshape(-1, 16), torch.full((q.shape[0] // 4, 1), 127, dtype=torch.uint8)).reshape(-1, 8)
+    return q.reshape(-1, 4).contiguous().view(torch.int32).reshape(-1)
+
+
+def test_e2m1_word_exact(device):
+    """The decode GEMVs' word decoding (pure Triton: the interpreter's, and the compiled twin of
+    the PTX), scaled back by 2^14: the e2m1 values bit for bit."""
+    w = word_codes()
+    got = torch.empty(w.numel(), 8, device=device)
+    _words_kernel[(1,)](w.to(device), got, N=w.numel(), ASM=False)
+    q = w.view(torch.uint8).reshape(-1, 16)                                         # 32 inputs a row
+    want = dequant_fp4(q, torch.full((q.shape[0], 1), 127, dtype=torch.uint8)).reshape(-1, 8)
     assert (bits(want) == -2**31).any() and set(want.abs().unique().tolist()) == {0, .5, 1, 1.5, 2, 3, 4, 6}
     assert torch.equal(bits(got.cpu()), bits(want))
+
+
+def test_e2m1_word_ptx_equals_twin(device):
+    """The PTX word decode (_E2M1_WORD_PTX) == its pure-Triton twin, bit for bit, on every byte in
+    every position and on random words. Compiled only (DSV4_TRITON_DEVICE=cuda)."""
+    if device == "cpu":
+        pytest.skip("inline PTX: compiled for an NVIDIA GPU only (the interpreter runs the twin)")
+    w = torch.cat([word_codes(), torch.randint(-2**31, 2**31 - 1, (3072,), dtype=torch.int32)]).to(device)
+    got, twin = (torch.empty(w.numel(), 8, device=device) for _ in range(2))
+    _words_kernel[(1,)](w, got, N=w.numel(), ASM=True)
+    _words_kernel[(1,)](w, twin, N=w.numel(), ASM=False)
+    assert torch.equal(bits(got), bits(twin))
 
 
 # (R, C, BLOCK_R, BLOCK_C, dtype of v): one tile of every byte; several tiles, partial rows and a

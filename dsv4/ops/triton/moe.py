@@ -40,12 +40,14 @@ docs/benchmarks.md.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from ..quant import kept_scale_shape, unpacked_shape, weight_format
-from .quant_tiles import (FP4_GROUP, MXFP4_BLOCK, QBLOCK, _block_scale, _dequant_tile, _mxfp4_dot,
+from .quant_tiles import (FP4_GROUP, MXFP4_BLOCK, QBLOCK, _block_scale, _dequant_tile, _mxfp4_rows_dot,
                           _word_major_index, word_major)
 
 # tile defaults: among the fastest at T = 1 and 8 in benchmarks/kernels/moe.py's H200 scan (docs/benchmarks.md)
@@ -62,6 +64,8 @@ FP8_DOWN_MIN_PROGRAMS = 1024
 MXFP4_UP_TILES = (16, 512, 4)
 MXFP4_DOWN_TILES = (16, 512, 4)
 SUM_BLOCK = 1024
+# the MXFP4 word decode's inline PTX only compiled (quant_tiles `_e2m1_word_f32`; its twin in the interpreter)
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -89,28 +93,46 @@ def _expert_matrix(w_ptr, sw_ptr, routed, e, stride_we, stride_row, stride_srow,
 
 
 @triton.jit
-def _mxfp4_pair_dot(base, stride_row, s_base, stride_srow, sw_base, stride_sw, rows, row_ok, c0, C, v_ptr,
-                    routed, SHARED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """sum_c W[rows, c] * v[c] over the columns [c0, c0 + BLOCK_C) -> fp32 [BLOCK_R, BLOCK_C/32]
-    (partial sums, to be added up along axis 1): W a routed expert's MXFP4 matrix (quant_tiles
-    `_mxfp4_dot`; base at its int32 words [R, C/8], s_base at its E8M0 bytes; v_ptr at the
-    word-major vector); SHARED: when the pair is the shared expert's (not routed), its
-    unquantised matrix sw_base [R, C] (row stride stride_sw) instead, times v gathered back to
-    input order, its sum in column 0. A branch on the pair's kind (uniform over the program):
-    only one of the two is read."""
+def _dense_rows_dot(sw_base, stride_sw, rows, row_ok, c_lo, c_hi, C, v_ptr, BLOCK_R: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
+    """sum_c W[rows, c] * v[c] over the columns [c_lo, c_hi) of an unquantised matrix sw_base
+    [R, C] (row stride stride_sw), v word-major (gathered back to input order) -> fp32
+    [BLOCK_R, BLOCK_C/32], the sums in column 0 (the layout of `_mxfp4_rows_dot`)."""
+    acc = tl.zeros((BLOCK_R, BLOCK_C // 32), dtype=tl.float32)
+    for c0 in range(c_lo, tl.minimum(c_hi, C), BLOCK_C):
+        cc = c0 + tl.arange(0, BLOCK_C)
+        dense = tl.load(sw_base + rows[:, None] * stride_sw + cc[None, :], mask=row_ok[:, None] & (cc < C)[None, :],
+                        other=0.0)
+        v = tl.load(v_ptr + _word_major_index(cc, C), mask=cc < C, other=0.0)
+        dot = tl.sum(dense.to(tl.float32) * v[None, :], axis=1)
+        acc += tl.where(tl.arange(0, BLOCK_C // 32)[None, :] == 0, dot[:, None], 0.0)
+    return acc
+
+
+@triton.jit
+def _mxfp4_pair_dot(base, s_base, sw_base, base2, s_base2, sw_base2, stride_row, stride_srow, stride_sw, rows,
+                    row_ok, c_lo, c_hi, C, v_ptr, routed, SHARED: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_C: tl.constexpr, TWO: tl.constexpr, ASM: tl.constexpr):
+    """sum_c W[rows, c] * v[c] over the columns [c_lo, c_hi) (tiles of BLOCK_C) -> fp32
+    [BLOCK_R, BLOCK_C/32] partial sums (to be added up along axis 1), for W and, TWO, a second
+    matrix W2 (a pair of them; see quant_tiles `_mxfp4_rows_dot`): W a routed expert's MXFP4
+    matrix (base at its int32 words [R, C/8], s_base at its E8M0 bytes; v_ptr at the word-major
+    vector); SHARED: when the pair is the shared expert's (not routed), its unquantised matrix
+    sw_base [R, C] (row stride stride_sw) instead (`_dense_rows_dot`). A branch on the pair's
+    kind (uniform over the program): only one of the two is read."""
     if SHARED:
         if routed:
-            acc = _mxfp4_dot(base, stride_row, s_base, stride_srow, rows, row_ok, c0, C, v_ptr, BLOCK_R, BLOCK_C)
+            acc, acc2 = _mxfp4_rows_dot(base, s_base, base2, s_base2, stride_row, stride_srow, rows, row_ok,
+                                        c_lo, c_hi, C, v_ptr, BLOCK_R, BLOCK_C, TWO, ASM)
         else:
-            cc = c0 + tl.arange(0, BLOCK_C)
-            dense = tl.load(sw_base + rows[:, None] * stride_sw + cc[None, :], mask=row_ok[:, None] & (cc < C)[None, :],
-                            other=0.0)
-            v = tl.load(v_ptr + _word_major_index(cc, C), mask=cc < C, other=0.0)
-            dot = tl.sum(dense.to(tl.float32) * v[None, :], axis=1)
-            acc = tl.where(tl.arange(0, BLOCK_C // 32)[None, :] == 0, dot[:, None], 0.0)   # in column 0
+            acc = _dense_rows_dot(sw_base, stride_sw, rows, row_ok, c_lo, c_hi, C, v_ptr, BLOCK_R, BLOCK_C)
+            acc2 = acc
+            if TWO:
+                acc2 = _dense_rows_dot(sw_base2, stride_sw, rows, row_ok, c_lo, c_hi, C, v_ptr, BLOCK_R, BLOCK_C)
     else:
-        acc = _mxfp4_dot(base, stride_row, s_base, stride_srow, rows, row_ok, c0, C, v_ptr, BLOCK_R, BLOCK_C)
-    return acc
+        acc, acc2 = _mxfp4_rows_dot(base, s_base, base2, s_base2, stride_row, stride_srow, rows, row_ok,
+                                    c_lo, c_hi, C, v_ptr, BLOCK_R, BLOCK_C, TWO, ASM)
+    return acc, acc2
 
 
 @triton.jit
@@ -118,7 +140,8 @@ def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, h_ptr, K, 
                     stride_we, stride_wi, stride_si, limit,
                     s1_ptr, s3_ptr, ss1_ptr, ss3_ptr, stride_se, stride_sr,
                     SHARED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-                    FP8: tl.constexpr = False, MXFP4: tl.constexpr = False, H_DTYPE: tl.constexpr = None):
+                    FP8: tl.constexpr = False, MXFP4: tl.constexpr = False, H_DTYPE: tl.constexpr = None,
+                    ASM: tl.constexpr = False):
     # x [T, H]; ids [T*k] int64; w1/w3 [E, I, H], shared sw1/sw3 [I, H] (last dims contiguous)
     # -> h [T*(k+SHARED), I] (x's dtype), row p = pair p (see _pair). FP8: w1/w3/sw1/sw3 are
     # float8_e4m3fn with fp32 scales s1/s3 [E, cdiv(I, 128), cdiv(H, 128)] (strides stride_se,
@@ -147,13 +170,9 @@ def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, h_ptr, K, 
     x_row = x_ptr + t.to(tl.int64) * H
     w_off = i[:, None] * stride_i                                 # [BLOCK_I, 1]
     if MXFP4:    # partial sums per 32-column group of a tile, added up once after the loop
-        gate_g = tl.zeros((BLOCK_I, BLOCK_H // 32), dtype=tl.float32)
-        up_g = tl.zeros((BLOCK_I, BLOCK_H // 32), dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            gate_g += _mxfp4_pair_dot(w1_base, stride_i, s1_base, stride_sr, sw1_ptr, stride_si, i, i_ok, h0, H,
-                                      x_row, routed, SHARED, BLOCK_I, BLOCK_H)
-            up_g += _mxfp4_pair_dot(w3_base, stride_i, s3_base, stride_sr, sw3_ptr, stride_si, i, i_ok, h0, H,
-                                    x_row, routed, SHARED, BLOCK_I, BLOCK_H)
+        gate_g, up_g = _mxfp4_pair_dot(w1_base, s1_base, sw1_ptr, w3_base, s3_base, sw3_ptr, stride_i, stride_sr,
+                                       stride_si, i, i_ok, 0, H, H, x_row, routed, SHARED, BLOCK_I, BLOCK_H, True,
+                                       ASM)
         gate, up = tl.sum(gate_g, axis=1), tl.sum(up_g, axis=1)
     else:
         gate = tl.zeros((BLOCK_I,), dtype=tl.float32)
@@ -192,7 +211,7 @@ def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, h_ptr, K, 
 def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
                  stride_we, stride_wh, stride_sh, s2_ptr, ss2_ptr, stride_se, stride_sr,
                  SHARED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
-                 FP8: tl.constexpr = False, MXFP4: tl.constexpr = False):
+                 FP8: tl.constexpr = False, MXFP4: tl.constexpr = False, ASM: tl.constexpr = False):
     # h [T*KS, I], KS = k + SHARED pairs per token; ids [T*k] int64; weights [T*k] fp32;
     # w2 [E, H, I], shared sw2 [H, I] (last dims contiguous)
     # -> out [SPLIT, T, H]: x's dtype when SPLIT == 1 (the result), else fp32 partials.
@@ -224,15 +243,16 @@ def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
             s2_base, _ = _expert_matrix(s2_ptr, ss2_ptr, routed, e, stride_se, stride_sr, stride_sr, SHARED)
         w_off = n[:, None] * stride_h                             # [BLOCK_H, 1]
         h_row = h_ptr + p.to(tl.int64) * I
-        if MXFP4:
-            y_g = tl.zeros((BLOCK_H, BLOCK_I // 32), dtype=tl.float32)   # per 32-column group
+        b_lo = tl.maximum(u_lo - j * n_blocks, 0)                # this split's I-blocks of expert j
+        b_hi = tl.minimum(u_hi - j * n_blocks, n_blocks)
+        if MXFP4:    # per 32-column group, added up once
+            y_g, _ = _mxfp4_pair_dot(w2_base, s2_base, sw2_ptr, w2_base, s2_base, sw2_ptr, stride_h, stride_sr,
+                                     stride_sh, n, n_ok, b_lo * BLOCK_I, b_hi * BLOCK_I, I, h_row, routed, SHARED,
+                                     BLOCK_H, BLOCK_I, False, ASM)
+            y = tl.sum(y_g, axis=1)
         else:
             y = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for b in range(tl.maximum(u_lo - j * n_blocks, 0), tl.minimum(u_hi - j * n_blocks, n_blocks)):
-            if MXFP4:
-                y_g += _mxfp4_pair_dot(w2_base, stride_h, s2_base, stride_sr, sw2_ptr, stride_sh, n, n_ok,
-                                       b * BLOCK_I, I, h_row, routed, SHARED, BLOCK_H, BLOCK_I)
-            else:
+            for b in range(b_lo, b_hi):
                 ii = b * BLOCK_I + tl.arange(0, BLOCK_I)          # [BLOCK_I]
                 i_ok = ii < I
                 hv = tl.load(h_row + ii, mask=i_ok, other=0.0).to(tl.float32)[None, :]   # [1, BLOCK_I]
@@ -247,8 +267,6 @@ def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
                         w2 = _dequant_tile(w2, s2_base, stride_sr, sn, si, n0, b * BLOCK_I, h_ptr.dtype.element_ty,
                                            False, QBLOCK % BLOCK_I == 0)
                 y += tl.sum(w2.to(tl.float32) * hv, axis=1)
-        if MXFP4:
-            y = tl.sum(y_g, axis=1)
         acc += wt * y
     row = (s * T + t).to(tl.int64) * H
     tl.store(out_ptr + row + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -383,13 +401,14 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
         x_in, flat_ids, w1, w3, sw1, sw3, h, k, H, I, w1.stride(0), w1.stride(1), sw1.stride(0), float(limit),
         s1, s3, ss1, ss3, s1.stride(0) if quant else 0, s1.stride(1) if quant else 0,
         SHARED=has_shared, BLOCK_I=bi, BLOCK_H=bh, FP8=fp8, MXFP4=mxfp4, H_DTYPE=TL_DTYPES.get(x.dtype),
-        num_warps=nw)
+        ASM=mxfp4 and not INTERPRETING, num_warps=nw)
     split = down_split or default_down_split(T, ks, H, I, dh, di, FP8_DOWN_MIN_PROGRAMS if fp8 else DOWN_MIN_PROGRAMS)
     part = out if split == 1 else torch.empty((split, T, H), dtype=torch.float32, device=x.device)
     _down_kernel[(T, triton.cdiv(H, dh), split)](
         h, flat_ids, flat_w, w2, sw2, part, k, H, I, w2.stride(0), w2.stride(1), sw2.stride(0),
         s2, ss2, s2.stride(0) if quant else 0, s2.stride(1) if quant else 0,
-        SHARED=has_shared, BLOCK_H=dh, BLOCK_I=di, FP8=fp8, MXFP4=mxfp4, num_warps=dnw)
+        SHARED=has_shared, BLOCK_H=dh, BLOCK_I=di, FP8=fp8, MXFP4=mxfp4, ASM=mxfp4 and not INTERPRETING,
+        num_warps=dnw)
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(T * H, SUM_BLOCK),)](part, out, T * H, split, BLOCK=SUM_BLOCK)
     return out

@@ -142,35 +142,136 @@ def _f16_halves_to_f32(d):
 
 
 @triton.jit
-def _mxfp4_dot(wq, stride_q, s_base, stride_s, rows, row_ok, c0, C, v_ptr,
-               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """sum_c W[r, c] * v[c] over each group of 32 columns in [c0, c0 + BLOCK_C) for the rows
-    `rows` [BLOCK_R] (0 where not row_ok or past C) -> fp32 [BLOCK_R, BLOCK_C/32] (the caller adds
-    them up once, after its loop), W an MXFP4 matrix of C columns (C % 32 == 0) read as int32
+def _mxfp4_words(wq, stride_q, s_base, stride_s, rows, row_ok, c0, c_end,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The columns [c0, c0 + BLOCK_C) of rows `rows` [BLOCK_R] of an MXFP4 matrix read as int32
     words wq [R, C/8] (row stride stride_q words; word c holds inputs 8c..8c+7, nibble j = input
-    8c + j), its E8M0 bytes s_base [R, C/32] (row stride stride_s); v_ptr the vector in
-    `word_major` layout (fp32 [8, C/8]: nibble j of the words cw is the contiguous v_ptr[j, cw],
-    16-byte loads). c0 and BLOCK_C multiples of 32.
-
-    No dequantised tile: the tile is [BLOCK_R, groups, 4 words] (a group's 4 words one 16-byte
-    load). Each word gives 4 pairs of fp16 e2m1 * 2^-14 (`_e2m1_f16_pair`: 1 shift and 1 LOP3 an
-    element), each converted to fp32 and multiplied into v (an FMA), and each group's sum is
-    scaled by 2^14 and its E8M0 scale (powers of two: exact). Differs from the dequantised dot
-    only in the order of the fp32 additions, and where a product |e2m1 * v| < 2^-112 (its
-    2^-14 copy is an fp32 subnormal: rounded to a multiple of 2^-149). A thread's v loads serve
-    all the rows it holds."""
+    8c + j) with its E8M0 bytes s_base [R, C/32] (row stride stride_s) -> (words [BLOCK_R, G, 4]
+    (a group's 4 words one 16-byte load), E8M0 bytes [BLOCK_R, G]), G = BLOCK_C / 32 groups;
+    0 where not row_ok or at columns >= c_end (a multiple of 32: no traffic there)."""
     G: tl.constexpr = BLOCK_C // 32
     g = c0 // 32 + tl.arange(0, G)                                    # groups (scale columns)
-    g_ok = g < C // 32
+    g_ok = g < c_end // 32
     cw = (g * 4)[:, None] + tl.arange(0, 4)[None, :]                  # [G, 4] words along the row
     m = row_ok[:, None, None] & g_ok[None, :, None]
     q = tl.load(wq + rows[:, None, None] * stride_q + cw[None, :, :], mask=m, other=0)   # [BLOCK_R, G, 4]
-    part = tl.zeros((BLOCK_R, G, 4), dtype=tl.float32)               # a sum per word
-    for j in tl.static_range(4):
-        lo, hi = _f16_halves_to_f32(_e2m1_f16_pair(q, j))
-        v_lo = tl.load(v_ptr + j * ((C // 32) * 4) + cw, mask=g_ok[:, None], other=0.0)         # [G, 4]
-        v_hi = tl.load(v_ptr + (j + 4) * ((C // 32) * 4) + cw, mask=g_ok[:, None], other=0.0)
-        part += lo * v_lo[None, :, :]                                  # FMAs
-        part += hi * v_hi[None, :, :]
     sb = tl.load(s_base + rows[:, None] * stride_s + g[None, :], mask=row_ok[:, None] & g_ok[None, :], other=0)
+    return q, sb
+
+
+# PTX of `_e2m1_word_f32` (sm_90): the fp16 high byte s 0 0 0 e1 e0 m 0 of each nibble's e2m1 *
+# 2^-14 (see `_e2m1_f16_pair`), four a register (high nibbles: sign in place, magnitude >> 3; low
+# nibbles: << 4 and << 1), two bytes at a time moved into the high bytes of an fp16 pair (prmt,
+# zeros below), each half converted to fp32 (cvt.f32.f16). 7 integer ops + 4 PRMT + 8 converts a
+# word.
+_E2M1_WORD_PTX = tl.constexpr("""{
+.reg .b32 t, u, hi, lo, z, p;
+.reg .b16 a, b;
+mov.b32 z, 0;
+shr.b32 t, $8, 3;
+and.b32 t, t, 0x0E0E0E0E;
+and.b32 hi, $8, 0x80808080;
+or.b32 hi, hi, t;
+shl.b32 t, $8, 1;
+and.b32 t, t, 0x0E0E0E0E;
+shl.b32 u, $8, 4;
+and.b32 u, u, 0x80808080;
+or.b32 lo, u, t;
+prmt.b32 p, lo, z, 0x1404;
+mov.b32 {a, b}, p;
+cvt.f32.f16 $0, a;
+cvt.f32.f16 $2, b;
+prmt.b32 p, lo, z, 0x3424;
+mov.b32 {a, b}, p;
+cvt.f32.f16 $4, a;
+cvt.f32.f16 $6, b;
+prmt.b32 p, hi, z, 0x1404;
+mov.b32 {a, b}, p;
+cvt.f32.f16 $1, a;
+cvt.f32.f16 $3, b;
+prmt.b32 p, hi, z, 0x3424;
+mov.b32 {a, b}, p;
+cvt.f32.f16 $5, a;
+cvt.f32.f16 $7, b;
+}""")
+
+
+@triton.jit
+def _e2m1_word_f32(w, ASM: tl.constexpr):
+    """int32 words w -> 8 fp32 tensors, nibble n (input 8c + n of word c) at position n: its e2m1
+    value * 2^-14, exactly. ASM (compiled for the GPU): one inline PTX block (_E2M1_WORD_PTX);
+    else its bit-identical pure-Triton twin (`_e2m1_f16_pair`, `_f16_halves_to_f32`; the
+    interpreter runs no PTX)."""
+    if ASM:
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _E2M1_WORD_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w], dtype=(tl.float32,) * 8, is_pure=True, pack=1)
+    else:
+        v0, v4 = _f16_halves_to_f32(_e2m1_f16_pair(w, 0))
+        v1, v5 = _f16_halves_to_f32(_e2m1_f16_pair(w, 1))
+        v2, v6 = _f16_halves_to_f32(_e2m1_f16_pair(w, 2))
+        v3, v7 = _f16_halves_to_f32(_e2m1_f16_pair(w, 3))
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _mxfp4_words_dot(q, sb, c0, C, v_ptr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ASM: tl.constexpr):
+    """sum_c W[r, c] * v[c] over each group of 32 columns in [c0, c0 + BLOCK_C) -> fp32
+    [BLOCK_R, BLOCK_C/32], from the tile's words q and E8M0 bytes sb (`_mxfp4_words`) and v_ptr,
+    the vector of C inputs in `word_major` layout (fp32 [8, C/8]: nibble j of the words cw is
+    the contiguous v_ptr[j, cw], 16-byte loads).
+
+    No dequantised tile: each word gives its 8 values as fp16 e2m1 * 2^-14 (`_e2m1_word_f32`:
+    under 1.5 integer ops an element with ASM), each converted to fp32 and multiplied into v (an
+    FMA), and each
+    group's sum is scaled by 2^14 and its E8M0 scale (powers of two: exact). Differs from the
+    dequantised dot only in the order of the fp32 additions, and where a product |e2m1 * v| <
+    2^-112 (its 2^-14 copy is an fp32 subnormal: rounded to a multiple of 2^-149). A thread's v
+    loads serve all the rows it holds."""
+    G: tl.constexpr = BLOCK_C // 32
+    g = c0 // 32 + tl.arange(0, G)
+    g_ok = g < C // 32
+    cw = (g * 4)[:, None] + tl.arange(0, 4)[None, :]                  # [G, 4] words along the row
+    v = _e2m1_word_f32(q, ASM)                                       # 8 x [BLOCK_R, G, 4]
+    part = v[0] * tl.load(v_ptr + cw, mask=g_ok[:, None], other=0.0)[None, :, :]   # a sum per word
+    for j in tl.static_range(1, 8):
+        part += v[j] * tl.load(v_ptr + j * ((C // 32) * 4) + cw, mask=g_ok[:, None], other=0.0)[None, :, :]
     return (tl.sum(part, axis=2) * 2.0 ** F16_SHIFT) * _e8m0(sb)
+
+
+@triton.jit
+def _mxfp4_dot(wq, stride_q, s_base, stride_s, rows, row_ok, c0, C, v_ptr,
+               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ASM: tl.constexpr = False):
+    """`_mxfp4_words_dot` of one tile, the columns [c0, c0 + BLOCK_C) of a matrix of C columns
+    (C % 32 == 0; see `_mxfp4_words`)."""
+    q, sb = _mxfp4_words(wq, stride_q, s_base, stride_s, rows, row_ok, c0, C, BLOCK_R, BLOCK_C)
+    return _mxfp4_words_dot(q, sb, c0, C, v_ptr, BLOCK_R, BLOCK_C, ASM)
+
+
+@triton.jit
+def _mxfp4_rows_dot(wq, s_base, wq2, s_base2, stride_q, stride_s, rows, row_ok, c_lo, c_hi, C, v_ptr,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TWO: tl.constexpr, ASM: tl.constexpr):
+    """`_mxfp4_dot` summed over the tiles of BLOCK_C columns from c_lo while below c_hi (both
+    multiples of 32) -> fp32 [BLOCK_R, BLOCK_C/32] partial sums (add them up along axis 1), for
+    the matrix wq / s_base and, TWO, a second one wq2 / s_base2 of the same strides (the same
+    rows, v and tiles): a pair (acc, acc2), acc2 zeros without TWO. ASM: see `_e2m1_word_f32`. Software-pipelined in
+    registers: the next tile's words are loaded before this one's are decoded, so a tile's loads
+    are in flight while the previous one is computed."""
+    c_end = tl.minimum(c_hi, C)
+    acc = tl.zeros((BLOCK_R, BLOCK_C // 32), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_R, BLOCK_C // 32), dtype=tl.float32)
+    q, sb = _mxfp4_words(wq, stride_q, s_base, stride_s, rows, row_ok, c_lo, c_end, BLOCK_R, BLOCK_C)
+    q2, sb2 = q, sb
+    if TWO:
+        q2, sb2 = _mxfp4_words(wq2, stride_q, s_base2, stride_s, rows, row_ok, c_lo, c_end, BLOCK_R, BLOCK_C)
+    for c0 in range(c_lo, c_end, BLOCK_C):
+        q_next, sb_next = _mxfp4_words(wq, stride_q, s_base, stride_s, rows, row_ok, c0 + BLOCK_C, c_end,
+                                       BLOCK_R, BLOCK_C)
+        q2_next, sb2_next = q_next, sb_next
+        if TWO:
+            q2_next, sb2_next = _mxfp4_words(wq2, stride_q, s_base2, stride_s, rows, row_ok, c0 + BLOCK_C, c_end,
+                                             BLOCK_R, BLOCK_C)
+        acc += _mxfp4_words_dot(q, sb, c0, C, v_ptr, BLOCK_R, BLOCK_C, ASM)
+        if TWO:
+            acc2 += _mxfp4_words_dot(q2, sb2, c0, C, v_ptr, BLOCK_R, BLOCK_C, ASM)
+        q, sb, q2, sb2 = q_next, sb_next, q2_next, sb2_next
+    return acc, acc2
