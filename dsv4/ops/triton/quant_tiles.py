@@ -218,7 +218,8 @@ def _mxfp4_words_dot(q, sb, c0, C, v_ptr, BLOCK_R: tl.constexpr, BLOCK_C: tl.con
     """sum_c W[r, c] * v[c] over each group of 32 columns in [c0, c0 + BLOCK_C) -> fp32
     [BLOCK_R, BLOCK_C/32], from the tile's words q and E8M0 bytes sb (`_mxfp4_words`) and v_ptr,
     the vector of C inputs in `word_major` layout (fp32 [8, C/8]: nibble j of the words cw is
-    the contiguous v_ptr[j, cw], 16-byte loads).
+    the contiguous v_ptr[j, cw], 16-byte loads). Words and scale bytes past C must be 0 (as
+    `_mxfp4_words` loads them).
 
     No dequantised tile: each word gives its 8 values as fp16 e2m1 * 2^-14 (`_e2m1_word_f32`:
     under 1.5 integer ops an element with ASM), each converted to fp32 and multiplied into v (an
@@ -228,13 +229,12 @@ def _mxfp4_words_dot(q, sb, c0, C, v_ptr, BLOCK_R: tl.constexpr, BLOCK_C: tl.con
     2^-112 (its 2^-14 copy is an fp32 subnormal: rounded to a multiple of 2^-149). A thread's v
     loads serve all the rows it holds."""
     G: tl.constexpr = BLOCK_C // 32
-    g = c0 // 32 + tl.arange(0, G)
-    g_ok = g < C // 32
+    g = tl.minimum(c0 // 32 + tl.arange(0, G), C // 32 - 1)         # past C: any v (unmasked), words 0 there
     cw = (g * 4)[:, None] + tl.arange(0, 4)[None, :]                  # [G, 4] words along the row
     v = _e2m1_word_f32(q, ASM)                                       # 8 x [BLOCK_R, G, 4]
-    part = v[0] * tl.load(v_ptr + cw, mask=g_ok[:, None], other=0.0)[None, :, :]   # a sum per word
+    part = v[0] * tl.load(v_ptr + cw)[None, :, :]                    # a sum per word
     for j in tl.static_range(1, 8):
-        part += v[j] * tl.load(v_ptr + j * ((C // 32) * 4) + cw, mask=g_ok[:, None], other=0.0)[None, :, :]
+        part += v[j] * tl.load(v_ptr + j * ((C // 32) * 4) + cw)[None, :, :]
     return (tl.sum(part, axis=2) * 2.0 ** F16_SHIFT) * _e8m0(sb)
 
 
