@@ -25,8 +25,11 @@ from dsv4.ops.quant import FP4_BLOCK, dequant_kept, quant_mxfp4_stacked
 
 I, H = bench.I, bench.H
 MXFP4_BYTES = 0.5 + 1 / FP4_BLOCK          # per weight: a nibble + its share of the E8M0 byte
-# decode tiles scanned by --tune: (rows, packed-dim columns, num_warps); columns multiples of 64
-UP_GRID = [(r, c, nw) for r, c in ((16, 256), (16, 512), (32, 256), (32, 512), (64, 256)) for nw in (4, 8)]
+# decode tiles scanned by --tune: (rows, packed-dim columns, num_warps); columns multiples of 64. The
+# defaults (moe.MXFP4_UP_TILES / MXFP4_DOWN_TILES) hold 64 inputs of a tile a thread; the larger tiles
+# here 128 (more bytes in flight a program, ~128 registers with 4 warps: fewer programs an SM)
+UP_GRID = [(16, 256, 4), (16, 512, 4), (16, 512, 8), (16, 1024, 8), (32, 256, 4), (32, 512, 8), (32, 1024, 8),
+           (64, 256, 8)]
 DOWN_GRID = UP_GRID
 
 
