@@ -102,7 +102,7 @@ def _dense_rows_dot(sw_base, stride_sw, rows, row_ok, c_lo, c_hi, C, v_ptr, BLOC
     [R, C] (row stride stride_sw), v word-major (gathered back to input order) -> fp32
     [BLOCK_R, BLOCK_C/32], the sums in column 0 (the layout of `_mxfp4_rows_dot`)."""
     acc = tl.zeros((BLOCK_R, BLOCK_C // 32), dtype=tl.float32)
-    for c0 in range(c_lo, tl.minimum(c_hi, C), BLOCK_C):
+    for c0 in range(c_lo, c_hi, BLOCK_C):
         cc = c0 + tl.arange(0, BLOCK_C)
         dense = tl.load(sw_base + rows[:, None] * stride_sw + cc[None, :], mask=row_ok[:, None] & (cc < C)[None, :],
                         other=0.0)

@@ -251,7 +251,7 @@ def _mxfp4_dot(wq, stride_q, s_base, stride_s, rows, row_ok, c0, C, v_ptr,
 def _mxfp4_rows_dot(wq, s_base, wq2, s_base2, stride_q, stride_s, rows, row_ok, c_lo, c_hi, C, v_ptr,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TWO: tl.constexpr, ASM: tl.constexpr):
     """`_mxfp4_dot` summed over the tiles of BLOCK_C columns from c_lo while below c_hi (both
-    multiples of 32) -> fp32 [BLOCK_R, BLOCK_C/32] partial sums (add them up along axis 1), for
+    multiples of 32; c_hi past C by less than BLOCK_C, or tiles of zeros are added) -> fp32 [BLOCK_R, BLOCK_C/32] partial sums (add them up along axis 1), for
     the matrix wq / s_base and, TWO, a second one wq2 / s_base2 of the same strides (the same
     rows, v and tiles): a pair (acc, acc2), acc2 zeros without TWO. ASM: see `_e2m1_word_f32`. Software-pipelined in
     registers: the next tile's words are loaded before this one's are decoded, so a tile's loads
@@ -263,7 +263,7 @@ def _mxfp4_rows_dot(wq, s_base, wq2, s_base2, stride_q, stride_s, rows, row_ok, 
     q2, sb2 = q, sb
     if TWO:
         q2, sb2 = _mxfp4_words(wq2, stride_q, s_base2, stride_s, rows, row_ok, c_lo, c_end, BLOCK_R, BLOCK_C)
-    for c0 in range(c_lo, c_end, BLOCK_C):
+    for c0 in range(c_lo, c_hi, BLOCK_C):                           # the tiles of [c_lo, c_end)
         q_next, sb_next = _mxfp4_words(wq, stride_q, s_base, stride_s, rows, row_ok, c0 + BLOCK_C, c_end,
                                        BLOCK_R, BLOCK_C)
         q2_next, sb2_next = q_next, sb_next
