@@ -251,9 +251,10 @@ def _mxfp4_dot(wq, stride_q, s_base, stride_s, rows, row_ok, c0, C, v_ptr,
 def _mxfp4_rows_dot(wq, s_base, wq2, s_base2, stride_q, stride_s, rows, row_ok, c_lo, c_hi, C, v_ptr,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, TWO: tl.constexpr, ASM: tl.constexpr):
     """`_mxfp4_dot` summed over the tiles of BLOCK_C columns from c_lo while below c_hi (both
-    multiples of 32; c_hi past C by less than BLOCK_C, or tiles of zeros are added) -> fp32 [BLOCK_R, BLOCK_C/32] partial sums (add them up along axis 1), for
-    the matrix wq / s_base and, TWO, a second one wq2 / s_base2 of the same strides (the same
-    rows, v and tiles): a pair (acc, acc2), acc2 zeros without TWO. ASM: see `_e2m1_word_f32`. Software-pipelined in
+    multiples of 32; c_hi past C by less than BLOCK_C, or tiles of zeros are added) -> fp32
+    [BLOCK_R, BLOCK_C/32] partial sums (add them up along axis 1), for the matrix wq / s_base
+    and, TWO, a second one wq2 / s_base2 of the same strides (the same rows, v and tiles): a
+    pair (acc, acc2), acc2 zeros without TWO. ASM: see `_e2m1_word_f32`. Software-pipelined in
     registers: the next tile's words are loaded before this one's are decoded, so a tile's loads
     are in flight while the previous one is computed."""
     c_end = tl.minimum(c_hi, C)
