@@ -147,15 +147,17 @@ def _mxfp4_words(wq, stride_q, s_base, stride_s, rows, row_ok, c0, c_end,
     """The columns [c0, c0 + BLOCK_C) of rows `rows` [BLOCK_R] of an MXFP4 matrix read as int32
     words wq [R, C/8] (row stride stride_q words; word c holds inputs 8c..8c+7, nibble j = input
     8c + j) with its E8M0 bytes s_base [R, C/32] (row stride stride_s) -> (words [BLOCK_R, G, 4]
-    (a group's 4 words one 16-byte load), E8M0 bytes [BLOCK_R, G]), G = BLOCK_C / 32 groups;
-    0 where not row_ok or at columns >= c_end (a multiple of 32: no traffic there)."""
+    (a group's 4 words one 16-byte load), E8M0 bytes [BLOCK_R, G, 4] (each group's byte 4 times,
+    one load: the words' shape, so the compiler keeps the scaled partial sums in the words'
+    layout, no shared-memory round trip an iteration)), G = BLOCK_C / 32 groups; 0 where not
+    row_ok or at columns >= c_end (a multiple of 32: no traffic there)."""
     G: tl.constexpr = BLOCK_C // 32
     g = c0 // 32 + tl.arange(0, G)                                    # groups (scale columns)
     g_ok = g < c_end // 32
     cw = (g * 4)[:, None] + tl.arange(0, 4)[None, :]                  # [G, 4] words along the row
     m = row_ok[:, None, None] & g_ok[None, :, None]
     q = tl.load(wq + rows[:, None, None] * stride_q + cw[None, :, :], mask=m, other=0)   # [BLOCK_R, G, 4]
-    sb = tl.load(s_base + rows[:, None] * stride_s + g[None, :], mask=row_ok[:, None] & g_ok[None, :], other=0)
+    sb = tl.load(s_base + rows[:, None, None] * stride_s + (cw // 4)[None, :, :], mask=m, other=0)   # [BLOCK_R, G, 4]
     return q, sb
 
 
@@ -235,7 +237,7 @@ def _mxfp4_words_dot(q, sb, c0, C, v_ptr, BLOCK_R: tl.constexpr, BLOCK_C: tl.con
     part = v[0] * tl.load(v_ptr + cw)[None, :, :]                    # a sum per word
     for j in tl.static_range(1, 8):
         part += v[j] * tl.load(v_ptr + j * ((C // 32) * 4) + cw)[None, :, :]
-    return (tl.sum(part, axis=2) * 2.0 ** F16_SHIFT) * _e8m0(sb)
+    return tl.sum(part * (_e8m0(sb) * 2.0 ** F16_SHIFT), axis=2)
 
 
 @triton.jit
