@@ -26,15 +26,15 @@ load-time dequantised product exactly for power-of-two (E8M0) scales, as in rele
 MXFP4 (W4A16, uint8 weights + `scales=`): w1/w3 [E, I, H/2] + E8M0 bytes [E, I, H/32], w2
 [E, H, I/2] + [E, H, I/32], read as int32 words (8 inputs, 16-byte loads) and never dequantised
 into a tile: quant_tiles `_mxfp4_rows_dot` decodes each word into 8 fp32 e2m1 * 2^-14 (inline
-PTX: fp16 bytes built four at a time, paired by prmt, converted; about 3.4 instructions an
-element with the FMA) and multiplies them with the activation, which comes in its `word_major`
-layout (fp32 [8, C/8], nibble j of a run of words contiguous): x made so by one torch op, h
-stored so by the up-gate kernel (its values rounded to x's dtype first, as the reference rounds
-h). Partial sums per group of 32 inputs (one scale each) are added up once after the loop; the
-next tile's words are loaded before the current one is decoded. The shared expert stays
-unquantised, read in a branch of its own (`_mxfp4_pair_dot`). Tiles along the packed dim
-(BLOCK_H of up-gate, BLOCK_I of down) are multiples of MXFP4_BLOCK; MXFP4 has its own defaults
-(MXFP4_UP_TILES, MXFP4_DOWN_TILES).
+PTX: fp16 bytes built four at a time, paired by prmt, converted; with the FMA 3.4 instructions
+an element, 4.7-4.9 with the loop's loads and sums: `python -m scripts.sass_loops`) and
+multiplies them with the activation, which comes in its `word_major` layout (fp32 [8, C/8],
+nibble j of a run of words contiguous): x made so by one torch op, h stored so by the up-gate
+kernel (its values rounded to x's dtype first, as the reference rounds h). Partial sums per
+group of 32 inputs (one scale each) are added up once after the loop; the next tile's words are
+loaded before the current one is decoded. The shared expert stays unquantised, read in a branch
+of its own (`_mxfp4_pair_dot`). Tiles along the packed dim (BLOCK_H of up-gate, BLOCK_I of down)
+are multiples of MXFP4_BLOCK; MXFP4 has its own defaults (MXFP4_UP_TILES, MXFP4_DOWN_TILES).
 
 No tl.dot: fp32 products + tl.sum (bandwidth-bound anyway; keeps Triton's interpreter exact in
 bf16). Expert offsets are int64 (e * I * H overflows int32 at V4 sizes). Figures:
@@ -63,7 +63,7 @@ FP8_DOWN_BLOCK_H, FP8_DOWN_BLOCK_I, FP8_DOWN_WARPS = 32, 128, 4
 FP8_DOWN_MIN_PROGRAMS = 1024
 # MXFP4 tiles (not yet scanned on the H200: `benchmarks/kernels/moe_mxfp4.py --tune`): 16 rows an
 # iteration, 64 inputs a thread (two 16-byte word loads, as many prefetched): up-gate 256 columns of
-# w1 and w3 (72 registers on sm_90: 7 programs an SM, T = 1's 768 in one wave), down 512 (88)
+# w1 and w3 (72 registers on sm_90: 7 programs an SM, T = 1's 768 in one wave), down 512 (104)
 MXFP4_UP_TILES = (16, 256, 4)
 MXFP4_DOWN_TILES = (16, 512, 4)
 SUM_BLOCK = 1024

@@ -10,8 +10,9 @@ MXFP4 (W4A16): e2m1 values (magnitudes {0, .5, 1, 1.5, 2, 3, 4, 6}) packed two p
 the last (input) dim, low nibble = even input: bytes [R, C/2]; one E8M0 byte b per FP4_GROUP = 32
 inputs: [R, C/32], scale 2^(b - 127) (b = 255 reads as inf, as dsv4.ops.quant.e8m0_to_float).
 Tiles along the packed dim are multiples of MXFP4_BLOCK.
-`_mxfp4_dot` (the decode GEMVs) reads the bytes as int32 words (8 inputs, 16-byte vector loads)
-and never builds a dequantised tile: 3 integer ops + 1 FMA an element (see its docstring).
+`_mxfp4_rows_dot` (the decode GEMVs) reads the bytes as int32 words (8 inputs, 16-byte vector
+loads) and never builds a dequantised tile: a word becomes 8 fp16 e2m1 * 2^-14 (inline PTX, or
+its pure-Triton twin in the interpreter), converted to fp32 for the FMAs (see `_mxfp4_words_dot`).
 
 Invariants (the tests check them bit for bit in Triton's interpreter):
 - a dequantised tile equals the load-time dequantisation: fp32 w * scale rounded to the dtype;
@@ -225,11 +226,10 @@ def _mxfp4_words_dot(q, sb, c0, C, v_ptr, BLOCK_R: tl.constexpr, BLOCK_C: tl.con
 
     No dequantised tile: each word gives its 8 values as fp16 e2m1 * 2^-14 (`_e2m1_word_f32`:
     under 1.5 integer ops an element with ASM), each converted to fp32 and multiplied into v (an
-    FMA), and each
-    group's sum is scaled by 2^14 and its E8M0 scale (powers of two: exact). Differs from the
-    dequantised dot only in the order of the fp32 additions, and where a product |e2m1 * v| <
-    2^-112 (its 2^-14 copy is an fp32 subnormal: rounded to a multiple of 2^-149). A thread's v
-    loads serve all the rows it holds."""
+    FMA); each word's sum is scaled by 2^14 and its group's E8M0 scale (powers of two: exact)
+    and the group's 4 added. Differs from the dequantised dot only in the order of the fp32
+    additions, and where a product |e2m1 * v| < 2^-112 (its 2^-14 copy is an fp32 subnormal:
+    rounded to a multiple of 2^-149). A thread's v loads serve all the rows it holds."""
     G: tl.constexpr = BLOCK_C // 32
     g = tl.minimum(c0 // 32 + tl.arange(0, G), C // 32 - 1)         # past C: any v (unmasked), words 0 there
     cw = (g * 4)[:, None] + tl.arange(0, 4)[None, :]                  # [G, 4] words along the row
