@@ -188,7 +188,10 @@ COMPILE_SCRIPT = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+import torch
 from dsv4.ops.triton import moe, moe_gate
+
+dtype_of = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def compile(fn, types, consts, warps):
     names = [n for n in fn.arg_names if n not in consts]
@@ -209,23 +212,27 @@ for is_hash in (False, True):
                 assert "atom.global.gpu.acq_rel.add" in k.asm["ptx"] and "ld.global.cg" in k.asm["ptx"]
             del consts["ONE_LAUNCH"], consts["BLOCK_E"], consts["BLOCK_H"]
             compile(moe_gate._select_kernel, GATE, consts, moe_gate.NUM_WARPS)
-# weights: FP8 (W8A16), MXFP4 (W4A16: packed uint8 routed weights, uint8 E8M0 scales, the shared
-# expert in x's dtype)
+# weights: FP8 (W8A16), MXFP4 (W4A16: packed routed weights read as int32 words decoded by inline PTX,
+# uint8 E8M0 scales, x and h fp32 word-major, the shared expert in x's dtype)
 for dtype, fmt in (("bf16", None), ("fp32", None), ("bf16", "fp8"), ("bf16", "mxfp4"), ("fp32", "mxfp4")):
     types = {n: "*" + dtype for n in ("x_ptr", "w1_ptr", "w3_ptr", "sw1_ptr", "sw3_ptr", "h_ptr", "w2_ptr", "sw2_ptr")}
     types.update(ids_ptr="*i64", wt_ptr="*fp32", out_ptr="*fp32", limit="fp32")
     types.update({n: "*fp32" for n in ("s1_ptr", "s3_ptr", "ss1_ptr", "ss3_ptr", "s2_ptr", "ss2_ptr")})
     if fmt == "fp8":
         types.update({n: "*fp8e4nv" for n in ("w1_ptr", "w3_ptr", "sw1_ptr", "sw3_ptr", "w2_ptr", "sw2_ptr")})
-    if fmt == "mxfp4":
-        types.update({n: "*u8" for n in ("w1_ptr", "w3_ptr", "w2_ptr", "s1_ptr", "s3_ptr", "ss1_ptr", "ss3_ptr",
-                                         "s2_ptr", "ss2_ptr")})
+    up, down = (moe.UP_BLOCK_I, moe.UP_BLOCK_H, moe.UP_WARPS), (moe.DOWN_BLOCK_H, moe.DOWN_BLOCK_I, moe.DOWN_WARPS)
     quant = dict(FP8=fmt == "fp8", MXFP4=fmt == "mxfp4")
+    h_dtype, asm = {}, {}
+    if fmt == "mxfp4":
+        types.update({n: "*u8" for n in ("s1_ptr", "s3_ptr", "ss1_ptr", "ss3_ptr", "s2_ptr", "ss2_ptr")})
+        types.update({n: "*i32" for n in ("w1_ptr", "w3_ptr", "w2_ptr")}, x_ptr="*fp32", h_ptr="*fp32")
+        up, down, h_dtype = moe.MXFP4_UP_TILES, moe.MXFP4_DOWN_TILES, dict(H_DTYPE=moe.TL_DTYPES[dtype_of[dtype]])
+        asm = dict(ASM=True)
     for shared in (False, True):
-        compile(moe._up_gate_kernel, types, dict(SHARED=shared, BLOCK_I=moe.UP_BLOCK_I, BLOCK_H=moe.UP_BLOCK_H,
-                                                 **quant), moe.UP_WARPS)
-        compile(moe._down_kernel, types, dict(SHARED=shared, BLOCK_H=moe.DOWN_BLOCK_H, BLOCK_I=moe.DOWN_BLOCK_I,
-                                              **quant), moe.DOWN_WARPS)
+        compile(moe._up_gate_kernel, types, dict(SHARED=shared, BLOCK_I=up[0], BLOCK_H=up[1], **quant, **h_dtype,
+                                                 **asm), up[2])
+        compile(moe._down_kernel, types, dict(SHARED=shared, BLOCK_H=down[0], BLOCK_I=down[1], **quant, **asm),
+                down[2])
 print("compiled")
 """
 

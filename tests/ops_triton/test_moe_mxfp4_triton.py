@@ -1,9 +1,11 @@
 """MXFP4 (W4A16) routed experts in the Triton kernels (dsv4/ops/triton/moe.py decode GEMVs,
 dsv4/ops/triton/moe_grouped.py grouped GEMMs): e2m1 pairs packed along the input dim (uint8,
 low nibble first) with an E8M0 exponent byte per 32 inputs, dequantised tile by tile in the
-kernels. Against the same kernels on the dequantised weights (equal in the interpreter: e2m1 *
-2^k is exact in bf16, so the dequantised tile is exactly what the load-time dequantisation
-stores; compiled, within tolerance: see assert_same_as_dequantised) and against
+kernels. Against the same kernels on the dequantised weights (grouped GEMMs: equal in the
+interpreter, as e2m1 * 2^k is exact in bf16, so the dequantised tile is exactly what the
+load-time dequantisation stores; compiled, within tolerance: see assert_same_as_dequantised;
+decode GEMVs: within tolerance, as `_mxfp4_dot` adds each word's 8 products before the scale,
+in another order than the bf16 GEMV) and against
 the reference (`routed_experts_loop` with scales, which dequantises with dsv4.ops.quant's
 `dequant_fp4`, the definition of the format). Uniformly random bytes: every nibble code, both
 signs (and -0). H, I multiples of 32 but not of the tiles (partial tiles, partial scale runs)."""
@@ -47,12 +49,16 @@ def make_inputs(device, T, k, dtype, seed=0):
             tuple(w.to(device, dtype) for w in shared))
 
 
-@pytest.mark.parametrize("T,k,dtype", [(1, 3, FP32), (3, 2, BF16)])
-def test_decode_mxfp4(device, T, k, dtype):
+# default tiles (one tile of 512 columns, masked past H = 160 / I = 96) and SMALL_DECODE (several);
+# T = 1 with k = 3 of E = 4 (an expert without tokens), T = 2 with k = E (each expert 2 tokens)
+@pytest.mark.parametrize("T,k,dtype,tiles", [(1, 3, FP32, {}), (3, 2, BF16, {}), (1, 3, BF16, SMALL_DECODE),
+                                             (2, 4, FP32, {})])
+def test_decode_mxfp4(device, T, k, dtype, tiles):
     x, weights, ids, w1, w2, w3, scales, _ = make_inputs(device, T, k, dtype, seed=k)
-    got = triton_moe.routed_experts(x, weights, ids, w1, w2, w3, LIMIT, scales=scales)
+    got = triton_moe.routed_experts(x, weights, ids, w1, w2, w3, LIMIT, scales=scales, **tiles)
     d1, d2, d3 = dequantised((w1, w2, w3), scales, dtype)
-    assert_same_as_dequantised(got, triton_moe.routed_experts(x, weights, ids, d1, d2, d3, LIMIT), True, dtype, device)
+    assert_same_as_dequantised(got, triton_moe.routed_experts(x, weights, ids, d1, d2, d3, LIMIT, **tiles), False,
+                               dtype, device)
     assert_matches(got, moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales), dtype)
 
 
@@ -64,7 +70,7 @@ def test_decode_mxfp4_shared_split(device):
                                     **SMALL_DECODE)
     d = dequantised((w1, w2, w3), scales, BF16)
     assert_same_as_dequantised(got, triton_moe.routed_experts(x, weights, ids, *d, LIMIT, shared=sw, down_split=3,
-                                                              **SMALL_DECODE), True, BF16, device)
+                                                              **SMALL_DECODE), False, BF16, device)
     want = moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales) + moe_ops.dense_swiglu(x, *sw, LIMIT)
     assert_matches(got, want, BF16)
 

@@ -24,9 +24,17 @@ weight keeps the GEMV bandwidth-bound); other tiles are dequantised (quant_tiles
 load-time dequantised product exactly for power-of-two (E8M0) scales, as in released checkpoints.
 
 MXFP4 (W4A16, uint8 weights + `scales=`): w1/w3 [E, I, H/2] + E8M0 bytes [E, I, H/32], w2
-[E, H, I/2] + [E, H, I/32], decoded to the load-time values (quant_tiles `_mxfp4_rows`). The
-shared expert stays unquantised, read by its own masked load (`_mxfp4_pair_rows`). Tiles along
-the packed dim (BLOCK_H of up-gate, BLOCK_I of down) are multiples of MXFP4_BLOCK.
+[E, H, I/2] + [E, H, I/32], read as int32 words (8 inputs, 16-byte loads) and never dequantised
+into a tile: quant_tiles `_mxfp4_rows_dot` decodes each word into 8 fp32 e2m1 * 2^-14 (inline
+PTX: fp16 bytes built four at a time, paired by prmt, converted; with the FMA 3.4 instructions
+an element, 4.7-4.9 with the loop's loads and sums: `python -m scripts.sass_loops`) and
+multiplies them with the activation, which comes in its `word_major` layout (fp32 [8, C/8],
+nibble j of a run of words contiguous): x made so by one torch op, h stored so by the up-gate
+kernel (its values rounded to x's dtype first, as the reference rounds h). Partial sums per
+group of 32 inputs (one scale each) are added up once after the loop; the next tile's words are
+loaded before the current one is decoded. The shared expert stays unquantised, read in a branch
+of its own (`_mxfp4_pair_dot`). Tiles along the packed dim (BLOCK_H of up-gate, BLOCK_I of down)
+are multiples of MXFP4_BLOCK; MXFP4 has its own defaults (MXFP4_UP_TILES, MXFP4_DOWN_TILES).
 
 No tl.dot: fp32 products + tl.sum (bandwidth-bound anyway; keeps Triton's interpreter exact in
 bf16). Expert offsets are int64 (e * I * H overflows int32 at V4 sizes). Figures:
@@ -34,12 +42,15 @@ docs/benchmarks.md.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from ..quant import kept_scale_shape, unpacked_shape, weight_format
-from .quant_tiles import FP4_GROUP, MXFP4_BLOCK, QBLOCK, _block_scale, _dequant_tile, _mxfp4_rows
+from .quant_tiles import (FP4_GROUP, MXFP4_BLOCK, QBLOCK, _block_scale, _dequant_tile, _mxfp4_rows_dot,
+                          _word_major_index, word_major)
 
 # tile defaults: among the fastest at T = 1 and 8 in benchmarks/kernels/moe.py's H200 scan (docs/benchmarks.md)
 UP_BLOCK_I, UP_BLOCK_H, UP_WARPS = 16, 128, 8
@@ -50,7 +61,15 @@ DOWN_MIN_PROGRAMS = 512
 # --tune` on the H200 (docs/benchmarks.md); up-gate keeps the bf16 tiles, also fastest for FP8
 FP8_DOWN_BLOCK_H, FP8_DOWN_BLOCK_I, FP8_DOWN_WARPS = 32, 128, 4
 FP8_DOWN_MIN_PROGRAMS = 1024
+# MXFP4 tiles (not yet scanned on the H200: `benchmarks/kernels/moe_mxfp4.py --tune`): 16 rows an
+# iteration, 64 inputs a thread (two 16-byte word loads, as many prefetched): up-gate 256 columns of
+# w1 and w3 (72 registers on sm_90: 7 programs an SM, T = 1's 768 in one wave), down 512 (104)
+MXFP4_UP_TILES = (16, 256, 4)
+MXFP4_DOWN_TILES = (16, 512, 4)
 SUM_BLOCK = 1024
+# the MXFP4 word decode's inline PTX only compiled (quant_tiles `_e2m1_word_f32`; its twin in the interpreter)
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
@@ -77,21 +96,46 @@ def _expert_matrix(w_ptr, sw_ptr, routed, e, stride_we, stride_row, stride_srow,
 
 
 @triton.jit
-def _mxfp4_pair_rows(base, stride_row, s_base, stride_srow, sw_base, stride_sw, rows, row_ok, c0, C,
-                     routed, out_dtype: tl.constexpr, SHARED: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_C: tl.constexpr):
-    """`_mxfp4_rows` of a routed expert's matrix; SHARED: when the pair is the shared expert's (not
-    routed), its unquantised matrix sw_base [R, C] in out_dtype (row stride stride_sw) instead.
-    Each load is masked by the pair's kind (no traffic for the other; tl.where, as the
-    interpreter rejects a mask made by `&` of a scalar and a vector)."""
-    w = _mxfp4_rows(base, stride_row, rows, tl.where(routed, row_ok, False), c0, C, s_base, stride_srow,
-                    out_dtype, BLOCK_R, BLOCK_C)
-    if SHARED:
+def _dense_rows_dot(sw_base, stride_sw, rows, row_ok, c_lo, c_hi, C, v_ptr, BLOCK_R: tl.constexpr,
+                    BLOCK_C: tl.constexpr):
+    """sum_c W[rows, c] * v[c] over the columns [c_lo, c_hi) of an unquantised matrix sw_base
+    [R, C] (row stride stride_sw), v word-major (gathered back to input order) -> fp32
+    [BLOCK_R, BLOCK_C/32], the sums in column 0 (the layout of `_mxfp4_rows_dot`)."""
+    acc = tl.zeros((BLOCK_R, BLOCK_C // 32), dtype=tl.float32)
+    for c0 in range(c_lo, c_hi, BLOCK_C):
         cc = c0 + tl.arange(0, BLOCK_C)
-        dense = tl.load(sw_base + rows[:, None] * stride_sw + cc[None, :],
-                        mask=tl.where(routed, False, row_ok)[:, None] & (cc < C)[None, :], other=0.0)
-        w = tl.where(routed, w, dense.to(out_dtype))
-    return w
+        dense = tl.load(sw_base + rows[:, None] * stride_sw + cc[None, :], mask=row_ok[:, None] & (cc < C)[None, :],
+                        other=0.0)
+        v = tl.load(v_ptr + _word_major_index(cc, C), mask=cc < C, other=0.0)
+        dot = tl.sum(dense.to(tl.float32) * v[None, :], axis=1)
+        acc += tl.where(tl.arange(0, BLOCK_C // 32)[None, :] == 0, dot[:, None], 0.0)
+    return acc
+
+
+@triton.jit
+def _mxfp4_pair_dot(base, s_base, sw_base, base2, s_base2, sw_base2, stride_row, stride_srow, stride_sw, rows,
+                    row_ok, c_lo, c_hi, C, v_ptr, routed, SHARED: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_C: tl.constexpr, TWO: tl.constexpr, ASM: tl.constexpr):
+    """sum_c W[rows, c] * v[c] over the columns [c_lo, c_hi) (tiles of BLOCK_C) -> fp32
+    [BLOCK_R, BLOCK_C/32] partial sums (to be added up along axis 1), for W and, TWO, a second
+    matrix W2 (a pair of them; see quant_tiles `_mxfp4_rows_dot`): W a routed expert's MXFP4
+    matrix (base at its int32 words [R, C/8], s_base at its E8M0 bytes; v_ptr at the word-major
+    vector); SHARED: when the pair is the shared expert's (not routed), its unquantised matrix
+    sw_base [R, C] (row stride stride_sw) instead (`_dense_rows_dot`). A branch on the pair's
+    kind (uniform over the program): only one of the two is read."""
+    if SHARED:
+        if routed:
+            acc, acc2 = _mxfp4_rows_dot(base, s_base, base2, s_base2, stride_row, stride_srow, rows, row_ok,
+                                        c_lo, c_hi, C, v_ptr, BLOCK_R, BLOCK_C, TWO, ASM)
+        else:
+            acc = _dense_rows_dot(sw_base, stride_sw, rows, row_ok, c_lo, c_hi, C, v_ptr, BLOCK_R, BLOCK_C)
+            acc2 = acc
+            if TWO:
+                acc2 = _dense_rows_dot(sw_base2, stride_sw, rows, row_ok, c_lo, c_hi, C, v_ptr, BLOCK_R, BLOCK_C)
+    else:
+        acc, acc2 = _mxfp4_rows_dot(base, s_base, base2, s_base2, stride_row, stride_srow, rows, row_ok,
+                                    c_lo, c_hi, C, v_ptr, BLOCK_R, BLOCK_C, TWO, ASM)
+    return acc, acc2
 
 
 @triton.jit
@@ -99,13 +143,16 @@ def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, h_ptr, K, 
                     stride_we, stride_wi, stride_si, limit,
                     s1_ptr, s3_ptr, ss1_ptr, ss3_ptr, stride_se, stride_sr,
                     SHARED: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-                    FP8: tl.constexpr = False, MXFP4: tl.constexpr = False):
+                    FP8: tl.constexpr = False, MXFP4: tl.constexpr = False, H_DTYPE: tl.constexpr = None,
+                    ASM: tl.constexpr = False):
     # x [T, H]; ids [T*k] int64; w1/w3 [E, I, H], shared sw1/sw3 [I, H] (last dims contiguous)
     # -> h [T*(k+SHARED), I] (x's dtype), row p = pair p (see _pair). FP8: w1/w3/sw1/sw3 are
     # float8_e4m3fn with fp32 scales s1/s3 [E, cdiv(I, 128), cdiv(H, 128)] (strides stride_se,
     # stride_sr, last dim contiguous), ss1/ss3 the shared expert's [cdiv(I, 128), cdiv(H, 128)].
-    # MXFP4: w1/w3 packed uint8 [E, I, H/2] (row stride stride_wi), E8M0 bytes s1/s3 [E, I, H/32];
-    # sw1/sw3 unquantised in x's dtype; BLOCK_H a multiple of 64
+    # MXFP4: w1/w3 int32 words of the packed bytes [E, I, H/8] (row stride stride_wi words), E8M0
+    # bytes s1/s3 [E, I, H/32]; sw1/sw3 unquantised; BLOCK_H a multiple of 64; x and h fp32 in
+    # quant_tiles.word_major layout ([T, 8, H/8], [T*(k+SHARED), 8, I/8]), h's values those of
+    # H_DTYPE (x's dtype: rounded as the reference rounds h)
     p = tl.program_id(0)
     i0 = tl.program_id(1) * BLOCK_I
     i = i0 + tl.arange(0, BLOCK_I)                                # [BLOCK_I]
@@ -125,51 +172,55 @@ def _up_gate_kernel(x_ptr, ids_ptr, w1_ptr, w3_ptr, sw1_ptr, sw3_ptr, h_ptr, K, 
         si = tl.minimum(i, I - 1)[:, None]                        # scale rows in bounds
     x_row = x_ptr + t.to(tl.int64) * H
     w_off = i[:, None] * stride_i                                 # [BLOCK_I, 1]
-    gate = tl.zeros((BLOCK_I,), dtype=tl.float32)
-    up = tl.zeros((BLOCK_I,), dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        hh = h0 + tl.arange(0, BLOCK_H)                           # [BLOCK_H]
-        h_ok = hh < H
-        xv = tl.load(x_row + hh, mask=h_ok, other=0.0).to(tl.float32)[None, :]   # [1, BLOCK_H]
-        if MXFP4:
-            w1 = _mxfp4_pair_rows(w1_base, stride_i, s1_base, stride_sr, sw1_ptr, stride_si, i, i_ok, h0, H,
-                                  routed, h_ptr.dtype.element_ty, SHARED, BLOCK_I, BLOCK_H)
-            w3 = _mxfp4_pair_rows(w3_base, stride_i, s3_base, stride_sr, sw3_ptr, stride_si, i, i_ok, h0, H,
-                                  routed, h_ptr.dtype.element_ty, SHARED, BLOCK_I, BLOCK_H)
-        else:
+    if MXFP4:    # partial sums per 32-column group of a tile, added up once after the loop
+        gate_g, up_g = _mxfp4_pair_dot(w1_base, s1_base, sw1_ptr, w3_base, s3_base, sw3_ptr, stride_i, stride_sr,
+                                       stride_si, i, i_ok, 0, H, H, x_row, routed, SHARED, BLOCK_I, BLOCK_H, True,
+                                       ASM)
+        gate, up = tl.sum(gate_g, axis=1), tl.sum(up_g, axis=1)
+    else:
+        gate = tl.zeros((BLOCK_I,), dtype=tl.float32)
+        up = tl.zeros((BLOCK_I,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            hh = h0 + tl.arange(0, BLOCK_H)                       # [BLOCK_H]
+            h_ok = hh < H
+            xv = tl.load(x_row + hh, mask=h_ok, other=0.0).to(tl.float32)[None, :]   # [1, BLOCK_H]
             m = i_ok[:, None] & h_ok[None, :]
             w1 = tl.load(w1_base + w_off + hh[None, :], mask=m, other=0.0)   # [BLOCK_I, BLOCK_H]
             w3 = tl.load(w3_base + w_off + hh[None, :], mask=m, other=0.0)
-        x1, x3 = xv, xv
-        if FP8:
-            sh = tl.minimum(hh, H - 1)[None, :]
-            if QBLOCK % BLOCK_I == 0:       # the tile's rows share their scales: fold them into x
-                x1 = xv * _block_scale(s1_base, stride_sr, si, sh, i0, h0, True, QBLOCK % BLOCK_H == 0)
-                x3 = xv * _block_scale(s3_base, stride_sr, si, sh, i0, h0, True, QBLOCK % BLOCK_H == 0)
-            else:
-                w1 = _dequant_tile(w1, s1_base, stride_sr, si, sh, i0, h0, h_ptr.dtype.element_ty,
-                                   False, QBLOCK % BLOCK_H == 0)
-                w3 = _dequant_tile(w3, s3_base, stride_sr, si, sh, i0, h0, h_ptr.dtype.element_ty,
-                                   False, QBLOCK % BLOCK_H == 0)
-        gate += tl.sum(w1.to(tl.float32) * x1, axis=1)
-        up += tl.sum(w3.to(tl.float32) * x3, axis=1)
+            x1, x3 = xv, xv
+            if FP8:
+                sh = tl.minimum(hh, H - 1)[None, :]
+                if QBLOCK % BLOCK_I == 0:       # the tile's rows share their scales: fold them into x
+                    x1 = xv * _block_scale(s1_base, stride_sr, si, sh, i0, h0, True, QBLOCK % BLOCK_H == 0)
+                    x3 = xv * _block_scale(s3_base, stride_sr, si, sh, i0, h0, True, QBLOCK % BLOCK_H == 0)
+                else:
+                    w1 = _dequant_tile(w1, s1_base, stride_sr, si, sh, i0, h0, h_ptr.dtype.element_ty,
+                                       False, QBLOCK % BLOCK_H == 0)
+                    w3 = _dequant_tile(w3, s3_base, stride_sr, si, sh, i0, h0, h_ptr.dtype.element_ty,
+                                       False, QBLOCK % BLOCK_H == 0)
+            gate += tl.sum(w1.to(tl.float32) * x1, axis=1)
+            up += tl.sum(w3.to(tl.float32) * x3, axis=1)
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
     h = gate / (1.0 + tl.exp(-gate)) * up                         # silu(gate) * up
-    tl.store(h_ptr + p.to(tl.int64) * I + i, h.to(h_ptr.dtype.element_ty), mask=i_ok)
+    if MXFP4:    # the down kernel's word-major vector
+        tl.store(h_ptr + p.to(tl.int64) * I + _word_major_index(i, I),
+                 h.to(H_DTYPE).to(tl.float32), mask=i_ok)
+    else:
+        tl.store(h_ptr + p.to(tl.int64) * I + i, h.to(h_ptr.dtype.element_ty), mask=i_ok)
 
 
 @triton.jit
 def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
                  stride_we, stride_wh, stride_sh, s2_ptr, ss2_ptr, stride_se, stride_sr,
                  SHARED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
-                 FP8: tl.constexpr = False, MXFP4: tl.constexpr = False):
+                 FP8: tl.constexpr = False, MXFP4: tl.constexpr = False, ASM: tl.constexpr = False):
     # h [T*KS, I], KS = k + SHARED pairs per token; ids [T*k] int64; weights [T*k] fp32;
     # w2 [E, H, I], shared sw2 [H, I] (last dims contiguous)
     # -> out [SPLIT, T, H]: x's dtype when SPLIT == 1 (the result), else fp32 partials.
     # FP8: w2/sw2 float8_e4m3fn, scales s2 [E, cdiv(H, 128), cdiv(I, 128)], ss2 without E.
-    # MXFP4: w2 packed uint8 [E, H, I/2], E8M0 bytes s2 [E, H, I/32]; sw2 unquantised in x's
-    # dtype; BLOCK_I a multiple of 64
+    # MXFP4: w2 int32 words of the packed bytes [E, H, I/8], E8M0 bytes s2 [E, H, I/32]; sw2
+    # unquantised in x's dtype; BLOCK_I a multiple of 64; h fp32, word-major (see _up_gate_kernel)
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_H
     n = n0 + tl.arange(0, BLOCK_H)                                # [BLOCK_H] output features
@@ -195,25 +246,30 @@ def _down_kernel(h_ptr, ids_ptr, wt_ptr, w2_ptr, sw2_ptr, out_ptr, K, H, I,
             s2_base, _ = _expert_matrix(s2_ptr, ss2_ptr, routed, e, stride_se, stride_sr, stride_sr, SHARED)
         w_off = n[:, None] * stride_h                             # [BLOCK_H, 1]
         h_row = h_ptr + p.to(tl.int64) * I
-        y = tl.zeros((BLOCK_H,), dtype=tl.float32)
-        for b in range(tl.maximum(u_lo - j * n_blocks, 0), tl.minimum(u_hi - j * n_blocks, n_blocks)):
-            ii = b * BLOCK_I + tl.arange(0, BLOCK_I)              # [BLOCK_I]
-            i_ok = ii < I
-            hv = tl.load(h_row + ii, mask=i_ok, other=0.0).to(tl.float32)[None, :]   # [1, BLOCK_I]
-            if MXFP4:
-                w2 = _mxfp4_pair_rows(w2_base, stride_h, s2_base, stride_sr, sw2_ptr, stride_sh, n, n_ok,
-                                      b * BLOCK_I, I, routed, h_ptr.dtype.element_ty, SHARED, BLOCK_H, BLOCK_I)
-            else:
+        b_lo = tl.maximum(u_lo - j * n_blocks, 0)                # this split's I-blocks of expert j
+        b_hi = tl.minimum(u_hi - j * n_blocks, n_blocks)
+        if MXFP4:    # per 32-column group, added up once
+            y_g, _ = _mxfp4_pair_dot(w2_base, s2_base, sw2_ptr, w2_base, s2_base, sw2_ptr, stride_h, stride_sr,
+                                     stride_sh, n, n_ok, b_lo * BLOCK_I, b_hi * BLOCK_I, I, h_row, routed, SHARED,
+                                     BLOCK_H, BLOCK_I, False, ASM)
+            y = tl.sum(y_g, axis=1)
+        else:
+            y = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            for b in range(b_lo, b_hi):
+                ii = b * BLOCK_I + tl.arange(0, BLOCK_I)          # [BLOCK_I]
+                i_ok = ii < I
+                hv = tl.load(h_row + ii, mask=i_ok, other=0.0).to(tl.float32)[None, :]   # [1, BLOCK_I]
                 w2 = tl.load(w2_base + w_off + ii[None, :], mask=n_ok[:, None] & i_ok[None, :],
                              other=0.0)                           # [BLOCK_H, BLOCK_I]
-            if FP8:
-                sn, si = tl.minimum(n, H - 1)[:, None], tl.minimum(ii, I - 1)[None, :]
-                if QBLOCK % BLOCK_H == 0:   # the tile's rows share their scales: fold them into h
-                    hv = hv * _block_scale(s2_base, stride_sr, sn, si, n0, b * BLOCK_I, True, QBLOCK % BLOCK_I == 0)
-                else:
-                    w2 = _dequant_tile(w2, s2_base, stride_sr, sn, si, n0, b * BLOCK_I, h_ptr.dtype.element_ty,
-                                       False, QBLOCK % BLOCK_I == 0)
-            y += tl.sum(w2.to(tl.float32) * hv, axis=1)
+                if FP8:
+                    sn, si = tl.minimum(n, H - 1)[:, None], tl.minimum(ii, I - 1)[None, :]
+                    if QBLOCK % BLOCK_H == 0:   # the tile's rows share their scales: fold them into h
+                        hv = hv * _block_scale(s2_base, stride_sr, sn, si, n0, b * BLOCK_I, True,
+                                               QBLOCK % BLOCK_I == 0)
+                    else:
+                        w2 = _dequant_tile(w2, s2_base, stride_sr, sn, si, n0, b * BLOCK_I, h_ptr.dtype.element_ty,
+                                           False, QBLOCK % BLOCK_I == 0)
+                y += tl.sum(w2.to(tl.float32) * hv, axis=1)
         acc += wt * y
     row = (s * T + t).to(tl.int64) * H
     tl.store(out_ptr + row + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -333,23 +389,29 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w1
     x = x.contiguous()
     flat_ids = ids.reshape(-1).to(torch.int64).contiguous()                   # [T*k]
     flat_w = weights.reshape(-1).to(torch.float32).contiguous()               # [T*k]
-    h = torch.empty((T * ks, I), dtype=x.dtype, device=x.device)             # swiglu, x's dtype
+    h = torch.empty((T * ks, I), dtype=torch.float32 if mxfp4 else x.dtype, device=x.device)   # swiglu
 
-    bi, bh, nw = up_tiles or (UP_BLOCK_I, UP_BLOCK_H, UP_WARPS)
+    bi, bh, nw = up_tiles or (MXFP4_UP_TILES if mxfp4 else (UP_BLOCK_I, UP_BLOCK_H, UP_WARPS))
     dh, di, dnw = down_tiles or ((FP8_DOWN_BLOCK_H, FP8_DOWN_BLOCK_I, FP8_DOWN_WARPS) if fp8
-                                 else (DOWN_BLOCK_H, DOWN_BLOCK_I, DOWN_WARPS))
+                                 else MXFP4_DOWN_TILES if mxfp4 else (DOWN_BLOCK_H, DOWN_BLOCK_I, DOWN_WARPS))
+    x_in = x
+    if mxfp4:    # the kernels read the packed bytes as int32 words (8 inputs each; H, I % 32 == 0)
+        w1, w2, w3 = (w.view(torch.int32) for w in (w1, w2, w3))
+        x_in = word_major(x, torch.empty((T, 8, H // 8), dtype=torch.float32, device=x.device))
     assert not mxfp4 or bh % MXFP4_BLOCK == di % MXFP4_BLOCK == 0, \
         f"MXFP4: BLOCK_H of up-gate and BLOCK_I of down (the packed dims) must be multiples of {MXFP4_BLOCK}"
     _up_gate_kernel[(T * ks, triton.cdiv(I, bi))](
-        x, flat_ids, w1, w3, sw1, sw3, h, k, H, I, w1.stride(0), w1.stride(1), sw1.stride(0), float(limit),
+        x_in, flat_ids, w1, w3, sw1, sw3, h, k, H, I, w1.stride(0), w1.stride(1), sw1.stride(0), float(limit),
         s1, s3, ss1, ss3, s1.stride(0) if quant else 0, s1.stride(1) if quant else 0,
-        SHARED=has_shared, BLOCK_I=bi, BLOCK_H=bh, FP8=fp8, MXFP4=mxfp4, num_warps=nw)
+        SHARED=has_shared, BLOCK_I=bi, BLOCK_H=bh, FP8=fp8, MXFP4=mxfp4, H_DTYPE=TL_DTYPES.get(x.dtype),
+        ASM=mxfp4 and not INTERPRETING, num_warps=nw)
     split = down_split or default_down_split(T, ks, H, I, dh, di, FP8_DOWN_MIN_PROGRAMS if fp8 else DOWN_MIN_PROGRAMS)
     part = out if split == 1 else torch.empty((split, T, H), dtype=torch.float32, device=x.device)
     _down_kernel[(T, triton.cdiv(H, dh), split)](
         h, flat_ids, flat_w, w2, sw2, part, k, H, I, w2.stride(0), w2.stride(1), sw2.stride(0),
         s2, ss2, s2.stride(0) if quant else 0, s2.stride(1) if quant else 0,
-        SHARED=has_shared, BLOCK_H=dh, BLOCK_I=di, FP8=fp8, MXFP4=mxfp4, num_warps=dnw)
+        SHARED=has_shared, BLOCK_H=dh, BLOCK_I=di, FP8=fp8, MXFP4=mxfp4, ASM=mxfp4 and not INTERPRETING,
+        num_warps=dnw)
     if split > 1:
         _sum_splits_kernel[(triton.cdiv(T * H, SUM_BLOCK),)](part, out, T * H, split, BLOCK=SUM_BLOCK)
     return out
