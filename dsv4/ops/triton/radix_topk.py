@@ -8,19 +8,25 @@ descending, EMPTY_KEY after the last valid one) and their offsets (-1 there).
 Each score maps to an order-preserving uint32 u (-0.0 as 0.0; -inf and below are invalid).
 A fixed sequence of launches (CUDA-graph safe: nothing on the host depends on the data):
 
-  1. zero the per-row histograms and candidate counter  (one memset)
-  2. three histogram passes over digits of u: bits [21, 32), [10, 21), [0, 10). Pass p counts
-     the digit of the valid entries whose higher digits equal the threshold prefix so far
-     (into hist[row, p]; per-program tl.histogram, then atomics on the non-zero bins). Every
-     program re-derives the prefix from the earlier passes' histograms (`_threshold`); once
-     the threshold bucket is small (entries above it + in it <= CAP) the later passes do nothing.
-  3. collect: every valid entry above the threshold bucket and, unless that bucket overflows
-     (more than CAP - above ties at the full 32 bits), every entry in it, as int64 keys, into
-     cand[row, :CAP] (an atomic counter per row; the order there is arbitrary).
-  4. finish (one program per row): sort cand (<= CAP keys) and keep the first k. On overflow
-     the ties all have one score: the first k - above of them by offset follow the sorted
-     entries above (a scan in offset order, only then).
+  1. zero the per-row histograms and candidate counter (one memset)
+  2. three passes over the digits of u, bits [21, 32), [10, 21), [0, 10); pass p:
+     hist: count the digit of the valid entries whose higher digits equal the threshold
+       prefix so far (many programs per row: tl.histogram, then atomics on the non-zero bins);
+     derive (a program per row): the bucket holding the k-th entry -> state = (prefix, level,
+       above: valid entries above the bucket, m: entries in it). Once above + m <= CAP the
+       row is resolved and the later passes leave it alone.
+  3. collect: every valid entry above the threshold bucket and, unless the row is still
+     unresolved after 32 bits (more than CAP - above entries tie at the k-th score), every
+     entry in it, as int64 keys into cand[row, :CAP] (an atomic counter; arbitrary order).
+  4. finish (a program per row): rank the candidates (count the greater keys), write the
+     first k in order. When unresolved, the ties all have one score: the first k - above of
+     them by offset follow (a scan in offset order).
+
+In Triton's interpreter (CPU tests) a derive program takes many rows at once (ROWS): the same
+code on [ROWS, NBINS] blocks, far fewer interpreted programs.
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -29,7 +35,9 @@ from ..stream_topk import EMPTY_KEY
 
 NBINS = 2048                    # digit values per pass (11 bits; the last pass uses 10)
 NEG_INF_U = tl.constexpr(0x007FFFFF)    # u of -inf; valid entries are above
-SCAN_BLOCK = 2048               # offsets per step of the overflow scan
+SCAN_BLOCK = 2048               # offsets per step of the tie scan
+RANK_I, RANK_J = 32, 256        # candidates ranked per step of the finish, against RANK_J at a time
+STATE = 4                       # per-row state: prefix, level, above, m (int64)
 
 
 @triton.jit
@@ -41,68 +49,9 @@ def _order_keys(scores):
 
 
 @triton.jit
-def _threshold(hist_ptr, k, NPASS: tl.constexpr, CAP: tl.constexpr, NBINS: tl.constexpr):
-    """From hist[0:NPASS] of one row -> (prefix, level, above, m, resolved): the threshold
-    bucket is the entries whose top bits (u >> shift of pass level - 1: 21, 10, 0) equal prefix; `above` valid
-    entries lie above it, m in it, above < k <= above + m unless the row has fewer than k
-    valid entries (then all of them are above + m). resolved: above + m <= CAP."""
-    bins = tl.arange(0, NBINS)
-    prefix = tl.full([], 0, tl.int64)
-    above = tl.full([], 0, tl.int32)
-    m = tl.full([], 0, tl.int32)
-    level = tl.full([], 0, tl.int32)
-    resolved = tl.full([], 0, tl.int32)                # 0 / 1
-    for p in tl.static_range(NPASS):
-        h = tl.load(hist_ptr + p * NBINS + bins)
-        total = tl.sum(h, axis=0)
-        suffix = total - tl.cumsum(h, axis=0) + h                   # entries in bins >= b
-        b = tl.max(tl.where(above + suffix >= k, bins, 0), axis=0)  # 0 (take all) when < k valid
-        in_b = tl.sum(tl.where(bins == b, h, 0), axis=0)
-        over_b = tl.sum(tl.where(bins == b, suffix, 0), axis=0) - in_b
-        width: tl.constexpr = 11 if p < 2 else 10
-        use = resolved == 0
-        prefix = tl.where(use, prefix * (1 << width) + b, prefix)
-        above = tl.where(use, above + over_b, above)
-        m = tl.where(use, in_b, m)
-        level = tl.where(use, p + 1, level)
-        resolved = tl.maximum(resolved, (above + m <= CAP).to(tl.int32))
-    return prefix, level, above, m, resolved
-
-
-@triton.jit
 def _top_bits(u, level):
-    """u's bits above the shift of pass level - 1: the prefix a level-`level` threshold compares."""
+    """u's bits above the shift of pass `level - 1` (21, 10, 0): what a level's prefix compares."""
     return tl.where(level == 1, u >> 21, tl.where(level == 2, u >> 10, u)).to(tl.int64)
-
-
-@triton.jit
-def _row_keys(scores_ptr, row, stride_s, W, start, BLOCK: tl.constexpr):
-    offs = start + tl.arange(0, BLOCK).to(tl.int64)
-    ok = offs < W
-    u = _order_keys(tl.load(scores_ptr + row * stride_s + offs, mask=ok, other=float("-inf")))
-    return offs, ok & (u > NEG_INF_U), u
-
-
-# per-call sizes are not specialised: one compiled variant for every row length and k
-@triton.jit(do_not_specialize=("W", "stride_s", "k", "n_blk"))
-def _hist_kernel(scores_ptr, hist_ptr, W, stride_s, k, n_blk, PASS: tl.constexpr, CAP: tl.constexpr,
-                 NBINS: tl.constexpr, BLOCK: tl.constexpr):
-    # program = row x block [blk * BLOCK, (blk + 1) * BLOCK) of the row; hist [T, 3 * NBINS + 1]
-    pid = tl.program_id(0).to(tl.int64)
-    row, blk = pid // n_blk, pid % n_blk
-    hist_row = hist_ptr + row * (3 * NBINS + 1)
-    prefix, level, above, m, resolved = _threshold(hist_row, k, PASS, CAP, NBINS)
-    if resolved == 0:
-        offs, valid, u = _row_keys(scores_ptr, row, stride_s, W, blk * BLOCK, BLOCK)
-        if PASS > 0:
-            valid = valid & (_top_bits(u, level) == prefix)
-        shift: tl.constexpr = 21 if PASS == 0 else (10 if PASS == 1 else 0)
-        digit = tl.where(valid, (u >> shift) & (NBINS - 1), 0).to(tl.int32)
-        counts = tl.histogram(digit, NBINS)
-        bins = tl.arange(0, NBINS)
-        # the entries left out were counted in bin 0
-        counts -= tl.where(bins == 0, BLOCK - tl.sum(valid.to(tl.int32), axis=0), 0)
-        tl.atomic_add(hist_row + PASS * NBINS + bins, counts, mask=counts > 0)
 
 
 @triton.jit
@@ -111,62 +60,142 @@ def _stream_key(u, offs):
     return (u ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64) * 4294967296 + (4294967295 - offs)
 
 
-@triton.jit(do_not_specialize=("W", "stride_s", "k", "n_blk", "first"))
-def _collect_kernel(scores_ptr, hist_ptr, cand_ptr, W, stride_s, k, n_blk, first, CAP: tl.constexpr,
-                    NBINS: tl.constexpr, BLOCK: tl.constexpr):
-    # cand [T, CAP] int64; the counter is hist[row, 3 * NBINS]
+# per-call sizes are not specialised: one compiled variant for every row length and k
+@triton.jit(do_not_specialize=("W", "stride_s", "n_blk"))
+def _hist_kernel(scores_ptr, hist_ptr, state_ptr, W, stride_s, n_blk, PASS: tl.constexpr, CAP: tl.constexpr,
+                 NBINS: tl.constexpr, BLOCK: tl.constexpr):
+    # program = row x entries [blk * BLOCK, (blk + 1) * BLOCK); hist [T, 3 * NBINS + 1] int32
     pid = tl.program_id(0).to(tl.int64)
     row, blk = pid // n_blk, pid % n_blk
-    hist_row = hist_ptr + row * (3 * NBINS + 1)
-    prefix, level, above, m, resolved = _threshold(hist_row, k, 3, CAP, NBINS)
-    offs, valid, u = _row_keys(scores_ptr, row, stride_s, W, blk * BLOCK, BLOCK)
+    work = True                 # pass 0 counts every valid entry; later passes, unresolved rows only
+    if PASS > 0:
+        prefix, level = tl.load(state_ptr + row * 4), tl.load(state_ptr + row * 4 + 1)
+        work = tl.load(state_ptr + row * 4 + 2) + tl.load(state_ptr + row * 4 + 3) > CAP
+    if work:
+        offs = blk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        u = _order_keys(tl.load(scores_ptr + row * stride_s + offs, mask=offs < W, other=float("-inf")))
+        valid = u > NEG_INF_U
+        if PASS > 0:
+            valid = valid & (_top_bits(u, level) == prefix)
+        shift: tl.constexpr = 21 if PASS == 0 else (10 if PASS == 1 else 0)
+        counts = tl.histogram(tl.where(valid, (u >> shift) & (NBINS - 1), 0).to(tl.int32), NBINS)
+        bins = tl.arange(0, NBINS)
+        counts -= tl.where(bins == 0, BLOCK - tl.sum(valid.to(tl.int32), axis=0), 0)   # the rest fell in bin 0
+        tl.atomic_add(hist_ptr + row * (3 * NBINS + 1) + PASS * NBINS + bins, counts, mask=counts > 0)
+
+
+@triton.jit(do_not_specialize=("T", "k"))
+def _derive_kernel(hist_ptr, state_ptr, T, k, PASS: tl.constexpr, CAP: tl.constexpr, NBINS: tl.constexpr,
+                   ROWS: tl.constexpr):
+    # state [T, 4] int64 (prefix, level, above, m): the entries whose top bits (_top_bits at
+    # level) equal prefix are the threshold bucket, m of them; `above` valid entries lie above
+    # it; above < k <= above + m, or all of a row's valid entries when it has fewer than k.
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)     # [ROWS]
+    row_ok = rows < T
+    if PASS == 0:
+        prefix = tl.zeros([ROWS], tl.int64)
+        level = tl.zeros([ROWS], tl.int64)
+        above = tl.zeros([ROWS], tl.int64)
+        m = tl.full([ROWS], CAP + 1, tl.int64)
+    else:
+        prefix = tl.load(state_ptr + rows * 4, mask=row_ok, other=0)
+        level = tl.load(state_ptr + rows * 4 + 1, mask=row_ok, other=0)
+        above = tl.load(state_ptr + rows * 4 + 2, mask=row_ok, other=0)
+        m = tl.load(state_ptr + rows * 4 + 3, mask=row_ok, other=0)
+    use = above + m > CAP                                                   # unresolved rows
+    bins = tl.arange(0, NBINS)
+    h = tl.load(hist_ptr + rows[:, None] * (3 * NBINS + 1) + PASS * NBINS + bins[None, :],
+                mask=row_ok[:, None], other=0).to(tl.int64)                 # [ROWS, NBINS]
+    upto = tl.cumsum(h, axis=1)                                             # entries in bins <= b
+    total = tl.sum(h, axis=1)
+    b = tl.max(tl.where(above[:, None] + total[:, None] - upto + h >= k, bins[None, :], 0), axis=1)  # 0: < k valid
+    at_b = bins[None, :] == b[:, None]
+    in_b = tl.sum(tl.where(at_b, h, 0), axis=1)
+    over_b = total - tl.sum(tl.where(at_b, upto, 0), axis=1)
+    width: tl.constexpr = 11 if PASS < 2 else 10
+    tl.store(state_ptr + rows * 4, tl.where(use, prefix * (1 << width) + b, prefix), mask=row_ok)
+    tl.store(state_ptr + rows * 4 + 1, tl.where(use, PASS + 1, level), mask=row_ok)
+    tl.store(state_ptr + rows * 4 + 2, tl.where(use, above + over_b, above), mask=row_ok)
+    tl.store(state_ptr + rows * 4 + 3, tl.where(use, in_b, m), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=("W", "stride_s", "n_blk", "first"))
+def _collect_kernel(scores_ptr, hist_ptr, state_ptr, cand_ptr, W, stride_s, n_blk, first, CAP: tl.constexpr,
+                    NBINS: tl.constexpr, BLOCK: tl.constexpr):
+    # cand [T, CAP] int64; the row's counter is hist[row, 3 * NBINS]
+    pid = tl.program_id(0).to(tl.int64)
+    row, blk = pid // n_blk, pid % n_blk
+    prefix, level = tl.load(state_ptr + row * 4), tl.load(state_ptr + row * 4 + 1)
+    resolved = tl.load(state_ptr + row * 4 + 2) + tl.load(state_ptr + row * 4 + 3) <= CAP
+    offs = blk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    u = _order_keys(tl.load(scores_ptr + row * stride_s + offs, mask=offs < W, other=float("-inf")))
     top = _top_bits(u, level)
-    take = valid & tl.where(resolved != 0, top >= prefix, top > prefix)
+    take = (u > NEG_INF_U) & tl.where(resolved, top >= prefix, top > prefix)
     n = tl.sum(take.to(tl.int32), axis=0)
     if n > 0:
-        base = tl.atomic_add(hist_row + 3 * NBINS, n)
+        base = tl.atomic_add(hist_ptr + row * (3 * NBINS + 1) + 3 * NBINS, n)
         slot = base + tl.cumsum(take.to(tl.int32), axis=0) - 1
         tl.store(cand_ptr + row * CAP + slot, _stream_key(u, offs + first), mask=take)
 
 
 @triton.jit(do_not_specialize=("W", "stride_s", "k", "first"))
-def _finish_kernel(scores_ptr, hist_ptr, cand_ptr, keys_ptr, offsets_ptr, W, stride_s, k, first,
-                   CAP: tl.constexpr, NBINS: tl.constexpr, SCAN: tl.constexpr):
-    # keys/offsets [T, k] contiguous; one program per row
+def _finish_kernel(scores_ptr, hist_ptr, state_ptr, cand_ptr, keys_ptr, offsets_ptr, W, stride_s, k, first,
+                   CAP: tl.constexpr, KP: tl.constexpr, NBINS: tl.constexpr, RANK_I: tl.constexpr,
+                   RANK_J: tl.constexpr, SCAN: tl.constexpr):
+    # one program per row; keys/offsets [T, k] contiguous, every slot written once:
+    # [0, n) ranked candidates (only [0, above) when unresolved), [n, k) empty, or the ties
     row = tl.program_id(0).to(tl.int64)
-    hist_row = hist_ptr + row * (3 * NBINS + 1)
-    prefix, level, above, m, resolved = _threshold(hist_row, k, 3, CAP, NBINS)
-    n = tl.load(hist_row + 3 * NBINS)
-    slots = tl.arange(0, CAP)
-    keys = tl.load(cand_ptr + row * CAP + slots, mask=slots < n, other=-9223372036854775807 - 1)  # EMPTY_KEY
-    keys = tl.sort(keys, descending=True)                  # the n candidates first
-    out = slots < tl.where(resolved != 0, k, above)       # on overflow the ties own [above, k)
-    tl.store(keys_ptr + row * k + slots, keys, mask=out)
-    tl.store(offsets_ptr + row * k + slots, tl.where(slots < n, 4294967295 - (keys & 4294967295), -1), mask=out)
-    if resolved == 0:
-        # overflow: the ties (u == prefix, 32 bits) fill slots [above, k), lowest offsets first
-        need = k - above
-        found = tl.full([], 0, tl.int32)
-        start = tl.full([], 0, tl.int64)
-        while (found < need) & (start < W):
-            offs, valid, u = _row_keys(scores_ptr, row, stride_s, W, start, SCAN)
-            tie = valid & (u.to(tl.int64) == prefix)
-            rank = found + tl.cumsum(tie.to(tl.int32), axis=0) - 1
-            put = tie & (rank < need)
-            tl.store(keys_ptr + row * k + above + rank, _stream_key(u, offs + first), mask=put)
-            tl.store(offsets_ptr + row * k + above + rank, offs + first, mask=put)
-            found += tl.sum(tie.to(tl.int32), axis=0)
-            start += SCAN
+    prefix, above = tl.load(state_ptr + row * 4), tl.load(state_ptr + row * 4 + 2)
+    resolved = above + tl.load(state_ptr + row * 4 + 3) <= CAP
+    n = tl.load(hist_ptr + row * (3 * NBINS + 1) + 3 * NBINS).to(tl.int64)
+    limit = tl.where(resolved, k, above)
+    cand = cand_ptr + row * CAP
+    # rank of a candidate = candidates with a greater key (keys are distinct: their offsets are)
+    for i0 in range(0, n, RANK_I):
+        i = i0 + tl.arange(0, RANK_I)
+        key_i = tl.load(cand + i, mask=i < n, other=0)
+        rank = tl.zeros([RANK_I], tl.int64)
+        for j0 in range(0, n, RANK_J):
+            j = j0 + tl.arange(0, RANK_J)
+            key_j = tl.load(cand + j, mask=j < n, other=-9223372036854775807 - 1)   # EMPTY_KEY
+            rank += tl.sum((key_j[None, :] > key_i[:, None]).to(tl.int64), axis=1)
+        put = (i < n) & (rank < limit)
+        tl.store(keys_ptr + row * k + rank, key_i, mask=put)
+        tl.store(offsets_ptr + row * k + rank, 4294967295 - (key_i & 4294967295), mask=put)
+    slots = tl.arange(0, KP)
+    empty = (slots >= n) & (slots < tl.where(resolved, k, 0))               # a row of fewer than k valid
+    tl.store(keys_ptr + row * k + slots, tl.full([KP], -9223372036854775807 - 1, tl.int64), mask=empty)
+    tl.store(offsets_ptr + row * k + slots, tl.full([KP], -1, tl.int64), mask=empty)
+    # unresolved: the ties (u == prefix, all 32 bits) fill [above, k), lowest offsets first
+    need = tl.where(resolved, 0, k - above)
+    found = tl.zeros([], tl.int64)
+    start = tl.zeros([], tl.int64)
+    while (found < need) & (start < W):
+        offs = start + tl.arange(0, SCAN).to(tl.int64)
+        u = _order_keys(tl.load(scores_ptr + row * stride_s + offs, mask=offs < W, other=float("-inf")))
+        tie = (u > NEG_INF_U) & (u.to(tl.int64) == prefix)
+        rank = found + tl.cumsum(tie.to(tl.int64), axis=0) - 1
+        put = tie & (rank < need)
+        tl.store(keys_ptr + row * k + above + rank, _stream_key(u, offs + first), mask=put)
+        tl.store(offsets_ptr + row * k + above + rank, offs + first, mask=put)
+        found += tl.sum(tie.to(tl.int64), axis=0)
+        start += SCAN
 
 
 def capacity(k: int) -> int:
-    """Candidate slots per row: a power of two >= 2k (the finish kernel sorts them)."""
+    """Candidate slots per row: a power of two >= 2k (the finish ranks the n <= CAP it gets
+    in O(n^2): n is k plus the threshold bucket, a few more than k on real scores)."""
     return max(64, 2 * triton.next_power_of_2(k))
 
 
 def block_size(T: int, W: int) -> int:
     """Entries per program: smaller blocks while the grid is under two waves of an H200's 132 SMs."""
     return 2048 if T * triton.cdiv(W, 4096) < 264 else 4096
+
+
+def rows_per_program(T: int) -> int:
+    """Rows of a derive program: one on the GPU (parallel rows), up to 64 in the interpreter."""
+    return min(64, triton.next_power_of_2(T)) if os.environ.get("TRITON_INTERPRET") == "1" else 1
 
 
 def radix_topk(scores: torch.Tensor, k: int, first_offset: int = 0,
@@ -184,18 +213,21 @@ def radix_topk(scores: torch.Tensor, k: int, first_offset: int = 0,
     if T == 0 or k == 0 or W == 0:
         return (torch.full((T, k), EMPTY_KEY, dtype=torch.long, device=device),
                 torch.full((T, k), -1, dtype=torch.long, device=device))
-    keys = torch.empty((T, k), dtype=torch.long, device=device)        # every slot written by _finish_kernel
-    offsets = torch.empty((T, k), dtype=torch.long, device=device)
-    cap, block = capacity(k), block or block_size(T, W)
-    hist = torch.zeros((T, 3 * NBINS + 1), dtype=torch.int32, device=device)
+    cap, block, rows = capacity(k), block or block_size(T, W), rows_per_program(T)
+    hist = torch.zeros((T, 3 * NBINS + 1), dtype=torch.int32, device=device)   # + the candidate counter
+    state = torch.empty((T, STATE), dtype=torch.long, device=device)          # written by pass 0's derive
     cand = torch.empty((T, cap), dtype=torch.long, device=device)
-    n_blk = triton.cdiv(W, block)
-    stride = scores.stride(0)
+    keys = torch.empty((T, k), dtype=torch.long, device=device)
+    offsets = torch.empty((T, k), dtype=torch.long, device=device)
+    n_blk, stride = triton.cdiv(W, block), scores.stride(0)
     for p in range(3):
-        _hist_kernel[(T * n_blk,)](scores, hist, W, stride, k, n_blk, PASS=p, CAP=cap, NBINS=NBINS, BLOCK=block,
-                                   num_warps=8)
-    _collect_kernel[(T * n_blk,)](scores, hist, cand, W, stride, k, n_blk, first_offset, CAP=cap, NBINS=NBINS,
-                                  BLOCK=block, num_warps=8)
-    _finish_kernel[(T,)](scores, hist, cand, keys, offsets, W, stride, k, first_offset, CAP=cap, NBINS=NBINS,
-                         SCAN=SCAN_BLOCK, num_warps=8)
+        _hist_kernel[(T * n_blk,)](scores, hist, state, W, stride, n_blk, PASS=p, CAP=cap, NBINS=NBINS,
+                                   BLOCK=block, num_warps=8)
+        _derive_kernel[(triton.cdiv(T, rows),)](hist, state, T, k, PASS=p, CAP=cap, NBINS=NBINS, ROWS=rows,
+                                                num_warps=8)
+    _collect_kernel[(T * n_blk,)](scores, hist, state, cand, W, stride, n_blk, first_offset, CAP=cap,
+                                  NBINS=NBINS, BLOCK=block, num_warps=8)
+    _finish_kernel[(T,)](scores, hist, state, cand, keys, offsets, W, stride, k, first_offset, CAP=cap,
+                         KP=triton.next_power_of_2(k), NBINS=NBINS, RANK_I=RANK_I, RANK_J=RANK_J, SCAN=SCAN_BLOCK,
+                         num_warps=8)
     return keys, offsets
