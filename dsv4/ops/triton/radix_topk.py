@@ -78,7 +78,8 @@ def _hist_kernel(scores_ptr, hist_ptr, state_ptr, W, stride_s, n_blk, PASS: tl.c
         if PASS > 0:
             valid = valid & (_top_bits(u, level) == prefix)
         shift: tl.constexpr = 21 if PASS == 0 else (10 if PASS == 1 else 0)
-        counts = tl.histogram(tl.where(valid, (u >> shift) & (NBINS - 1), 0).to(tl.int32), NBINS)
+        digits: tl.constexpr = 2047 if PASS < 2 else 1023                  # 11, 11, 10 bits
+        counts = tl.histogram(tl.where(valid, (u >> shift) & digits, 0).to(tl.int32), NBINS)
         bins = tl.arange(0, NBINS)
         counts -= tl.where(bins == 0, BLOCK - tl.sum(valid.to(tl.int32), axis=0), 0)   # the rest fell in bin 0
         tl.atomic_add(hist_ptr + row * (3 * NBINS + 1) + PASS * NBINS + bins, counts, mask=counts > 0)
