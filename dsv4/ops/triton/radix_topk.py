@@ -45,7 +45,7 @@ def _order_keys(scores):
     """fp32 -> uint32, order-preserving; -0.0 maps like 0.0 (it ties with it)."""
     bits = scores.to(tl.uint32, bitcast=True)
     bits = tl.where(bits == 0x80000000, 0, bits)
-    return tl.where((bits & 0x80000000) != 0, ~bits, bits | 0x80000000)
+    return tl.where((bits & 0x80000000) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
 
 
 @triton.jit
@@ -152,17 +152,21 @@ def _finish_kernel(scores_ptr, hist_ptr, state_ptr, cand_ptr, keys_ptr, offsets_
     limit = tl.where(resolved, k, above)
     cand = cand_ptr + row * CAP
     # rank of a candidate = candidates with a greater key (keys are distinct: their offsets are)
-    for i0 in range(0, n, RANK_I):
+    i0 = tl.zeros([], tl.int64)
+    while i0 < n:               # (while, not range: Triton 3.6's interpreter cannot range to a loaded n)
         i = i0 + tl.arange(0, RANK_I)
         key_i = tl.load(cand + i, mask=i < n, other=0)
         rank = tl.zeros([RANK_I], tl.int64)
-        for j0 in range(0, n, RANK_J):
+        j0 = tl.zeros([], tl.int64)
+        while j0 < n:
             j = j0 + tl.arange(0, RANK_J)
             key_j = tl.load(cand + j, mask=j < n, other=-9223372036854775807 - 1)   # EMPTY_KEY
             rank += tl.sum((key_j[None, :] > key_i[:, None]).to(tl.int64), axis=1)
+            j0 += RANK_J
         put = (i < n) & (rank < limit)
         tl.store(keys_ptr + row * k + rank, key_i, mask=put)
         tl.store(offsets_ptr + row * k + rank, 4294967295 - (key_i & 4294967295), mask=put)
+        i0 += RANK_I
     slots = tl.arange(0, KP)
     empty = (slots >= n) & (slots < tl.where(resolved, k, 0))               # a row of fewer than k valid
     tl.store(keys_ptr + row * k + slots, tl.full([KP], -9223372036854775807 - 1, tl.int64), mask=empty)
