@@ -2,7 +2,7 @@
 stream_topk's int64 keys (score desc, ties to the lower offset, -inf never chosen), keys and
 offsets bit for bit. Rows with exact ties (also more ties than the candidate slots: the
 offset-order scan), -inf and -0.0 entries, rows shorter than k, rows of different lengths,
-several programs per row."""
+several programs per row, digits of 8 and of 11 bits."""
 import pytest
 import torch
 
@@ -10,6 +10,7 @@ from dsv4.ops.stream_topk import EMPTY_KEY, MIN_CHOSEN_KEY, key_offsets, score_k
 from dsv4.ops.triton import radix_topk as rt
 
 NEG_INF = float("-inf")
+LAYOUTS = [(8, 8, 8, 8), (11, 11, 10)]        # bits per pass
 
 
 def reference(scores: torch.Tensor, k: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,8 +22,9 @@ def reference(scores: torch.Tensor, k: int, first: int = 0) -> tuple[torch.Tenso
     return keys, key_offsets(keys)
 
 
-def check(scores: torch.Tensor, k: int, device, first: int = 0, block: int | None = None) -> None:
-    keys, offsets = rt.radix_topk(scores.to(device), k, first, block=block)
+def check(scores: torch.Tensor, k: int, device, first: int = 0, block: int | None = None,
+          digits: tuple[int, ...] = rt.DIGITS) -> None:
+    keys, offsets = rt.radix_topk(scores.to(device), k, first, block=block, digits=digits)
     want_keys, want_offsets = reference(scores, k, first)
     assert keys.shape == offsets.shape == (scores.shape[0], k)
     assert torch.equal(keys.cpu(), want_keys)
@@ -37,11 +39,12 @@ def ragged_rows(T: int, W: int, seed: int) -> torch.Tensor:
     return scores.masked_fill(torch.arange(W)[None, :] >= lengths[:, None], NEG_INF)
 
 
+@pytest.mark.parametrize("digits", LAYOUTS)
 @pytest.mark.parametrize("T,W,k", [(1, 5000, 37), (5, 3000, 16), (3, 700, 64), (2, 40, 64), (4, 1, 3)])
-def test_random_rows_of_different_lengths(T, W, k, device):
+def test_random_rows_of_different_lengths(T, W, k, digits, device):
     """Several rows, each valid up to its own length (some shorter than k, one empty), over
     several 1024-entry programs per row; k above W too."""
-    check(ragged_rows(T, W, seed=T * W + k), k, device, block=1024)
+    check(ragged_rows(T, W, seed=T * W + k), k, device, block=1024, digits=digits)
 
 
 def test_offsets_of_a_later_tile(device):
@@ -50,15 +53,16 @@ def test_offsets_of_a_later_tile(device):
     check(scores, 20, device, first=123456)
 
 
+@pytest.mark.parametrize("digits", LAYOUTS)
 @pytest.mark.parametrize("values", [3, 50])
-def test_exact_ties(values, device):
+def test_exact_ties(values, digits, device):
     """Small-integer scores: the k-th score ties with many; lower offsets win. values=3: the
     threshold bucket holds more ties than the candidate slots (the offset-order scan)."""
     g = torch.Generator().manual_seed(values)
     scores = torch.randint(-values, values, (4, 2500), generator=g).float() * 0.25
     scores[1] = 7.0                                            # one score everywhere
     scores[2, 1000:] = NEG_INF                                 # ties and a -inf tail
-    check(scores, 40, device, block=1024)
+    check(scores, 40, device, block=1024, digits=digits)
 
 
 def test_tie_scan_over_several_steps(device, monkeypatch):
@@ -80,14 +84,15 @@ def test_infinities_zeros_and_signs(device):
         check(scores, k, device)
 
 
-def test_thresholds_at_each_digit(device):
-    """Scores that differ only in the low digits of their bits: the threshold bucket resolves
-    at the second or third pass (a top-11-bit bucket holds every entry)."""
+@pytest.mark.parametrize("digits", LAYOUTS)
+def test_thresholds_at_each_digit(digits, device):
+    """Scores that differ only in the low bits: the threshold bucket resolves at a late pass
+    (the first digit's bucket holds every entry)."""
     base = torch.tensor(1.5).view(torch.int32)
     bits = base + torch.randperm(4000, generator=torch.Generator().manual_seed(1))[:3000].to(torch.int32)
     scores = bits.view(torch.float32).reshape(2, 1500)
-    check(scores, 50, device, block=1024)
-    check(scores * 0 + scores.round(decimals=3), 50, device, block=1024)   # coarser: ties again
+    check(scores, 50, device, block=1024, digits=digits)
+    check(scores.round(decimals=3), 50, device, block=1024, digits=digits)   # coarser: ties again
 
 
 def test_empty_shapes(device):
@@ -100,3 +105,5 @@ def test_bad_input(device):
         rt.radix_topk(torch.randn(2, 8, dtype=torch.float64).to(device), 2)
     with pytest.raises(ValueError, match="unit column stride"):
         rt.radix_topk(torch.randn(8, 2).to(device).t(), 2)
+    with pytest.raises(ValueError, match="digits"):
+        rt.radix_topk(torch.randn(2, 8).to(device), 2, digits=(16, 16))

@@ -9,12 +9,13 @@ Each score maps to an order-preserving uint32 u (-0.0 as 0.0; -inf and below are
 A fixed sequence of launches (CUDA-graph safe: nothing on the host depends on the data):
 
   1. zero the per-row histograms and candidate counter (one memset)
-  2. three passes over the digits of u, bits [21, 32), [10, 21), [0, 10); pass p:
+  2. a pass per digit of u, most significant first (DIGITS: 8, 8, 8, 8 bits or 11, 11, 10):
      hist: count the digit of the valid entries whose higher digits equal the threshold
        prefix so far (many programs per row: tl.histogram, then atomics on the non-zero bins);
-     derive (a program per row): the bucket holding the k-th entry -> state = (prefix, level,
-       above: valid entries above the bucket, m: entries in it). Once above + m <= CAP the
-       row is resolved and the later passes leave it alone.
+     derive (a program per row): the bucket holding the k-th entry -> state = (prefix, shift:
+       the bucket is the entries with u >> shift == prefix, above: valid entries above the
+       bucket, m: entries in it). Once above + m <= CAP the row is resolved and the later
+       passes leave it alone.
   3. collect: every valid entry above the threshold bucket and, unless the row is still
      unresolved after 32 bits (more than CAP - above entries tie at the k-th score), every
      entry in it, as int64 keys into cand[row, :CAP] (an atomic counter; arbitrary order).
@@ -33,11 +34,13 @@ import triton.language as tl
 
 from ..stream_topk import EMPTY_KEY
 
-NBINS = 2048                    # digit values per pass (11 bits; the last pass uses 10)
+# bits per pass, most significant first (sum 32). Narrow digits make a pass cheaper (tl.histogram
+# costs O(bins / 32) per entry) but need more passes (each a launch and a derive).
+DIGITS = (8, 8, 8, 8)
 NEG_INF_U = tl.constexpr(0x007FFFFF)    # u of -inf; valid entries are above
 SCAN_BLOCK = 2048               # offsets per step of the tie scan
 RANK_I, RANK_J = 32, 256        # candidates ranked per step of the finish, against RANK_J at a time
-STATE = 4                       # per-row state: prefix, level, above, m (int64)
+STATE = 4                       # per-row state: prefix, shift, above, m (int64)
 
 
 @triton.jit
@@ -49,12 +52,6 @@ def _order_keys(scores):
 
 
 @triton.jit
-def _top_bits(u, level):
-    """u's bits above the shift of pass `level - 1` (21, 10, 0): what a level's prefix compares."""
-    return tl.where(level == 1, u >> 21, tl.where(level == 2, u >> 10, u)).to(tl.int64)
-
-
-@triton.jit
 def _stream_key(u, offs):
     """stream_topk's int64 key: the signed order of the score high, 2^32 - 1 - offset low."""
     return (u ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64) * 4294967296 + (4294967295 - offs)
@@ -62,50 +59,50 @@ def _stream_key(u, offs):
 
 # per-call sizes are not specialised: one compiled variant for every row length and k
 @triton.jit(do_not_specialize=("W", "stride_s", "n_blk"))
-def _hist_kernel(scores_ptr, hist_ptr, state_ptr, W, stride_s, n_blk, PASS: tl.constexpr, CAP: tl.constexpr,
-                 NBINS: tl.constexpr, BLOCK: tl.constexpr):
-    # program = row x entries [blk * BLOCK, (blk + 1) * BLOCK); hist [T, 3 * NBINS + 1] int32
+def _hist_kernel(scores_ptr, hist_ptr, state_ptr, W, stride_s, n_blk, PASS: tl.constexpr, SHIFT: tl.constexpr,
+                 WIDTH: tl.constexpr, CAP: tl.constexpr, NBINS: tl.constexpr, HIST_ROW: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    # program = row x entries [blk * BLOCK, (blk + 1) * BLOCK); hist [T, HIST_ROW] int32: a
+    # pass's NBINS bins after another, then the candidate counter
     pid = tl.program_id(0).to(tl.int64)
     row, blk = pid // n_blk, pid % n_blk
     work = True                 # pass 0 counts every valid entry; later passes, unresolved rows only
     if PASS > 0:
-        prefix, level = tl.load(state_ptr + row * 4), tl.load(state_ptr + row * 4 + 1)
+        prefix, shift = tl.load(state_ptr + row * 4), tl.load(state_ptr + row * 4 + 1)
         work = tl.load(state_ptr + row * 4 + 2) + tl.load(state_ptr + row * 4 + 3) > CAP
     if work:
         offs = blk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         u = _order_keys(tl.load(scores_ptr + row * stride_s + offs, mask=offs < W, other=float("-inf")))
         valid = u > NEG_INF_U
         if PASS > 0:
-            valid = valid & (_top_bits(u, level) == prefix)
-        shift: tl.constexpr = 21 if PASS == 0 else (10 if PASS == 1 else 0)
-        digits: tl.constexpr = 2047 if PASS < 2 else 1023                  # 11, 11, 10 bits
-        counts = tl.histogram(tl.where(valid, (u >> shift) & digits, 0).to(tl.int32), NBINS)
+            valid = valid & ((u >> shift).to(tl.int64) == prefix)
+        counts = tl.histogram(tl.where(valid, (u >> SHIFT) & ((1 << WIDTH) - 1), 0).to(tl.int32), NBINS)
         bins = tl.arange(0, NBINS)
         counts -= tl.where(bins == 0, BLOCK - tl.sum(valid.to(tl.int32), axis=0), 0)   # the rest fell in bin 0
-        tl.atomic_add(hist_ptr + row * (3 * NBINS + 1) + PASS * NBINS + bins, counts, mask=counts > 0)
+        tl.atomic_add(hist_ptr + row * HIST_ROW + PASS * NBINS + bins, counts, mask=counts > 0)
 
 
 @triton.jit(do_not_specialize=("T", "k"))
-def _derive_kernel(hist_ptr, state_ptr, T, k, PASS: tl.constexpr, CAP: tl.constexpr, NBINS: tl.constexpr,
-                   ROWS: tl.constexpr):
-    # state [T, 4] int64 (prefix, level, above, m): the entries whose top bits (_top_bits at
-    # level) equal prefix are the threshold bucket, m of them; `above` valid entries lie above
-    # it; above < k <= above + m, or all of a row's valid entries when it has fewer than k.
+def _derive_kernel(hist_ptr, state_ptr, T, k, PASS: tl.constexpr, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
+                   CAP: tl.constexpr, NBINS: tl.constexpr, HIST_ROW: tl.constexpr, ROWS: tl.constexpr):
+    # state [T, 4] int64 (prefix, shift, above, m): the entries with u >> shift == prefix are
+    # the threshold bucket, m of them; `above` valid entries lie above it; above < k <= above
+    # + m, or all of a row's valid entries when it has fewer than k.
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)     # [ROWS]
     row_ok = rows < T
     if PASS == 0:
         prefix = tl.zeros([ROWS], tl.int64)
-        level = tl.zeros([ROWS], tl.int64)
+        shift = tl.zeros([ROWS], tl.int64)
         above = tl.zeros([ROWS], tl.int64)
         m = tl.full([ROWS], CAP + 1, tl.int64)
     else:
         prefix = tl.load(state_ptr + rows * 4, mask=row_ok, other=0)
-        level = tl.load(state_ptr + rows * 4 + 1, mask=row_ok, other=0)
+        shift = tl.load(state_ptr + rows * 4 + 1, mask=row_ok, other=0)
         above = tl.load(state_ptr + rows * 4 + 2, mask=row_ok, other=0)
         m = tl.load(state_ptr + rows * 4 + 3, mask=row_ok, other=0)
     use = above + m > CAP                                                   # unresolved rows
     bins = tl.arange(0, NBINS)
-    h = tl.load(hist_ptr + rows[:, None] * (3 * NBINS + 1) + PASS * NBINS + bins[None, :],
+    h = tl.load(hist_ptr + rows[:, None] * HIST_ROW + PASS * NBINS + bins[None, :],
                 mask=row_ok[:, None], other=0).to(tl.int64)                 # [ROWS, NBINS]
     upto = tl.cumsum(h, axis=1)                                             # entries in bins <= b
     total = tl.sum(h, axis=1)
@@ -113,42 +110,41 @@ def _derive_kernel(hist_ptr, state_ptr, T, k, PASS: tl.constexpr, CAP: tl.conste
     at_b = bins[None, :] == b[:, None]
     in_b = tl.sum(tl.where(at_b, h, 0), axis=1)
     over_b = total - tl.sum(tl.where(at_b, upto, 0), axis=1)
-    width: tl.constexpr = 11 if PASS < 2 else 10
-    tl.store(state_ptr + rows * 4, tl.where(use, prefix * (1 << width) + b, prefix), mask=row_ok)
-    tl.store(state_ptr + rows * 4 + 1, tl.where(use, PASS + 1, level), mask=row_ok)
+    tl.store(state_ptr + rows * 4, tl.where(use, prefix * (1 << WIDTH) + b, prefix), mask=row_ok)
+    tl.store(state_ptr + rows * 4 + 1, tl.where(use, SHIFT, shift), mask=row_ok)
     tl.store(state_ptr + rows * 4 + 2, tl.where(use, above + over_b, above), mask=row_ok)
     tl.store(state_ptr + rows * 4 + 3, tl.where(use, in_b, m), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=("W", "stride_s", "n_blk", "first"))
 def _collect_kernel(scores_ptr, hist_ptr, state_ptr, cand_ptr, W, stride_s, n_blk, first, CAP: tl.constexpr,
-                    NBINS: tl.constexpr, BLOCK: tl.constexpr):
-    # cand [T, CAP] int64; the row's counter is hist[row, 3 * NBINS]
+                    HIST_ROW: tl.constexpr, BLOCK: tl.constexpr):
+    # cand [T, CAP] int64; the row's counter is hist[row, HIST_ROW - 1]
     pid = tl.program_id(0).to(tl.int64)
     row, blk = pid // n_blk, pid % n_blk
-    prefix, level = tl.load(state_ptr + row * 4), tl.load(state_ptr + row * 4 + 1)
+    prefix, shift = tl.load(state_ptr + row * 4), tl.load(state_ptr + row * 4 + 1)
     resolved = tl.load(state_ptr + row * 4 + 2) + tl.load(state_ptr + row * 4 + 3) <= CAP
     offs = blk * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     u = _order_keys(tl.load(scores_ptr + row * stride_s + offs, mask=offs < W, other=float("-inf")))
-    top = _top_bits(u, level)
+    top = (u >> shift).to(tl.int64)
     take = (u > NEG_INF_U) & tl.where(resolved, top >= prefix, top > prefix)
     n = tl.sum(take.to(tl.int32), axis=0)
     if n > 0:
-        base = tl.atomic_add(hist_ptr + row * (3 * NBINS + 1) + 3 * NBINS, n)
+        base = tl.atomic_add(hist_ptr + row * HIST_ROW + HIST_ROW - 1, n)
         slot = base + tl.cumsum(take.to(tl.int32), axis=0) - 1
         tl.store(cand_ptr + row * CAP + slot, _stream_key(u, offs + first), mask=take)
 
 
 @triton.jit(do_not_specialize=("W", "stride_s", "k", "first"))
 def _finish_kernel(scores_ptr, hist_ptr, state_ptr, cand_ptr, keys_ptr, offsets_ptr, W, stride_s, k, first,
-                   CAP: tl.constexpr, KP: tl.constexpr, NBINS: tl.constexpr, RANK_I: tl.constexpr,
+                   CAP: tl.constexpr, KP: tl.constexpr, HIST_ROW: tl.constexpr, RANK_I: tl.constexpr,
                    RANK_J: tl.constexpr, SCAN: tl.constexpr):
     # one program per row; keys/offsets [T, k] contiguous, every slot written once:
     # [0, n) ranked candidates (only [0, above) when unresolved), [n, k) empty, or the ties
     row = tl.program_id(0).to(tl.int64)
     prefix, above = tl.load(state_ptr + row * 4), tl.load(state_ptr + row * 4 + 2)
     resolved = above + tl.load(state_ptr + row * 4 + 3) <= CAP
-    n = tl.load(hist_ptr + row * (3 * NBINS + 1) + 3 * NBINS).to(tl.int64)
+    n = tl.load(hist_ptr + row * HIST_ROW + HIST_ROW - 1).to(tl.int64)
     limit = tl.where(resolved, k, above)
     cand = cand_ptr + row * CAP
     # rank of a candidate = candidates with a greater key (keys are distinct: their offsets are)
@@ -171,7 +167,7 @@ def _finish_kernel(scores_ptr, hist_ptr, state_ptr, cand_ptr, keys_ptr, offsets_
     empty = (slots >= n) & (slots < tl.where(resolved, k, 0))               # a row of fewer than k valid
     tl.store(keys_ptr + row * k + slots, tl.full([KP], -9223372036854775807 - 1, tl.int64), mask=empty)
     tl.store(offsets_ptr + row * k + slots, tl.full([KP], -1, tl.int64), mask=empty)
-    # unresolved: the ties (u == prefix, all 32 bits) fill [above, k), lowest offsets first
+    # unresolved: the ties (u == prefix: shift 0 after the last pass) fill [above, k), lowest offsets first
     need = tl.where(resolved, 0, k - above)
     found = tl.zeros([], tl.int64)
     start = tl.zeros([], tl.int64)
@@ -203,36 +199,41 @@ def rows_per_program(T: int) -> int:
     return min(64, triton.next_power_of_2(T)) if os.environ.get("TRITON_INTERPRET") == "1" else 1
 
 
-def radix_topk(scores: torch.Tensor, k: int, first_offset: int = 0,
-               block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def radix_topk(scores: torch.Tensor, k: int, first_offset: int = 0, block: int | None = None,
+               digits: tuple[int, ...] = DIGITS) -> tuple[torch.Tensor, torch.Tensor]:
     """scores [T, W] fp32 (unit column stride) of offsets first_offset + [0, W) -> (keys,
     offsets) [T, k] int64: `score_keys(scores, first_offset).topk(k)` (dsv4/ops/stream_topk.py)
     with EMPTY_KEY where a row has fewer than k valid (> -inf) scores, and the keys' offsets
-    (-1 there). k may exceed W."""
+    (-1 there). k may exceed W. digits: bits per pass, most significant first (sum 32)."""
     T, W = scores.shape
     if scores.dtype != torch.float32 or (W > 1 and scores.stride(1) != 1):
         raise ValueError("radix_topk: scores must be fp32 with unit column stride")
     if first_offset + W > 1 << 32:
         raise ValueError("radix_topk: offsets must stay below 2^32")
+    if sum(digits) != 32 or min(digits) < 1 or max(digits) > 12:
+        raise ValueError(f"radix_topk: digits must be 1 to 12 bits and sum to 32, got {digits}")
     device = scores.device
     if T == 0 or k == 0 or W == 0:
         return (torch.full((T, k), EMPTY_KEY, dtype=torch.long, device=device),
                 torch.full((T, k), -1, dtype=torch.long, device=device))
     cap, block, rows = capacity(k), block or block_size(T, W), rows_per_program(T)
-    hist = torch.zeros((T, 3 * NBINS + 1), dtype=torch.int32, device=device)   # + the candidate counter
-    state = torch.empty((T, STATE), dtype=torch.long, device=device)          # written by pass 0's derive
+    nbins = 1 << max(digits)
+    hist_row = len(digits) * nbins + 1                                      # + the candidate counter
+    hist = torch.zeros((T, hist_row), dtype=torch.int32, device=device)
+    state = torch.empty((T, STATE), dtype=torch.long, device=device)       # written by pass 0's derive
     cand = torch.empty((T, cap), dtype=torch.long, device=device)
     keys = torch.empty((T, k), dtype=torch.long, device=device)
     offsets = torch.empty((T, k), dtype=torch.long, device=device)
     n_blk, stride = triton.cdiv(W, block), scores.stride(0)
-    for p in range(3):
-        _hist_kernel[(T * n_blk,)](scores, hist, state, W, stride, n_blk, PASS=p, CAP=cap, NBINS=NBINS,
-                                   BLOCK=block, num_warps=8)
-        _derive_kernel[(triton.cdiv(T, rows),)](hist, state, T, k, PASS=p, CAP=cap, NBINS=NBINS, ROWS=rows,
-                                                num_warps=8)
+    shift = 32
+    for p, width in enumerate(digits):
+        shift -= width
+        sizes = dict(PASS=p, SHIFT=shift, WIDTH=width, CAP=cap, NBINS=nbins, HIST_ROW=hist_row)
+        _hist_kernel[(T * n_blk,)](scores, hist, state, W, stride, n_blk, **sizes, BLOCK=block, num_warps=8)
+        _derive_kernel[(triton.cdiv(T, rows),)](hist, state, T, k, **sizes, ROWS=rows, num_warps=8)
     _collect_kernel[(T * n_blk,)](scores, hist, state, cand, W, stride, n_blk, first_offset, CAP=cap,
-                                  NBINS=NBINS, BLOCK=block, num_warps=8)
+                                  HIST_ROW=hist_row, BLOCK=block, num_warps=8)
     _finish_kernel[(T,)](scores, hist, state, cand, keys, offsets, W, stride, k, first_offset, CAP=cap,
-                         KP=triton.next_power_of_2(k), NBINS=NBINS, RANK_I=RANK_I, RANK_J=RANK_J, SCAN=SCAN_BLOCK,
-                         num_warps=8)
+                         KP=triton.next_power_of_2(k), HIST_ROW=hist_row, RANK_I=RANK_I, RANK_J=RANK_J,
+                         SCAN=SCAN_BLOCK, num_warps=8)
     return keys, offsets
