@@ -12,7 +12,9 @@ Then times, each as the replay of a CUDA graph of 10 calls (how decode runs it),
   torch keys   what the indexer ran before: score_keys + cat with the running top-k + topk
                (sorted) + key_offsets (dsv4/ops/stream_topk.py, RunningTopk)
   torch.topk   a bare torch.topk(scores, k) (values and indices, sorted): the floor of torch
-  radix        radix_topk(scores, k): keys and offsets, sorted
+  radix 8      radix_topk(scores, k): keys and offsets, sorted; digits of 8 bits (4 passes,
+               the default)
+  radix 11     the same with digits of 11, 11, 10 bits (3 passes, 8x the histogram bins)
 """
 import argparse
 import os
@@ -27,6 +29,8 @@ import torch  # noqa: E402
 from dsv4.bench.timing import graph_ms  # noqa: E402
 from dsv4.ops.stream_topk import EMPTY_KEY, MIN_CHOSEN_KEY, RunningTopk, key_offsets, score_keys  # noqa: E402
 from dsv4.ops.triton.radix_topk import radix_topk  # noqa: E402
+
+LAYOUTS = ((8, 8, 8, 8), (11, 11, 10))
 
 K = 512
 ENTRIES, BATCHES = (4096, 65536, 262144), (1, 8, 64)
@@ -63,9 +67,11 @@ def check(device, gen, entries, batches) -> list[str]:
         for T in batches:
             for ties in (False, True):
                 scores = make_scores(T, E, device, gen, ties)
-                got, want = radix_topk(scores, K), reference(scores, K)
-                if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
-                    errors.append(f"E={E} T={T} ties={ties}: radix top-k differs from the reference")
+                want = reference(scores, K)
+                for digits in LAYOUTS:
+                    got = radix_topk(scores, K, digits=digits)
+                    if not (torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])):
+                        errors.append(f"E={E} T={T} ties={ties} digits={digits}: radix top-k differs")
     return errors
 
 
@@ -84,7 +90,8 @@ def main() -> int:
     errors = check(device, gen, entries, batches)
     for e in errors:
         print(f"  MISMATCH {e}")
-    head = f"{'E':>7} {'batch':>5} {'torch keys':>10} {'torch.topk':>10} {'radix':>8} {'keys/radix':>10}"
+    head = (f"{'E':>7} {'batch':>5} {'torch keys':>10} {'torch.topk':>10} {'radix 8':>8} {'radix 11':>8} "
+            f"{'keys/radix 8':>12}")
     print(head)
     print("-" * len(head))
     for E in entries:
@@ -92,8 +99,9 @@ def main() -> int:
             scores = make_scores(T, E, device, gen)
             ms = [graph_ms(lambda: running_topk(scores, K), device, reps),
                   graph_ms(lambda: torch.topk(scores, min(K, E), dim=1), device, reps),
-                  graph_ms(lambda: radix_topk(scores, K), device, reps)]
-            print(f"{E:7d} {T:5d} {ms[0]:10.4f} {ms[1]:10.4f} {ms[2]:8.4f} {ms[0] / ms[2]:10.2f}", flush=True)
+                  *(graph_ms(lambda d=d: radix_topk(scores, K, digits=d), device, reps) for d in LAYOUTS)]
+            print(f"{E:7d} {T:5d} {ms[0]:10.4f} {ms[1]:10.4f} {ms[2]:8.4f} {ms[3]:8.4f} {ms[0] / ms[2]:12.2f}",
+                  flush=True)
     print("FAIL: radix top-k differs from the reference" if errors else "OK: radix top-k equals the reference")
     return 1 if errors else 0
 
