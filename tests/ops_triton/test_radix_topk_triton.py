@@ -66,12 +66,15 @@ def test_exact_ties(values, digits, device):
 
 
 def test_tie_scan_over_several_steps(device, monkeypatch):
-    """The offset-order scan of the ties, in steps smaller than the row and the ties it needs."""
-    monkeypatch.setattr(rt, "SCAN_BLOCK", 16)
-    scores = torch.zeros(2, 300)
-    scores[0, ::7] = 1.0                                       # 43 above, the rest ties at 0
+    """More ties at the k-th score than candidate slots: the offset-order scan of the ties, in
+    steps smaller than the row and than the ties it needs."""
+    monkeypatch.setattr(rt, "SCAN_BLOCK", 256)
+    W = rt.capacity(100) + 700
+    scores = torch.zeros(2, W)
+    scores[0, ::7] = 1.0                                       # W / 7 above, the rest ties at 0
     scores[1, :50] = NEG_INF
-    check(scores, 100, device)
+    scores[1, 1000:1010] = 2.0
+    check(scores, 400, device)
 
 
 def test_infinities_zeros_and_signs(device):

@@ -184,9 +184,15 @@ def _finish_kernel(scores_ptr, hist_ptr, state_ptr, cand_ptr, keys_ptr, offsets_
 
 
 def capacity(k: int) -> int:
-    """Candidate slots per row: a power of two >= 2k (the finish ranks the n <= CAP it gets
-    in O(n^2): n is k plus the threshold bucket, a few more than k on real scores)."""
-    return max(64, 2 * triton.next_power_of_2(k))
+    """Candidate slots per row: a power of two >= 2k, the same for every k <= 512 (k =
+    min(topk, entries) grows with the context: one compiled variant for all of them). The
+    finish ranks the n <= CAP it gets in O(n^2); n is k plus the threshold bucket."""
+    return 2 * k_lanes(k)
+
+
+def k_lanes(k: int) -> int:
+    """Lanes of the finish's empty-slot fill: a power of two >= k, at least 512 (see capacity)."""
+    return max(512, triton.next_power_of_2(k))
 
 
 def block_size(T: int, W: int) -> int:
@@ -234,6 +240,6 @@ def radix_topk(scores: torch.Tensor, k: int, first_offset: int = 0, block: int |
     _collect_kernel[(T * n_blk,)](scores, hist, state, cand, W, stride, n_blk, first_offset, CAP=cap,
                                   HIST_ROW=hist_row, BLOCK=block, num_warps=8)
     _finish_kernel[(T,)](scores, hist, state, cand, keys, offsets, W, stride, k, first_offset, CAP=cap,
-                         KP=triton.next_power_of_2(k), HIST_ROW=hist_row, RANK_I=RANK_I, RANK_J=RANK_J,
+                         KP=k_lanes(k), HIST_ROW=hist_row, RANK_I=RANK_I, RANK_J=RANK_J,
                          SCAN=SCAN_BLOCK, num_warps=8)
     return keys, offsets
