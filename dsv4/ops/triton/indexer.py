@@ -1,6 +1,7 @@
-"""Lightning indexer in Triton: scores of one tile of entries in one kernel, merged into a
-running top-k (dsv4/ops/stream_topk.py: score desc, ties to the lower offset, the reference's
-order), tile after tile.
+"""Lightning indexer in Triton: scores of one tile of entries in one kernel, the tile's top k
+by radix select (dsv4/ops/triton/radix_topk.py: many programs per row), merged into a running
+top-k (dsv4/ops/stream_topk.py: score desc, ties to the lower offset, the reference's order),
+tile after tile; a single tile (every decode step up to SCORE_TILE / T entries) needs no merge.
 
 The reference (dsv4/ops/indexer.py, the definition) gathers key tiles in torch; here each
 program reads its key rows straight from the pool by index. A tile holds at most SCORE_TILE
