@@ -257,7 +257,8 @@ def run(args) -> dict:
     return results
 
 
-def planned_cases(sizes: dict, kinds: tuple[str, ...], kvs: tuple[str, ...] = ("auto", "fp8")) -> list[tuple[str, str, int]]:
+def planned_cases(sizes: dict, kinds: tuple[str, ...],
+                  kvs: tuple[str, ...] = ("auto", "fp8")) -> list[tuple[str, str, int]]:
     """(kind, kv, tokens) in running order: batch-1 decode by context, batch decode (FP8 KV
     first: the issue's case), prefill by length, a chunk at 0 then at ~900k; KV dtypes `kvs`."""
     cases = {"decode": [("decode", kv, n) for n in sizes["contexts"] for kv in ("auto", "fp8")],
