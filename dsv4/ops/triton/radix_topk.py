@@ -152,12 +152,12 @@ def _finish_kernel(scores_ptr, hist_ptr, state_ptr, cand_ptr, keys_ptr, offsets_
     while i0 < n:               # (while, not range: Triton 3.6's interpreter cannot range to a loaded n)
         i = i0 + tl.arange(0, RANK_I)
         key_i = tl.load(cand + i, mask=i < n, other=0)
-        rank = tl.zeros([RANK_I], tl.int64)
+        rank = tl.zeros([RANK_I], tl.int32)
         j0 = tl.zeros([], tl.int64)
         while j0 < n:
             j = j0 + tl.arange(0, RANK_J)
             key_j = tl.load(cand + j, mask=j < n, other=-9223372036854775807 - 1)   # EMPTY_KEY
-            rank += tl.sum((key_j[None, :] > key_i[:, None]).to(tl.int64), axis=1)
+            rank += tl.sum((key_j[None, :] > key_i[:, None]).to(tl.int32), axis=1)
             j0 += RANK_J
         put = (i < n) & (rank < limit)
         tl.store(keys_ptr + row * k + rank, key_i, mask=put)
