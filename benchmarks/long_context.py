@@ -3,7 +3,8 @@ bound, batch-64 decode at 4k and 32k, prefill of 128k, 512k and 1M tokens, with 
 (bf16) and packed FP8 KV (`--kv-cache-dtype fp8`), peak memory, and correctness checks on the
 device (docs/architecture.md, "Cache").
 
-    python -m benchmarks.long_context --out DIR [--budget-s 220] [--cases decode,batch,prefill]   # H200
+    python -m benchmarks.long_context --out DIR [--budget-s 220] [--cases decode,batch,prefill,chunk]   # H200
+    python -m benchmarks.long_context --out DIR --cases decode --contexts 4096,1048448 --kv auto   # one pair
     python -m benchmarks.long_context --out DIR --smoke                # CPU, tiny, under a minute
 
 The batch-1 decode part takes about 3.5 minutes on an H200; batch and prefill (the 512k and 1M
@@ -14,7 +15,12 @@ Model: `random:flash-slice:6` (V4-Flash layers 0-5: 2 sliding, 2 CSA, 2 HCA; 256
 built once. Decode: batch 1 at a synthetic context of N tokens (bench/offline.py: the cache
 "holds" N - 1 tokens, step cost depends on positions and page tables, not values), CUDA graphs
 and async scheduling on, the mean step over --decode-tokens. Prefill: one request of N random
-tokens in 16k-token chunks (eager fast path), time to its first token. Peak memory:
+tokens in 16k-token chunks (eager fast path), time to its first token. Chunk: one 2,048-token
+prefill chunk (the last of its prompt: one step, eager) at position 0 and at ~900k (the cache
+"holds" the 900k tokens before it, synthetic as for decode), each after a warm-up chunk at the
+same position; printed with their ratio and the ratio less the indexer's O(E) roofline term
+(dsv4/bench/roofline.py indexer_cost: the later chunk's scoring of ~225k C4 entries per token,
+which the chunk at 0 does not have). Peak memory:
 torch.cuda.max_memory_allocated over each case (weights included).
 
 Checks on the device, before timing: (1) the streamed indexer top-k (Triton, entries in tiles
@@ -29,7 +35,8 @@ indexer keys, at the KV dtype's bytes). Batch 64: decode of 64 requests at a syn
 32k context, FP8 and model-dtype KV, in tokens/s.
 
 Targets printed: the issue's (1M decode within 1.25x of 4k decode; FP8 KV holds >= 1.7x the
-tokens of bf16 KV in the same memory; 1M prefill completes) and SGLang's published V4-Flash
+tokens of bf16 KV in the same memory; 1M prefill completes; a 2k chunk at 900k within 1.5x of
+the chunk at 0 plus the indexer's O(E) term) and SGLang's published V4-Flash
 figure (batch-1 decode 266 -> 240 tokens/s between 4k and 900k: 1.11x).
 """
 from __future__ import annotations
@@ -44,7 +51,7 @@ import time
 import torch
 
 from dsv4.bench import offline as bo
-from dsv4.bench.roofline import Precision, bound_seconds, decode_step_cost
+from dsv4.bench.roofline import Precision, bound_seconds, decode_step_cost, indexer_cost
 from dsv4.config import EngineConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.model.weights import load_model
@@ -54,10 +61,12 @@ T0 = time.perf_counter()
 SPEC = "random:flash-slice:6"
 MAX_POS = 1048576
 GPU = dict(contexts=(4096, 16384, 131072, 524288, MAX_POS - 128), prefill=(131072, 524288, MAX_POS - 16),
-           chunk=16384, decode_tokens=32, greedy=(600, 48), batch=64, batch_contexts=(4096, 32768))
+           chunk=16384, decode_tokens=32, greedy=(600, 48), batch=64, batch_contexts=(4096, 32768),
+           chunk_at=(0, 900_000), chunk_tokens=2048)
 SMOKE = dict(contexts=(512, 2048, 8192), prefill=(1024, 2048), chunk=256, decode_tokens=4, greedy=(100, 8),
-             batch=4, batch_contexts=(512, 2048))
-CASES = ("decode", "batch", "prefill")
+             batch=4, batch_contexts=(512, 2048), chunk_at=(0, 4096), chunk_tokens=64)
+CASES = ("decode", "batch", "prefill", "chunk")
+TARGET_CHUNK_900K_VS_0 = 1.5
 TARGET_1M_VS_4K = 1.25
 SGLANG_900K_VS_4K = 266 / 240
 FP8_CAPACITY = 1.7
@@ -177,6 +186,34 @@ def prefill_case(model, device, dtype, kv, n, chunk) -> dict:
     return out
 
 
+def chunk_case(model, device, dtype, kv, start, tokens) -> dict:
+    """One `tokens`-token prefill chunk at position `start` (the cache "holds" the tokens
+    before it, synthetic as for decode: bench/offline.py), after a warm-up chunk at the same
+    position: its time, and the indexer's O(E) roofline term (indexer_cost) in it."""
+    reset_peak(device)
+    eng = engine(SPEC if device != "cpu" else "random:tiny", model, device, dtype, kv, max_num_seqs=1,
+                 max_num_batched_tokens=tokens, num_pages=(start + tokens) // 256 + 4, max_model_len=start + tokens + 8,
+                 async_scheduling="off", enforce_eager=True)
+    gen = torch.Generator().manual_seed(start)
+    for tag in ("warm", "run"):
+        ids = torch.randint(100, model.cfg.vocab_size, (start + tokens,), generator=gen).tolist()
+        req = eng.add_request(f"chunk-{tag}", ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        req.num_computed = start                   # the cache "holds" the tokens before the chunk
+        if start and not eng.cache.reserve(req, 0):
+            raise RuntimeError(f"chunk at {start}: the cache cannot hold the context")
+        eng.scheduler.run_now(req)
+        sync(device)
+        t = time.perf_counter()
+        eng.step()                                 # the chunk, then its first token
+        sync(device)
+        s = time.perf_counter() - t
+        assert req.output_token_ids and not eng.has_unfinished(), "the chunk was not one step"
+    term = bound_seconds(indexer_cost(model.cfg, tokens, start, kv_precision(dtype, kv)))
+    out = {"start": start, "tokens": tokens, "ms": s * 1e3, "indexer_bound_ms": term * 1e3, "peak_gb": peak_gb(device)}
+    del eng
+    return out
+
+
 def capacity(dtype: str) -> dict:
     """Tokens a 40 GiB cache holds for the slice, model-dtype vs FP8 KV (no prefix cache)."""
     from dsv4.cache.layout import CacheLayout
@@ -192,7 +229,7 @@ def capacity(dtype: str) -> dict:
 
 def run(args) -> dict:
     device = "cpu" if args.smoke else "cuda"
-    sizes = SMOKE if args.smoke else GPU
+    sizes = sizes_of(args)
     dtype = "float32" if args.smoke else "bfloat16"
     results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "cases": {}}
     results["topk_check"] = check_streamed_topk(device, 4096 if args.smoke else MAX_POS // 4)
@@ -203,7 +240,7 @@ def run(args) -> dict:
     log(f"capacity in 40 GiB: {results['capacity_40gib']}")
     model = load_model(SPEC if not args.smoke else "random:tiny", device, getattr(torch, dtype))
     log("model loaded")
-    for kind, kv, n in planned_cases(sizes, args.cases):
+    for kind, kv, n in planned_cases(sizes, args.cases, args.kv):
         if time.perf_counter() - T0 > args.budget_s:
             log(f"budget spent: {kind} {n} {kv} and later cases skipped")
             break
@@ -211,6 +248,8 @@ def run(args) -> dict:
             r = decode_case(model, device, dtype, kv, n, sizes["decode_tokens"])
         elif kind == "batch":
             r = decode_case(model, device, dtype, kv, n, sizes["decode_tokens"], sizes["batch"])
+        elif kind == "chunk":
+            r = chunk_case(model, device, dtype, kv, n, sizes["chunk_tokens"])
         else:
             r = prefill_case(model, device, dtype, kv, n, sizes["chunk"])
         results["cases"][f"{kind} {n} {kv}"] = r
@@ -218,13 +257,15 @@ def run(args) -> dict:
     return results
 
 
-def planned_cases(sizes: dict, kinds: tuple[str, ...]) -> list[tuple[str, str, int]]:
+def planned_cases(sizes: dict, kinds: tuple[str, ...],
+                  kvs: tuple[str, ...] = ("auto", "fp8")) -> list[tuple[str, str, int]]:
     """(kind, kv, tokens) in running order: batch-1 decode by context, batch decode (FP8 KV
-    first: the issue's case), prefill by length."""
+    first: the issue's case), prefill by length, a chunk at 0 then at ~900k; KV dtypes `kvs`."""
     cases = {"decode": [("decode", kv, n) for n in sizes["contexts"] for kv in ("auto", "fp8")],
              "batch": [("batch", kv, n) for kv in ("fp8", "auto") for n in sizes["batch_contexts"]],
-             "prefill": [("prefill", kv, n) for n in sizes["prefill"] for kv in ("auto", "fp8")]}
-    return [c for kind in CASES if kind in kinds for c in cases[kind]]
+             "prefill": [("prefill", kv, n) for n in sizes["prefill"] for kv in ("auto", "fp8")],
+             "chunk": [("chunk", kv, n) for kv in ("auto", "fp8") for n in sizes["chunk_at"]]}
+    return [c for kind in CASES if kind in kinds for c in cases[kind] if c[1] in kvs]
 
 
 def table(results: dict, sizes: dict) -> str:
@@ -266,6 +307,7 @@ def table(results: dict, sizes: dict) -> str:
             r = z["step_ms"] / a["step_ms"]
             lines.append(f"decode ctx {last} / ctx {first}, {kv} KV: {r:.2f}x (target <= {TARGET_1M_VS_4K}x: "
                          f"{'met' if r <= TARGET_1M_VS_4K else 'MISSED'}; SGLang 900k / 4k: {SGLANG_900K_VS_4K:.2f}x)")
+    lines += chunk_lines(c, sizes)
     cap = results["capacity_40gib"]
     lines.append(f"FP8 KV capacity: {cap['ratio']:.2f}x the tokens of model-dtype KV in 40 GiB "
                  f"(target >= {FP8_CAPACITY}x: {'met' if cap['ratio'] >= FP8_CAPACITY else 'MISSED'})")
@@ -275,6 +317,30 @@ def table(results: dict, sizes: dict) -> str:
     return "\n".join(lines)
 
 
+def chunk_lines(c: dict, sizes: dict) -> list[str]:
+    """The chunk target: time at ~900k / time at 0, raw and less the indexer's O(E) bound."""
+    lines = []
+    first, last = sizes["chunk_at"][0], sizes["chunk_at"][-1]
+    for kv in ("auto", "fp8"):
+        a, z = c.get(f"chunk {first} {kv}"), c.get(f"chunk {last} {kv}")
+        if a and z:
+            raw = z["ms"] / a["ms"]
+            net = (z["ms"] - z["indexer_bound_ms"]) / (a["ms"] - a["indexer_bound_ms"])
+            lines.append(f"{sizes['chunk_tokens']}-token chunk at {last} / at {first}, {kv} KV: {z['ms']:.1f} ms / "
+                         f"{a['ms']:.1f} ms = {raw:.2f}x; less the indexer's O(E) bound ({z['indexer_bound_ms']:.2f} / "
+                         f"{a['indexer_bound_ms']:.2f} ms): {net:.2f}x (target <= {TARGET_CHUNK_900K_VS_0}x: "
+                         f"{'met' if net <= TARGET_CHUNK_900K_VS_0 else 'MISSED'})")
+    return lines
+
+
+def sizes_of(args) -> dict:
+    """The sizes of a run: the GPU's or --smoke's, --contexts replacing the decode contexts."""
+    sizes = dict(SMOKE if args.smoke else GPU)
+    if args.contexts:
+        sizes["contexts"] = args.contexts
+    return sizes
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -282,13 +348,24 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model and contexts: the script itself")
     p.add_argument("--cases", default=",".join(CASES),
                    help=f"comma-separated parts to time, in this order: {', '.join(CASES)} (default: all)")
+    p.add_argument("--contexts", default="", help="comma-separated batch-1 decode contexts (default: 4k .. 1M)")
+    p.add_argument("--kv", default="auto,fp8", help="comma-separated KV dtypes to time: auto, fp8 (default: both)")
     args = p.parse_args()
     args.cases = tuple(k.strip() for k in args.cases.split(",") if k.strip())
     unknown = sorted(set(args.cases) - set(CASES))
     if unknown:
         p.error(f"--cases: unknown part(s) {unknown}; known: {', '.join(CASES)}")
+    args.kv = tuple(k.strip() for k in args.kv.split(",") if k.strip())
+    if not args.kv or set(args.kv) - {"auto", "fp8"}:
+        p.error(f"--kv: expected auto and/or fp8, got {args.kv}")
+    try:
+        args.contexts = tuple(int(n) for n in args.contexts.split(",") if n.strip())
+    except ValueError:
+        p.error(f"--contexts: expected comma-separated token counts, got {args.contexts!r}")
+    if any(n < 2 or n > MAX_POS for n in args.contexts):
+        p.error(f"--contexts: each must be in [2, {MAX_POS}]")
     results = run(args)
-    text = table(results, SMOKE if args.smoke else GPU)
+    text = table(results, sizes_of(args))
     print(text, flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "long_context.json"), "w") as f:

@@ -6,7 +6,7 @@ torch reference (dsv4/ops/indexer.py) at V4-Flash shapes (Hi = 64, Di = 128, top
 Checks first (exit 1 on a mismatch): scores within 1e-5 relative (fp32), the same -1 count on
 every row, and the same set of chosen rows on every row whose k-th and (k+1)-th reference
 scores are more than 1e-4 apart (relative). Then times both (CUDA events, median) and prints
-a table. Roofline columns use the scores kernel alone (the top-k is torch.topk on [T, E]):
+a table. Roofline columns use the scores kernel alone (the top-k: benchmarks/kernels/topk.py):
 bytes = keys T*E*Di*2 (upper bound: no reuse) + q T*Hi*Di*2 + weights T*Hi*4 + cand T*E*8
 + scores written T*E*4, against 4.2 TB/s; FLOPs = 2*T*E*Hi*Di against 800 TFLOP/s (bf16
 dense). Both counts are nominal: padded (-1) candidates are included, though the kernel skips

@@ -139,6 +139,17 @@ def prefill_cost(cfg: ModelConfig, tokens: int, context_start: int = 0,
     return StepCost(weights, history, written, flops)
 
 
+def indexer_cost(cfg: ModelConfig, tokens: int, context_start: int = 0,
+                 precision: Precision = BF16) -> StepCost:
+    """The indexer's O(E) part of a prefill chunk (as `prefill_cost` counts it): scoring every
+    visible C4 entry for each token (FLOPs) and reading the pre-existing indexer keys once,
+    over the CSA layers."""
+    _check_at_least(0, tokens=tokens, context_start=context_start)
+    csa = sum(1 for r in cfg.compress_ratios if r == CSA_RATIO)
+    keys = context_start // CSA_RATIO * cfg.index_head_dim * precision.index_kv_bytes
+    return StepCost(0.0, csa * keys, 0.0, csa * _indexer_flops(cfg, context_start, tokens))
+
+
 def roofline(cost: StepCost, bandwidth: float = H200.hbm_bandwidth,
              peak_flops: float = H200.dense_flops) -> RooflineTimes:
     t_mem = cost.bytes_total / bandwidth
@@ -239,10 +250,15 @@ def _attention_flops(cfg: ModelConfig, ratio: int, start: int, tokens: int) -> f
     indexer = 0
     if ratio == CSA_RATIO:
         keys += sum_selected(start, tokens, CSA_RATIO, cfg.index_topk)
-        indexer = 2 * cfg.index_n_heads * cfg.index_head_dim * sum_entries(start, tokens, CSA_RATIO)
+        indexer = _indexer_flops(cfg, start, tokens)
     elif ratio == HCA_RATIO:
         keys += sum_entries(start, tokens, HCA_RATIO)
     return 4.0 * cfg.num_attention_heads * cfg.head_dim * keys + indexer
+
+
+def _indexer_flops(cfg: ModelConfig, start: int, tokens: int) -> float:
+    """Indexer scoring of one CSA layer: every visible C4 entry, each head's dot, per token."""
+    return 2 * cfg.index_n_heads * cfg.index_head_dim * sum_entries(start, tokens, CSA_RATIO)
 
 
 def _check_at_least(minimum: int, **values: int) -> None:

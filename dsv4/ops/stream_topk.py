@@ -46,7 +46,11 @@ class RunningTopk:
 
     def add(self, scores: torch.Tensor, first_offset: int, rows: slice = slice(None)) -> None:
         """Merge scores [t, W] of offsets first_offset + [0, W) into rows `rows` of the state."""
-        keys = torch.cat([self.keys[rows], score_keys(scores, first_offset)], dim=1)
+        self.merge(score_keys(scores, first_offset), rows)
+
+    def merge(self, keys: torch.Tensor, rows: slice = slice(None)) -> None:
+        """Merge keys [t, n] (of `score_keys`, e.g. a tile's own top k) into rows `rows`."""
+        keys = torch.cat([self.keys[rows], keys], dim=1)
         self.keys[rows] = keys.topk(self.k, dim=1).values
 
     def offsets(self) -> torch.Tensor:

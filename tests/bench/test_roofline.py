@@ -8,7 +8,7 @@ from dsv4.config import ModelConfig
 from dsv4.bench.context_sums import sum_entries, sum_selected, sum_window
 from dsv4.bench.params import model_params
 from dsv4.bench.roofline import (BF16, H200, RELEASED_FP8_FP4, StepCost, bound_seconds, decode_step_cost,
-                                expected_experts_touched, prefill_cost, roofline)
+                                expected_experts_touched, indexer_cost, prefill_cost, roofline)
 
 
 def tiny() -> ModelConfig:
@@ -73,6 +73,18 @@ def test_tiny_prefill_cost_by_hand():
     assert cost.bytes_written == 3 * 8 * 4 * 2 + 2 * 12  # 8 keys per layer, CSA closes 2 groups
     # keys summed over contexts 1..8: SWA 1+2*7 = 15, CSA top-1 adds 5, indexer scores 6 entries
     assert cost.flops == 8 * 2 * 1596 + 180 + 32 * (15 + 20 + 15) + 2 * 2 * 2 * 6
+
+
+def test_tiny_indexer_cost_by_hand():
+    """The indexer's O(E) part of a chunk: its FLOPs are prefill_cost's indexer term; it reads
+    the indexer keys that existed before the chunk (one CSA layer, 2-dim keys of 2 B)."""
+    cost = indexer_cost(tiny(), tokens=8, context_start=0)
+    assert (cost.bytes_weights, cost.bytes_history, cost.bytes_written) == (0, 0, 0)
+    assert cost.flops == 2 * 2 * 2 * 6                         # 6 entries scored, as above
+    later = indexer_cost(tiny(), tokens=8, context_start=100)
+    assert later.bytes_history == 25 * 2 * 2                   # 100 // 4 keys
+    assert later.flops == 2 * 2 * 2 * sum((c + 1) // 4 for c in range(100, 108))
+    assert later.flops < prefill_cost(tiny(), 8, 100).flops
 
 
 def test_roofline_takes_the_slower_of_memory_and_compute():

@@ -261,11 +261,14 @@ def _merge_splits_kernel(
         m_ptr, l_ptr, part_ptr, sink_ptr, out_ptr,  # partials as above, sinks [H], out [T, H, D]
         H, num_splits, stride_ot, stride_oh,
         D: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    # program = token x head block x BLOCK_D channels (grid axis 1): a decode step has only
+    # T * H / H_BLOCK head blocks, and each one's splits are read one after another, so the
+    # channels are spread too (many splits at long contexts must not serialise on 4 programs)
     n_hb = tl.cdiv(H, H_BLOCK)
     pid = tl.program_id(0)
     t = (pid // n_hb).to(tl.int64)
     heads = (pid % n_hb) * H_BLOCK + tl.arange(0, H_BLOCK)
-    dims = tl.arange(0, BLOCK_D)
+    dims = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     h_ok, d_ok = heads < H, dims < D
     hd_ok = h_ok[:, None] & d_ok[None, :]
     rows = (t * H + heads) * num_splits
@@ -353,6 +356,7 @@ def _default_splits(q: torch.Tensor, programs: int, slot_blocks: int) -> int:
 # step takes it to 1.79 ms; for decode-size batches the candidates were within run-to-run
 # noise, so the register-checked default stays.
 PREFILL_TILES, DECODE_TILES, PREFILL_FROM = (64, 64, 8, 2), (16, 32, 8, 2), 1024
+MERGE_BLOCK_D = 64              # channels per program of the split merge (D = 512: 8 programs a head block)
 
 
 def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor | PagedRows]],
@@ -411,7 +415,8 @@ def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
         NOPE_P=nope_p, ROPE_P=rope_p,
         num_warps=num_warps, num_stages=num_stages)
     if splits > 1:
-        _merge_splits_kernel[(T * n_hb,)](
+        merge_d = min(block_d, MERGE_BLOCK_D)
+        _merge_splits_kernel[(T * n_hb, triton.cdiv(D, merge_d))](
             m, l, part, sinks, out, H, splits, out.stride(0), out.stride(1),
-            D=D, H_BLOCK=h_block, BLOCK_D=block_d, num_warps=4)
+            D=D, H_BLOCK=h_block, BLOCK_D=merge_d, num_warps=4)
     return out

@@ -1,6 +1,7 @@
-"""Lightning indexer in Triton: scores of one tile of entries in one kernel, merged into a
-running top-k (dsv4/ops/stream_topk.py: score desc, ties to the lower offset, the reference's
-order), tile after tile.
+"""Lightning indexer in Triton: scores of one tile of entries in one kernel, the tile's top k
+by radix select (dsv4/ops/triton/radix_topk.py: many programs per row), merged into a running
+top-k (dsv4/ops/stream_topk.py: score desc, ties to the lower offset, the reference's order),
+tile after tile; a single tile (every decode step up to SCORE_TILE / T entries) needs no merge.
 
 The reference (dsv4/ops/indexer.py, the definition) gathers key tiles in torch; here each
 program reads its key rows straight from the pool by index. A tile holds at most SCORE_TILE
@@ -31,12 +32,13 @@ import triton.language as tl
 from ..paged import PagedRows, index_width
 from ..stream_topk import RunningTopk
 from .fp8_words import fp8_words_to
+from .radix_topk import radix_topk
 
 BLOCK_E = 128       # candidates per program (best measured on an H200 for E >= 1k: benchmarks/kernels/indexer.py)
 NUM_WARPS = 4
 ROWS_BLOCK = 1024   # chosen positions per program of the paged rows kernel (top-k 512: one a token)
-# scores of one tile: 64M (fp32 + int64 key + the merge's copy: ~1.3 GiB transient, whatever the
-# context); a decode step of T <= 256 tokens at 1M context (262,144 C4 entries) is one tile
+# scores of one tile: 64M fp32 (256 MiB transient, whatever the context; its top k by radix select
+# needs O(T * k) more); a decode step of T <= 256 tokens at 1M context (262,144 C4 entries) is one tile
 SCORE_TILE = 1 << 26
 
 
@@ -185,13 +187,16 @@ def tile_width(T: int, k: int, block_e: int = BLOCK_E) -> int:
 
 
 def _topk_offsets(q, weights, keys, cand, k, weight_scale) -> torch.Tensor:
-    """[T, k] chosen offsets (-1 = none), tile after tile into a running top-k."""
+    """[T, k] chosen offsets (-1 = none): each tile's top k by radix select
+    (dsv4/ops/triton/radix_topk.py); with several tiles, merged into a running top-k."""
     T, E = q.shape[0], index_width(cand)
-    running = RunningTopk(T, k, q.device)
     width = tile_width(T, k)
+    if E <= width:      # one tile (every decode step up to SCORE_TILE / T entries)
+        return radix_topk(indexer_scores(q, weights, keys, cand, weight_scale=weight_scale), k)[1]
+    running = RunningTopk(T, k, q.device)
     for e0 in range(0, E, width):
-        running.add(indexer_scores(q, weights, keys, cand, weight_scale=weight_scale, e0=e0,
-                                   e1=min(e0 + width, E)), e0)
+        scores = indexer_scores(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=min(e0 + width, E))
+        running.merge(radix_topk(scores, k, e0)[0])
     return running.offsets()
 
 
