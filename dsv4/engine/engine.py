@@ -307,10 +307,7 @@ class LLMEngine:
         for c in chunks:
             self.scheduler.advance(c.request, c.num_tokens - c.num_rejected)
         launched = StepInFlight(chunks, sampled, tokens, values, lps, sample_later=later,
-                                masks=masks if later is not None else None, waited=later is not None)
-        if later is not None and step.logits.is_cuda:
-            launched.forward_done = torch.cuda.Event()
-            launched.forward_done.record()
+                                masks=masks if later is not None else None)
         return launched
 
     def _complete(self, step: StepInFlight, following: StepInFlight | None = None) -> list[RequestOutput]:
@@ -396,17 +393,15 @@ class LLMEngine:
         return None
 
     def _read_ahead(self, chunks: list[ScheduledChunk]):
-        """When the step in flight was sampled just now, after waiting for grammar masks, and its
-        forward is done (a host-bound step), read it back before `chunks` launch — a wait for
-        the sampler alone — and have the matchers take its tokens, then start the masks of
-        `chunks`' sampling rows: they fill while the host launches `chunks`, appends the tokens
-        read and schedules the next step, not only during the latter two (docs/architecture.md,
-        "Structured outputs"). A forward still running (a GPU-bound step) is not waited for: the
-        launch goes first. -> those pending masks, or None (nothing read: `_complete` reads it)."""
+        """With grammars (one process, async scheduling), read the step in flight back before
+        `chunks` launch — its sampling was just enqueued, so this waits for the sampler alone —
+        and have the matchers take its tokens, then start the masks of `chunks`' sampling rows:
+        they fill while the host launches `chunks`, appends the tokens read and schedules the
+        next step, not only during the latter two (docs/architecture.md, "Structured
+        outputs"). -> those pending masks, or None (nothing read: `_complete` reads the step)."""
         step = self._inflight
-        if not self.grammar_read_ahead or step is None or not step.waited or step.values is None:
-            return None
-        if step.forward_done is not None and not step.forward_done.query():
+        if (not self.grammar_read_ahead or step is None or step.values is None or not self.grammars
+                or self.workers is not None or self.spec is not None):
             return None
         step.read = step.values.get()
         return self._advance_grammars(step, step.read[0], [c.request.request_id for c in chunks if c.completes])

@@ -58,8 +58,6 @@ class StepInFlight:
     sample_later: Callable[[], None] | None = None
     masks: object | None = None      # structured/masks.PendingMask its sampling waits for (or None)
     read: list | None = None         # `values` read back early, before the next launch (engine._read_ahead)
-    waited: bool = False             # its sampling waited for grammar masks (`sample_later` was set)
-    forward_done: object | None = None   # then, on a GPU: an event behind its forward
 
     def set_sampled(self, tokens: torch.Tensor | None, values: HostCopy | None) -> None:
         self.tokens, self.values, self.sample_later, self.masks = tokens, values, None, None

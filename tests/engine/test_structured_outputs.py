@@ -231,31 +231,21 @@ def test_ignore_eos_after_the_grammar_ends_allows_eos_only(engine_of, run):
         assert set(out.token_ids[first_eos:]) == {eng.eos_token_id} and len(out.token_ids) == 8
 
 
-@pytest.mark.parametrize("read_ahead", [True, False, "forward running"])
+@pytest.mark.parametrize("read_ahead", [True, False])
 def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run, read_ahead):
     """Order of the host's work in a decode step with async scheduling: the next step is
     scheduled, the fill started by the step before is joined and the step in flight sampled;
     read ahead (the default), that step is read back at once and its tokens taken by the
     matchers (one batch call), the fill of the next step's mask starts (on the fill threads for
     a batch of THREAD_MIN_ROWS or more), and the next forward is launched (it takes those
-    tokens on the device) while it runs; without (or while the step's forward still runs on
-    the GPU: its event says so), the forward is launched first and the step read back after.
-    Either way the tokens are appended while the fill runs, and it keeps running through the
-    next schedule. Tokens equal a run with async scheduling off."""
+    tokens on the device) while it runs; without, the forward is launched first and the step
+    read back after. Either way the tokens are appended while the fill runs, and it keeps
+    running through the next schedule. Tokens equal a run with async scheduling off."""
     from dsv4.structured import masks
     from dsv4.structured.matcher import RequestGrammar
     monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # wait for the worker: no inline fallback
     eng = engine_of(async_scheduling="on")
-    monkeypatch.setattr(eng, "grammar_read_ahead", bool(read_ahead))
-    if read_ahead == "forward running":           # a GPU-bound step: its forward's event not passed
-        launch = eng._launch
-
-        def launched_busy(*a):
-            step = launch(*a)
-            if step.waited:
-                step.forward_done = SimpleNamespace(query=lambda: False)
-            return step
-        monkeypatch.setattr(eng, "_launch", launched_busy)
+    monkeypatch.setattr(eng, "grammar_read_ahead", read_ahead)
     n = masks.THREAD_MIN_ROWS
     reqs = {f"o{i}": (p, SamplingParams(max_tokens=6, temperature=0.0, structured=KINDS["json"]))
             for i, p in enumerate(prompts(eng, n))}
@@ -286,8 +276,7 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run, read_ahead):
     monkeypatch.setattr(filler, "batches", [recorded(b.batch_fill_next_token_bitmask) for b in filler.batches])
     got = run(eng, reqs)
 
-    ahead = read_ahead is True
-    launch_then_read = ["fill-start", "accept", "execute"] if ahead else ["execute", "fill-start", "accept"]
+    launch_then_read = ["execute", "fill-start", "accept"] if not read_ahead else ["fill-start", "accept", "execute"]
     steady = ["schedule", "fill-join", "sample"] + launch_then_read + ["append"] * n
     text = " ".join(events)
     assert text.count(" ".join(steady)) >= 3, text      # the decode steps between prefill and the end
