@@ -11,9 +11,7 @@ sampled after that schedule), and applied in the sampler.
 
 Each time: no constraint; JSON with the masks filled on the fill threads, once per count in
 --fill-threads (structured/masks.py: persistent threads, a slice of the rows each); JSON with them
-filled inline on the main thread; each JSON run twice: the step in flight read back before the
-next launch (the default, `LLMEngine.grammar_read_ahead`: the fill overlaps the launch's host
-work too) and after it ("read after"). Each constrained row reports the main thread's ms per step in
+filled inline on the main thread. Each constrained row reports the main thread's ms per step in
 `MaskFiller.start` (the matchers taking the previous step's tokens, then the hand-off to the
 threads, or the whole inline fill) and in `PendingMask.result` (waiting for the threads), and how
 many of the slices handed to the threads no thread had begun by `result()` (filled there: a
@@ -107,15 +105,10 @@ class MaskTimer:
             setattr(owner, attr, fn)
 
 
-def variants(args) -> list[tuple[str, int | None, bool]]:
-    """(name, fill threads, read ahead): no constraint (threads None); JSON on each --fill-threads
-    count and inline (0), each with the step in flight read back before the next launch
-    (`LLMEngine.grammar_read_ahead`, the default) and after it."""
-    runs = [("no constraint", None, True)]
-    for n in [*args.fill_threads, 0]:
-        fill = f"{n} fill thread{'s' * (n > 1)}" if n else "fill inline"
-        runs += [(f"JSON, {fill}", n, True), (f"JSON, {fill}, read after", n, False)]
-    return runs
+def variants(args) -> list[tuple[str, int | None]]:
+    """(name, fill threads): no constraint (None), JSON on each --fill-threads count, JSON inline (0)."""
+    return ([("no constraint", None)] + [(f"JSON, {n} fill thread{'s' * (n > 1)}", n) for n in args.fill_threads]
+            + [("JSON, fill inline", 0)])
 
 
 def use_filler(engine, threads: int | None) -> None:
@@ -135,10 +128,9 @@ def measure(engine, args) -> dict:
     best, outs, timer = {}, {}, MaskTimer()
     try:
         for r in range(args.repeats):
-            for name, threads, read_ahead in variants(args):
+            for name, threads in variants(args):
                 if threads is not None:
                     use_filler(engine, threads)
-                engine.grammar_read_ahead = read_ahead
                 timer.reset()
                 done, dt = run(engine, workload(engine, args.batch, args.tokens, threads is not None, f"{name}-{r}-"))
                 assert all(len(o.token_ids) == args.tokens for o in done.values()), "a request stopped early"
@@ -150,7 +142,6 @@ def measure(engine, args) -> dict:
     finally:
         timer.close()
         use_filler(engine, None)
-        engine.grammar_read_ahead = True
     return {"best": best, "outs": outs}
 
 
@@ -163,10 +154,10 @@ def table(title: str, args, best: dict) -> None:
     total, plain = args.batch * args.tokens, best["no constraint"][0]
     print(f"\n{title}, batch {args.batch}, {args.tokens} decode tokens each (best of {args.repeats}); "
           f"{os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable")
-    print(f"{'run':<36}{'seconds':>10}{'tokens/s':>12}{'ratio':>8}   main thread's ms per step in the masks")
-    for name, _, _ in variants(args):
+    print(f"{'run':<24}{'seconds':>10}{'tokens/s':>12}{'ratio':>8}   main thread's ms per step in the masks")
+    for name, _ in variants(args):
         dt, masks_ms = best[name]
-        print(f"{name:<36}{dt:>10.3f}{total / dt:>12.0f}{plain / dt:>8.3f}   {masks_ms if name != 'no constraint' else ''}")
+        print(f"{name:<24}{dt:>10.3f}{total / dt:>12.0f}{plain / dt:>8.3f}   {masks_ms if name != 'no constraint' else ''}")
     if args.batch < THREAD_MIN_ROWS:
         print(f"(batch < THREAD_MIN_ROWS = {THREAD_MIN_ROWS}: every constrained run fills inline)")
 

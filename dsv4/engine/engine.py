@@ -114,8 +114,6 @@ class LLMEngine:
         self.make_output: Callable[[Request, list[int]], object | None] = self.output_of
         self._carried: list[RequestOutput] = []           # outputs of a step read after a failure
         self.grammars = None        # structured/registry.Grammars, made on the first constrained request
-        # with grammars, the step in flight is read back before the next launch (_read_ahead)
-        self.grammar_read_ahead = True
         log.info(self.memory_report())
         if torch.device(config.device).type == "cuda":
             self.warmup()
@@ -231,9 +229,8 @@ class LLMEngine:
                 self.cache.wait_for_tiers()     # e.g. a restore in flight: wait for it, don't spin
             return outputs + drained
         self._sample_inflight()
-        masks = self._read_ahead(chunks)
         try:
-            launched = self._launch(chunks, masks)
+            launched = self._launch(chunks)
         except BaseException:
             if self.workers is not None:      # a collective failed: a dead rank ends the run here
                 self.workers.check_ranks()
@@ -280,8 +277,7 @@ class LLMEngine:
         return self._complete(previous) if previous is not None else []
 
     @torch.inference_mode()
-    def _launch(self, chunks: list[ScheduledChunk], masks=None) -> StepInFlight:
-        """masks: the grammar masks of the rows to sample, started by `_read_ahead` (or None)."""
+    def _launch(self, chunks: list[ScheduledChunk]) -> StepInFlight:
         prev = self._inflight.tokens if self._inflight is not None else None
         fills = self.spec.draft_fills(chunks) if self.spec is not None else []    # drafts still on the device
         step = self.runner.execute(chunks, prev, fills) if fills else self.runner.execute(chunks, prev)
@@ -289,11 +285,11 @@ class LLMEngine:
         if self.spec is None:
             sampled = [i for i, c in enumerate(chunks) if c.completes]
             if self._grammar_waits(chunks, sampled):   # (never with workers: see _must_wait)
-                tokens = values = None              # masks started by _read_ahead, or _complete (its `following`)
+                tokens = values = None              # masks started by _complete (its `following`)
                 later = lambda: launched.set_sampled(*self._sample(chunks, sampled, step, prev,  # noqa: E731
                                                                    launched.masks))
             else:
-                tokens, values = self._sample(chunks, sampled, step, prev, masks)
+                tokens, values = self._sample(chunks, sampled, step, prev)
                 if self.workers is not None and tokens is not None:
                     self.workers.share_sampled(tokens)
         else:                           # verify drafts, rewind rejected ones, draft the next
@@ -306,8 +302,7 @@ class LLMEngine:
             chunks[i].request.pending_row = row
         for c in chunks:
             self.scheduler.advance(c.request, c.num_tokens - c.num_rejected)
-        launched = StepInFlight(chunks, sampled, tokens, values, lps, sample_later=later,
-                                masks=masks if later is not None else None)
+        launched = StepInFlight(chunks, sampled, tokens, values, lps, sample_later=later)
         return launched
 
     def _complete(self, step: StepInFlight, following: StepInFlight | None = None) -> list[RequestOutput]:
@@ -318,13 +313,9 @@ class LLMEngine:
             self._record_prompt_logprobs(rows)
         if step.values is None:
             return []
-        tokens, lps, top_ids, top_lps = step.values.get() if step.read is None else step.read
-        if self.grammars and step.read is None:      # (read ahead: the matchers took the tokens then)
-            waits = following is not None and following.sample_later is not None
-            masks = self._advance_grammars(
-                step, tokens, [following.chunks[i].request.request_id for i in following.sampled] if waits else None)
-            if waits:
-                following.masks = masks
+        tokens, lps, top_ids, top_lps = step.values.get()
+        if self.grammars:
+            self._advance_grammars(step, tokens, following)
         outputs, chunks, append = [], step.chunks, self._append
         commit = self.cache.commit if self.cache.prefix is not None else None    # (a no-op without one)
         for row, i in enumerate(step.sampled):
@@ -372,39 +363,25 @@ class LLMEngine:
             return None
         return self.grammars.step_masks([chunks[i].request.request_id for i in idx])
 
-    def _advance_grammars(self, step: StepInFlight, tokens: list[int], following: list[str] | None):
-        """Advance the matchers by the step's tokens, in row order (before `_append` runs).
-        `following`: the request ids of the next step's sampling rows, whose masks wait for these
-        tokens: the matchers take them in one xgrammar batch call (one row per request in a
-        non-speculative step) and those masks start filling right after (-> the pending masks);
-        None: one token at a time. Rows past a request's finishing token (speculative rows) may
-        be taken too: its matcher is dropped when it finishes."""
+    def _advance_grammars(self, step: StepInFlight, tokens: list[int], following: StepInFlight | None) -> None:
+        """Advance the matchers by the step's tokens, in row order (before `_append` runs). When
+        `following` samples after the masks, they take them in one xgrammar batch call (one row
+        per request in a non-speculative step) and its masks start filling right after; else
+        one token at a time. Rows past a request's finishing token (speculative rows) may be
+        taken too: its matcher is dropped when it finishes."""
         taken = []
         for row, i in enumerate(step.sampled):
             req = step.chunks[i].request
             grammar = None if req.is_finished else self.grammars.get(req.request_id)
             if grammar is not None:
                 taken.append((grammar, tokens[row]))
-        if following is not None:
-            return self.grammars.step_masks(following, taken)
+        if following is not None and following.sample_later is not None:
+            following.masks = self.grammars.step_masks(
+                [following.chunks[i].request.request_id for i in following.sampled], taken)
+            return
         self.grammars.masks.idle()
         for grammar, token in taken:
             grammar.accept(token)
-        return None
-
-    def _read_ahead(self, chunks: list[ScheduledChunk]):
-        """With grammars (one process, async scheduling), read the step in flight back before
-        `chunks` launch — its sampling was just enqueued, so this waits for the sampler alone —
-        and have the matchers take its tokens, then start the masks of `chunks`' sampling rows:
-        they fill while the host launches `chunks`, appends the tokens read and schedules the
-        next step, not only during the latter two (docs/architecture.md, "Structured
-        outputs"). -> those pending masks, or None (nothing read: `_complete` reads the step)."""
-        step = self._inflight
-        if (not self.grammar_read_ahead or step is None or step.values is None or not self.grammars
-                or self.workers is not None or self.spec is not None):
-            return None
-        step.read = step.values.get()
-        return self._advance_grammars(step, step.read[0], [c.request.request_id for c in chunks if c.completes])
 
     def _grammar_waits(self, chunks: list[ScheduledChunk], idx: list[int]) -> bool:
         """Whether a row to sample is under a grammar while its last token is still on the

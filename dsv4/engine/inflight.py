@@ -57,7 +57,6 @@ class StepInFlight:
     # it after reading that step back, before anything reads `tokens` or `values`
     sample_later: Callable[[], None] | None = None
     masks: object | None = None      # structured/masks.PendingMask its sampling waits for (or None)
-    read: list | None = None         # `values` read back early, before the next launch (engine._read_ahead)
 
     def set_sampled(self, tokens: torch.Tensor | None, values: HostCopy | None) -> None:
         self.tokens, self.values, self.sample_later, self.masks = tokens, values, None, None

@@ -231,21 +231,18 @@ def test_ignore_eos_after_the_grammar_ends_allows_eos_only(engine_of, run):
         assert set(out.token_ids[first_eos:]) == {eng.eos_token_id} and len(out.token_ids) == 8
 
 
-@pytest.mark.parametrize("read_ahead", [True, False])
-def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run, read_ahead):
+def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     """Order of the host's work in a decode step with async scheduling: the next step is
-    scheduled, the fill started by the step before is joined and the step in flight sampled;
-    read ahead (the default), that step is read back at once and its tokens taken by the
-    matchers (one batch call), the fill of the next step's mask starts (on the fill threads for
-    a batch of THREAD_MIN_ROWS or more), and the next forward is launched (it takes those
-    tokens on the device) while it runs; without, the forward is launched first and the step
-    read back after. Either way the tokens are appended while the fill runs, and it keeps
-    running through the next schedule. Tokens equal a run with async scheduling off."""
+    scheduled, the fill started by the step before is joined and the step in flight sampled, the
+    next forward is launched (it takes those tokens on the device), the previous step's tokens
+    are read back and taken by the matchers (one batch call), the fill of the launched step's
+    mask starts (on the fill threads for a batch of THREAD_MIN_ROWS or more) and the tokens are
+    appended while it runs, and it keeps running through the next schedule. Tokens equal a run
+    with async scheduling off."""
     from dsv4.structured import masks
     from dsv4.structured.matcher import RequestGrammar
     monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # wait for the worker: no inline fallback
     eng = engine_of(async_scheduling="on")
-    monkeypatch.setattr(eng, "grammar_read_ahead", read_ahead)
     n = masks.THREAD_MIN_ROWS
     reqs = {f"o{i}": (p, SamplingParams(max_tokens=6, temperature=0.0, structured=KINDS["json"]))
             for i, p in enumerate(prompts(eng, n))}
@@ -276,8 +273,7 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run, read_ahead):
     monkeypatch.setattr(filler, "batches", [recorded(b.batch_fill_next_token_bitmask) for b in filler.batches])
     got = run(eng, reqs)
 
-    launch_then_read = ["execute", "fill-start", "accept"] if not read_ahead else ["fill-start", "accept", "execute"]
-    steady = ["schedule", "fill-join", "sample"] + launch_then_read + ["append"] * n
+    steady = ["schedule", "fill-join", "sample", "execute", "fill-start", "accept"] + ["append"] * n
     text = " ".join(events)
     assert text.count(" ".join(steady)) >= 3, text      # the decode steps between prefill and the end
     assert fill_threads and all(name.startswith("dsv4-grammar-masks") for name in fill_threads)
@@ -338,18 +334,15 @@ def test_masked_fill_in_place_when_every_row_has_a_grammar():
     assert torch.equal(ours, theirs) and torch.isinf(ours).any()
 
 
-@pytest.mark.parametrize("read_ahead", [True, False])
-def test_deferred_sampling_through_ends_aborts_and_stops(engine_of, monkeypatch, h, read_ahead):
+def test_deferred_sampling_through_ends_aborts_and_stops(engine_of, monkeypatch, h):
     """With async scheduling a constrained step is sampled only once the next one is scheduled,
-    its mask filled on the fill threads meanwhile (the step before read back ahead of the
-    launch, or after it). Through that order: requests ending by their grammar (EOS) while their
-    next row is already launched, grammars ended under ignore_eos (EOS-only masks), parallel
-    copies of one prompt (n > 1), a stop string, unconstrained neighbours and an abort while the
-    aborted request's row is launched but not sampled: the same outputs as with async
-    scheduling off, every grammar dropped and every page freed."""
+    its mask filled on the worker meanwhile. Through that order: requests ending by their grammar
+    (EOS) while their next row is already launched, grammars ended under ignore_eos (EOS-only
+    masks), parallel copies of one prompt (n > 1), a stop string, unconstrained neighbours and an
+    abort while the aborted request's row is launched but not sampled: the same outputs as with
+    async scheduling off, every grammar dropped and every page freed."""
     from dsv4.structured import masks
-    monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # the threads fill every large mask
-    monkeypatch.setattr(engine_of(async_scheduling="on"), "grammar_read_ahead", read_ahead)
+    monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # the worker fills every large mask
     ps = prompts(engine_of(async_scheduling="off"), 6)
     choice = SamplingParams(max_tokens=12, temperature=0.0, structured=KINDS["choice"])
     reqs = [h.Req(f"choice-{i}", p, choice) for i, p in enumerate(ps)]
