@@ -24,9 +24,10 @@ from .matcher import RequestGrammar
 # least this many: handing the work to a thread and back costs about as much as a handful of rows.
 THREAD_MIN_ROWS = 8
 # Threads that fill a step's rows, a slice each (one xgrammar call, its own pool off: that pool
-# starts its threads on every call). A quarter of the cores this process may use, at most 4, at
-# least 1: the main thread, the GPU's launches and the API process need the rest.
-FILL_THREADS = min(4, max(1, len(os.sched_getaffinity(0)) // 4 if hasattr(os, "sched_getaffinity")
+# starts its threads on every call). A quarter of the cores this process may use, at most 2, at
+# least 1: the main thread, the GPU's launches and the API process need the rest (on a 16-core
+# H200 host 2 threads beat 4: 0.84x against 0.77x of unconstrained decode, docs/benchmarks.md).
+FILL_THREADS = min(2, max(1, len(os.sched_getaffinity(0)) // 4 if hasattr(os, "sched_getaffinity")
                           else (os.cpu_count() or 1) // 4))
 # How long `start` waits for the threads to begin their slices before going on (each needs the
 # GIL to start, which the caller's pure-Python work would otherwise hold for up to a whole switch
