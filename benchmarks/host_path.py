@@ -54,6 +54,7 @@ def parse_args(argv):
                    help="timed runs of --profile-steps steps; each figure is the least of them (shared hosts)")
     p.add_argument("--only-profile", action="store_true", help="the host profile alone (no server)")
     p.add_argument("--skip-profile", action="store_true", help="the server and offline parts alone (no host profile)")
+    p.add_argument("--serve-args", default="", help="extra `dsv4 serve` flags, one string (e.g. \"--max-num-batched-tokens 8192\")")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.smoke:
@@ -143,7 +144,7 @@ def serve_and_bench(args) -> dict:
     model = demo_model_dir()
     flags = ["--model", model, "--port", "0", "--device", args.device, "--dtype", args.dtype,
              "--max-num-seqs", str(args.concurrency), "--max-model-len", str(args.max_model_len),
-             "--no-enable-prefix-caching", "--log-level", "info"]
+             "--no-enable-prefix-caching", "--log-level", "info", *args.serve_args.split()]
     out = {}
     with tempfile.NamedTemporaryFile("w+", suffix=".log") as log_file:
         t0 = time.perf_counter()

@@ -245,12 +245,33 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+# Tokens a step when none is given: vLLM's choice, so the same flags behave alike. A large GPU
+# (>= 70 GiB, not an A100) takes bigger steps; offline use (LLM) takes bigger steps than a server,
+# whose running requests wait out every prefill chunk mixed into their decode steps.
+LARGE_GPU_BYTES = 70 << 30
+BATCHED_TOKENS = {("large", True): 8192, ("large", False): 16384, ("gpu", True): 2048, ("gpu", False): 8192,
+                  ("cpu", True): 2048, ("cpu", False): 2048}
+
+
+def default_batched_tokens(device: str, serving: bool) -> int:
+    """max_num_batched_tokens when unset: by device class (cpu / gpu / large) and use."""
+    kind = "cpu"
+    if device.startswith("cuda"):
+        import torch
+        kind = "gpu"
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(torch.device(device))
+            if props.total_memory >= LARGE_GPU_BYTES and "a100" not in props.name.lower():
+                kind = "large"
+    return BATCHED_TOKENS[(kind, serving)]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every engine setting (the CLI flags of `generate`, `serve` and `bench`)."""
     device: str = "cpu"
     dtype: str = "float32"                 # float32 | bfloat16
-    max_num_batched_tokens: int = 2048     # tokens per step, all sequences together
+    max_num_batched_tokens: int | None = None   # tokens per step, all sequences together; None: by device (default_batched_tokens)
     max_num_seqs: int = 64                 # sequences per step (and request state slots)
     max_model_len: int | None = None       # prompt + output tokens; None: min(model max, cache)
     num_pages: int | None = None           # 256-token history pages; None: from the memory budget
@@ -280,6 +301,8 @@ class EngineConfig:
     enable_expert_parallel: bool = False   # routed experts split E/N over the ranks instead of each expert's width
 
     def __post_init__(self):
+        if self.max_num_batched_tokens is None:
+            object.__setattr__(self, "max_num_batched_tokens", default_batched_tokens(self.device, serving=False))
         for name in ("max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_bs"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"expected a positive integer, got {getattr(self, name)}")

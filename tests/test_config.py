@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from dsv4.config import ConfigError, ModelConfig, YarnScaling
+from dsv4.config import ConfigError, EngineConfig, ModelConfig, YarnScaling
 from dsv4.model.random_init import FLASH_RATIOS, preset_config
 
 TINY = preset_config("tiny", layers=4)          # compress_ratios (0, 4, 128, 4), MTP entry 0
@@ -207,3 +207,41 @@ def test_presets_parse_with_and_without_a_layer_count():
     assert preset_config("flash-slice", layers=43).compress_ratios == tuple(FLASH_RATIOS)
     assert preset_config("tiny").layer_types[:3] == ("sliding_attention", "compressed_sparse_attention",
                                                      "heavily_compressed_attention")
+
+
+class _Props:
+    def __init__(self, gib, name):
+        self.total_memory, self.name = gib << 30, name
+
+
+@pytest.mark.parametrize("gib,name,serving,want", [
+    (141, "NVIDIA H200", True, 8192), (141, "NVIDIA H200", False, 16384),
+    (80, "NVIDIA A100-SXM4-80GB", True, 2048), (80, "NVIDIA A100-SXM4-80GB", False, 8192),
+    (24, "NVIDIA L4", True, 2048), (24, "NVIDIA L4", False, 8192)])
+def test_default_batched_tokens_by_gpu_and_use(monkeypatch, gib, name, serving, want):
+    import torch
+    from dsv4.config import default_batched_tokens
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _Props(gib, name))
+    assert default_batched_tokens("cuda:0", serving) == want
+
+
+def test_default_batched_tokens_cpu_and_explicit():
+    from dsv4.config import default_batched_tokens
+    assert default_batched_tokens("cpu", True) == default_batched_tokens("cpu", False) == 2048
+    assert EngineConfig().max_num_batched_tokens == 2048            # None resolves (offline, CPU)
+    assert EngineConfig(max_num_batched_tokens=512).max_num_batched_tokens == 512
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        EngineConfig(max_num_batched_tokens=0)
+
+
+def test_serve_flags_take_the_server_default(monkeypatch):
+    import argparse
+    from dsv4.cli import engine_args
+    p = argparse.ArgumentParser()
+    engine_args.add_engine_args(p)
+    monkeypatch.setattr(engine_args, "default_batched_tokens", lambda device, serving: 8192 if serving else 16384)
+    assert engine_args.engine_config(p.parse_args([]), serving=True).max_num_batched_tokens == 8192
+    assert engine_args.engine_config(p.parse_args([])).max_num_batched_tokens == 16384
+    given = p.parse_args(["--max-num-batched-tokens", "1024"])
+    assert engine_args.engine_config(given, serving=True).max_num_batched_tokens == 1024

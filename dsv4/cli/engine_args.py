@@ -5,12 +5,13 @@ import argparse
 import dataclasses
 import typing
 
-from ..config import ConfigError, EngineConfig
+from ..config import ConfigError, EngineConfig, default_batched_tokens
 
 HELP = {
     "device": "cpu, cuda or cuda:N",
     "dtype": "weights and cache dtype (float32 or bfloat16)",
-    "max_num_batched_tokens": "tokens per step across all sequences",
+    "max_num_batched_tokens": "tokens per step across all sequences (default: 8192 serving and 16384 offline on a "
+                              "GPU of >= 70 GiB other than an A100, 2048 and 8192 on other GPUs, 2048 on the CPU)",
     "max_num_seqs": "sequences per step",
     "max_model_len": "prompt + output tokens of one request (default: model max or what the cache holds)",
     "num_pages": "256-token history pages in the KV cache (default: from the memory budget)",
@@ -77,9 +78,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument("--" + f.name.replace("_", "-"), type=conv, default=f.default, help=HELP.get(f.name))
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
+def engine_config(args: argparse.Namespace, serving: bool = False) -> EngineConfig:
+    """The flags' EngineConfig; `serving` picks the server's default step size (default_batched_tokens)."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
     try:
+        if values["max_num_batched_tokens"] is None:
+            values["max_num_batched_tokens"] = default_batched_tokens(values["device"], serving)
         config = EngineConfig(**values)
     except ConfigError as e:
         raise SystemExit(_flag(e.field) + f": {e}") from None

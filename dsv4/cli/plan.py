@@ -26,7 +26,7 @@ def run(args) -> int:
     from ..cache.sizing import plan_cache, requests_that_fit
     from ..config import ConfigError
     from ..engine.context_limit import context_limit
-    config = engine_config(args)
+    config = engine_config(args, serving=True)
     cfg = _model_config(args.model)
     dtype = DTYPES[config.dtype]
     layout = CacheLayout(cfg, spec_slots=config.spec_slots, kv_fp8=config.kv_cache_dtype == "fp8")

@@ -57,7 +57,7 @@ def run(args) -> int:
     from ..serve.client import EngineStartError
     from ..serve.http.server import APIServer, ServeSettings
 
-    config = engine_config(args)
+    config = engine_config(args, serving=True)
     limits = _limits(args)
     model_dir = args.model or demo_model_dir()
     _check_model_dir(model_dir, config.tokenizer)
