@@ -17,6 +17,13 @@ chosen among its 16384 C4 entries); prefill, one chunk of T tokens late in a lon
 each token's causal limit (repeats possible). A second table times tile shapes and the
 slot split (tuning aid): the first row of each case is the default.
 
+With `--deep-hca`, only a fourth table: one 2,048-token chunk at position 900,000 of an HCA
+layer (window + every C128 entry below each token's limit, ~7k, over 2-entry pages as the cache
+keeps them), checked against the reference, then timed for PREFILL_SCAN + DEEP_SCAN tiles
+against the bf16 peak: the O(E / 128) attention term of a deep prefill chunk.
+
+    python -m benchmarks.kernels.attention --deep-hca     # ~1 minute
+
 A third table times paged sources (PagedRows, dsv4/ops/paged.py) against their dense form on
 the same rows (bit-identical outputs required, and within tolerance of the reference): each
 case's window as a PagedRows over 128-position pages (a CSA layer: the C4 source stays the
@@ -45,6 +52,9 @@ TILES = [(16, 32, 8, 2, None), (16, 32, 4, 2, None), (16, 64, 8, 2, None), (32, 
          (32, 64, 8, 2, None), (16, 32, 8, 3, None), (64, 32, 8, 2, None), (16, 32, 8, 2, 1)]
 PREFILL_SCAN = [(64, 32, 8, 2, None), (64, 64, 8, 2, None), (64, 32, 4, 2, None), (64, 32, 8, 3, None),
                 (64, 16, 8, 2, None), (64, 16, 4, 2, None), (32, 32, 4, 2, None), (64, 64, 8, 3, None)]
+DEEP_SCAN = [(64, 128, 8, 2, None), (64, 64, 8, 3, None), (64, 64, 4, 2, None), (32, 64, 8, 2, None),
+             (32, 128, 8, 2, None), (16, 64, 4, 2, None)]
+DEEP_T, DEEP_POS = 2048, 900_000
 TUNE_CASES = [("decode", 1), ("decode", 64), ("prefill", 4096)]
 LAYERS, SWA_PAGE, HCA_PAGE, HCA_RATIO, DECODE_POS = 4, 128, 2, 128, 65536
 
@@ -123,6 +133,41 @@ def paged_table(gen, scale) -> int:
     return failures
 
 
+def deep_hca_table(gen, scale) -> int:
+    """Time an HCA layer's attention for a chunk deep in a prompt over tile shapes; -> failures."""
+    t = torch.arange(DEEP_T, device=DEVICE)
+    pos, req = DEEP_POS + t, torch.zeros_like(t)
+    window, n_swa = paged_rows(req, pos - W + 1, pos + 1, SWA_PAGE, W, gen)
+    closed = (pos + 1) // HCA_RATIO
+    width = int(closed.max())
+    history, n_hca = paged_rows(req, torch.zeros_like(closed), closed, HCA_PAGE, width, gen)
+
+    def rows(n):
+        return torch.randn(n, D, generator=gen, device=DEVICE).to(torch.bfloat16)
+    q = torch.randn(DEEP_T, H, D, generator=gen, device=DEVICE).to(torch.bfloat16)
+    sinks = torch.randn(H, generator=gen, device=DEVICE)
+    sources = [(rows(n_swa), window), (rows(n_hca), history)]
+    want = reference(q, sources, sinks, scale).float()
+    flops = 4 * H * D * (W * DEEP_T + float(closed.sum()))
+    print(f"\nHCA layer, chunk of {DEEP_T} at position {DEEP_POS} ({width} C128 entries at its end): "
+          f"{flops / 1e12:.2f} TFLOP")
+    print(f"{'h_block':>7} {'block_k':>7} {'warps':>5} {'stages':>6} {'ms':>9} {'TFLOP/s':>8} {'%peak':>6}")
+    failures = 0
+    for hb, bk, nw, ns, splits in PREFILL_SCAN + DEEP_SCAN:
+        knobs = dict(h_block=hb, block_k=bk, num_warps=nw, num_stages=ns, num_splits=splits)
+        try:
+            out = tri.sparse_attention(q, sources, sinks, scale, **knobs)
+            ok = bool(((out.float() - want).abs() <= TOL + TOL * want.abs()).all())
+            ms = median_ms(lambda: tri.sparse_attention(q, sources, sinks, scale, **knobs), reps=10)
+            tfs = flops / ms / 1e9
+            print(f"{hb:7d} {bk:7d} {nw:5d} {ns:6d} {ms:9.3f} {tfs:8.1f} {100 * tfs * 1e12 / PEAK_FLOPS:5.1f}%"
+                  f"{'' if ok else '  MISMATCH'}")
+            failures += not ok
+        except Exception as e:     # a tile that does not fit (shared memory) is reported, not fatal
+            print(f"{hb:7d} {bk:7d} {nw:5d} {ns:6d}  failed: {type(e).__name__}: {str(e)[:80]}")
+    return failures
+
+
 def reference(*args):
     with backend.forced("reference"):
         return dispatch(*args)
@@ -135,6 +180,10 @@ def main() -> int:
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     scale = D ** -0.5
     failures = 0
+    if "--deep-hca" in sys.argv[1:]:
+        failures = deep_hca_table(gen, scale)
+        print("OK" if not failures else f"{failures} FAILED")
+        return 1 if failures else 0
     print(f"sparse attention, H={H} D={D} W={W} K={K} bf16 on {torch.cuda.get_device_name()}")
     print(f"{'case':>14} {'max err':>8} {'ref ms':>9} {'triton ms':>10} {'speedup':>8} "
           f"{'MB':>8} {'GB/s':>7} {'%HBM':>5} {'TFLOP/s':>8} {'%peak':>6}")
