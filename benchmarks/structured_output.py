@@ -65,17 +65,18 @@ def workload(engine, batch: int, tokens: int, constrained: bool, tag: str) -> di
 
 
 class MaskTimer:
-    """Main-thread time per step in the masks: `start` (the matchers' accept, then the hand-off to
-    the fill threads, or the whole fill for a small batch), of it `accept` (the batch accept) and
-    `hand-off` (waiting for the threads to begin), `result` (waiting for the threads), and
-    `upload` (the mask to the device)."""
+    """Main-thread time per step in the masks: `start` (the gates taking the previous step's
+    tokens, then the hand-off to the fill threads, which accept and fill, or the whole accept and
+    fill for a small batch), of it `gates` (the gates, and the matchers' accept when a stop token
+    is among the tokens) and `hand-off` (waiting for the threads to begin), `result` (waiting for
+    the threads), and `upload` (the mask to the device)."""
 
     def __init__(self):
         from dsv4.engine.sampling_inputs import SamplingInputs
         from dsv4.structured import fill_threads, masks
-        self.seconds = {"start": 0.0, "accept": 0.0, "hand-off": 0.0, "result": 0.0, "upload": 0.0}
+        self.seconds = {"start": 0.0, "gates": 0.0, "hand-off": 0.0, "result": 0.0, "upload": 0.0}
         self.steps = 0
-        timed = {"start": (masks.MaskFiller, "start"), "accept": (masks, "accept_batch"),
+        timed = {"start": (masks.MaskFiller, "start"), "gates": (masks, "owed_tokens"),
                  "hand-off": (fill_threads.FillThreads, "submit"), "result": (masks.PendingMask, "result"),
                  "upload": (SamplingInputs, "_upload_mask")}
         self._saved = [(owner, attr, getattr(owner, attr)) for owner, attr in timed.values()]

@@ -7,7 +7,8 @@ two threads); these start once. A thread runs nothing but its job between two bl
 work keeps for up to a whole switch interval.
 
 A job runs exactly once, on its thread or on the caller: whoever takes its `claim` lock first.
-`Job.join` runs a job its thread has not begun (a busy host) on the calling thread."""
+`Job.join` and `Job.settle` run a job its thread has not begun (a busy host) on the calling
+thread: a job may carry state changes (the matchers' accept) that must not be lost."""
 from __future__ import annotations
 
 import threading
@@ -48,10 +49,14 @@ class Job:
             raise self.error
         return False
 
-    def drop(self) -> None:
-        """Never run it if its thread has not begun it; else wait for it (its error dropped).
-        A `join` after it returns at once."""
+    def settle(self) -> None:
+        """Run it here if its thread has not begun it, else wait for it; its error dropped (the
+        error of a step that failed before its `join`). A `join` after it returns at once."""
         if self.claim.acquire(blocking=False):
+            try:
+                self.fn()
+            except BaseException:
+                pass
             self.done.release()
             return
         self.done.acquire()

@@ -235,10 +235,10 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     """Order of the host's work in a decode step with async scheduling: the next step is
     scheduled, the fill started by the step before is joined and the step in flight sampled, the
     next forward is launched (it takes those tokens on the device), the previous step's tokens
-    are read back and taken by the matchers (one batch call), the fill of the launched step's
-    mask starts (on the fill threads for a batch of THREAD_MIN_ROWS or more) and the tokens are
-    appended while it runs, and it keeps running through the next schedule. Tokens equal a run
-    with async scheduling off."""
+    are read back and taken by the gates, the fill of the launched step's mask starts (on the
+    fill threads for a batch of THREAD_MIN_ROWS or more, whose matchers accept those tokens first)
+    and the tokens are appended while it runs, and it keeps running through the next schedule.
+    Tokens equal a run with async scheduling off."""
     from dsv4.structured import masks
     from dsv4.structured.matcher import RequestGrammar
     monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # wait for the worker: no inline fallback
@@ -247,7 +247,7 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     reqs = {f"o{i}": (p, SamplingParams(max_tokens=6, temperature=0.0, structured=KINDS["json"]))
             for i, p in enumerate(prompts(eng, n))}
     run(eng, {"warm": reqs["o0"]})                     # eng.grammars exists from here on
-    events, fill_threads = [], []
+    events, fill_threads, accept_threads = [], [], []
 
     def record(name, fn):
         def wrapped(*a, **kw):
@@ -260,7 +260,14 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     monkeypatch.setattr(eng, "_append", record("append", eng._append))
     monkeypatch.setattr(eng, "sampler", record("sample", eng.sampler))
     monkeypatch.setattr(RequestGrammar, "accept", record("accept-one", RequestGrammar.accept))
-    monkeypatch.setattr(masks, "accept_batch", record("accept", masks.accept_batch))
+    monkeypatch.setattr(masks, "owed_tokens", record("gates", masks.owed_tokens))
+
+    def batch_accept(fn):
+        def accept(*a):
+            accept_threads.append(threading.current_thread().name)
+            return fn(*a)
+        return accept
+    monkeypatch.setattr(masks, "_batch_accept", batch_accept(masks._batch_accept))
     filler = eng.grammars.masks
     monkeypatch.setattr(filler, "start", record("fill-start", filler.start))
     monkeypatch.setattr(masks.PendingMask, "result", record("fill-join", masks.PendingMask.result))
@@ -273,10 +280,12 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     monkeypatch.setattr(filler, "batches", [recorded(b.batch_fill_next_token_bitmask) for b in filler.batches])
     got = run(eng, reqs)
 
-    steady = ["schedule", "fill-join", "sample", "execute", "fill-start", "accept"] + ["append"] * n
+    steady = ["schedule", "fill-join", "sample", "execute", "fill-start", "gates"] + ["append"] * n
     text = " ".join(events)
     assert text.count(" ".join(steady)) >= 3, text      # the decode steps between prefill and the end
     assert fill_threads and all(name.startswith("dsv4-grammar-masks") for name in fill_threads)
+    on_threads = [name.startswith("dsv4-grammar-masks") for name in accept_threads]
+    assert sum(on_threads) >= 3                 # the decode steps: the matchers accept on the fill threads
     monkeypatch.undo()
     sync = run(engine_of(async_scheduling="off"), reqs)
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in sync.items()}
