@@ -125,10 +125,12 @@ class MaskFiller:
         slices = min(self.threads.n, len(live) // self.thread_min_rows)
         if slices == 0:
             if live:
-                self._fill(0, matchers, tokens, bitmask, live, 1)()
+                accept, fill = self._slice(0, matchers, tokens, bitmask, live, 1)
+                accept()
+                fill()
             return PendingMask(rows_t, bitmask, self.keep, covers_all)
-        fills = [self._fill(k, matchers, tokens, bitmask, live, slices) for k in range(slices)]
-        self.pending = self.threads.submit(fills, HANDOFF_WAIT_S)
+        accepts, fills = zip(*[self._slice(k, matchers, tokens, bitmask, live, slices) for k in range(slices)])
+        self.pending = self.threads.submit(list(fills), HANDOFF_WAIT_S, firsts=list(accepts))
         self.slices += slices
         return PendingMask(rows_t, bitmask, self.keep, covers_all, self.pending, self)
 
@@ -140,20 +142,21 @@ class MaskFiller:
             self.all_rows = torch.arange(size)
         return self.buffer[:n]
 
-    def _fill(self, k: int, matchers: list, tokens: list[int | None], bitmask: torch.Tensor, live: list[int],
-              slices: int) -> Callable[[], None]:
-        """Slice k of `slices` near-equal contiguous slices of the live rows: its matchers accept
-        their owed tokens (`tokens`, None: none), then fill their rows; an xgrammar call each."""
+    def _slice(self, k: int, matchers: list, tokens: list[int | None], bitmask: torch.Tensor, live: list[int],
+               slices: int) -> tuple[Callable[[], None], Callable[[], None]]:
+        """Slice k of `slices` near-equal contiguous slices of the live rows -> (its matchers
+        accept their owed tokens (`tokens`, None: none), then fill their rows): an xgrammar call
+        each. On a fill thread the accept runs before the job counts as begun
+        (fill_threads.Job), so the caller's hand-off wait covers it."""
         lo, hi = k * len(live) // slices, (k + 1) * len(live) // slices
         part, at, batch = matchers[lo:hi], live[lo:hi], self.batches[k]
         owing = [(m, t) for m, t in zip(part, tokens[lo:hi]) if t is not None]
         accepting, accepted = [m for m, _ in owing], [t for _, t in owing]
 
-        def fill() -> None:
+        def accept() -> None:
             if accepting:
                 _batch_accept(accepting, accepted)
-            batch.batch_fill_next_token_bitmask(part, bitmask, at)
-        return fill
+        return accept, lambda: batch.batch_fill_next_token_bitmask(part, bitmask, at)
 
     def close(self) -> None:
         self.idle()

@@ -81,3 +81,24 @@ def test_a_settled_jobs_error_is_dropped(threads):
     jobs = threads.submit([fail], None)
     jobs[0].settle()
     assert jobs[0].join() is False
+
+
+def test_a_job_counts_as_begun_once_its_first_part_has_run(threads):
+    """submit's wait covers a job's `first` part (the matchers' accept); a job taken back runs
+    both parts, in order, on the caller."""
+    order = []
+    jobs = threads.submit([lambda: order.append("fill")], None, firsts=[lambda: order.append("accept")])
+    assert order[0] == "accept"                      # ran before submit returned
+    jobs[0].join()
+    assert order == ["accept", "fill"]
+    release, busy = threading.Event(), threading.Event()
+
+    def block():
+        busy.set()
+        release.wait()
+    held = threads.submit([block], None)
+    assert busy.wait(5)
+    late = threads.submit([lambda: order.append("fill-here")], 0.0, firsts=[lambda: order.append("accept-here")])
+    assert late[0].join() is True and order[2:] == ["accept-here", "fill-here"]
+    release.set()
+    held[0].join()
