@@ -42,6 +42,19 @@ class GrammarMask:
     bitmask: torch.Tensor     # [R, ceil(V / 32)] int32
     covers_all: bool = False  # rows == 0..R-1 are every row of the batch: masked in place
     keep: torch.Tensor | None = None   # [ceil(V / 32)] int32 ANDed into every row (special tokens)
+    keep_bits: torch.Tensor | None = None   # [ceil(V / 32), 32] int32 `keep_bits(keep)` (made once, on the device)
+
+
+def bit_selectors(device) -> torch.Tensor:
+    """[32] int32: word b has bit b alone set (bit 31: -2**31)."""
+    return 1 << torch.arange(32, dtype=torch.int32, device=device)
+
+
+def keep_bits(keep: torch.Tensor | None, device) -> torch.Tensor:
+    """[ceil(V / 32), 32] int32: keep[w] & (1 << b) at [w, b] (`keep` None: [32], every bit):
+    `(bitmask[:, :, None] & keep_bits) != 0` says which tokens a row allows, `keep` ANDed in."""
+    bits = bit_selectors(device)
+    return bits if keep is None else keep[:, None] & bits
 
 
 def words(vocab_size: int) -> int:

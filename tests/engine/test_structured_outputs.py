@@ -219,6 +219,27 @@ def test_masked_fill_matches_xgrammar_on_the_rows_it_names():
     assert torch.isinf(ours[[0, 2]]).any()
 
 
+def test_masked_fill_ands_the_special_token_filter_in():
+    """With `keep` (the special-token filter), given as the bit selectors made once
+    (masks.keep_bits) or made in the call: the same -inf entries as xgrammar's apply of
+    bitmask & keep, in place and on named rows."""
+    import xgrammar
+    from dsv4.engine.sampler import apply_grammar_mask
+    from dsv4.structured.masks import GrammarMask, keep_bits
+    vocab, gen = 100, torch.Generator().manual_seed(2)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32, generator=gen)
+    keep = torch.randint(-2**31, 2**31 - 1, (4,), dtype=torch.int32, generator=gen)
+    logits = torch.randn(3, vocab)
+    theirs = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(theirs, bitmask & keep, vocab_size=vocab)
+    for bits in (None, keep_bits(keep, "cpu")):
+        for rows, covers_all in ((torch.arange(3), True), (torch.tensor([0, 2]), False)):
+            ours = logits.clone()
+            apply_grammar_mask(ours, GrammarMask(rows, bitmask[rows], covers_all, keep, bits))
+            assert torch.equal(ours[rows], theirs[rows]), (bits is None, covers_all)
+            assert covers_all or torch.equal(ours[1], logits[1])
+
+
 def test_ignore_eos_after_the_grammar_ends_allows_eos_only(engine_of, run):
     """A grammar that has ended (its EOS taken) masks to EOS alone: with ignore_eos the request
     runs to max_tokens on EOS (xgrammar itself refuses to fill a terminated matcher)."""
