@@ -14,20 +14,35 @@ A job runs exactly once, on its thread or on the caller: whoever takes its `clai
 thread: a job may carry state changes (the matchers' accept) that must not be lost."""
 from __future__ import annotations
 
+import itertools
 import threading
-import time
 from collections.abc import Callable
 from queue import SimpleQueue
 
 
-class Job:
-    __slots__ = ("first", "fn", "claim", "started", "done", "error")
+class Begun:
+    """The jobs of one `submit`: `lock` is released once all `n` have begun (one wake-up of the
+    waiting caller, not one a job)."""
+    __slots__ = ("lock", "count", "n")
 
-    def __init__(self, fn: Callable[[], None], first: Callable[[], None] | None = None):
-        """first: run before `fn`, before the job counts as begun (None: nothing)."""
-        self.first, self.fn = first, fn
-        self.claim, self.started, self.done = threading.Lock(), threading.Lock(), threading.Lock()
-        self.started.acquire()          # released by the thread once it has claimed the job and run `first`
+    def __init__(self, n: int):
+        self.lock, self.count, self.n = threading.Lock(), itertools.count(1), n
+        if n:
+            self.lock.acquire()
+
+    def one(self) -> None:
+        if next(self.count) == self.n:      # (itertools.count: atomic under the GIL)
+            self.lock.release()
+
+
+class Job:
+    __slots__ = ("first", "fn", "claim", "begun", "done", "error")
+
+    def __init__(self, fn: Callable[[], None], first: Callable[[], None] | None = None, begun: Begun | None = None):
+        """first: run before `fn`, before the job counts as begun (None: nothing); `begun` is
+        told then."""
+        self.first, self.fn, self.begun = first, fn, begun or Begun(1)
+        self.claim, self.done = threading.Lock(), threading.Lock()
         self.done.acquire()             # released by the thread once the job has run
         self.error: BaseException | None = None
 
@@ -40,7 +55,7 @@ class Job:
                 if self.first is not None:
                     self.first()
             finally:
-                self.started.release()
+                self.begun.one()
             self.fn()
         except BaseException as e:      # re-raised by join
             self.error = e
@@ -93,18 +108,14 @@ class FillThreads:
         assert len(fns) <= self.n, (len(fns), self.n)
         if not self._threads:
             self._start()
-        jobs = [Job(fn, first) for fn, first in zip(fns, firsts or [None] * len(fns))]
+        begun = Begun(len(fns))
+        jobs = [Job(fn, first, begun) for fn, first in zip(fns, firsts or [None] * len(fns))]
         for q, job in zip(self._queues, jobs):
             q.put(job)
         if wait_s is None:
-            for job in jobs:
-                job.started.acquire()
+            begun.lock.acquire()
         elif wait_s > 0:
-            deadline = time.perf_counter() + wait_s
-            for job in jobs:
-                left = deadline - time.perf_counter()
-                if left <= 0 or not job.started.acquire(timeout=left):
-                    break
+            begun.lock.acquire(timeout=wait_s)
         return jobs
 
     def _start(self) -> None:

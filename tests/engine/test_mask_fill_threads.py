@@ -84,13 +84,13 @@ def test_a_settled_jobs_error_is_dropped(threads):
 
 
 def test_a_job_counts_as_begun_once_its_first_part_has_run(threads):
-    """submit's wait covers a job's `first` part (the matchers' accept); a job taken back runs
-    both parts, in order, on the caller."""
-    order = []
-    jobs = threads.submit([lambda: order.append("fill")], None, firsts=[lambda: order.append("accept")])
-    assert order[0] == "accept"                      # ran before submit returned
-    jobs[0].join()
-    assert order == ["accept", "fill"]
+    """submit's one wait covers every job's `first` part (the matchers' accept); a job taken
+    back runs both parts, in order, on the caller."""
+    firsts, fills = [], []
+    jobs = threads.submit([lambda k=k: fills.append(k) for k in range(2)], None,
+                          firsts=[lambda k=k: firsts.append(k) for k in range(2)])
+    assert sorted(firsts) == [0, 1]                  # both ran before submit returned
+    assert [job.join() for job in jobs] == [False, False] and sorted(fills) == [0, 1]
     release, busy = threading.Event(), threading.Event()
 
     def block():
@@ -98,7 +98,8 @@ def test_a_job_counts_as_begun_once_its_first_part_has_run(threads):
         release.wait()
     held = threads.submit([block], None)
     assert busy.wait(5)
-    late = threads.submit([lambda: order.append("fill-here")], 0.0, firsts=[lambda: order.append("accept-here")])
-    assert late[0].join() is True and order[2:] == ["accept-here", "fill-here"]
+    order = []
+    late = threads.submit([lambda: order.append("fill")], 0.0, firsts=[lambda: order.append("accept")])
+    assert late[0].join() is True and order == ["accept", "fill"]
     release.set()
     held[0].join()
