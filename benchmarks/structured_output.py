@@ -12,8 +12,9 @@ sampled after that schedule), and applied in the sampler.
 Each time: no constraint; JSON with the masks filled on the fill threads, once per count in
 --fill-threads (structured/masks.py: persistent threads, a slice of the rows each); JSON with them
 filled inline on the main thread. Each constrained row reports the main thread's ms per step in
-`MaskFiller.start` (the matchers taking the previous step's tokens, then the hand-off to the
-threads, or the whole inline fill) and in `PendingMask.result` (waiting for the threads), and how
+`MaskFiller.start` (the gates taking the previous step's tokens, then the hand-off to the
+threads, whose matchers accept those tokens before the hand-off ends, or the whole inline accept
+and fill), in `PendingMask.result` (waiting for the threads) and in the mask's upload, and how
 many of the slices handed to the threads no thread had begun by `result()` (filled there: a
 hand-off that failed).
 
