@@ -351,6 +351,42 @@ def test_mask_filler_reuses_one_buffer_and_matches_xgrammar(engine_of, monkeypat
             grammars.drop(rid)
 
 
+def test_owed_tokens_reach_every_matcher_through_the_fill_threads(engine_of, monkeypatch):
+    """A step's tokens are accepted by the fill threads for the rows they fill, on the caller for
+    a grammar outside the step, and on the caller for every row when one is the stop token (its
+    grammar ends: an EOS-only row)."""
+    from dsv4.structured import masks
+    monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # the fill threads take every slice
+    eng = engine_of(async_scheduling="off")
+    grammars = eng._grammars()
+    ids = [f"owed{i}" for i in range(2 * masks.THREAD_MIN_ROWS)]
+    for rid in ids:
+        grammars.add(rid, KINDS["choice"])
+    may, be = eng.tokenizer.encode("maybe")
+    gs = [grammars.get(rid) for rid in ids]
+
+    def allows(mask_row, token):
+        return bool((int(mask_row[token // 32]) >> (token % 32)) & 1)
+    try:
+        with torch.inference_mode():
+            first = grammars.step_masks(ids).result().bitmask.clone()
+            assert not allows(first[0], be)
+            slices = grammars.masks.slices
+            mask = grammars.step_masks(ids[1:], [(g, may) for g in gs]).result()    # ids[0] is not in the step
+            assert grammars.masks.slices > slices and grammars.masks.taken_back == 0
+            assert all(allows(row, be) for row in mask.bitmask)
+            alone = torch.zeros(1, first.shape[1], dtype=torch.int32)
+            gs[0].fill(alone, 0)
+            assert allows(alone[0], be)                             # accepted on the caller
+            grammars.step_masks(ids, [(g, be) for g in gs]).result()
+            ended = grammars.step_masks(ids, [(g, eng.eos_token_id) for g in gs]).result()
+            assert all(g.finished for g in gs)
+            assert all(torch.equal(row, grammars.end_row) for row in ended.bitmask)
+    finally:
+        for rid in ids:
+            grammars.drop(rid)
+
+
 def test_masked_fill_in_place_when_every_row_has_a_grammar():
     import xgrammar
     from dsv4.engine.sampler import apply_grammar_mask
