@@ -12,8 +12,9 @@ sampled after that schedule), and applied in the sampler.
 Each time: no constraint; JSON with the masks filled on the fill threads, once per count in
 --fill-threads (structured/masks.py: persistent threads, a slice of the rows each); JSON with them
 filled inline on the main thread. Each constrained row reports the main thread's ms per step in
-`MaskFiller.start` (the matchers taking the previous step's tokens, then the hand-off to the
-threads, or the whole inline fill) and in `PendingMask.result` (waiting for the threads), and how
+`MaskFiller.start` (the gates taking the previous step's tokens, then the hand-off to the
+threads, whose matchers accept those tokens before the hand-off ends, or the whole inline accept
+and fill), in `PendingMask.result` (waiting for the threads) and in the mask's upload, and how
 many of the slices handed to the threads no thread had begun by `result()` (filled there: a
 hand-off that failed).
 
@@ -65,29 +66,41 @@ def workload(engine, batch: int, tokens: int, constrained: bool, tag: str) -> di
 
 
 class MaskTimer:
-    """Main-thread time per step in the masks: `start` (the matchers' accept, then the hand-off to
-    the fill threads, or the whole fill for a small batch), of it `accept` (the batch accept) and
-    `hand-off` (waiting for the threads to begin), `result` (waiting for the threads), and
-    `upload` (the mask to the device)."""
+    """Main-thread time per step in the masks: `start` (the gates taking the previous step's
+    tokens, then the hand-off to the fill threads, which accept and fill, or the whole accept and
+    fill for a small batch), of it `gates` (the gates, and the matchers' accept when a stop token
+    is among the tokens) and `hand-off` (waiting for the threads to begin), `result` (waiting for
+    the threads), `upload` (the mask to the device) and of it `pack` (its bytes into the pinned
+    buffer, with the wait for that buffer's last copy), and `apply` (the sampler's launches of
+    the masked fill)."""
 
     def __init__(self):
+        from dsv4.engine import sampler
         from dsv4.engine.sampling_inputs import SamplingInputs
+        from dsv4.engine.upload import HostToDevice
         from dsv4.structured import fill_threads, masks
-        self.seconds = {"start": 0.0, "accept": 0.0, "hand-off": 0.0, "result": 0.0, "upload": 0.0}
+        self.seconds = {"start": 0.0, "gates": 0.0, "hand-off": 0.0, "result": 0.0, "upload": 0.0, "pack": 0.0,
+                        "apply": 0.0}
         self.steps = 0
-        timed = {"start": (masks.MaskFiller, "start"), "accept": (masks, "accept_batch"),
+        timed = {"start": (masks.MaskFiller, "start"), "gates": (masks, "owed_tokens"),
                  "hand-off": (fill_threads.FillThreads, "submit"), "result": (masks.PendingMask, "result"),
-                 "upload": (SamplingInputs, "_upload_mask")}
+                 "upload": (SamplingInputs, "_upload_mask"), "pack": (HostToDevice, "_pack"),
+                 "apply": (sampler, "apply_grammar_mask")}
+        self._inside: set[str] = set()     # the timed calls running now ("pack" counts inside "upload" only)
         self._saved = [(owner, attr, getattr(owner, attr)) for owner, attr in timed.values()]
         for key, (owner, attr, fn) in zip(timed, self._saved):
-            setattr(owner, attr, self._timed(key, fn))
+            setattr(owner, attr, self._timed(key, fn, within="upload" if key == "pack" else None))
 
-    def _timed(self, name, fn):
+    def _timed(self, name, fn, within: str | None = None):
         def timed(*a, **kw):
+            if within is not None and within not in self._inside:
+                return fn(*a, **kw)
             start = time.perf_counter()
+            self._inside.add(name)
             try:
                 return fn(*a, **kw)
             finally:
+                self._inside.discard(name)
                 self.seconds[name] += time.perf_counter() - start
                 self.steps += name == "result"
         return timed

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4.sampling_params import SamplingParams
-from dsv4.structured.masks import GrammarMask
+from dsv4.structured.masks import GrammarMask, keep_bits
 
 NEG_INF = float("-inf")
 
@@ -234,15 +234,15 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
     """Tokens a row's grammar does not allow -> -inf, in place: logits [B, V] fp32, mask.rows [R],
     mask.bitmask [R, ceil(V / 32)] int32 (bit t % 32 of word t // 32 = token t allowed), ANDed
-    with mask.keep [ceil(V / 32)] when set. One unpack and one masked fill over the R rows (in
-    place, with no gather, when they are all B)."""
-    words = mask.bitmask if mask.keep is None else mask.bitmask & mask.keep
-    bits = torch.arange(32, dtype=torch.int32, device=words.device)
-    allowed = ((words[:, :, None] >> bits) & 1).view(words.shape[0], -1)[:, :logits.shape[1]]
+    with mask.keep [ceil(V / 32)] when set. One test of each bit against its selector ANDed with
+    keep (`mask.keep_bits`, made once by the caller, else here) and one masked fill over the R
+    rows (in place, with no gather, when they are all B): three kernels."""
+    select = mask.keep_bits if mask.keep_bits is not None else keep_bits(mask.keep, mask.bitmask.device)
+    denied = ((mask.bitmask[:, :, None] & select) == 0).view(mask.bitmask.shape[0], -1)[:, :logits.shape[1]]
     if mask.covers_all and mask.bitmask.shape[0] == logits.shape[0]:
-        logits.masked_fill_(allowed == 0, NEG_INF)
+        logits.masked_fill_(denied, NEG_INF)
     else:
-        logits[mask.rows] = logits[mask.rows].masked_fill(allowed == 0, NEG_INF)
+        logits[mask.rows] = logits[mask.rows].masked_fill(denied, NEG_INF)
 
 
 @dataclass

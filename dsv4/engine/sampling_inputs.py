@@ -18,7 +18,7 @@ import dataclasses
 import torch
 
 from ..sampling_params import SamplingParams
-from ..structured.masks import GrammarMask
+from ..structured.masks import GrammarMask, keep_bits
 from .request import Request
 from .sampler import Sampler, SamplingBatch, SamplingRow, count_pending, make_generator
 from .upload import HostToDevice, upload_tree
@@ -31,7 +31,7 @@ class SamplingInputs:
         self._reqs: tuple[Request, ...] = ()      # the requests of `_batch`'s rows, in order
         self._batch: SamplingBatch | None = None  # on the device; None: nothing to reuse
         self.builds = 0                           # batches built so far (how often reuse failed)
-        self._keep: tuple[torch.Tensor, torch.Tensor] | None = None   # a mask's `keep`: (host, device)
+        self._keep: tuple[torch.Tensor, ...] | None = None   # a mask's `keep`: (host, device, its keep_bits)
         self._plain: SamplingBatch | None = None   # plain greedy rows, as many as seen at most (`_plain_rows`)
 
     def batch(self, reqs: list[Request], rows: list[int], masks=None
@@ -82,14 +82,15 @@ class SamplingInputs:
 
     def _upload_mask(self, mask: GrammarMask, rows: list[int] | None) -> tuple[GrammarMask, torch.Tensor | None]:
         """The mask on the device in one transfer, with `rows` (None: none to send); its `keep`
-        row, the same tensor from step to step, goes up once."""
+        row, the same tensor from step to step, goes up once, with its bit selectors
+        (masks.keep_bits) made there once."""
         sent = self.h2d.upload([mask.rows, mask.bitmask] + ([] if rows is None else [torch.tensor(rows)]))
         keep = mask.keep
-        if keep is not None:
-            if self._keep is None or self._keep[0] is not keep:
-                self._keep = (keep, self.h2d.upload([keep])[0])
-            keep = self._keep[1]
-        return GrammarMask(sent[0], sent[1], mask.covers_all, keep), None if rows is None else sent[2]
+        if keep is not None and (self._keep is None or self._keep[0] is not keep):
+            on_device = self.h2d.upload([keep])[0]
+            self._keep = (keep, on_device, keep_bits(on_device, on_device.device))
+        keep, bits = self._keep[1:] if keep is not None else (None, None)
+        return GrammarMask(sent[0], sent[1], mask.covers_all, keep, bits), None if rows is None else sent[2]
 
     @torch.inference_mode()
     def warmup(self, sampler: Sampler, device: torch.device | str) -> None:

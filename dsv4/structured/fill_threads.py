@@ -4,25 +4,45 @@ a slice of the step's rows (docs/architecture.md, "Structured outputs").
 xgrammar's own multi-threaded batch fill starts its threads on every call (two clones a call for
 two threads); these start once. A thread runs nothing but its job between two blocking waits
 (the queue's `get`, a lock): Python on it must hold the GIL, which the main thread's pure-Python
-work keeps for up to a whole switch interval.
+work keeps for up to a whole switch interval. So a job's GIL-free calls are all made while the
+caller still waits (GIL released) for the job to begin, but the last: a job counts as begun once
+its `first` part (the matchers' accept) has run, so the thread goes from that call into its last
+(the fill) without contending for the GIL.
 
 A job runs exactly once, on its thread or on the caller: whoever takes its `claim` lock first.
-`Job.join` runs a job its thread has not begun (a busy host) on the calling thread."""
+`Job.join` and `Job.settle` run a job its thread has not begun (a busy host) on the calling
+thread: a job may carry state changes (the matchers' accept) that must not be lost."""
 from __future__ import annotations
 
+import itertools
 import threading
-import time
 from collections.abc import Callable
 from queue import SimpleQueue
 
 
-class Job:
-    __slots__ = ("fn", "claim", "started", "done", "error")
+class Begun:
+    """The jobs of one `submit`: `lock` is released once all `n` have begun (one wake-up of the
+    waiting caller, not one a job)."""
+    __slots__ = ("lock", "count", "n")
 
-    def __init__(self, fn: Callable[[], None]):
-        self.fn = fn
-        self.claim, self.started, self.done = threading.Lock(), threading.Lock(), threading.Lock()
-        self.started.acquire()          # released by the thread once it has claimed the job
+    def __init__(self, n: int):
+        self.lock, self.count, self.n = threading.Lock(), itertools.count(1), n
+        if n:
+            self.lock.acquire()
+
+    def one(self) -> None:
+        if next(self.count) == self.n:      # (itertools.count: atomic under the GIL)
+            self.lock.release()
+
+
+class Job:
+    __slots__ = ("first", "fn", "claim", "begun", "done", "error")
+
+    def __init__(self, fn: Callable[[], None], first: Callable[[], None] | None = None, begun: Begun | None = None):
+        """first: run before `fn`, before the job counts as begun (None: nothing); `begun` is
+        told then."""
+        self.first, self.fn, self.begun = first, fn, begun or Begun(1)
+        self.claim, self.done = threading.Lock(), threading.Lock()
         self.done.acquire()             # released by the thread once the job has run
         self.error: BaseException | None = None
 
@@ -30,28 +50,41 @@ class Job:
         """On the job's thread: nothing if the caller took it back first."""
         if not self.claim.acquire(blocking=False):
             return
-        self.started.release()
         try:
+            try:
+                if self.first is not None:
+                    self.first()
+            finally:
+                self.begun.one()
             self.fn()
         except BaseException as e:      # re-raised by join
             self.error = e
         self.done.release()
 
+    def _run_here(self) -> None:
+        if self.first is not None:
+            self.first()
+        self.fn()
+
     def join(self) -> bool:
         """Wait for the job (re-raising its error), or run it here if its thread has not begun
         it. -> whether it ran here."""
         if self.claim.acquire(blocking=False):
-            self.fn()
+            self._run_here()
             return True
         self.done.acquire()
         if self.error is not None:
             raise self.error
         return False
 
-    def drop(self) -> None:
-        """Never run it if its thread has not begun it; else wait for it (its error dropped).
-        A `join` after it returns at once."""
+    def settle(self) -> None:
+        """Run it here if its thread has not begun it, else wait for it; its error dropped (the
+        error of a step that failed before its `join`). A `join` after it returns at once."""
         if self.claim.acquire(blocking=False):
+            try:
+                self._run_here()
+            except BaseException:
+                pass
             self.done.release()
             return
         self.done.acquire()
@@ -67,24 +100,22 @@ class FillThreads:
         self._queues: list[SimpleQueue] = []
         self._threads: list[threading.Thread] = []
 
-    def submit(self, fns: list[Callable[[], None]], wait_s: float | None) -> list[Job]:
-        """Job i on thread i (at most n). Waits up to `wait_s` in all (None: without limit) for
-        the threads to begin them: each needs the GIL to start, which this wait lets go of."""
+    def submit(self, fns: list[Callable[[], None]], wait_s: float | None,
+               firsts: list[Callable[[], None] | None] | None = None) -> list[Job]:
+        """Job i (fns[i], after firsts[i] if given) on thread i (at most n). Waits up to `wait_s`
+        in all (None: without limit) for the threads to begin them, their `first` part run:
+        each needs the GIL to start, which this wait lets go of."""
         assert len(fns) <= self.n, (len(fns), self.n)
         if not self._threads:
             self._start()
-        jobs = [Job(fn) for fn in fns]
+        begun = Begun(len(fns))
+        jobs = [Job(fn, first, begun) for fn, first in zip(fns, firsts or [None] * len(fns))]
         for q, job in zip(self._queues, jobs):
             q.put(job)
         if wait_s is None:
-            for job in jobs:
-                job.started.acquire()
+            begun.lock.acquire()
         elif wait_s > 0:
-            deadline = time.perf_counter() + wait_s
-            for job in jobs:
-                left = deadline - time.perf_counter()
-                if left <= 0 or not job.started.acquire(timeout=left):
-                    break
+            begun.lock.acquire(timeout=wait_s)
         return jobs
 
     def _start(self) -> None:

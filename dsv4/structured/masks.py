@@ -3,12 +3,13 @@ t // 32 set = token t allowed) for the rows that have a grammar; rows without on
 it and cost nothing. The sampler applies it as one masked fill (engine/sampler.py), ANDed there
 with the special-token filter (`GrammarMask.keep`), so the host never touches the words again.
 
-Decode steps go through `MaskFiller` (docs/architecture.md, "Structured outputs"): the matchers
-take the previous step's tokens in one xgrammar batch call, then the rows are filled into one
-preallocated buffer by xgrammar batch calls, which release the GIL, on `FILL_THREADS` persistent
-threads (structured/fill_threads.py), a slice of the rows each, so the engine's host work runs on
-the main thread meanwhile; `PendingMask.result()` joins them, filling on the calling thread a
-slice whose thread never picked it up (a busy host): the worst case is an inline fill."""
+Decode steps go through `MaskFiller` (docs/architecture.md, "Structured outputs"): the gates
+take the previous step's tokens on the calling thread, then each of `FILL_THREADS` persistent
+threads (structured/fill_threads.py) takes a slice of the rows: its matchers accept their tokens
+(one xgrammar batch call) and fill their rows of one preallocated buffer (another); both calls
+release the GIL, so the engine's host work runs on the main thread meanwhile.
+`PendingMask.result()` joins them, running on the calling thread a slice whose thread never
+picked it up (a busy host): the worst case is an inline accept and fill."""
 from __future__ import annotations
 
 import os
@@ -41,6 +42,19 @@ class GrammarMask:
     bitmask: torch.Tensor     # [R, ceil(V / 32)] int32
     covers_all: bool = False  # rows == 0..R-1 are every row of the batch: masked in place
     keep: torch.Tensor | None = None   # [ceil(V / 32)] int32 ANDed into every row (special tokens)
+    keep_bits: torch.Tensor | None = None   # [ceil(V / 32), 32] int32 `keep_bits(keep)` (made once, on the device)
+
+
+def bit_selectors(device) -> torch.Tensor:
+    """[32] int32: word b has bit b alone set (bit 31: -2**31)."""
+    return 1 << torch.arange(32, dtype=torch.int32, device=device)
+
+
+def keep_bits(keep: torch.Tensor | None, device) -> torch.Tensor:
+    """[ceil(V / 32), 32] int32: keep[w] & (1 << b) at [w, b] (`keep` None: [32], every bit):
+    `(bitmask[:, :, None] & keep_bits) != 0` says which tokens a row allows, `keep` ANDed in."""
+    bits = bit_selectors(device)
+    return bits if keep is None else keep[:, None] & bits
 
 
 def words(vocab_size: int) -> int:
@@ -84,11 +98,11 @@ class MaskFiller:
         self.slices = self.taken_back = 0          # slices handed to the threads; of them, run by `result()`
 
     def idle(self) -> None:
-        """Wait for a fill still running (one whose step failed before its `result()`; a slice
-        not begun is dropped): the buffer and the matchers are free afterwards. Its error, if
-        any, was the step's."""
+        """Finish a fill not joined (one whose step failed before its `result()`; a slice not
+        begun runs here: its matchers' accept must not be lost): the buffer and the matchers are
+        free afterwards. Its error, if any, was the step's."""
         for job in self.pending:
-            job.drop()
+            job.settle()
         self.pending = []
 
     @torch.inference_mode()
@@ -96,11 +110,12 @@ class MaskFiller:
               taken: list[tuple[RequestGrammar, int]] = ()) -> PendingMask | None:
         """One entry per sampling row (None: unconstrained) -> the pending mask of the rows
         whose grammar constrains the next token, or None when there is none. `taken`: the
-        previous step's (grammar, token) pairs, a grammar at most once, accepted first (one
-        batch call). The matchers must not change until `result()` returns."""
+        previous step's (grammar, token) pairs, a grammar at most once, accepted first: by the
+        fill threads, each for its slice's rows, right before their fill (`owed_tokens`). The
+        matchers must not change until `result()` returns."""
         self.idle()
-        accept_batch(taken)
-        rows, live, ended, matchers = [], [], [], []     # (live, ended: positions in rows)
+        owed = owed_tokens(taken)
+        rows, live, ended, matchers, tokens = [], [], [], [], []   # (live, ended: positions in rows)
         for i, g in enumerate(grammars):
             if g is None or not g.constrains:
                 continue
@@ -109,7 +124,10 @@ class MaskFiller:
             else:
                 live.append(len(rows))
                 matchers.append(g.matcher)
+                tokens.append(owed.pop(g, None))       # (owed tokens come only from open gates)
             rows.append(i)
+        if owed:                                       # grammars not in this step: accepted here
+            _batch_accept([g.matcher for g in owed], list(owed.values()))
         if not rows:
             return None
         bitmask = self._rows(len(rows))
@@ -120,10 +138,12 @@ class MaskFiller:
         slices = min(self.threads.n, len(live) // self.thread_min_rows)
         if slices == 0:
             if live:
-                self.batches[0].batch_fill_next_token_bitmask(matchers, bitmask, live)
+                accept, fill = self._slice(0, matchers, tokens, bitmask, live, 1)
+                accept()
+                fill()
             return PendingMask(rows_t, bitmask, self.keep, covers_all)
-        fills = [self._fill(k, matchers, bitmask, live, slices) for k in range(slices)]
-        self.pending = self.threads.submit(fills, HANDOFF_WAIT_S)
+        accepts, fills = zip(*[self._slice(k, matchers, tokens, bitmask, live, slices) for k in range(slices)])
+        self.pending = self.threads.submit(list(fills), HANDOFF_WAIT_S, firsts=list(accepts))
         self.slices += slices
         return PendingMask(rows_t, bitmask, self.keep, covers_all, self.pending, self)
 
@@ -135,12 +155,21 @@ class MaskFiller:
             self.all_rows = torch.arange(size)
         return self.buffer[:n]
 
-    def _fill(self, k: int, matchers: list, bitmask: torch.Tensor, live: list[int], slices: int
-              ) -> Callable[[], None]:
-        """Slice k of `slices` near-equal contiguous slices of the live rows, as one xgrammar call."""
+    def _slice(self, k: int, matchers: list, tokens: list[int | None], bitmask: torch.Tensor, live: list[int],
+               slices: int) -> tuple[Callable[[], None], Callable[[], None]]:
+        """Slice k of `slices` near-equal contiguous slices of the live rows -> (its matchers
+        accept their owed tokens (`tokens`, None: none), then fill their rows): an xgrammar call
+        each. On a fill thread the accept runs before the job counts as begun
+        (fill_threads.Job), so the caller's hand-off wait covers it."""
         lo, hi = k * len(live) // slices, (k + 1) * len(live) // slices
         part, at, batch = matchers[lo:hi], live[lo:hi], self.batches[k]
-        return lambda: batch.batch_fill_next_token_bitmask(part, bitmask, at)
+        owing = [(m, t) for m, t in zip(part, tokens[lo:hi]) if t is not None]
+        accepting, accepted = [m for m, _ in owing], [t for _, t in owing]
+
+        def accept() -> None:
+            if accepting:
+                _batch_accept(accepting, accepted)
+        return accept, lambda: batch.batch_fill_next_token_bitmask(part, bitmask, at)
 
     def close(self) -> None:
         self.idle()
@@ -174,23 +203,28 @@ def verify_mask(grammars: list[tuple[RequestGrammar | None, list[int]]], vocab_s
     return GrammarMask(torch.tensor([rows[n] for n in keep_rows], dtype=torch.long), bitmask[keep_rows], keep=keep)
 
 
-def accept_batch(taken: list[tuple[RequestGrammar, int]]) -> None:
+def owed_tokens(taken: list[tuple[RequestGrammar, int]]) -> dict[RequestGrammar, int]:
     """A step's (grammar, token) pairs, a grammar at most once: the `</think>` gates take theirs
-    (`RequestGrammar.take_gate`), the matchers the rest in one xgrammar call. That call's per-row
-    results are not read back (an element at a time, that costs as much as the call: xgrammar's
-    own wrapper does): a refused token leaves its matcher as it was, and only the stop token can
-    end one (`RequestGrammar.took`)."""
-    matchers, tokens, stops = [], [], []
-    for g, t in taken:
-        if g.take_gate(t):
-            matchers.append(g.matcher)
-            tokens.append(t)
-            if t == g.stop_id:
-                stops.append(g)
-    if matchers:
-        _batch_accept(matchers, tokens)
-    for g in stops:
-        g.took(g.stop_id)
+    (`RequestGrammar.take_gate`) -> the rest, by grammar, for the matchers to accept (the fill
+    threads do). With a stop token among them, which may end its grammar (`RequestGrammar.took`)
+    and so change which rows are filled, every token is accepted here (`accept_batch`) and none
+    is owed."""
+    owed = {g: t for g, t in taken if g.take_gate(t)}
+    if any(t == g.stop_id for g, t in owed.items()):
+        accept_batch(owed)
+        return {}
+    return owed
+
+
+def accept_batch(owed: dict[RequestGrammar, int]) -> None:
+    """The matchers accept their tokens in one xgrammar call. That call's per-row results are not
+    read back (an element at a time, that costs as much as the call: xgrammar's own wrapper does):
+    a refused token leaves its matcher as it was, and only the stop token can end one
+    (`RequestGrammar.took`)."""
+    _batch_accept([g.matcher for g in owed], list(owed.values()))
+    for g, t in owed.items():
+        if t == g.stop_id:
+            g.took(t)
 
 
 def _batch_accept(matchers: list, tokens: list[int]) -> None:

@@ -2,7 +2,8 @@
 
 Before the gate opens (`after_think` and `</think>` not generated yet) the request is free:
 no mask. Every generated token is `accept`ed in order (or, a decode step's rows at once, through
-`take_gate`, one xgrammar batch call and `took`: structured/masks.accept_batch); a token the
+`take_gate` on the engine's thread, then xgrammar batch calls on the fill threads, and `took`
+for a stop token: structured/masks.owed_tokens); a token the
 grammar refuses (only possible while the mask was not applied, e.g. a surplus row) leaves the
 state as it was."""
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The mask fill's persistent threads (structured/fill_threads.py): each job runs exactly once, on
 its thread or, when no thread has begun it, on the caller of `join`; errors reach the caller; a
-dropped job never runs late. Synchronised with events, no sleeps."""
+settled job runs once, on the caller if no thread has begun it. Synchronised with events, no sleeps."""
 from __future__ import annotations
 
 import threading
@@ -54,7 +54,9 @@ def test_an_error_on_a_thread_reaches_the_caller(threads):
     assert jobs[1].join() is False
 
 
-def test_a_dropped_job_never_runs_and_join_returns(threads):
+def test_a_settled_job_runs_once_and_join_returns(threads):
+    """settle: a job not begun runs on the caller (its state changes are not lost), one running
+    is waited for; either way once, and a later join returns at once."""
     release, busy = threading.Event(), threading.Event()
 
     def block():
@@ -63,10 +65,41 @@ def test_a_dropped_job_never_runs_and_join_returns(threads):
     first = threads.submit([block], None)
     assert busy.wait(5)
     ran = []
-    late = threads.submit([lambda: ran.append("late")], 0.0)
-    late[0].drop()                                   # not begun: never runs
+    late = threads.submit([lambda: ran.append(threading.current_thread().name)], 0.0)
+    late[0].settle()                                 # not begun: runs here
+    assert ran == [threading.current_thread().name]
     release.set()
-    first[0].drop()                                  # running: waited for
+    first[0].settle()                                # running: waited for
     assert late[0].join() is False and first[0].join() is False
-    threads.submit([lambda: ran.append("next")], None)[0].join()
-    assert ran == ["next"]
+    threads.submit([lambda: ran.append("next")], None)[0].join()   # thread 0 passed over the settled job
+    assert ran == [threading.current_thread().name, "next"]
+
+
+def test_a_settled_jobs_error_is_dropped(threads):
+    def fail():
+        raise ValueError("stale fill")
+    jobs = threads.submit([fail], None)
+    jobs[0].settle()
+    assert jobs[0].join() is False
+
+
+def test_a_job_counts_as_begun_once_its_first_part_has_run(threads):
+    """submit's one wait covers every job's `first` part (the matchers' accept); a job taken
+    back runs both parts, in order, on the caller."""
+    firsts, fills = [], []
+    jobs = threads.submit([lambda k=k: fills.append(k) for k in range(2)], None,
+                          firsts=[lambda k=k: firsts.append(k) for k in range(2)])
+    assert sorted(firsts) == [0, 1]                  # both ran before submit returned
+    assert [job.join() for job in jobs] == [False, False] and sorted(fills) == [0, 1]
+    release, busy = threading.Event(), threading.Event()
+
+    def block():
+        busy.set()
+        release.wait()
+    held = threads.submit([block], None)
+    assert busy.wait(5)
+    order = []
+    late = threads.submit([lambda: order.append("fill")], 0.0, firsts=[lambda: order.append("accept")])
+    assert late[0].join() is True and order == ["accept", "fill"]
+    release.set()
+    held[0].join()

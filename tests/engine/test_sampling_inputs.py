@@ -64,6 +64,8 @@ def test_reused_only_while_the_same_requests_sample_in_the_same_order():
     kept = [si.batch([b, a, c], [0, 1, 2], Filled(GrammarMask(torch.tensor([1]), other.bitmask, keep=keep)))[0]
             for _ in range(2)]
     assert kept[0].grammar.keep is kept[1].grammar.keep and kept[0].grammar.keep.tolist() == [-1, 5]
+    assert kept[0].grammar.keep_bits is kept[1].grammar.keep_bits                  # its bit selectors made once
+    assert kept[0].grammar.keep_bits[1].tolist() == [1, 0, 4] + [0] * 29             # 5 = bits 0 and 2
     assert si.batch([b, a, c], [0, 1, 2])[0] is joined and si.builds == 3  # no mask: none kept from before
     si.batch([c, b], [0, 1], Filled(grammar))
     assert si.batch([c, b], [0, 1])[0].grammar is None and si.builds == 4    # a batch built with a mask, kept without

@@ -219,6 +219,27 @@ def test_masked_fill_matches_xgrammar_on_the_rows_it_names():
     assert torch.isinf(ours[[0, 2]]).any()
 
 
+def test_masked_fill_ands_the_special_token_filter_in():
+    """With `keep` (the special-token filter), given as the bit selectors made once
+    (masks.keep_bits) or made in the call: the same -inf entries as xgrammar's apply of
+    bitmask & keep, in place and on named rows."""
+    import xgrammar
+    from dsv4.engine.sampler import apply_grammar_mask
+    from dsv4.structured.masks import GrammarMask, keep_bits
+    vocab, gen = 100, torch.Generator().manual_seed(2)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, 4), dtype=torch.int32, generator=gen)
+    keep = torch.randint(-2**31, 2**31 - 1, (4,), dtype=torch.int32, generator=gen)
+    logits = torch.randn(3, vocab)
+    theirs = logits.clone()
+    xgrammar.apply_token_bitmask_inplace(theirs, bitmask & keep, vocab_size=vocab)
+    for bits in (None, keep_bits(keep, "cpu")):
+        for rows, covers_all in ((torch.arange(3), True), (torch.tensor([0, 2]), False)):
+            ours = logits.clone()
+            apply_grammar_mask(ours, GrammarMask(rows, bitmask[rows], covers_all, keep, bits))
+            assert torch.equal(ours[rows], theirs[rows]), (bits is None, covers_all)
+            assert covers_all or torch.equal(ours[1], logits[1])
+
+
 def test_ignore_eos_after_the_grammar_ends_allows_eos_only(engine_of, run):
     """A grammar that has ended (its EOS taken) masks to EOS alone: with ignore_eos the request
     runs to max_tokens on EOS (xgrammar itself refuses to fill a terminated matcher)."""
@@ -235,10 +256,10 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     """Order of the host's work in a decode step with async scheduling: the next step is
     scheduled, the fill started by the step before is joined and the step in flight sampled, the
     next forward is launched (it takes those tokens on the device), the previous step's tokens
-    are read back and taken by the matchers (one batch call), the fill of the launched step's
-    mask starts (on the fill threads for a batch of THREAD_MIN_ROWS or more) and the tokens are
-    appended while it runs, and it keeps running through the next schedule. Tokens equal a run
-    with async scheduling off."""
+    are read back and taken by the gates, the fill of the launched step's mask starts (on the
+    fill threads for a batch of THREAD_MIN_ROWS or more, whose matchers accept those tokens first)
+    and the tokens are appended while it runs, and it keeps running through the next schedule.
+    Tokens equal a run with async scheduling off."""
     from dsv4.structured import masks
     from dsv4.structured.matcher import RequestGrammar
     monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # wait for the worker: no inline fallback
@@ -247,7 +268,7 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     reqs = {f"o{i}": (p, SamplingParams(max_tokens=6, temperature=0.0, structured=KINDS["json"]))
             for i, p in enumerate(prompts(eng, n))}
     run(eng, {"warm": reqs["o0"]})                     # eng.grammars exists from here on
-    events, fill_threads = [], []
+    events, fill_threads, accept_threads = [], [], []
 
     def record(name, fn):
         def wrapped(*a, **kw):
@@ -260,7 +281,14 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     monkeypatch.setattr(eng, "_append", record("append", eng._append))
     monkeypatch.setattr(eng, "sampler", record("sample", eng.sampler))
     monkeypatch.setattr(RequestGrammar, "accept", record("accept-one", RequestGrammar.accept))
-    monkeypatch.setattr(masks, "accept_batch", record("accept", masks.accept_batch))
+    monkeypatch.setattr(masks, "owed_tokens", record("gates", masks.owed_tokens))
+
+    def batch_accept(fn):
+        def accept(*a):
+            accept_threads.append(threading.current_thread().name)
+            return fn(*a)
+        return accept
+    monkeypatch.setattr(masks, "_batch_accept", batch_accept(masks._batch_accept))
     filler = eng.grammars.masks
     monkeypatch.setattr(filler, "start", record("fill-start", filler.start))
     monkeypatch.setattr(masks.PendingMask, "result", record("fill-join", masks.PendingMask.result))
@@ -273,10 +301,12 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     monkeypatch.setattr(filler, "batches", [recorded(b.batch_fill_next_token_bitmask) for b in filler.batches])
     got = run(eng, reqs)
 
-    steady = ["schedule", "fill-join", "sample", "execute", "fill-start", "accept"] + ["append"] * n
+    steady = ["schedule", "fill-join", "sample", "execute", "fill-start", "gates"] + ["append"] * n
     text = " ".join(events)
     assert text.count(" ".join(steady)) >= 3, text      # the decode steps between prefill and the end
     assert fill_threads and all(name.startswith("dsv4-grammar-masks") for name in fill_threads)
+    on_threads = [name.startswith("dsv4-grammar-masks") for name in accept_threads]
+    assert sum(on_threads) >= 3                 # the decode steps: the matchers accept on the fill threads
     monkeypatch.undo()
     sync = run(engine_of(async_scheduling="off"), reqs)
     assert {r: o.token_ids for r, o in got.items()} == {r: o.token_ids for r, o in sync.items()}
@@ -316,6 +346,42 @@ def test_mask_filler_reuses_one_buffer_and_matches_xgrammar(engine_of, monkeypat
                 assert mask.covers_all == (None not in rows)
                 pointers.add(mask.bitmask.data_ptr())
             assert len(pointers) == 1
+    finally:
+        for rid in ids:
+            grammars.drop(rid)
+
+
+def test_owed_tokens_reach_every_matcher_through_the_fill_threads(engine_of, monkeypatch):
+    """A step's tokens are accepted by the fill threads for the rows they fill, on the caller for
+    a grammar outside the step, and on the caller for every row when one is the stop token (its
+    grammar ends: an EOS-only row)."""
+    from dsv4.structured import masks
+    monkeypatch.setattr(masks, "HANDOFF_WAIT_S", None)      # the fill threads take every slice
+    eng = engine_of(async_scheduling="off")
+    grammars = eng._grammars()
+    ids = [f"owed{i}" for i in range(2 * masks.THREAD_MIN_ROWS)]
+    for rid in ids:
+        grammars.add(rid, KINDS["choice"])
+    may, be = eng.tokenizer.encode("maybe")
+    gs = [grammars.get(rid) for rid in ids]
+
+    def allows(mask_row, token):
+        return bool((int(mask_row[token // 32]) >> (token % 32)) & 1)
+    try:
+        with torch.inference_mode():
+            first = grammars.step_masks(ids).result().bitmask.clone()
+            assert not allows(first[0], be)
+            slices, back = grammars.masks.slices, grammars.masks.taken_back
+            mask = grammars.step_masks(ids[1:], [(g, may) for g in gs]).result()    # ids[0] is not in the step
+            assert grammars.masks.slices > slices and grammars.masks.taken_back == back
+            assert all(allows(row, be) for row in mask.bitmask)
+            alone = torch.zeros(1, first.shape[1], dtype=torch.int32)
+            gs[0].fill(alone, 0)
+            assert allows(alone[0], be)                             # accepted on the caller
+            grammars.step_masks(ids, [(g, be) for g in gs]).result()
+            ended = grammars.step_masks(ids, [(g, eng.eos_token_id) for g in gs]).result()
+            assert all(g.finished for g in gs)
+            assert all(torch.equal(row, grammars.end_row) for row in ended.bitmask)
     finally:
         for rid in ids:
             grammars.drop(rid)
