@@ -29,7 +29,6 @@ CHUNK = 32768               # scores per program (registers: CHUNK / (32 * num_w
 NUM_WARPS = 16
 INTERP = True               # interpolated pivots (bisection when False)
 MIN_CHUNK = 2048            # the smallest compiled chunk (shorter tiles round up: few variants)
-ROWS_MIN = 256              # rows from which a program per row fills an H200 (132 SMs, two waves)
 INT32_MIN = tl.constexpr(-2147483648)
 NEG_INF_S = tl.constexpr(-2139095041)   # s of -inf (0xFF800000 -> 0x807FFFFF); valid entries are above
 
