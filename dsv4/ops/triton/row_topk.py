@@ -8,11 +8,15 @@ INT32_MIN: never counted), together with the row's running set (k int64 keys of 
 and reads them from memory once. It then finds the threshold by counting, with no histogram:
 
   lo, hi with count(s >= lo) >= k > count(s >= hi) (counts over the chunk and the running set);
-  a count at a pivot lo < mid < hi replaces lo or hi; stop when count(s >= lo) == k (those are
-  the top k) or hi == lo + 1 (lo is the k-th score: the entries above it, and the first ties at
-  lo by offset). The pivot bisects, or (INTERP) interpolates the counts linearly, falling back
-  to a bisection after an interpolation that did not halve the range (at most twice the
-  bisection's 33 counts).
+  a count at a pivot lo < mid < hi replaces lo or hi (_narrow). The pivot bisects, or (INTERP)
+  interpolates the counts linearly, falling back to a bisection after an interpolation that did
+  not halve the range (so at most twice the bisection's 33 counts).
+  stage 1, over the chunk (the costly counts): narrow until count(s >= lo) <= CAP, aiming between
+    k and CAP; those entries go to a scratch row in offset order (the running set first: its
+    offsets are below the chunk's). If more than CAP tie at one score (hi == lo + 1), the chosen
+    k go instead: those above lo and the first ties at lo in offset order (a cumulative sum).
+  stage 2, over the <= CAP candidates (cheap counts): narrow until count(s >= lo) == k or hi ==
+    lo + 1; keep the same way.
 
 The chosen entries are written as keys in ascending offset order (the running set first: its
 offsets are below the chunk's), so that order is the tie order of the next chunk, and
@@ -34,18 +38,59 @@ NEG_INF_S = tl.constexpr(-2139095041)   # s of -inf (0xFF800000 -> 0x807FFFFF); 
 
 
 @triton.jit
-def _count_at_least(s, ps, mid):
-    """Entries of the chunk and of the running set with s >= mid (int64 scalar)."""
+def _count_at_least(a, b, mid, HAS_B: tl.constexpr):
+    """Entries of a (and b) with s >= mid (int64 scalar)."""
     m = mid.to(tl.int32)
-    return tl.sum((s >= m).to(tl.int32), axis=0).to(tl.int64) + tl.sum((ps >= m).to(tl.int32), axis=0).to(tl.int64)
+    n = tl.sum((a >= m).to(tl.int32), axis=0).to(tl.int64)
+    if HAS_B:
+        n += tl.sum((b >= m).to(tl.int32), axis=0).to(tl.int64)
+    return n
+
+
+@triton.jit
+def _narrow(a, b, lo, hi, n_lo, n_hi, k, stop, aim, HAS_B: tl.constexpr, INTERP: tl.constexpr):
+    """Narrow lo < hi (count(>= lo) = n_lo >= k > n_hi = count(>= hi), over a and b) until
+    n_lo <= stop or hi == lo + 1; an interpolated pivot aims at a count of `aim`."""
+    bisect = tl.zeros([], tl.int1)
+    while (n_lo > stop) & (hi - lo > 1):
+        half = lo + (hi - lo) // 2
+        if INTERP:      # where the counts, linear between lo and hi, reach aim (n_lo > aim >= k > n_hi)
+            guess = lo + (hi - lo) * (n_lo - aim) // (n_lo - n_hi)
+            mid = tl.where(bisect, half, tl.minimum(tl.maximum(guess, lo + 1), hi - 1))
+        else:
+            mid = half
+        c = _count_at_least(a, b, mid, HAS_B)
+        before = hi - lo
+        up = c >= k
+        lo, n_lo = tl.where(up, mid, lo), tl.where(up, c, n_lo)
+        hi, n_hi = tl.where(up, hi, mid), tl.where(up, n_hi, c)
+        bisect = 2 * (hi - lo) > before
+    return lo, hi, n_lo, n_hi
+
+
+@triton.jit
+def _chosen(a, lo, n_lo, n_hi, k, ties_before):
+    """Entries of a to keep after _narrow: every one >= lo when n_lo <= k, else (hi == lo + 1)
+    those above lo and the first k - n_hi ties at lo in block order, after ties_before ties."""
+    lo32 = lo.to(tl.int32)
+    take = a > lo32
+    tie = a == lo32
+    if n_lo <= k:
+        take = take | tie
+    else:
+        rank = ties_before + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+        take = take | (tie & (rank < k - n_hi))
+    return take
 
 
 # per-call sizes are not specialised: one compiled variant per chunk width
 @triton.jit(do_not_specialize=("W", "stride_s", "k", "first"))
-def _row_topk_kernel(scores_ptr, prev_ptr, out_ptr, W, stride_s, k, first, WP: tl.constexpr, KP: tl.constexpr,
-                     HAS_PREV: tl.constexpr, INTERP: tl.constexpr):
+def _row_topk_kernel(scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, first, WP: tl.constexpr,
+                     KP: tl.constexpr, CAP: tl.constexpr, HAS_PREV: tl.constexpr, INTERP: tl.constexpr):
     # scores [T, W] (unit column stride) of offsets first + [0, W); prev/out [T, k] int64 keys
-    # in ascending offset order, EMPTY_KEY after the last (prev's offsets are all below first)
+    # in ascending offset order, EMPTY_KEY after the last (prev's offsets are all below first);
+    # cand [T, CAP] int64 scratch. Stage 1 narrows over the chunk and prev down to <= CAP
+    # candidates, written to cand in offset order; stage 2 narrows over those to the k.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, WP)
     s = (_order_keys(tl.load(scores_ptr + row * stride_s + offs, mask=offs < W, other=float("-inf")))
@@ -63,44 +108,37 @@ def _row_topk_kernel(scores_ptr, prev_ptr, out_ptr, W, stride_s, k, first, WP: t
                     tl.min(tl.where(ps > INT32_MIN, ps, big), axis=0)).to(tl.int64)   # count(>= lo) = n_lo
     hi = tl.maximum(tl.max(s, axis=0), tl.max(ps, axis=0)).to(tl.int64) + 1          # count(>= hi) = 0
     n_hi = tl.zeros([], tl.int64)
-    bisect = tl.zeros([], tl.int1)
-    while (n_lo > k) & (hi - lo > 1):
-        half = lo + (hi - lo) // 2
-        if INTERP:      # where the counts, linear between lo and hi, reach k
-            guess = lo + (hi - lo) * (n_lo - k) // (n_lo - n_hi)
-            mid = tl.where(bisect, half, tl.minimum(tl.maximum(guess, lo + 1), hi - 1))
-        else:
-            mid = half
-        c = _count_at_least(s, ps, mid)
-        before = hi - lo
-        up = c >= k
-        lo, n_lo = tl.where(up, mid, lo), tl.where(up, c, n_lo)
-        hi, n_hi = tl.where(up, hi, mid), tl.where(up, n_hi, c)
-        bisect = 2 * (hi - lo) > before
-    # chosen: s >= lo when n_lo <= k (every valid entry when fewer than k), else s > lo (n_hi < k
-    # of them) and the first k - n_hi entries with s == lo in offset order (the running set first)
-    lo32 = lo.to(tl.int32)
-    take_s = s > lo32
-    take_p = ps > lo32
-    if n_lo <= k:
-        take_s = take_s | (s == lo32)
-        take_p = take_p | (ps == lo32)
+    lo, hi, n_lo, n_hi = _narrow(s, ps, lo, hi, n_lo, n_hi, k, CAP, k + (CAP - k) // 2, True, INTERP)
+    # candidates: every entry >= lo (n_lo <= CAP), or when more than CAP tie at lo, the chosen k
+    # (above lo, then the first ties in offset order: prev's first)
+    if n_lo <= CAP:
+        take_p = ps >= lo.to(tl.int32)
+        take_s = s >= lo.to(tl.int32)
     else:
-        need = k - n_hi
-        tie_p = ps == lo32
-        tie_s = s == lo32
-        rank_p = tl.cumsum(tie_p.to(tl.int32), axis=0) - 1
-        rank_s = tl.sum(tie_p.to(tl.int32), axis=0) + tl.cumsum(tie_s.to(tl.int32), axis=0) - 1
-        take_p = take_p | (tie_p & (rank_p < need))
-        take_s = take_s | (tie_s & (rank_s < need))
+        take_p = _chosen(ps, lo, n_lo, n_hi, k, 0)
+        take_s = _chosen(s, lo, n_lo, n_hi, k, tl.sum((ps == lo.to(tl.int32)).to(tl.int32), axis=0))
+        n_lo = k.to(tl.int64)
     n_p = tl.sum(take_p.to(tl.int32), axis=0)
-    slot_p = tl.cumsum(take_p.to(tl.int32), axis=0) - 1
-    slot_s = n_p + tl.cumsum(take_s.to(tl.int32), axis=0) - 1
-    n = n_p + tl.sum(take_s.to(tl.int32), axis=0)
+    cand = cand_ptr + row * CAP
+    tl.store(cand + tl.cumsum(take_p.to(tl.int32), axis=0) - 1, pk, mask=take_p)
+    tl.store(cand + n_p + tl.cumsum(take_s.to(tl.int32), axis=0) - 1,
+             s.to(tl.int64) * 4294967296 + (4294967295 - (offs.to(tl.int64) + first)), mask=take_s)
+    n_c = n_p + tl.sum(take_s.to(tl.int32), axis=0)
+    tl.debug_barrier()          # the program's candidate stores before its loads
+    ci = tl.arange(0, CAP)
+    ck = tl.load(cand + ci, mask=ci < n_c, other=-9223372036854775807 - 1)
+    cs = (ck >> 32).to(tl.int32)
+    lo, hi, n_lo, n_hi = _narrow(cs, cs, lo, hi, n_lo, n_hi, k, k, k, False, INTERP)
+    take = _chosen(cs, lo, n_lo, n_hi, k, 0)
     out = out_ptr + row * k
-    tl.store(out + slot_p, pk, mask=take_p)
-    tl.store(out + slot_s, s.to(tl.int64) * 4294967296 + (4294967295 - (offs.to(tl.int64) + first)), mask=take_s)
+    tl.store(out + tl.cumsum(take.to(tl.int32), axis=0) - 1, ck, mask=take)
+    n = tl.sum(take.to(tl.int32), axis=0)
     tl.store(out + slots, tl.full([KP], -9223372036854775807 - 1, tl.int64), mask=(slots >= n) & (slots < k))
+
+
+def capacity(k: int) -> int:
+    """Stage 2's candidates: twice the power of two >= k (stage 1 stops under it)."""
+    return 2 * triton.next_power_of_2(k)
 
 
 def chunk_width(W: int, chunk: int) -> int:
@@ -110,11 +148,13 @@ def chunk_width(W: int, chunk: int) -> int:
 
 
 def row_topk(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Tensor | None = None,
-             chunk: int = CHUNK, num_warps: int = NUM_WARPS, interp: bool = INTERP) -> torch.Tensor:
+             chunk: int = CHUNK, num_warps: int = NUM_WARPS, interp: bool = INTERP, cap: int | None = None
+             ) -> torch.Tensor:
     """scores [T, W] fp32 (unit column stride) of offsets first_offset + [0, W); prev [T, k]
     int64 keys of offsets below first_offset (a running set of this function) or None -> [T, k]
     int64: the top k keys of `score_keys(scores, first_offset)` and prev (dsv4/ops/stream_topk.py),
-    in ascending offset order, EMPTY_KEY after the last. chunk: columns per launch (a power of two)."""
+    in ascending offset order, EMPTY_KEY after the last. chunk: columns per launch (a power of
+    two); cap: candidates of stage 2 (a power of two >= k, default capacity(k))."""
     T, W = scores.shape
     if scores.dtype != torch.float32 or (W > 1 and scores.stride(1) != 1):
         raise ValueError("row_topk: scores must be fp32 with unit column stride")
@@ -128,12 +168,16 @@ def row_topk(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Te
         return torch.full((T, k), EMPTY_KEY, dtype=torch.long, device=scores.device)
     if T == 0 or k == 0 or W == 0:
         return prev
-    wp = chunk_width(W, chunk)
+    wp, kp = chunk_width(W, chunk), triton.next_power_of_2(k)
+    cap = cap or capacity(k)
+    if cap < kp or cap & (cap - 1):
+        raise ValueError(f"row_topk: cap must be a power of two >= {kp}, got {cap}")
+    cand = torch.empty((T, cap), dtype=torch.long, device=scores.device)
     for c0 in range(0, W, wp):
         part = scores[:, c0:c0 + wp]
         out = torch.empty((T, k), dtype=torch.long, device=scores.device)
-        _row_topk_kernel[(T,)](part, out if prev is None else prev, out, part.shape[1], scores.stride(0), k,
-                               first_offset + c0, WP=wp, KP=triton.next_power_of_2(k), HAS_PREV=prev is not None,
+        _row_topk_kernel[(T,)](part, out if prev is None else prev, cand, out, part.shape[1], scores.stride(0), k,
+                               first_offset + c0, WP=wp, KP=kp, CAP=cap, HAS_PREV=prev is not None,
                                INTERP=interp, num_warps=num_warps)
         prev = out
     return prev
