@@ -12,6 +12,8 @@ from dsv4.ops.triton import row_topk as rk
 NEG_INF = float("-inf")
 CHUNK = rk.MIN_CHUNK        # the smallest chunk: wider tiles take several launches
 PIVOTS = [True, False]      # interpolated, bisected
+# (interpolated pivots, scores a step of stage 1's second read; 0: candidates from registers)
+VARIANTS = [(True, 512), (False, 0), (True, 0)]
 
 
 def reference(scores: torch.Tensor, k: int, first: int = 0) -> torch.Tensor:
@@ -22,14 +24,15 @@ def reference(scores: torch.Tensor, k: int, first: int = 0) -> torch.Tensor:
     return torch.where(keys >= MIN_CHOSEN_KEY, keys, EMPTY_KEY)
 
 
-def check_tiles(scores: torch.Tensor, k: int, device, widths: list[int], first: int = 0, interp: bool = True) -> None:
+def check_tiles(scores: torch.Tensor, k: int, device, widths: list[int], first: int = 0, interp: bool = True,
+                sub: int = rk.SUB) -> None:
     """Add scores tile by tile (widths), then compare the set (ascending offsets) and the
     sorted offsets with the reference over the whole row."""
     running = rk.RowTopk(k)
     e0 = 0
     for w in widths:
         keys = rk.row_topk(scores[:, e0:e0 + w].to(device), k, first + e0, running.keys, chunk=CHUNK,
-                           interp=interp)
+                           interp=interp, sub=sub)
         running.keys = keys
         e0 += w
     assert e0 == scores.shape[1]
@@ -51,12 +54,12 @@ def ragged_rows(T: int, W: int, seed: int) -> torch.Tensor:
     return scores.masked_fill(torch.arange(W)[None, :] >= lengths[:, None], NEG_INF)
 
 
-@pytest.mark.parametrize("interp", PIVOTS)
+@pytest.mark.parametrize("interp,sub", VARIANTS)
 @pytest.mark.parametrize("T,W,k", [(3, 5000, 37), (4, 700, 64), (2, 40, 64), (3, 1, 3)])
-def test_one_tile_rows_of_different_lengths(T, W, k, interp, device):
+def test_one_tile_rows_of_different_lengths(T, W, k, interp, sub, device):
     """One tile, valid up to a length per row (some shorter than k, one empty); 5000 columns
     take three launches of 2048, the later ones merging into the earlier ones' set."""
-    check_tiles(ragged_rows(T, W, seed=T * W + k), k, device, [W], interp=interp)
+    check_tiles(ragged_rows(T, W, seed=T * W + k), k, device, [W], interp=interp, sub=sub)
 
 
 @pytest.mark.parametrize("interp", PIVOTS)
@@ -66,17 +69,17 @@ def test_several_tiles_and_a_first_offset(interp, device):
     check_tiles(scores, 50, device, [900, 100, 2000], first=123456, interp=interp)
 
 
-@pytest.mark.parametrize("interp", PIVOTS)
+@pytest.mark.parametrize("interp,sub", VARIANTS)
 @pytest.mark.parametrize("values", [3, 50])
-def test_exact_ties(values, interp, device):
+def test_exact_ties(values, interp, sub, device):
     """Small-integer scores: the k-th score ties with many, lower offsets win, also across
     tiles (the running set's ties come first); a row of one score; ties and a -inf tail."""
     g = torch.Generator().manual_seed(values)
     scores = torch.randint(-values, values, (4, 2500), generator=g).float() * 0.25
     scores[1] = 7.0
     scores[2, 1000:] = NEG_INF
-    check_tiles(scores, 40, device, [2500], interp=interp)
-    check_tiles(scores, 40, device, [30, 1200, 1270], interp=interp)
+    check_tiles(scores, 40, device, [2500], interp=interp, sub=sub)
+    check_tiles(scores, 40, device, [30, 1200, 1270], interp=interp, sub=sub)
 
 
 def test_fewer_finite_than_k_across_tiles(device):
@@ -114,5 +117,9 @@ def test_bad_input(device):
         rk.row_topk(torch.randn(8, 2).to(device).t(), 2)
     with pytest.raises(ValueError, match="chunk"):
         rk.row_topk(torch.randn(2, 8).to(device), 2, chunk=3000)
+    with pytest.raises(ValueError, match="sub"):
+        rk.row_topk(torch.randn(2, 8).to(device), 2, sub=48)
+    with pytest.raises(ValueError, match="cap"):
+        rk.row_topk(torch.randn(2, 8).to(device), 20, cap=16)
     with pytest.raises(ValueError, match="prev"):
         rk.row_topk(torch.randn(2, 8).to(device), 2, prev=torch.zeros(2, 3, dtype=torch.long).to(device))

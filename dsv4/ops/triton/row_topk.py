@@ -32,9 +32,24 @@ from .radix_topk import _order_keys
 CHUNK = 32768               # scores per program (registers: CHUNK / (32 * num_warps) int32 a thread)
 NUM_WARPS = 16
 INTERP = True               # interpolated pivots (bisection when False)
+SUB = 4096                  # scores a step when stage 1 writes its candidates from a second read (0: from registers)
 MIN_CHUNK = 2048            # the smallest compiled chunk (shorter tiles round up: few variants)
 INT32_MIN = tl.constexpr(-2147483648)
 NEG_INF_S = tl.constexpr(-2139095041)   # s of -inf (0xFF800000 -> 0x807FFFFF); valid entries are above
+
+
+@triton.jit
+def _signed_scores(row_ptr, offs, W):
+    """Scores [offs] of a row (-inf past W) -> int32 s: stream_topk's key high word (signed
+    order = the scores' order, -0.0 as 0.0); -inf and below -> INT32_MIN."""
+    s = (_order_keys(tl.load(row_ptr + offs, mask=offs < W, other=float("-inf"))) ^ 0x80000000).to(tl.int32, bitcast=True)
+    return tl.where(s > NEG_INF_S, s, INT32_MIN)
+
+
+@triton.jit
+def _key(s, offs, first):
+    """stream_topk's int64 key of s at offsets first + offs."""
+    return s.to(tl.int64) * 4294967296 + (4294967295 - (offs.to(tl.int64) + first))
 
 
 @triton.jit
@@ -86,16 +101,15 @@ def _chosen(a, lo, n_lo, n_hi, k, ties_before):
 # per-call sizes are not specialised: one compiled variant per chunk width
 @triton.jit(do_not_specialize=("W", "stride_s", "k", "first"))
 def _row_topk_kernel(scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, first, WP: tl.constexpr,
-                     KP: tl.constexpr, CAP: tl.constexpr, HAS_PREV: tl.constexpr, INTERP: tl.constexpr):
+                     KP: tl.constexpr, CAP: tl.constexpr, SUB: tl.constexpr, HAS_PREV: tl.constexpr,
+                     INTERP: tl.constexpr):
     # scores [T, W] (unit column stride) of offsets first + [0, W); prev/out [T, k] int64 keys
     # in ascending offset order, EMPTY_KEY after the last (prev's offsets are all below first);
     # cand [T, CAP] int64 scratch. Stage 1 narrows over the chunk and prev down to <= CAP
     # candidates, written to cand in offset order; stage 2 narrows over those to the k.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, WP)
-    s = (_order_keys(tl.load(scores_ptr + row * stride_s + offs, mask=offs < W, other=float("-inf")))
-         ^ 0x80000000).to(tl.int32, bitcast=True)
-    s = tl.where(s > NEG_INF_S, s, INT32_MIN)                                  # [WP]
+    s = _signed_scores(scores_ptr + row * stride_s, offs, W)                  # [WP]
     slots = tl.arange(0, KP)
     if HAS_PREV:
         pk = tl.load(prev_ptr + row * k + slots, mask=slots < k, other=-9223372036854775807 - 1)
@@ -111,19 +125,35 @@ def _row_topk_kernel(scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, fi
     lo, hi, n_lo, n_hi = _narrow(s, ps, lo, hi, n_lo, n_hi, k, CAP, k + (CAP - k) // 2, True, INTERP)
     # candidates: every entry >= lo (n_lo <= CAP), or when more than CAP tie at lo, the chosen k
     # (above lo, then the first ties in offset order: prev's first)
+    lo32 = lo.to(tl.int32)
     if n_lo <= CAP:
-        take_p = ps >= lo.to(tl.int32)
-        take_s = s >= lo.to(tl.int32)
+        take_p = ps >= lo32
     else:
         take_p = _chosen(ps, lo, n_lo, n_hi, k, 0)
-        take_s = _chosen(s, lo, n_lo, n_hi, k, tl.sum((ps == lo.to(tl.int32)).to(tl.int32), axis=0))
-        n_lo = k.to(tl.int64)
-    n_p = tl.sum(take_p.to(tl.int32), axis=0)
     cand = cand_ptr + row * CAP
     tl.store(cand + tl.cumsum(take_p.to(tl.int32), axis=0) - 1, pk, mask=take_p)
-    tl.store(cand + n_p + tl.cumsum(take_s.to(tl.int32), axis=0) - 1,
-             s.to(tl.int64) * 4294967296 + (4294967295 - (offs.to(tl.int64) + first)), mask=take_s)
-    n_c = n_p + tl.sum(take_s.to(tl.int32), axis=0)
+    n_c = tl.sum(take_p.to(tl.int32), axis=0)
+    ties = tl.sum((ps == lo32).to(tl.int32), axis=0)                           # ties at lo so far
+    if SUB == 0:        # from the registers
+        if n_lo <= CAP:
+            take_s = s >= lo32
+        else:
+            take_s = _chosen(s, lo, n_lo, n_hi, k, ties)
+        tl.store(cand + n_c + tl.cumsum(take_s.to(tl.int32), axis=0) - 1, _key(s, offs, first), mask=take_s)
+        n_c += tl.sum(take_s.to(tl.int32), axis=0)
+    else:               # the row again (L1 / L2), SUB at a time: fewer registers live at once
+        for c0 in range(0, WP, SUB):
+            o = c0 + tl.arange(0, SUB)
+            x = _signed_scores(scores_ptr + row * stride_s, o, W)
+            if n_lo <= CAP:
+                take = x >= lo32
+            else:
+                take = _chosen(x, lo, n_lo, n_hi, k, ties)
+                ties += tl.sum((x == lo32).to(tl.int32), axis=0)
+            tl.store(cand + n_c + tl.cumsum(take.to(tl.int32), axis=0) - 1, _key(x, o, first), mask=take)
+            n_c += tl.sum(take.to(tl.int32), axis=0)
+    if n_lo > CAP:
+        n_lo = k.to(tl.int64)                                                  # the k chosen
     tl.debug_barrier()          # the program's candidate stores before its loads
     ci = tl.arange(0, CAP)
     ck = tl.load(cand + ci, mask=ci < n_c, other=-9223372036854775807 - 1)
@@ -148,13 +178,13 @@ def chunk_width(W: int, chunk: int) -> int:
 
 
 def row_topk(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Tensor | None = None,
-             chunk: int = CHUNK, num_warps: int = NUM_WARPS, interp: bool = INTERP, cap: int | None = None
-             ) -> torch.Tensor:
+             chunk: int = CHUNK, num_warps: int = NUM_WARPS, interp: bool = INTERP, cap: int | None = None,
+             sub: int = SUB) -> torch.Tensor:
     """scores [T, W] fp32 (unit column stride) of offsets first_offset + [0, W); prev [T, k]
     int64 keys of offsets below first_offset (a running set of this function) or None -> [T, k]
     int64: the top k keys of `score_keys(scores, first_offset)` and prev (dsv4/ops/stream_topk.py),
     in ascending offset order, EMPTY_KEY after the last. chunk: columns per launch (a power of
-    two); cap: candidates of stage 2 (a power of two >= k, default capacity(k))."""
+    two); cap: candidates of stage 2 (a power of two >= k, default capacity(k)); sub: see SUB."""
     T, W = scores.shape
     if scores.dtype != torch.float32 or (W > 1 and scores.stride(1) != 1):
         raise ValueError("row_topk: scores must be fp32 with unit column stride")
@@ -162,6 +192,8 @@ def row_topk(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Te
         raise ValueError("row_topk: offsets must stay below 2^32")
     if chunk & (chunk - 1) or chunk < MIN_CHUNK:
         raise ValueError(f"row_topk: chunk must be a power of two >= {MIN_CHUNK}, got {chunk}")
+    if sub & (sub - 1):
+        raise ValueError(f"row_topk: sub must be 0 or a power of two, got {sub}")
     if prev is not None and (prev.shape != (T, k) or prev.dtype != torch.long):
         raise ValueError(f"row_topk: prev must be int64 [{T}, {k}], got {prev.dtype} {tuple(prev.shape)}")
     if prev is None and (T == 0 or k == 0 or W == 0):
@@ -177,7 +209,7 @@ def row_topk(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Te
         part = scores[:, c0:c0 + wp]
         out = torch.empty((T, k), dtype=torch.long, device=scores.device)
         _row_topk_kernel[(T,)](part, out if prev is None else prev, cand, out, part.shape[1], scores.stride(0), k,
-                               first_offset + c0, WP=wp, KP=kp, CAP=cap, HAS_PREV=prev is not None,
+                               first_offset + c0, WP=wp, KP=kp, CAP=cap, SUB=min(sub, wp), HAS_PREV=prev is not None,
                                INTERP=interp, num_warps=num_warps)
         prev = out
     return prev
