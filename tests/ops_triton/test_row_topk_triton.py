@@ -10,7 +10,13 @@ from dsv4.ops.stream_topk import EMPTY_KEY, MIN_CHOSEN_KEY, key_offsets, score_k
 from dsv4.ops.triton import row_topk as rk
 
 NEG_INF = float("-inf")
-CHUNK = rk.MIN_CHUNK        # the smallest chunk: wider tiles take several launches
+CHUNK = 2048                # a small chunk: wider tiles take several launches
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """Chunks of 2048 (the interpreter runs a chunk's block in numpy: small is fast)."""
+    monkeypatch.setattr(rk, "MIN_CHUNK", CHUNK)
 PIVOTS = [True, False]      # interpolated, bisected
 # (interpolated pivots, scores a step of stage 1's second read; 0: candidates from registers)
 VARIANTS = [(True, 512), (False, 0), (True, 0)]

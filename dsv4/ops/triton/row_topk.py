@@ -33,7 +33,7 @@ CHUNK = 32768               # scores per program (registers: CHUNK / (32 * num_w
 NUM_WARPS = 16
 INTERP = True               # interpolated pivots (bisection when False)
 SUB = 4096                  # scores a step when stage 1 writes its candidates from a second read (0: from registers)
-MIN_CHUNK = 2048            # the smallest compiled chunk (shorter tiles round up: few variants)
+MIN_CHUNK = 8192            # the smallest compiled chunk (shorter tiles round up: 3 variants compiled)
 INT32_MIN = tl.constexpr(-2147483648)
 NEG_INF_S = tl.constexpr(-2139095041)   # s of -inf (0xFF800000 -> 0x807FFFFF); valid entries are above
 
@@ -101,8 +101,7 @@ def _chosen(a, lo, n_lo, n_hi, k, ties_before):
 # per-call sizes are not specialised: one compiled variant per chunk width
 @triton.jit(do_not_specialize=("W", "stride_s", "k", "first"))
 def _row_topk_kernel(scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, first, WP: tl.constexpr,
-                     KP: tl.constexpr, CAP: tl.constexpr, SUB: tl.constexpr, HAS_PREV: tl.constexpr,
-                     INTERP: tl.constexpr):
+                     KP: tl.constexpr, CAP: tl.constexpr, SUB: tl.constexpr, INTERP: tl.constexpr):
     # scores [T, W] (unit column stride) of offsets first + [0, W); prev/out [T, k] int64 keys
     # in ascending offset order, EMPTY_KEY after the last (prev's offsets are all below first);
     # cand [T, CAP] int64 scratch. Stage 1 narrows over the chunk and prev down to <= CAP
@@ -111,10 +110,7 @@ def _row_topk_kernel(scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, fi
     offs = tl.arange(0, WP)
     s = _signed_scores(scores_ptr + row * stride_s, offs, W)                  # [WP]
     slots = tl.arange(0, KP)
-    if HAS_PREV:
-        pk = tl.load(prev_ptr + row * k + slots, mask=slots < k, other=-9223372036854775807 - 1)
-    else:
-        pk = tl.full([KP], -9223372036854775807 - 1, tl.int64)                  # EMPTY_KEY
+    pk = tl.load(prev_ptr + row * k + slots, mask=slots < k, other=-9223372036854775807 - 1)
     ps = (pk >> 32).to(tl.int32)                                               # [KP]; EMPTY_KEY: INT32_MIN
     n_lo = (tl.sum((s > INT32_MIN).to(tl.int32), axis=0) + tl.sum((ps > INT32_MIN).to(tl.int32), axis=0)).to(tl.int64)
     big = 2147483647
@@ -196,8 +192,8 @@ def row_topk(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Te
         raise ValueError(f"row_topk: sub must be 0 or a power of two, got {sub}")
     if prev is not None and (prev.shape != (T, k) or prev.dtype != torch.long):
         raise ValueError(f"row_topk: prev must be int64 [{T}, {k}], got {prev.dtype} {tuple(prev.shape)}")
-    if prev is None and (T == 0 or k == 0 or W == 0):
-        return torch.full((T, k), EMPTY_KEY, dtype=torch.long, device=scores.device)
+    if prev is None:        # the empty set
+        prev = torch.full((T, k), EMPTY_KEY, dtype=torch.long, device=scores.device)
     if T == 0 or k == 0 or W == 0:
         return prev
     wp, kp = chunk_width(W, chunk), triton.next_power_of_2(k)
@@ -208,9 +204,8 @@ def row_topk(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Te
     for c0 in range(0, W, wp):
         part = scores[:, c0:c0 + wp]
         out = torch.empty((T, k), dtype=torch.long, device=scores.device)
-        _row_topk_kernel[(T,)](part, out if prev is None else prev, cand, out, part.shape[1], scores.stride(0), k,
-                               first_offset + c0, WP=wp, KP=kp, CAP=cap, SUB=min(sub, wp), HAS_PREV=prev is not None,
-                               INTERP=interp, num_warps=num_warps)
+        _row_topk_kernel[(T,)](part, prev, cand, out, part.shape[1], scores.stride(0), k, first_offset + c0,
+                               WP=wp, KP=kp, CAP=cap, SUB=min(sub, wp), INTERP=interp, num_warps=num_warps)
         prev = out
     return prev
 
