@@ -5,7 +5,8 @@ Selection is that of dsv4/ops/stream_topk.py, bit for bit: score descending, tie
 offset, -inf never chosen. A program holds its row's chunk of CHUNK scores in registers as the
 int32 s whose signed order is the scores' (stream_topk's key high word; -inf and below become
 INT32_MIN: never counted), together with the row's running set (k int64 keys of lower offsets),
-and reads them from memory once. It then finds the threshold by counting, with no histogram:
+read from HBM once (SUB > 0: a second read, from L1 / L2, writes the candidates). It then finds
+the threshold by counting, with no histogram:
 
   lo, hi with count(s >= lo) >= k > count(s >= hi) (counts over the chunk and the running set);
   a count at a pivot lo < mid < hi replaces lo or hi (_narrow). The pivot bisects, or (INTERP)
