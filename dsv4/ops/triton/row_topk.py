@@ -70,8 +70,10 @@ def _narrow(a, b, lo, hi, n_lo, n_hi, k, stop, aim, HAS_B: tl.constexpr, INTERP:
     bisect = tl.zeros([], tl.int1)
     while (n_lo > stop) & (hi - lo > 1):
         half = lo + (hi - lo) // 2
-        if INTERP:      # where the counts, linear between lo and hi, reach aim (n_lo > aim >= k > n_hi)
-            guess = lo + (hi - lo) * (n_lo - aim) // (n_lo - n_hi)
+        if INTERP:      # where the counts, linear between lo and hi, reach aim (n_lo > aim >= k > n_hi);
+            # fp32 (no int64 division): any pivot strictly inside is correct
+            frac = (n_lo - aim).to(tl.float32) / (n_lo - n_hi).to(tl.float32)
+            guess = lo + ((hi - lo).to(tl.float32) * frac).to(tl.int64)
             mid = tl.where(bisect, half, tl.minimum(tl.maximum(guess, lo + 1), hi - 1))
         else:
             mid = half
