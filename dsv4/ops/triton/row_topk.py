@@ -8,7 +8,8 @@ INT32_MIN: never counted), together with the row's running set (k int64 keys of 
 read from HBM once (SUB > 0: a second read, from L1 / L2, writes the candidates). It then finds
 the threshold by counting, with no histogram:
 
-  lo, hi with count(s >= lo) >= k > count(s >= hi) (counts over the chunk and the running set);
+  lo, hi with count(s >= lo) >= k > count(s >= hi) (counts over the chunk and the running set;
+  lo starts at the running set's k-th score once it holds k);
   a count at a pivot lo < mid < hi replaces lo or hi (_narrow). The pivot bisects, or (INTERP)
   interpolates the counts linearly, falling back to a bisection after an interpolation that did
   not halve the range (so at most twice the bisection's 33 counts).
@@ -115,12 +116,17 @@ def _row_topk_kernel(scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, fi
     slots = tl.arange(0, KP)
     pk = tl.load(prev_ptr + row * k + slots, mask=slots < k, other=-9223372036854775807 - 1)
     ps = (pk >> 32).to(tl.int32)                                               # [KP]; EMPTY_KEY: INT32_MIN
-    n_lo = (tl.sum((s > INT32_MIN).to(tl.int32), axis=0) + tl.sum((ps > INT32_MIN).to(tl.int32), axis=0)).to(tl.int64)
+    n_prev = tl.sum((ps > INT32_MIN).to(tl.int32), axis=0)
+    n_lo = (tl.sum((s > INT32_MIN).to(tl.int32), axis=0) + n_prev).to(tl.int64)
     big = 2147483647
-    lo = tl.minimum(tl.min(tl.where(s > INT32_MIN, s, big), axis=0),
-                    tl.min(tl.where(ps > INT32_MIN, ps, big), axis=0)).to(tl.int64)   # count(>= lo) = n_lo
+    prev_min = tl.min(tl.where(ps > INT32_MIN, ps, big), axis=0)
+    lo = tl.minimum(tl.min(tl.where(s > INT32_MIN, s, big), axis=0), prev_min).to(tl.int64)  # count(>= lo) = n_lo
     hi = tl.maximum(tl.max(s, axis=0), tl.max(ps, axis=0)).to(tl.int64) + 1          # count(>= hi) = 0
     n_hi = tl.zeros([], tl.int64)
+    if n_prev == k:     # a full running set: its k-th score bounds the k-th from below (later tiles of
+        # a row: few of the chunk's scores are above it, often no further count is needed)
+        lo = prev_min.to(tl.int64)
+        n_lo = tl.sum((s >= prev_min).to(tl.int32), axis=0).to(tl.int64) + k
     lo, hi, n_lo, n_hi = _narrow(s, ps, lo, hi, n_lo, n_hi, k, CAP, k + (CAP - k) // 2, True, INTERP)
     # candidates: every entry >= lo (n_lo <= CAP), or when more than CAP tie at lo, the chosen k
     # (above lo, then the first ties in offset order: prev's first)
