@@ -35,6 +35,7 @@ from benchmarks.kernels.topk import make_scores, reference  # noqa: E402
 from dsv4.bench.timing import graph_ms  # noqa: E402
 from dsv4.ops.stream_topk import RunningTopk, key_offsets  # noqa: E402
 from dsv4.ops.triton.radix_topk import radix_topk  # noqa: E402
+from dsv4.ops.triton import row_topk as rt  # noqa: E402
 from dsv4.ops.triton.row_topk import row_topk, sorted_keys  # noqa: E402
 
 K = 512
@@ -42,10 +43,11 @@ T, WIDTHS = 2048, (32768, 65536)
 SMOKE_T, SMOKE_WIDTHS = 4, (3000, 20000)
 HBM_TBS = 4.8
 STEP_ENTRIES, CSA_LAYERS = 8 * 32768, 2     # a 2,048-token chunk at 900k: 8 tiles of 32,768 in each of 2 CSA layers
-# (chunk, num_warps, sub, interp, cap): the default first
-SWEEP = [(32768, 16, 4096, True, 1024), (32768, 32, 4096, True, 1024), (16384, 8, 4096, True, 1024),
-         (16384, 16, 4096, True, 1024), (8192, 4, 4096, True, 1024), (32768, 16, 4096, False, 1024),
-         (32768, 16, 4096, True, 2048), (16384, 16, 0, True, 1024)]
+# (chunk, num_warps, sub, interp, cap): row_topk's defaults first
+SWEEP = [(rt.CHUNK, rt.NUM_WARPS, rt.SUB, rt.INTERP, rt.capacity(K)),
+         (32768, 16, 4096, True, 1024), (32768, 32, 4096, True, 1024), (16384, 16, 4096, True, 1024),
+         (8192, 8, 4096, True, 1024), (8192, 4, 4096, True, 1024), (16384, 8, 4096, False, 1024),
+         (16384, 8, 4096, True, 2048), (16384, 8, 0, True, 1024)]
 SMOKE_SWEEP = [(8192, 4, 1024, True, 1024), (16384, 4, 0, False, 2048)]
 
 

@@ -31,11 +31,13 @@ import triton.language as tl
 from ..stream_topk import EMPTY_KEY, key_offsets
 from .radix_topk import _order_keys
 
-CHUNK = 32768               # scores per program (registers: CHUNK / (32 * num_warps) int32 a thread)
-NUM_WARPS = 16
+# scores per program (registers: CHUNK / (32 * num_warps) int32 a thread). 16k over 8 warps: no
+# spills at 126 registers (sm_90, Triton 3.9), so two programs an SM, one loading while one counts
+CHUNK = 16384
+NUM_WARPS = 8
 INTERP = True               # interpolated pivots (bisection when False)
 SUB = 4096                  # scores a step when stage 1 writes its candidates from a second read (0: from registers)
-MIN_CHUNK = 8192            # the smallest compiled chunk (shorter tiles round up: 3 variants compiled)
+MIN_CHUNK = 8192            # the smallest compiled chunk (shorter tiles round up: few variants compiled)
 INT32_MIN = tl.constexpr(-2147483648)
 NEG_INF_S = tl.constexpr(-2139095041)   # s of -inf (0xFF800000 -> 0x807FFFFF); valid entries are above
 
