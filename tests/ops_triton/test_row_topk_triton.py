@@ -123,6 +123,8 @@ def test_bad_input(device):
         rk.row_topk(torch.randn(8, 2).to(device).t(), 2)
     with pytest.raises(ValueError, match="chunk"):
         rk.row_topk(torch.randn(2, 8).to(device), 2, chunk=3000)
+    with pytest.raises(ValueError, match="chunk"):
+        rk.row_topk(torch.randn(2, 8).to(device), 2, chunk=64)
     with pytest.raises(ValueError, match="sub"):
         rk.row_topk(torch.randn(2, 8).to(device), 2, sub=48)
     with pytest.raises(ValueError, match="cap"):

@@ -37,7 +37,9 @@ CHUNK = 16384
 NUM_WARPS = 8
 INTERP = True               # interpolated pivots (bisection when False)
 SUB = 4096                  # scores a step when stage 1 writes its candidates from a second read (0: from registers)
-MIN_CHUNK = 8192            # the smallest compiled chunk (shorter tiles round up: few variants compiled)
+# the narrowest program: a full chunk, so serving compiles one variant (a narrower tile's program
+# masks the rest: no reads, and a row of at most k valid scores needs no counts)
+MIN_CHUNK = CHUNK
 INT32_MIN = tl.constexpr(-2147483648)
 NEG_INF_S = tl.constexpr(-2139095041)   # s of -inf (0xFF800000 -> 0x807FFFFF); valid entries are above
 
@@ -179,8 +181,8 @@ def capacity(k: int) -> int:
 
 
 def chunk_width(W: int, chunk: int) -> int:
-    """Compiled width of a program's scores: a power of two >= the tile's columns (at least
-    MIN_CHUNK, at most chunk: wider tiles take several launches)."""
+    """Compiled width of a program's scores: chunk (wider tiles take several launches), or a
+    power of two >= the tile's columns down to MIN_CHUNK."""
     return min(chunk, max(MIN_CHUNK, triton.next_power_of_2(W)))
 
 
@@ -197,8 +199,8 @@ def row_topk(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Te
         raise ValueError("row_topk: scores must be fp32 with unit column stride")
     if first_offset + W > 1 << 32:
         raise ValueError("row_topk: offsets must stay below 2^32")
-    if chunk & (chunk - 1) or chunk < MIN_CHUNK:
-        raise ValueError(f"row_topk: chunk must be a power of two >= {MIN_CHUNK}, got {chunk}")
+    if chunk & (chunk - 1) or chunk < 128:
+        raise ValueError(f"row_topk: chunk must be a power of two >= 128, got {chunk}")
     if sub & (sub - 1):
         raise ValueError(f"row_topk: sub must be 0 or a power of two, got {sub}")
     if prev is not None and (prev.shape != (T, k) or prev.dtype != torch.long):
