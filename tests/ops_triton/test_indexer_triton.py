@@ -12,6 +12,7 @@ from dsv4.ops import backend
 from dsv4.ops import indexer as ref
 from dsv4.ops.paged import PagedRows
 from dsv4.ops.triton import indexer as tri
+from dsv4.ops.triton import row_topk
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "ops"))
 from paged_inputs import random_paged  # noqa: E402
@@ -188,13 +189,17 @@ def test_paged_dispatch(device, monkeypatch):
     assert_same_selection(got, q, weights, keys, cand.dense(), 6)
 
 
+@pytest.mark.parametrize("rows_min", [1, 1 << 20])
 @pytest.mark.parametrize("score_tile", [1, 40, 1 << 24])
 @pytest.mark.parametrize("topk", [3, 10])
-def test_tiles_and_ties_are_the_reference(score_tile, topk, device, monkeypatch):
+def test_tiles_and_ties_are_the_reference(score_tile, topk, rows_min, device, monkeypatch):
     """Small-integer inputs (exact sums in any order, many exact ties): the streamed top-k of
     every tiling (SCORE_TILE 1: tiles of k entries rounded to a block) is the reference's
-    selection, offsets and rows alike (score desc, ties to the lower offset)."""
+    selection, offsets and rows alike (score desc, ties to the lower offset), with a program
+    per row (rows_min 1: row_topk) or many (radix_topk)."""
     monkeypatch.setattr(tri, "SCORE_TILE", score_tile)
+    monkeypatch.setattr(tri, "ROWS_MIN", rows_min)
+    monkeypatch.setattr(row_topk, "MIN_CHUNK", 128)      # short tiles: narrow programs (fast to interpret)
     cand, n = random_paged(23, 300, per_page=4, pitch=8, seed=topk, device=device)
     g = torch.Generator().manual_seed(score_tile % 97)
     q = torch.randint(-1, 2, (23, 2, 16), generator=g).float()

@@ -33,6 +33,7 @@ from ..paged import PagedRows, index_width
 from ..stream_topk import RunningTopk
 from .fp8_words import fp8_words_to
 from .radix_topk import radix_topk
+from .row_topk import RowTopk
 
 BLOCK_E = 128       # candidates per program (best measured on an H200 for E >= 1k: benchmarks/kernels/indexer.py)
 NUM_WARPS = 4
@@ -40,6 +41,7 @@ ROWS_BLOCK = 1024   # chosen positions per program of the paged rows kernel (top
 # scores of one tile: 64M fp32 (256 MiB transient, whatever the context; its top k by radix select
 # needs O(T * k) more); a decode step of T <= 256 tokens at 1M context (262,144 C4 entries) is one tile
 SCORE_TILE = 1 << 26
+ROWS_MIN = 256      # rows from which a program per row (row_topk) fills an H200's 132 SMs twice
 
 
 # per-step sizes are not specialised: one compiled variant for every step shape
@@ -187,10 +189,18 @@ def tile_width(T: int, k: int, block_e: int = BLOCK_E) -> int:
 
 
 def _topk_offsets(q, weights, keys, cand, k, weight_scale) -> torch.Tensor:
-    """[T, k] chosen offsets (-1 = none): each tile's top k by radix select
-    (dsv4/ops/triton/radix_topk.py); with several tiles, merged into a running top-k."""
+    """[T, k] chosen offsets (-1 = none). Many rows (prefill): a program per row merges each
+    tile into a running set (dsv4/ops/triton/row_topk.py). Few rows (decode): each tile's top k
+    by radix select, many programs per row (dsv4/ops/triton/radix_topk.py); with several tiles,
+    merged into a running top-k."""
     T, E = q.shape[0], index_width(cand)
     width = tile_width(T, k)
+    if T >= ROWS_MIN:
+        rows = RowTopk(k)
+        for e0 in range(0, E, width):
+            scores = indexer_scores(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=min(e0 + width, E))
+            rows.add(scores, e0)
+        return rows.offsets()
     if E <= width:      # one tile (every decode step up to SCORE_TILE / T entries)
         return radix_topk(indexer_scores(q, weights, keys, cand, weight_scale=weight_scale), k)[1]
     running = RunningTopk(T, k, q.device)

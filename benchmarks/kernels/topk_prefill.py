@@ -1,0 +1,140 @@
+"""Indexer top-k of prefill tiles: 2,048 rows (a chunk's tokens) of 32,768 or 65,536 C4 entries
+(one tile of dsv4/ops/triton/indexer.py at depth), merged into the running top-k of the tiles
+before it, k = 512.
+
+    python -m benchmarks.kernels.topk_prefill            # H200; about a minute (compiles included)
+    python -m benchmarks.kernels.topk_prefill --smoke    # CPU, Triton's interpreter, tiny rows
+
+Checks first (exit 1 on a difference): every variant's sorted keys and offsets bit for bit
+against the definition, torch.topk over stream_topk's int64 keys (score desc, ties to the lower
+offset), on indexer-like scores with a -inf tail per row and on small-integer scores (ties), as
+one tile and as two tiles merged. Then times one tile merged into a full running set, per call
+(the replay of a CUDA graph of 10 calls):
+  radix + merge   what the indexer ran: radix_topk of the tile (dsv4/ops/triton/radix_topk.py,
+                  many programs per row) + RunningTopk.merge (cat + torch.topk)
+  topk + merge    RunningTopk.add: one torch.topk over the tile's keys and the set (a torch floor)
+                  (both also copy the [2048, 512] set back first: a few microseconds)
+  row c/w/s/i/p   row_topk (dsv4/ops/triton/row_topk.py, a program per row, the merge in the
+                  kernel): c columns a launch, w warps, s scores a step of stage 1's second
+                  read (0: from registers), i interpolated (or bisected) pivots, p candidates
+and once per layer (not per tile) the row path's final sort of the set (sorted_keys). HBM
+floor: reading the tile once at 4.8 TB/s.
+"""
+import argparse
+import os
+import sys
+import time
+
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"        # before triton is imported
+
+import torch  # noqa: E402
+
+from benchmarks.kernels.topk import make_scores, reference  # noqa: E402
+from dsv4.bench.timing import graph_ms  # noqa: E402
+from dsv4.ops.stream_topk import RunningTopk, key_offsets  # noqa: E402
+from dsv4.ops.triton.radix_topk import radix_topk  # noqa: E402
+from dsv4.ops.triton import row_topk as rt  # noqa: E402
+from dsv4.ops.triton.row_topk import row_topk, sorted_keys  # noqa: E402
+
+K = 512
+T, WIDTHS = 2048, (32768, 65536)
+SMOKE_T, SMOKE_WIDTHS = 4, (3000, 20000)
+HBM_TBS = 4.8
+STEP_ENTRIES, CSA_LAYERS = 8 * 32768, 2     # a 2,048-token chunk at 900k: 8 tiles of 32,768 in each of 2 CSA layers
+# (chunk, num_warps, sub, interp, cap): row_topk's defaults first
+SWEEP = [(rt.CHUNK, rt.NUM_WARPS, rt.SUB, rt.INTERP, rt.capacity(K)),
+         (32768, 16, 4096, True, 1024), (32768, 32, 4096, True, 1024), (16384, 16, 4096, True, 1024),
+         (8192, 8, 4096, True, 1024), (8192, 4, 4096, True, 1024), (16384, 8, 4096, False, 1024),
+         (16384, 8, 4096, True, 2048), (16384, 8, 0, True, 1024)]
+SMOKE_SWEEP = [(8192, 4, 1024, True, 1024), (16384, 4, 0, False, 2048)]
+
+
+def label(variant) -> str:
+    chunk, warps, sub, interp, cap = variant
+    return f"row {chunk // 1024}k/{warps}/{sub}/{'i' if interp else 'b'}/{cap}"
+
+
+def run_rows(scores, variant, first=0, prev=None):
+    chunk, warps, sub, interp, cap = variant
+    return row_topk(scores, K, first, prev, chunk=chunk, num_warps=warps, interp=interp, cap=cap, sub=sub)
+
+
+def check(device, gen, rows, widths, sweep) -> list[str]:
+    """Every variant on every width as one tile, and on the widest as two tiles of half of it
+    (one compiled variant each: every launch is a full chunk)."""
+    errors = []
+    for W in widths:
+        for ties in (False, True):
+            scores = make_scores(rows, W, device, gen, ties)
+            want_keys, want_offs = reference(scores, K)
+            half = W // 2
+            for v in sweep:
+                got = [("one tile", sorted_keys(run_rows(scores, v)))]
+                if W == max(widths):
+                    two = run_rows(scores[:, half:], v, half, run_rows(scores[:, :half], v))
+                    got.append(("two tiles", sorted_keys(two)))
+                for name, keys in got:
+                    if not (torch.equal(keys, want_keys) and torch.equal(key_offsets(keys), want_offs)):
+                        errors.append(f"W={W} ties={ties} {label(v)} {name}: differs from the reference")
+    return errors
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny rows")
+    args = p.parse_args()
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("needs CUDA (or --smoke)")
+    rows, widths, sweep = (SMOKE_T, SMOKE_WIDTHS, SMOKE_SWEEP) if args.smoke else (T, WIDTHS, SWEEP)
+    reps = 1 if args.smoke else 10
+    gen = torch.Generator(device=device).manual_seed(0)
+    name = "CPU (Triton interpreter)" if args.smoke else torch.cuda.get_device_name()
+    print(f"prefill indexer top-k {K} of [{rows}, W] fp32 tiles merged into a running set, {name}")
+    t0 = time.perf_counter()
+    errors = check(device, gen, rows, widths, sweep)
+    for e in errors:
+        print(f"  MISMATCH {e}")
+    print(f"checked {len(sweep)} variants in {time.perf_counter() - t0:.1f} s (compiles included)")
+    best = {}
+    for W in widths:
+        scores = make_scores(rows, W, device, gen)
+        floor = rows * W * 4 / (HBM_TBS * 1e12) * 1e3
+        print(f"\n[{rows}, {W}]: ms per tile (HBM floor {floor:.4f} ms)")
+        running = RunningTopk(rows, K, device)
+        running.merge(radix_topk(scores, K)[0])
+        state = running.keys.clone()
+        prev = run_rows(scores, sweep[0])
+
+        def old():
+            running.keys.copy_(state)
+            running.merge(radix_topk(scores, K, W)[0])
+
+        def floor_torch():
+            running.keys.copy_(state)
+            running.add(scores, W)
+
+        results = [("radix + merge", graph_ms(old, device, reps)), ("topk + merge", graph_ms(floor_torch, device, reps))]
+        for v in sweep:
+            results.append((label(v), graph_ms(lambda v=v: run_rows(scores, v, W, prev), device, reps)))
+        sort_ms = graph_ms(lambda: key_offsets(sorted_keys(prev)), device, reps)
+        base = results[0][1]
+        for n, ms in results:
+            print(f"  {n:24s} {ms:9.4f} ms  {base / ms:6.2f}x  {floor / ms * 100:5.1f}% of HBM")
+        print(f"  {'final sort (a layer)':24s} {sort_ms:9.4f} ms")
+        best[W] = (*min(results[2:], key=lambda r: r[1]), base, sort_ms)
+    print()
+    for W, (n, ms, base, sort_ms) in best.items():
+        tiles = STEP_ENTRIES // W
+        print(f"best at [{rows}, {W}]: {n} {ms:.4f} ms; a step at 900k ({tiles} tiles x {CSA_LAYERS} layers): "
+              f"radix + merge {tiles * CSA_LAYERS * base:.2f} ms, {n} + sorts "
+              f"{CSA_LAYERS * (tiles * ms + sort_ms):.2f} ms")
+    print(f"total {time.perf_counter() - t0:.1f} s")
+    print("FAIL: row top-k differs from the reference" if errors else "OK: row top-k equals the reference")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""Top-k of many rows of fp32 scores, one program per row (prefill chunks: 2,048 rows of a
+tile of C4 entries), merged into a running top-k in the same kernel.
+
+Selection is that of dsv4/ops/stream_topk.py, bit for bit: score descending, ties to the lower
+offset, -inf never chosen. A program holds its row's chunk of CHUNK scores in registers as the
+int32 s whose signed order is the scores' (stream_topk's key high word; -inf and below become
+INT32_MIN: never counted), together with the row's running set (k int64 keys of lower offsets),
+read from HBM once (SUB > 0: a second read, from L1 / L2, writes the candidates). It then finds
+the threshold by counting, with no histogram:
+
+  lo, hi with count(s >= lo) >= k > count(s >= hi) (counts over the chunk and the running set;
+  lo starts at the running set's k-th score once it holds k);
+  a count at a pivot lo < mid < hi replaces lo or hi (_narrow). The pivot bisects, or (INTERP)
+  interpolates the counts linearly, falling back to a bisection after an interpolation that did
+  not halve the range (so at most twice the bisection's 33 counts).
+  stage 1, over the chunk (the costly counts): narrow until count(s >= lo) <= CAP, aiming between
+    k and CAP; those entries go to a scratch row in offset order (the running set first: its
+    offsets are below the chunk's). If more than CAP tie at one score (hi == lo + 1), the chosen
+    k go instead: those above lo and the first ties at lo in offset order (a cumulative sum).
+  stage 2, over the <= CAP candidates (cheap counts): narrow until count(s >= lo) == k or hi ==
+    lo + 1; keep the same way.
+
+The chosen entries are written as keys in ascending offset order (the running set first: its
+offsets are below the chunk's), so that order is the tie order of the next chunk, and
+EMPTY_KEY after them. `RowTopk.offsets` sorts the final set once (the reference's order).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ..stream_topk import EMPTY_KEY, key_offsets
+from .radix_topk import _order_keys
+
+# scores per program (registers: CHUNK / (32 * num_warps) int32 a thread). 16k over 8 warps: no
+# spills at 126 registers (sm_90, Triton 3.9), so two programs an SM, one loading while one counts
+CHUNK = 16384
+NUM_WARPS = 8
+INTERP = True               # interpolated pivots (bisection when False)
+SUB = 4096                  # scores a step when stage 1 writes its candidates from a second read (0: from registers)
+# the narrowest program: a full chunk, so serving compiles one variant (a narrower tile's program
+# masks the rest: no reads, and a row of at most k valid scores needs no counts)
+MIN_CHUNK = CHUNK
+INT32_MIN = tl.constexpr(-2147483648)
+NEG_INF_S = tl.constexpr(-2139095041)   # s of -inf (0xFF800000 -> 0x807FFFFF); valid entries are above
+
+
+@triton.jit
+def _signed_scores(row_ptr, offs, W):
+    """Scores [offs] of a row (-inf past W) -> int32 s: stream_topk's key high word (signed
+    order = the scores' order, -0.0 as 0.0); -inf and below -> INT32_MIN."""
+    s = (_order_keys(tl.load(row_ptr + offs, mask=offs < W, other=float("-inf"))) ^ 0x80000000).to(tl.int32, bitcast=True)
+    return tl.where(s > NEG_INF_S, s, INT32_MIN)
+
+
+@triton.jit
+def _key(s, offs, first):
+    """stream_topk's int64 key of s at offsets first + offs."""
+    return s.to(tl.int64) * 4294967296 + (4294967295 - (offs.to(tl.int64) + first))
+
+
+@triton.jit
+def _count_at_least(a, b, mid, HAS_B: tl.constexpr):
+    """Entries of a (and b) with s >= mid (int64 scalar)."""
+    m = mid.to(tl.int32)
+    n = tl.sum((a >= m).to(tl.int32), axis=0).to(tl.int64)
+    if HAS_B:
+        n += tl.sum((b >= m).to(tl.int32), axis=0).to(tl.int64)
+    return n
+
+
+@triton.jit
+def _narrow(a, b, lo, hi, n_lo, n_hi, k, stop, aim, HAS_B: tl.constexpr, INTERP: tl.constexpr):
+    """Narrow lo < hi (count(>= lo) = n_lo >= k > n_hi = count(>= hi), over a and b) until
+    n_lo <= stop or hi == lo + 1; an interpolated pivot aims at a count of `aim`."""
+    bisect = tl.zeros([], tl.int1)
+    while (n_lo > stop) & (hi - lo > 1):
+        half = lo + (hi - lo) // 2
+        if INTERP:      # where the counts, linear between lo and hi, reach aim (n_lo > aim >= k > n_hi);
+            # fp32 (no int64 division): any pivot strictly inside is correct
+            frac = (n_lo - aim).to(tl.float32) / (n_lo - n_hi).to(tl.float32)
+            guess = lo + ((hi - lo).to(tl.float32) * frac).to(tl.int64)
+            mid = tl.where(bisect, half, tl.minimum(tl.maximum(guess, lo + 1), hi - 1))
+        else:
+            mid = half
+        c = _count_at_least(a, b, mid, HAS_B)
+        before = hi - lo
+        up = c >= k
+        lo, n_lo = tl.where(up, mid, lo), tl.where(up, c, n_lo)
+        hi, n_hi = tl.where(up, hi, mid), tl.where(up, n_hi, c)
+        bisect = 2 * (hi - lo) > before
+    return lo, hi, n_lo, n_hi
+
+
+@triton.jit
+def _chosen(a, lo, n_lo, n_hi, k, ties_before):
+    """Entries of a to keep after _narrow: every one >= lo when n_lo <= k, else (hi == lo + 1)
+    those above lo and the first k - n_hi ties at lo in block order, after ties_before ties."""
+    lo32 = lo.to(tl.int32)
+    take = a > lo32
+    tie = a == lo32
+    if n_lo <= k:
+        take = take | tie
+    else:
+        rank = ties_before + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+        take = take | (tie & (rank < k - n_hi))
+    return take
+
+
+# per-call sizes are not specialised: one compiled variant per chunk width
+@triton.jit(do_not_specialize=("W", "stride_s", "k", "first"))
+def _row_topk_kernel(scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, first, WP: tl.constexpr,
+                     KP: tl.constexpr, CAP: tl.constexpr, SUB: tl.constexpr, INTERP: tl.constexpr):
+    # scores [T, W] (unit column stride) of offsets first + [0, W); prev/out [T, k] int64 keys
+    # in ascending offset order, EMPTY_KEY after the last (prev's offsets are all below first);
+    # cand [T, CAP] int64 scratch. Stage 1 narrows over the chunk and prev down to <= CAP
+    # candidates, written to cand in offset order; stage 2 narrows over those to the k.
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, WP)
+    s = _signed_scores(scores_ptr + row * stride_s, offs, W)                  # [WP]
+    slots = tl.arange(0, KP)
+    pk = tl.load(prev_ptr + row * k + slots, mask=slots < k, other=-9223372036854775807 - 1)
+    ps = (pk >> 32).to(tl.int32)                                               # [KP]; EMPTY_KEY: INT32_MIN
+    n_prev = tl.sum((ps > INT32_MIN).to(tl.int32), axis=0)
+    n_lo = (tl.sum((s > INT32_MIN).to(tl.int32), axis=0) + n_prev).to(tl.int64)
+    big = 2147483647
+    prev_min = tl.min(tl.where(ps > INT32_MIN, ps, big), axis=0)
+    lo = tl.minimum(tl.min(tl.where(s > INT32_MIN, s, big), axis=0), prev_min).to(tl.int64)  # count(>= lo) = n_lo
+    hi = tl.maximum(tl.max(s, axis=0), tl.max(ps, axis=0)).to(tl.int64) + 1          # count(>= hi) = 0
+    n_hi = tl.zeros([], tl.int64)
+    if n_prev == k:     # a full running set: its k-th score bounds the k-th from below (later tiles of
+        # a row: few of the chunk's scores are above it, often no further count is needed)
+        lo = prev_min.to(tl.int64)
+        n_lo = tl.sum((s >= prev_min).to(tl.int32), axis=0).to(tl.int64) + k
+    lo, hi, n_lo, n_hi = _narrow(s, ps, lo, hi, n_lo, n_hi, k, CAP, k + (CAP - k) // 2, True, INTERP)
+    # candidates: every entry >= lo (n_lo <= CAP), or when more than CAP tie at lo, the chosen k
+    # (above lo, then the first ties in offset order: prev's first)
+    lo32 = lo.to(tl.int32)
+    if n_lo <= CAP:
+        take_p = ps >= lo32
+    else:
+        take_p = _chosen(ps, lo, n_lo, n_hi, k, 0)
+    cand = cand_ptr + row * CAP
+    tl.store(cand + tl.cumsum(take_p.to(tl.int32), axis=0) - 1, pk, mask=take_p)
+    n_c = tl.sum(take_p.to(tl.int32), axis=0)
+    ties = tl.sum((ps == lo32).to(tl.int32), axis=0)                           # ties at lo so far
+    if SUB == 0:        # from the registers
+        if n_lo <= CAP:
+            take_s = s >= lo32
+        else:
+            take_s = _chosen(s, lo, n_lo, n_hi, k, ties)
+        tl.store(cand + n_c + tl.cumsum(take_s.to(tl.int32), axis=0) - 1, _key(s, offs, first), mask=take_s)
+        n_c += tl.sum(take_s.to(tl.int32), axis=0)
+    else:               # the row again (L1 / L2), SUB at a time: fewer registers live at once
+        for c0 in range(0, WP, SUB):
+            o = c0 + tl.arange(0, SUB)
+            x = _signed_scores(scores_ptr + row * stride_s, o, W)
+            if n_lo <= CAP:
+                take = x >= lo32
+            else:
+                take = _chosen(x, lo, n_lo, n_hi, k, ties)
+                ties += tl.sum((x == lo32).to(tl.int32), axis=0)
+            tl.store(cand + n_c + tl.cumsum(take.to(tl.int32), axis=0) - 1, _key(x, o, first), mask=take)
+            n_c += tl.sum(take.to(tl.int32), axis=0)
+    if n_lo > CAP:
+        n_lo = k.to(tl.int64)                                                  # the k chosen
+    tl.debug_barrier()          # the program's candidate stores before its loads
+    ci = tl.arange(0, CAP)
+    ck = tl.load(cand + ci, mask=ci < n_c, other=-9223372036854775807 - 1)
+    cs = (ck >> 32).to(tl.int32)
+    lo, hi, n_lo, n_hi = _narrow(cs, cs, lo, hi, n_lo, n_hi, k, k, k, False, INTERP)
+    take = _chosen(cs, lo, n_lo, n_hi, k, 0)
+    out = out_ptr + row * k
+    tl.store(out + tl.cumsum(take.to(tl.int32), axis=0) - 1, ck, mask=take)
+    n = tl.sum(take.to(tl.int32), axis=0)
+    tl.store(out + slots, tl.full([KP], -9223372036854775807 - 1, tl.int64), mask=(slots >= n) & (slots < k))
+
+
+def capacity(k: int) -> int:
+    """Stage 2's candidates: twice the power of two >= k (stage 1 stops under it)."""
+    return 2 * triton.next_power_of_2(k)
+
+
+def chunk_width(W: int, chunk: int) -> int:
+    """Compiled width of a program's scores: chunk (wider tiles take several launches), or a
+    power of two >= the tile's columns down to MIN_CHUNK."""
+    return min(chunk, max(MIN_CHUNK, triton.next_power_of_2(W)))
+
+
+def row_topk(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Tensor | None = None,
+             chunk: int = CHUNK, num_warps: int = NUM_WARPS, interp: bool = INTERP, cap: int | None = None,
+             sub: int = SUB) -> torch.Tensor:
+    """scores [T, W] fp32 (unit column stride) of offsets first_offset + [0, W); prev [T, k]
+    int64 keys of offsets below first_offset (a running set of this function) or None -> [T, k]
+    int64: the top k keys of `score_keys(scores, first_offset)` and prev (dsv4/ops/stream_topk.py),
+    in ascending offset order, EMPTY_KEY after the last. chunk: columns per launch (a power of
+    two); cap: candidates of stage 2 (a power of two >= k, default capacity(k)); sub: see SUB."""
+    T, W = scores.shape
+    if scores.dtype != torch.float32 or (W > 1 and scores.stride(1) != 1):
+        raise ValueError("row_topk: scores must be fp32 with unit column stride")
+    if first_offset + W > 1 << 32:
+        raise ValueError("row_topk: offsets must stay below 2^32")
+    if chunk & (chunk - 1) or chunk < 128:
+        raise ValueError(f"row_topk: chunk must be a power of two >= 128, got {chunk}")
+    if sub & (sub - 1):
+        raise ValueError(f"row_topk: sub must be 0 or a power of two, got {sub}")
+    if prev is not None and (prev.shape != (T, k) or prev.dtype != torch.long):
+        raise ValueError(f"row_topk: prev must be int64 [{T}, {k}], got {prev.dtype} {tuple(prev.shape)}")
+    if prev is None:        # the empty set
+        prev = torch.full((T, k), EMPTY_KEY, dtype=torch.long, device=scores.device)
+    if T == 0 or k == 0 or W == 0:
+        return prev
+    wp, kp = chunk_width(W, chunk), triton.next_power_of_2(k)
+    cap = cap or capacity(k)
+    if cap < kp or cap & (cap - 1):
+        raise ValueError(f"row_topk: cap must be a power of two >= {kp}, got {cap}")
+    cand = torch.empty((T, cap), dtype=torch.long, device=scores.device)
+    for c0 in range(0, W, wp):
+        part = scores[:, c0:c0 + wp]
+        out = torch.empty((T, k), dtype=torch.long, device=scores.device)
+        _row_topk_kernel[(T,)](part, prev, cand, out, part.shape[1], scores.stride(0), k, first_offset + c0,
+                               WP=wp, KP=kp, CAP=cap, SUB=min(sub, wp), INTERP=interp, num_warps=num_warps)
+        prev = out
+    return prev
+
+
+def sorted_keys(keys: torch.Tensor) -> torch.Tensor:
+    """A running set [T, k] -> the same keys in the reference's order (key descending: score
+    desc, ties to the lower offset; EMPTY_KEY last)."""
+    return keys.sort(dim=1, descending=True).values
+
+
+class RowTopk:
+    """The best k (score, offset) pairs of T rows over tiles added in ascending offset order
+    (RunningTopk's contract for prefill-sized T: the merge is part of row_topk's kernel)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.keys: torch.Tensor | None = None
+
+    def add(self, scores: torch.Tensor, first_offset: int) -> None:
+        """Merge scores [T, W] of offsets first_offset + [0, W), above every offset added so far."""
+        self.keys = row_topk(scores, self.k, first_offset, self.keys)
+
+    def offsets(self) -> torch.Tensor:
+        """[T, k] long: chosen offsets in (score desc, offset asc) order, -1 after the last."""
+        return key_offsets(sorted_keys(self.keys))

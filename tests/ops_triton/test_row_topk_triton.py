@@ -1,0 +1,133 @@
+"""Row-per-program top-k with a running set (dsv4/ops/triton/row_topk.py) against the
+definition: torch.topk over stream_topk's int64 keys of every tile so far (score desc, ties to
+the lower offset, -inf never chosen), bit for bit. Rows with exact ties (also ties split between
+the running set and a new tile, and more ties than k), -inf tails, rows with fewer than k finite
+scores, empty rows, several chunks per tile, several tiles, bisected and interpolated pivots."""
+import pytest
+import torch
+
+from dsv4.ops.stream_topk import EMPTY_KEY, MIN_CHOSEN_KEY, key_offsets, score_keys
+from dsv4.ops.triton import row_topk as rk
+
+NEG_INF = float("-inf")
+CHUNK = 2048                # a small chunk: wider tiles take several launches
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch):
+    """Chunks of 2048 (the interpreter runs a chunk's block in numpy: small is fast)."""
+    monkeypatch.setattr(rk, "MIN_CHUNK", CHUNK)
+PIVOTS = [True, False]      # interpolated, bisected
+# (interpolated pivots, scores a step of stage 1's second read; 0: candidates from registers)
+VARIANTS = [(True, 512), (False, 0), (True, 0)]
+
+
+def reference(scores: torch.Tensor, k: int, first: int = 0) -> torch.Tensor:
+    """[T, k] keys in the reference's order: the top k of score_keys, EMPTY_KEY past the valid ones."""
+    keys = score_keys(scores, first)
+    pad = torch.full((scores.shape[0], max(0, k - scores.shape[1])), EMPTY_KEY, dtype=torch.long)
+    keys = torch.cat([keys, pad], dim=1).topk(k, dim=1).values
+    return torch.where(keys >= MIN_CHOSEN_KEY, keys, EMPTY_KEY)
+
+
+def check_tiles(scores: torch.Tensor, k: int, device, widths: list[int], first: int = 0, interp: bool = True,
+                sub: int = rk.SUB) -> None:
+    """Add scores tile by tile (widths), then compare the set (ascending offsets) and the
+    sorted offsets with the reference over the whole row."""
+    running = rk.RowTopk(k)
+    e0 = 0
+    for w in widths:
+        keys = rk.row_topk(scores[:, e0:e0 + w].to(device), k, first + e0, running.keys, chunk=CHUNK,
+                           interp=interp, sub=sub)
+        running.keys = keys
+        e0 += w
+    assert e0 == scores.shape[1]
+    want = reference(scores, k, first)
+    got = running.keys.cpu()
+    offs = key_offsets(got)
+    chosen = offs >= 0
+    assert torch.equal(chosen, torch.arange(k)[None, :] < chosen.sum(1, keepdim=True))   # EMPTY_KEY last
+    assert bool((offs[:, 1:] > offs[:, :-1])[chosen[:, 1:]].all())                      # ascending offsets
+    assert torch.equal(rk.sorted_keys(got), want)
+    assert torch.equal(running.offsets().cpu(), key_offsets(want))
+
+
+def ragged_rows(T: int, W: int, seed: int) -> torch.Tensor:
+    """Random scores; row t valid up to a length of its own (row 0 full, the last empty)."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(T, W, generator=g)
+    lengths = torch.tensor([W - (W * t) // max(T - 1, 1) for t in range(T)])
+    return scores.masked_fill(torch.arange(W)[None, :] >= lengths[:, None], NEG_INF)
+
+
+@pytest.mark.parametrize("interp,sub", VARIANTS)
+@pytest.mark.parametrize("T,W,k", [(3, 5000, 37), (4, 700, 64), (2, 40, 64), (3, 1, 3)])
+def test_one_tile_rows_of_different_lengths(T, W, k, interp, sub, device):
+    """One tile, valid up to a length per row (some shorter than k, one empty); 5000 columns
+    take three launches of 2048, the later ones merging into the earlier ones' set."""
+    check_tiles(ragged_rows(T, W, seed=T * W + k), k, device, [W], interp=interp, sub=sub)
+
+
+@pytest.mark.parametrize("interp", PIVOTS)
+def test_several_tiles_and_a_first_offset(interp, device):
+    """Tiles of different widths merged in offset order; first_offset shifts every key."""
+    scores = ragged_rows(3, 3000, seed=5)
+    check_tiles(scores, 50, device, [900, 100, 2000], first=123456, interp=interp)
+
+
+@pytest.mark.parametrize("interp,sub", VARIANTS)
+@pytest.mark.parametrize("values", [3, 50])
+def test_exact_ties(values, interp, sub, device):
+    """Small-integer scores: the k-th score ties with many, lower offsets win, also across
+    tiles (the running set's ties come first); a row of one score; ties and a -inf tail."""
+    g = torch.Generator().manual_seed(values)
+    scores = torch.randint(-values, values, (4, 2500), generator=g).float() * 0.25
+    scores[1] = 7.0
+    scores[2, 1000:] = NEG_INF
+    check_tiles(scores, 40, device, [2500], interp=interp, sub=sub)
+    check_tiles(scores, 40, device, [30, 1200, 1270], interp=interp, sub=sub)
+
+
+def test_fewer_finite_than_k_across_tiles(device):
+    """Rows with fewer than k finite scores over all tiles: every finite one, EMPTY_KEY after;
+    a row of only -inf chooses nothing; -0.0 ties with 0.0 by offset; +inf comes first."""
+    scores = torch.full((3, 300), NEG_INF)
+    scores[0, ::37] = torch.arange(9).float()
+    scores[0, 5] = -0.0
+    scores[0, 250] = 0.0
+    scores[0, 299] = float("inf")
+    scores[2, 100:110] = -1.0
+    for k in (1, 4, 12, 40):
+        check_tiles(scores, k, device, [100, 200])
+
+
+def test_scores_that_differ_in_the_low_bits(device):
+    """Scores a few ulps apart (the pivots narrow to single values), and rounded ones (ties)."""
+    base = torch.tensor(1.5).view(torch.int32)
+    bits = base + torch.randperm(4000, generator=torch.Generator().manual_seed(1))[:3000].to(torch.int32)
+    scores = bits.view(torch.float32).reshape(2, 1500)
+    check_tiles(scores, 50, device, [1500])
+    check_tiles(scores.round(decimals=3), 50, device, [700, 800], interp=False)
+
+
+def test_empty_shapes(device):
+    for T, W, k in [(0, 10, 4), (3, 0, 4), (3, 10, 0)]:
+        keys = rk.row_topk(torch.randn(T, W).to(device), k)
+        assert torch.equal(keys.cpu(), torch.full((T, k), EMPTY_KEY))
+
+
+def test_bad_input(device):
+    with pytest.raises(ValueError, match="fp32"):
+        rk.row_topk(torch.randn(2, 8, dtype=torch.float64).to(device), 2)
+    with pytest.raises(ValueError, match="unit column stride"):
+        rk.row_topk(torch.randn(8, 2).to(device).t(), 2)
+    with pytest.raises(ValueError, match="chunk"):
+        rk.row_topk(torch.randn(2, 8).to(device), 2, chunk=3000)
+    with pytest.raises(ValueError, match="chunk"):
+        rk.row_topk(torch.randn(2, 8).to(device), 2, chunk=64)
+    with pytest.raises(ValueError, match="sub"):
+        rk.row_topk(torch.randn(2, 8).to(device), 2, sub=48)
+    with pytest.raises(ValueError, match="cap"):
+        rk.row_topk(torch.randn(2, 8).to(device), 20, cap=16)
+    with pytest.raises(ValueError, match="prev"):
+        rk.row_topk(torch.randn(2, 8).to(device), 2, prev=torch.zeros(2, 3, dtype=torch.long).to(device))
