@@ -356,7 +356,22 @@ def _default_splits(q: torch.Tensor, programs: int, slot_blocks: int) -> int:
 # step takes it to 1.79 ms; for decode-size batches the candidates were within run-to-run
 # noise, so the register-checked default stays.
 PREFILL_TILES, DECODE_TILES, PREFILL_FROM = (64, 64, 8, 2), (16, 32, 8, 2), 1024
+# A prefill chunk over a long slot list (an HCA layer deep in a prompt: ~7k C128 entries at 900k)
+# takes 128 keys a step over 32 heads: 11.0 against 13.8 ms for a 2,048-token chunk at 900k
+# (`python -m benchmarks.kernels.attention --deep-hca`, H200)
+LONG_TILES, LONG_FROM = (32, 128, 8, 2), 2048
 MERGE_BLOCK_D = 64              # channels per program of the split merge (D = 512: 8 programs a head block)
+
+
+def _default_tiles(q: torch.Tensor, slots: int, pools: list[torch.Tensor]) -> tuple[int, int, int, int]:
+    """(h_block, block_k, num_warps, num_stages) by step size and slot-list width. fp32 (checks
+    only) keeps the decode tiles: the prefill tile's q and keys would need 273 KB of shared memory;
+    packed FP8 pools keep the prefill tile (the long one is measured on model-dtype rows only)."""
+    if q.shape[0] < PREFILL_FROM or q.dtype == torch.float32:
+        return DECODE_TILES
+    if slots >= LONG_FROM and all(kv.dtype == q.dtype for kv in pools):
+        return LONG_TILES
+    return PREFILL_TILES
 
 
 def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor | PagedRows]],
@@ -375,10 +390,6 @@ def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
     out = torch.empty_like(q)
     if T == 0:
         return out
-    # fp32 (checks only): the prefill tile's q and keys would need 273 KB of shared memory
-    tiles = PREFILL_TILES if T >= PREFILL_FROM and q.dtype != torch.float32 else DECODE_TILES
-    h_block, block_k, num_warps, num_stages = (given if given is not None else default for given, default in
-                                               zip((h_block, block_k, num_warps, num_stages), tiles))
     q = q if q.stride(2) == 1 else q.contiguous()
     sinks = sinks.contiguous()
     args0, (W0, paged0, per_page0) = _source_args(*sources[0])
@@ -386,6 +397,9 @@ def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
         args1, (W1, paged1, per_page1) = _source_args(*sources[1])
     else:                                                    # one source: W1 = 0, never read
         args1, (W1, paged1, per_page1) = args0, (0, False, 1)
+    h_block, block_k, num_warps, num_stages = (given if given is not None else default for given, default in
+                                               zip((h_block, block_k, num_warps, num_stages),
+                                                   _default_tiles(q, W0 + W1, [kv for kv, _ in sources])))
 
     h_block = max(16, min(h_block, triton.next_power_of_2(H)))   # tl.dot needs >= 16 rows
     n_hb = triton.cdiv(H, h_block)

@@ -31,10 +31,11 @@ import triton.language as tl
 from ..stream_topk import EMPTY_KEY, key_offsets
 from .radix_topk import _order_keys
 
-# scores per program (registers: CHUNK / (32 * num_warps) int32 a thread). 16k over 8 warps: no
-# spills at 126 registers (sm_90, Triton 3.9), so two programs an SM, one loading while one counts
-CHUNK = 16384
-NUM_WARPS = 8
+# scores per program (registers: CHUNK / (32 * num_warps) int32 a thread). 8k over 4 warps: the
+# fastest of benchmarks/kernels/topk_prefill.py's sweep on an H200 at [2048, 32k] and [2048, 64k]
+# (0.524 and 1.029 ms a tile; 16k over 8 warps 0.569 and 1.111), 206 registers without spills
+CHUNK = 8192
+NUM_WARPS = 4
 INTERP = True               # interpolated pivots (bisection when False)
 SUB = 4096                  # scores a step when stage 1 writes its candidates from a second read (0: from registers)
 # the narrowest program: a full chunk, so serving compiles one variant (a narrower tile's program
