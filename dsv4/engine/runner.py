@@ -169,7 +169,7 @@ class ModelRunner:
         elif c.num_logits:
             logits = min(c.num_logits, n)
         else:
-            logits = 1 if n and c.completes else 0
+            logits = 1 if n and start + n >= req.num_tokens else 0     # (c.completes, inlined)
         known = req.known_tokens(start, n)
         if c.num_logits:
             known += req.spec_token_ids[:n - len(known)]     # drafts to verify
@@ -177,7 +177,7 @@ class ModelRunner:
             known += [0] * (n - len(known))             # the pending token, still on the device
         return SeqChunk(slot=held.slot, start=start, token_ids=known,
                         page_table=held.pages, swa_table=held.swa_pages, logits=logits,
-                        stage=self.cache.stage(req, start, n),
+                        stage=self.cache.stage(req, start, n) if self.cache.prefix is not None else 0,
                         images=blocks_in_chunk(req.images, start, n) if req.images else ())
 
 
