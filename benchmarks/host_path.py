@@ -36,6 +36,7 @@ from .server_proc import wait_ready
 BASELINE_TOK_S, TPOT_TARGET_MS, HOST_TARGET_US = 6438.0, 6.0, 25.0
 STARTUP = re.compile(r"engine core ready in ([0-9.]+) s")
 WARMUP = re.compile(r"warm-up: .*")
+LATE_COMPILE = re.compile(r"Triton compiles (\S+) after the warm-up.*")     # engine/late_compiles.py
 
 
 def parse_args(argv):
@@ -179,7 +180,10 @@ def serve_and_bench(args) -> dict:
         finally:
             proc.terminate()
             proc.wait(60)
-            out["server_log_tail"] = "".join(open(log_file.name, errors="replace").readlines()[-15:])
+            text = open(log_file.name, errors="replace").read()
+            out["server_log_tail"] = "".join(text.splitlines(keepends=True)[-15:])
+            late = [m.group(0) for m in LATE_COMPILE.finditer(text)]
+            out["late_compiles"] = {"count": len(late), "first": late[:8]}
     out["offline"] = offline(args)
     return out
 
@@ -247,6 +251,9 @@ def table(profiles: list[dict], serve: dict | None, concurrency: int) -> tuple[s
             ok &= met != "NO"
             lines.append(f"{name:<38} {value if value is not None else float('nan'):>10.3f} "
                          f"{'' if target is None else f'{op} {target:g}':>10}  {met}")
+        late = serve.get("late_compiles") or {"count": 0, "first": []}
+        lines.append(f"Triton compiles after the warm-up (while serving): {late['count']}")
+        lines += [f"  {line[:400]}" for line in late["first"]]
         us = warm["cpu_us_per_token"]
         lines.append(f"warm c{concurrency}, CPU µs per output token by process: client {us['client']:.1f}, "
                      f"API {us['api']:.1f}, engine core {us['engine']:.1f} (its GPU waits included)")

@@ -57,6 +57,7 @@ class SeqCache:
 class CacheManager:
     def __init__(self, layout: CacheLayout, plan: CachePlan, prefix_caching: bool = False):
         self.layout, self.plan = layout, plan
+        self.swa_keep = layout.swa_keep  # W + S (the layout is frozen; read per request and step)
         self.pages = PageAllocator(plan.num_pages)
         self.swa = PageAllocator(plan.num_swa_pages)
         self.free_slots = list(range(plan.max_num_seqs - 1, -1, -1))
@@ -84,7 +85,7 @@ class CacheManager:
         """(history pages to allocate, logical SWA pages to allocate) for [num_computed, + num_new)."""
         end = req.num_computed + num_new
         history = max(0, -(-end // PAGE_TOKENS) - len(held.pages))
-        first = max(0, req.num_computed - self.layout.swa_keep) // SWA_PAGE_TOKENS
+        first = max(0, req.num_computed - self.swa_keep) // SWA_PAGE_TOKENS
         last = (end - 1) // SWA_PAGE_TOKENS
         swa_pages = held.swa_pages
         if first <= last < len(swa_pages) and min(swa_pages[first:last + 1]) >= 0:
@@ -106,7 +107,16 @@ class CacheManager:
 
     def reserve(self, req, num_new: int) -> bool:
         """Hold everything positions [num_computed, num_computed + num_new) need; all or nothing."""
-        held = self.seq(req)
+        held = self.seqs.get(req.request_id)
+        if held is not None and held.slot is not None:      # `_needs` == (0, []) inlined: a decode
+            start, swa_pages = req.num_computed, held.swa_pages       # step inside its pages, mostly
+            end = start + num_new
+            first = (start - self.swa_keep) // SWA_PAGE_TOKENS if start > self.swa_keep else 0
+            last = (end - 1) // SWA_PAGE_TOKENS
+            if (end <= len(held.pages) * PAGE_TOKENS and first <= last < len(swa_pages)
+                    and min(swa_pages[first:last + 1]) >= 0):
+                return True             # holds it all already
+        held = held or SeqCache()
         history, swa = self._needs(req, num_new, held)
         if not history and not swa and held.slot is not None:
             return True                 # holds it all already (a decode step inside its pages)
@@ -130,7 +140,8 @@ class CacheManager:
         held = self.seqs.get(req.request_id)
         if held is None:
             return
-        keep_from = max(0, req.num_computed - self.layout.swa_keep) // SWA_PAGE_TOKENS
+        behind = req.num_computed - self.swa_keep
+        keep_from = behind // SWA_PAGE_TOKENS if behind > 0 else 0
         if keep_from <= held.trimmed:
             return          # nothing newly behind the window (pages are never taken below `trimmed`)
         self.swa.free([p for p in held.swa_pages[:keep_from] if p >= 0])

@@ -16,6 +16,7 @@ from ..model.vision.encoder import VisionEncoder
 from ..model.vision.step import ChunkImages, ImageRows, step_image_rows
 from ..model.vision.visibility import blocks_in_chunk
 from .cuda_graphs import StepGraphs, scratch_chunk
+from .late_compiles import LateCompiles
 from .scheduler import ScheduledChunk
 from .upload import HostToDevice, upload_tree
 
@@ -85,6 +86,7 @@ class ModelRunner:
                                  keep_streams=keep_hidden, keep_taps=keep_taps) if use_graphs else None
         self.vision = VisionEncoder(model) if model.cfg.vision is not None else None
         self.workers = None     # rank 0 of a parallel run: engine/workers.py's Workers (same steps on every rank)
+        self.late_compiles = LateCompiles()     # Triton compiles after the warm-up (installed by it on CUDA)
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None = None,
@@ -136,26 +138,27 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
                uniform_tokens: tuple[int, ...] = (1,)) -> dict:
-        """Before the first request: compile the kernels of eager steps (chunks of 1, 4, 16, ...
-        tokens up to the whole token budget: library kernels are chosen, and loaded, by size) and
-        run every CUDA-graph shape of uniform
-        steps of `uniform_tokens` tokens (capturing it). Every step reads and writes only the
-        storage's scratch units, so no request's state changes. Returns what ran. Rank 0 of a
-        parallel run has every rank run it alongside."""
+        """Before the first request: compile the kernels of eager steps (`eager_warmup_steps`:
+        library kernels are chosen, and loaded, by size; Triton variants by size-derived tiles)
+        and run every CUDA-graph shape of uniform steps of `uniform_tokens` tokens (capturing
+        it). Every step reads and writes only the storage's scratch units, so no request's state
+        changes. Then Triton compiles are watched (`late_compiles`). Returns what ran. Rank 0 of
+        a parallel run has every rank run it alongside."""
         if self.workers is not None:
             self.workers.send(WarmupMessage((max_model_len, max_num_seqs, max_num_batched_tokens, uniform_tokens)))
         scratch = Scratch(self.storage.scratch_page, self.storage.scratch_swa_page, self.storage.scratch_slot)
-        top = max(1, min(max_num_batched_tokens, max_model_len - 1))
-        sizes = sorted({top, *(4 ** i for i in range(12) if 4 ** i < top)})
-        for n in sizes:
-            fb = upload_tree(build_step([scratch_chunk(scratch, 0, n)], self.layout, self.storage.ring_slots), self.h2d)
+        steps = eager_warmup_steps(scratch, max_model_len, max_num_seqs, max_num_batched_tokens)
+        for seqs in steps:
+            fb = upload_tree(build_step(seqs, self.layout, self.storage.ring_slots), self.h2d)
             self.model.logits(self.model(fb, self.storage.layers)[fb.logits_rows])
         shapes = []
         if self.graphs is not None:
             self.graphs.tables = self.tables
             for q in uniform_tokens:
                 shapes += self.graphs.warmup(max_model_len, max_num_seqs, q)
-        return {"eager_steps": len(sizes), "graph_shapes": len(shapes)}
+        if torch.device(self.device).type == "cuda":
+            self.late_compiles.install()
+        return {"eager_steps": len(steps), "graph_shapes": len(shapes)}
 
     def seq_chunk(self, c: ScheduledChunk) -> SeqChunk:
         """What every rank needs of chunk `c` (its request's records in `self.cache`)."""
@@ -166,7 +169,7 @@ class ModelRunner:
         elif c.num_logits:
             logits = min(c.num_logits, n)
         else:
-            logits = 1 if n and c.completes else 0
+            logits = 1 if n and start + n >= req.num_tokens else 0     # (c.completes, inlined)
         known = req.known_tokens(start, n)
         if c.num_logits:
             known += req.spec_token_ids[:n - len(known)]     # drafts to verify
@@ -174,8 +177,33 @@ class ModelRunner:
             known += [0] * (n - len(known))             # the pending token, still on the device
         return SeqChunk(slot=held.slot, start=start, token_ids=known,
                         page_table=held.pages, swa_table=held.swa_pages, logits=logits,
-                        stage=self.cache.stage(req, start, n),
+                        stage=self.cache.stage(req, start, n) if self.cache.prefix is not None else 0,
                         images=blocks_in_chunk(req.images, start, n) if req.images else ())
+
+
+def eager_warmup_steps(scratch: Scratch, max_model_len: int, max_num_seqs: int,
+                       max_num_batched_tokens: int) -> list[list[SeqChunk]]:
+    """The warm-up's eager steps: for every n in 1, 2, 4, ... and the token budget, a prefill
+    step of n tokens (chunks from position 0 of at most max_model_len - 1 tokens, as many as
+    needed: a budget past max_model_len mixes several prompts' chunks) and, where there is room
+    for both, a mixed step of n tokens: d <= n // 2 decode rows at the furthest position (the
+    widest cache reads) beside prefill chunks of the other n - d. At most max_num_seqs sequences
+    a step. Sizes in powers of two meet every tile chosen from a power of two of a step's size
+    (tokens, pairs, top-k width). Every page and slot is the scratch one."""
+    top = max(1, min(max_num_batched_tokens, max_model_len - 1))
+    budget = max(1, min(max_num_batched_tokens, top * max_num_seqs))
+    sizes = sorted({budget, *(1 << i for i in range(budget.bit_length()) if 1 << i < budget)})
+
+    def prefill(n: int) -> list[SeqChunk]:
+        return [scratch_chunk(scratch, 0, min(top, n - i)) for i in range(0, n, top)]
+
+    steps = []
+    for n in sizes:
+        steps.append(prefill(n))
+        d = min(n // 2, max_num_seqs - -(-n // top))
+        if d > 0 and max_model_len > 1:
+            steps.append([scratch_chunk(scratch, max_model_len - 1, 1)] * d + prefill(n - d))
+    return steps
 
 
 def pending_fill(chunks: list[ScheduledChunk], seqs: list[SeqChunk],

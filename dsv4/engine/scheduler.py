@@ -20,11 +20,16 @@ from __future__ import annotations
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter
 
 from ..cache.layout import PAGE_TOKENS
 from ..cache.manager import CacheManager
 from ..model.vision.spans import atomic_chunk
 from .request import Request, Status
+
+
+_ARRIVAL = attrgetter("arrival")      # sort key: admission order
 
 
 @dataclass(slots=True)     # (made per request and step: no instance dict)
@@ -67,15 +72,20 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         self.cache.poll_tiers()
         chunks: list[ScheduledChunk] = []
-        remaining = {id(r): r.num_remaining for r in self.running}     # (each read once: a property)
-        order = sorted(self.running, key=lambda r: (not (r.status is Status.RUNNING and remaining[id(r)] == 1),
-                                                     r.arrival))       # decodes first, then oldest first
+        running = Status.RUNNING
+        decoding = [r.status is running and r.num_remaining == 1 for r in self.running]
+        # decodes first, then the others, each oldest first (two stable sorts by arrival: the
+        # order of one sort by (not decoding, arrival), without a Python key call a request)
+        order = sorted(compress(self.running, decoding), key=_ARRIVAL)
+        num_decoding = len(order)
+        order += sorted(compress(self.running, [not d for d in decoding]), key=_ARRIVAL)
         used = 0                    # tokens of `chunks` (kept as a sum: O(1) a request)
-        for req in order:
+        for i, req in enumerate(order):
             budget = self.max_tokens - used
-            if budget <= 0 or req.status is not Status.RUNNING:     # < 0: an image block ran over
+            if budget <= 0 or req.status is not running:            # < 0: an image block ran over
                 continue
-            left = remaining[id(req)]       # (still RUNNING: a preemption in this loop did not touch it)
+            # tokens left: a preemption earlier in this loop only touches its victim (no longer RUNNING)
+            left = 1 if i < num_decoding else req.num_remaining
             drafts = len(req.spec_token_ids) if left == 1 else 0     # decoding: RUNNING, one token left
             n = min(left + drafts, budget)
             if req.images:

@@ -9,6 +9,7 @@ import torch
 
 from dsv4.cache.addressing import Scratch, SeqChunk
 from dsv4.engine.cuda_graphs import BATCH_BUCKETS, StepGraphs, graph_shapes, warmup_seqs, width_bucket
+from dsv4.engine.runner import eager_warmup_steps
 from dsv4.model.random_init import preset_config
 
 MAX_LEN = 600
@@ -74,3 +75,28 @@ def test_warmup_runs_every_shape_and_leaves_tokens_unchanged(tiny, h, one_thread
     ran.clear()
     assert _run(h, eng, prompts, 20) == plain
     assert ran and set(ran) <= set(expected) and not eng.runner.graphs.late
+
+
+def test_eager_warmup_steps_cover_every_power_of_two_size():
+    """Each size 1, 2, 4, ... and the budget gets a prefill step and (room permitting) a mixed
+    one with decode rows at the furthest position; a budget past max_model_len takes several
+    chunks; no step exceeds the budget, max_num_seqs or max_model_len."""
+    scratch = Scratch(7, 5, 3)
+    for max_len, seqs, budget in ((600, 6, 64), (2048, 256, 8192), (100, 2, 1000), (2, 1, 1)):
+        steps = eager_warmup_steps(scratch, max_len, seqs, budget)
+        sizes = [sum(len(c.token_ids) for c in step) for step in steps]
+        top = min(budget, (max_len - 1) * seqs)
+        want = {1 << i for i in range(top.bit_length()) if 1 << i < top} | {top}
+        assert set(sizes) == want and max(sizes) == top
+        for step in steps:
+            assert len(step) <= seqs
+            assert all(c.start + len(c.token_ids) <= max_len and c.slot == 3 for c in step)
+            assert all(set(c.page_table) == {7} and set(c.swa_table) == {5} for c in step)
+        mixed = [step for step in steps if any(c.start > 0 for c in step)]
+        for step in mixed:
+            decode = [c for c in step if c.start > 0]
+            assert all(c.start == max_len - 1 and len(c.token_ids) == 1 for c in decode)
+            assert any(c.start == 0 for c in step) and len(decode) * 2 <= sum(len(c.token_ids) for c in step)
+        assert bool(mixed) == (seqs > 1)
+    steps = eager_warmup_steps(scratch, 2048, 256, 8192)
+    assert [len(s) for s in steps if sum(len(c.token_ids) for c in s) == 8192] == [5, 251 + 4]  # 4 chunks: 7941

@@ -5,9 +5,9 @@ The P = T*k pairs are sorted by expert: sorted row r is pair order[r], token ord
 expert's rows are contiguous and an M-tile never spans two experts. No host sync: grids depend
 on P, E and the tiles only (CUDA-graph safe).
 
-1. `schedule` (torch, on device): order [P] and, per tile slot s < S = cdiv(P, BLOCK_M) +
-   min(E, P), the (expert, first row, end row) of one M-tile; spare slots have first >= end
-   and return at once.
+1. `schedule` (moe_schedule.py, one launch): order [P] and, per tile slot s < S = cdiv(P,
+   BLOCK_M) + min(E, P), the (expert, first row, end row) of one M-tile; spare slots have
+   first >= end and return at once.
 2. `_up_gate_kernel`, one program per (slot, tile of I), x rows gathered through order:
      h[r] = silu(min(x[tok] @ w1[e]^T, L)) * clamp(x[tok] @ w3[e]^T, -L, L)   x's dtype, sorted
 3. `_down_kernel`, one program per (slot, tile of H), rows scattered back (each written once):
@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .moe import expert_shapes, weight_format
+from .moe_schedule import schedule
 from .quant_tiles import MXFP4_BLOCK, QBLOCK, _dequant_tile, _mxfp4_tile
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of (up-gate, down) by the mean rows per
@@ -204,25 +205,6 @@ def _down_kernel(h_ptr, order_ptr, wt_ptr, sched_ptr, w2_ptr, y_ptr, S, H, I,
     tl.store(out, (acc * wt[:, None]).to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def schedule(flat_ids: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """flat_ids [P] (expert of each pair) -> (order [P] int32: the pair of each row, sorted by
-    expert (stable); sched [3, S] int32: expert, first row, end row of each M-tile slot).
-
-    S = cdiv(P, block_m) + min(E, P) bounds the tiles (each expert with rows adds at most one
-    partial tile). Slots past the last tile get the last expert and a first row >= its end row."""
-    P = flat_ids.numel()
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.zeros(E, dtype=torch.long, device=flat_ids.device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))   # bincount would sync to size its output
-    ends = counts.cumsum(0)
-    tiles = (counts + block_m - 1) // block_m
-    tile_end = tiles.cumsum(0)                                    # exclusive end slot of each expert
-    slot = torch.arange(triton.cdiv(P, block_m) + min(E, P), device=flat_ids.device)
-    e = torch.searchsorted(tile_end, slot, right=True).clamp_(max=E - 1)
-    first = ends[e] - counts[e] + (slot - tile_end[e] + tiles[e]) * block_m
-    return order.to(torch.int32), torch.stack([e, first, ends[e]]).to(torch.int32)
-
-
 def default_tiles(P: int, E: int, dtype: torch.dtype, mxfp4: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(up-gate, down) tiles for P pairs over E experts; shapes only (no host sync). fp32 inputs
     halve BLOCK_K (not below MXFP4_BLOCK for MXFP4 weights) and keep <= 3 stages (their tiles
@@ -256,7 +238,7 @@ def routed_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Te
         return torch.zeros_like(x)
     x = x.contiguous()
     P = T * k
-    flat_ids = ids.reshape(-1).to(torch.int64)
+    flat_ids = ids.reshape(-1).to(torch.int64).contiguous()
     flat_w = weights.reshape(-1).to(torch.float32).contiguous()        # [P], pair order
     fp32_dot = x.dtype == torch.float32 or INTERPRETING
     default_up, default_down = default_tiles(P, E, x.dtype, mxfp4)
