@@ -357,9 +357,9 @@ def _default_splits(q: torch.Tensor, programs: int, slot_blocks: int) -> int:
 # noise, so the register-checked default stays.
 PREFILL_TILES, DECODE_TILES, PREFILL_FROM = (64, 64, 8, 2), (16, 32, 8, 2), 1024
 # A prefill chunk over a long slot list (an HCA layer deep in a prompt: ~7k C128 entries at 900k)
-# takes 128 keys a step over 32 heads: 11.0 against 13.8 ms for a 2,048-token chunk at 900k
-# (`python -m benchmarks.kernels.attention --deep-hca`, H200)
-LONG_TILES, LONG_FROM = (32, 128, 8, 2), 2048
+# takes 128 keys a step over 32 heads and 4 warps: 9.7 against 14.0 ms for a 2,048-token chunk at
+# 900k (`python -m benchmarks.kernels.attention --deep-hca`, H200)
+LONG_TILES, LONG_FROM = (32, 128, 4, 2), 2048
 MERGE_BLOCK_D = 64              # channels per program of the split merge (D = 512: 8 programs a head block)
 
 

@@ -22,15 +22,19 @@ from .completions import create_completion
 from .limits import BodySizeLimit
 from .metrics import CONTENT_TYPE
 from .state import ServerState
+from .warm_request import warm_up
 
 PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 
 
-def build_app(state: ServerState, on_ready=None) -> FastAPI:
+def build_app(state: ServerState, on_ready=None, warm: bool = False) -> FastAPI:
+    """warm: send the warm-up requests (serve/http/warm_request.py) before `on_ready`."""
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
-        state.client.on_stats = state.metrics.update
+    async def lifespan(app: FastAPI):
         state.client.run()
+        if warm:
+            await warm_up(app, state)                 # the first user request then runs warm
+        state.client.on_stats = state.metrics.update
         if on_ready is not None:
             on_ready()
         yield

@@ -86,7 +86,7 @@ class APIServer:
             state = ServerState.create(self.client, s.model_dir, s.model_names, s.api_key, s.limits,
                                        s.engine.tokenizer)
             self.client.on_death = self._engine_died
-            app = build_app(state, on_ready)
+            app = build_app(state, on_ready, warm=s.disagg is None)   # a disaggregated role's request needs its peer
             if s.disagg is not None:
                 from ...disagg.serving import add_disagg_routes
                 add_disagg_routes(app, state, s.disagg)
