@@ -141,9 +141,8 @@ def _scores_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, ou
 @triton.jit
 def _block_rows(cand_ptr, req_ptr, lo_ptr, hi_ptr, offs_t, offs_e, t_ok, e_ok, pitch, stride_ct, stride_ce,
                 PAGED: tl.constexpr, PER_PAGE: tl.constexpr):
-    """The rows of a block of tokens offs_t x candidates offs_e when its tokens share them:
-    (rows [BLOCK_E] int64 (-1 = none), valid [BLOCK_T, BLOCK_E] (token t scores column e),
-    shared: whether they do; rows and valid are meaningless otherwise)."""
+    """Whether the tokens offs_t read the same row in each column offs_e (or none), and those
+    rows: (rows [BLOCK_E] int64, -1 = none (or not shared), shared)."""
     if PAGED:       # shared: every token with a non-empty range has the same (req, lo)
         req = tl.load(req_ptr + offs_t, mask=t_ok, other=0).to(tl.int64)
         lo = tl.load(lo_ptr + offs_t, mask=t_ok, other=0).to(tl.int32)
@@ -158,14 +157,27 @@ def _block_rows(cand_ptr, req_ptr, lo_ptr, hi_ptr, offs_t, offs_e, t_ok, e_ok, p
         page = tl.load(cand_ptr + req0 * stride_ct + (item // PER_PAGE) * stride_ce,
                        mask=in_range, other=-1).to(tl.int64)
         rows = tl.where(in_range, page * pitch + item % PER_PAGE, -1)         # [BLOCK_E]
-        valid = (rows >= 0)[None, :] & (offs_e[None, :] < span[:, None])
     else:           # shared: every column holds one row or -1
         c = tl.load(cand_ptr + offs_t[:, None] * stride_ct + offs_e[None, :] * stride_ce,
                     mask=t_ok[:, None] & e_ok[None, :], other=-1).to(tl.int64)   # [BLOCK_T, BLOCK_E]
         rows = tl.max(c, axis=0)
-        valid = c >= 0
-        shared = tl.sum(tl.sum((valid & (c != rows[None, :])).to(tl.int32), axis=1), axis=0) == 0
-    return rows, valid, shared
+        shared = tl.sum(tl.sum(((c >= 0) & (c != rows[None, :])).to(tl.int32), axis=1), axis=0) == 0
+    return rows, shared
+
+
+@triton.jit
+def _block_valid(cand_ptr, lo_ptr, hi_ptr, offs_t, offs_e, t_ok, e_ok, rows, stride_ct, stride_ce,
+                 PAGED: tl.constexpr):
+    """[BLOCK_T, BLOCK_E]: token t scores column e, for a block whose tokens share `rows`
+    (_block_rows): the row exists and e is within the token's own range (its causal limit)."""
+    if PAGED:
+        lo = tl.load(lo_ptr + offs_t, mask=t_ok, other=0).to(tl.int32)
+        span = tl.load(hi_ptr + offs_t, mask=t_ok, other=0).to(tl.int32) - lo                       # [BLOCK_T]
+        valid = (rows >= 0)[None, :] & (offs_e.to(tl.int32)[None, :] < span[:, None])
+    else:
+        valid = tl.load(cand_ptr + offs_t[:, None] * stride_ct + offs_e[None, :] * stride_ce,
+                        mask=t_ok[:, None] & e_ok[None, :], other=-1) >= 0
+    return valid
 
 
 # per-step sizes are not specialised: one compiled variant for every step shape
@@ -176,7 +188,7 @@ def _scores_gemm_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_pt
                         stride_kn, stride_kd, stride_ct, stride_ce, stride_ot,
                         HI_P: tl.constexpr, DI_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                         FP32_DOT: tl.constexpr, PAGED: tl.constexpr, PER_PAGE: tl.constexpr,
-                        PACKED: tl.constexpr):
+                        PACKED: tl.constexpr, EVEN_D: tl.constexpr):
     # One program = tokens [t0, t0 + BLOCK_T) x candidates [e0, e0 + BLOCK_E) of the tile
     # [E0, E), written to columns e0 - E0 of out. The candidate blocks of one token block are
     # adjacent program ids: its q (BLOCK_T x Hi x Di) is served by L2 after the first.
@@ -185,8 +197,8 @@ def _scores_gemm_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_pt
     offs_t = t0 + tl.arange(0, BLOCK_T)                                       # [BLOCK_T]
     offs_e = E0 + (pid % n_eblk) * BLOCK_E + tl.arange(0, BLOCK_E)            # [BLOCK_E]
     t_ok, e_ok = offs_t < T, offs_e < E
-    rows, valid, shared = _block_rows(cand_ptr, req_ptr, lo_ptr, hi_ptr, offs_t, offs_e, t_ok, e_ok, pitch,
-                                      stride_ct, stride_ce, PAGED, PER_PAGE)
+    rows, shared = _block_rows(cand_ptr, req_ptr, lo_ptr, hi_ptr, offs_t, offs_e, t_ok, e_ok, pitch, stride_ct,
+                               stride_ce, PAGED, PER_PAGE)
     if shared:
         scores = tl.full([BLOCK_T, BLOCK_E], float("-inf"), tl.float32)
         # A block wholly past every token's limit (the causal -1 tail) does no dots.
@@ -196,21 +208,28 @@ def _scores_gemm_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_pt
             if FP32_DOT:        # fp32 or mixed inputs: exact fp32 products (no tf32)
                 k = k.to(tl.float32)
             k = tl.trans(k)                                                   # [DI_P, BLOCK_E]
+            # Rows past T read token T - 1 (stored nowhere): q's loads need no mask along the
+            # tokens, nor along Di when EVEN_D (fewer registers, whole vectors, pipelined).
+            q_rows = q_ptr + tl.minimum(offs_t, T - 1)[:, None] * stride_qt
+            w_rows = w_ptr + tl.minimum(offs_t, T - 1) * stride_wt
             offs_d = tl.arange(0, DI_P)
-            q_ok = t_ok[:, None] & (offs_d < DI)[None, :]
             acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
             for h in range(0, HI):
-                q = tl.load(q_ptr + offs_t[:, None] * stride_qt + h * stride_qh + offs_d[None, :] * stride_qd,
-                            mask=q_ok, other=0.0)                             # [BLOCK_T, DI_P]
+                if EVEN_D:
+                    q = tl.load(q_rows + h * stride_qh + offs_d[None, :] * stride_qd)
+                else:
+                    q = tl.load(q_rows + h * stride_qh + offs_d[None, :] * stride_qd, mask=(offs_d < DI)[None, :],
+                                other=0.0)                                    # [BLOCK_T, DI_P]
                 if FP32_DOT:
                     q = q.to(tl.float32)
-                w = tl.load(w_ptr + offs_t * stride_wt + h * stride_wh, mask=t_ok, other=0.0)
-                w = w.to(tl.float32) * scale                                  # [BLOCK_T]
+                w = tl.load(w_rows + h * stride_wh).to(tl.float32) * scale   # [BLOCK_T]
                 # bf16 x bf16 products are exact in fp32 and accumulate in fp32, like the reference.
                 dots = tl.dot(q, k, input_precision="ieee")                  # [BLOCK_T, BLOCK_E]
                 acc += tl.maximum(dots, 0.0) * w[:, None]
             if PACKED:          # a key's scale (> 0) commutes with the ReLU and the sum over heads
                 acc = acc * row_scale[None, :]
+            valid = _block_valid(cand_ptr, lo_ptr, hi_ptr, offs_t, offs_e, t_ok, e_ok, rows, stride_ct, stride_ce,
+                                 PAGED)
             scores = tl.where(valid, acc, float("-inf"))
         tl.store(out_ptr + offs_t[:, None] * stride_ot + (offs_e - E0)[None, :], scores,
                  mask=t_ok[:, None] & e_ok[None, :])
@@ -271,7 +290,8 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, c
         n_eblk = triton.cdiv(e1 - e0, tiles.block_e)
         _scores_gemm_kernel[(triton.cdiv(T, tiles.block_t) * n_eblk,)](
             *args, T, e0, e1, Hi, Di, n_eblk, scale, pitch, *strides, BLOCK_T=tiles.block_t,
-            BLOCK_E=tiles.block_e, **consts, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+            BLOCK_E=tiles.block_e, EVEN_D=Di == di_p, **consts, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages)
     return scores
 
 
