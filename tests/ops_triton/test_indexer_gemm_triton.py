@@ -41,13 +41,13 @@ def chunks(spans, pad=0, window=None, seed=0):
     return cand, (R * P + 3) * PITCH
 
 
-def inputs(T, n, Hi, kind, seed=0):
+def inputs(T, n, Hi, kind, seed=0, Di=None):
     """q [T, Hi, Di], weights [T, Hi], keys [n, Di]: small integers and Di = 16 (every sum
     exact, in any order: Di^-0.5 is a power of two) or normal floats and Di = 24 (padded to 32
     in the kernels); keys bf16, fp32 or packed FP8 (uint8 [n, Di + 4])."""
     g = torch.Generator().manual_seed(seed)
     exact, key_kind = kind.split("-")
-    Di = 16 if exact == "int" else 24
+    Di = Di or (16 if exact == "int" else 24)
     if exact == "int":
         q = torch.randint(-2, 3, (T, Hi, Di), generator=g).float()
         weights = torch.randint(-1, 3, (T, Hi), generator=g).float()
@@ -168,6 +168,22 @@ def test_selection(kind, score_tile, device, monkeypatch):
         assert torch.equal(offsets.cpu(), want_offsets) and torch.equal(rows.cpu(), want_rows)
     else:
         assert_same_selection(rows, q, weights * 0.5, plain(keys), cand.dense(), k)
+
+
+@pytest.mark.parametrize("tiles", [isc.GEMM_TILES, GemmTiles(128, 256, 8, 3)])
+@pytest.mark.parametrize("kind", ["rand-bf16", "rand-fp8"])
+def test_v4_shapes(tiles, kind, device):
+    """V4-Flash's indexer (Hi = 64, Di = 128) at the default launch shape and at the one with the
+    most shared memory the benchmark sweeps (the compile check compiles both for the H200): a
+    chunk's scores are the reference's, up to fp32 summation order."""
+    T, E = tiles.block_t + 5, tiles.block_e + 7
+    cand, n = chunks([(0, 4 * E - T, T)])
+    q, weights, keys = (v.to(device) for v in inputs(T, n, 64, kind, Di=128))
+    cand = PagedRows(*(v.to(device) for v in (cand.pages, cand.req, cand.lo, cand.hi)), cand.per_page, cand.pitch,
+                     cand.width)
+    got = isc.indexer_scores(q, weights, keys, cand, tiles=tiles).cpu()
+    assert_scores_close(got, reference_scores(q.cpu(), weights.cpu(), plain(keys).cpu(), cand.dense().cpu()))
+    assert torch.isfinite(got[-1]).all() and not torch.isfinite(got[0]).all()
 
 
 def test_dispatch_by_tokens(device, monkeypatch):

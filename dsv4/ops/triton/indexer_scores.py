@@ -48,6 +48,7 @@ class GemmTiles:
     block_e: int = 128      # candidates per program (>= 16)
     num_warps: int = 8
     num_stages: int = 2
+    maxnreg: int | None = None     # registers a thread (128 at 8 warps: two programs an SM); None: ptxas's choice
 
 
 GEMM_TILES = GemmTiles()
@@ -291,7 +292,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, c
         _scores_gemm_kernel[(triton.cdiv(T, tiles.block_t) * n_eblk,)](
             *args, T, e0, e1, Hi, Di, n_eblk, scale, pitch, *strides, BLOCK_T=tiles.block_t,
             BLOCK_E=tiles.block_e, EVEN_D=Di == di_p, **consts, num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages)
+            num_stages=tiles.num_stages, **({} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}))
     return scores
 
 
