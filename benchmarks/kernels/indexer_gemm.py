@@ -21,6 +21,8 @@ each (BLOCK_T, BLOCK_E, num_warps, num_stages) of SWEEP on bf16 keys, while the 
 within --budget-s (compiles count), then the best few on FP8 keys; prints a table with TFLOP/s
 (2 T W Hi Di per tile of W entries) and % of 989 TFLOP/s (H200 bf16 dense), the best config,
 and the whole step's scores (E / W tiles) at the best config against the per-token kernel.
+Last, for GEMM_MIN_TOKENS, one tile at smaller T at the best config: the chunk's last T tokens,
+and T decode tokens of T requests (blocks that never share their rows: the fallback's cost).
 """
 import argparse
 import os
@@ -48,9 +50,10 @@ TIE_GAP = 1e-5
 SWEEP = [(64, 128, 8, 2), (64, 256, 8, 2), (32, 256, 8, 2), (64, 128, 8, 2, 128), (64, 128, 8, 3),
          (32, 128, 4, 2), (32, 256, 8, 2, 128), (64, 128, 4, 2), (64, 256, 8, 3), (128, 128, 8, 2),
          (32, 128, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (32, 256, 4, 2)]
-FULL = dict(T=2048, E=225280, Hi=64, Di=128, topk=512, sweep=SWEEP, fp8_best=3, reps=10)
+FULL = dict(T=2048, E=225280, Hi=64, Di=128, topk=512, sweep=SWEEP, fp8_best=3, reps=10,
+            thresholds=[32, 64, 128, 256, 512, 1024, 2048])
 TINY = dict(T=40, E=300, Hi=4, Di=32, topk=16, sweep=[(16, 16, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2, 128)],
-            fp8_best=1, reps=1)
+            fp8_best=1, reps=1, thresholds=[16, 40])
 
 
 def make_case(T, E, Hi, Di, fp8, device, gen):
@@ -172,6 +175,33 @@ def run_kind(fp8, shape, device, gen, budget_s, configs):
     return errors, timed
 
 
+def threshold(shape, tiles, device, gen):
+    """GEMM_MIN_TOKENS: one tile of the first `width` entries at T tokens, as one request's chunk
+    (blocks share their rows) and as T decode tokens of T requests (every block scored token by
+    token), per-token kernel vs tiled (`tiles`), bf16 keys; prints the table and the smallest T
+    from which the tiled kernel is faster on both."""
+    print(f"\nGEMM_MIN_TOKENS (now {isc.GEMM_MIN_TOKENS}): one tile, per-token ms / tiled ms, tiled at {tiles}")
+    print(f"  {'T':>5} {'width':>7} {'chunk':>17} {'decode batch':>17}")
+    q, weights, keys, chunk = make_case(shape["T"], shape["E"], shape["Hi"], shape["Di"], False, device, gen)
+    wins = []
+    for T in shape["thresholds"]:
+        width = min(tri.tile_width(T, shape["topk"]), chunk.width)
+        t = torch.arange(T, device=device)
+        cases = [PagedRows(chunk.pages, chunk.req[:T], chunk.lo[:T], chunk.hi[-T:], chunk.per_page, chunk.pitch,
+                           chunk.width),
+                 PagedRows(chunk.pages.expand(T, -1), t, torch.zeros_like(t), chunk.hi[-1].expand(T), chunk.per_page,
+                           chunk.pitch, chunk.width)]
+        row = []
+        for cand in cases:
+            row.append([time_ms(lambda c=cand, k=k: isc.indexer_scores(q[:T], weights[:T], keys, c, e0=0, e1=width,
+                                                                       tiles=k), device, shape["reps"])
+                        for k in (None, tiles)])
+        wins.append(all(new < old for old, new in row))
+        print(f"  {T:5d} {width:7d} " + " ".join(f"{old:8.3f}/{new:8.3f}" for old, new in row), flush=True)
+    faster = [T for T, win in zip(shape["thresholds"], wins) if win and all(wins[shape["thresholds"].index(T):])]
+    print(f"  tiled faster on both from T = {faster[0] if faster else 'never (in this range)'}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny shapes")
@@ -192,6 +222,7 @@ def main() -> int:
     more, timed8 = run_kind(True, shape, device, gen, args.budget_s, best)
     errors += more
     if timed:
+        threshold(shape, GemmTiles(*min(timed)[1]), device, gen)
         print(f"\nbest config (bf16 keys): GemmTiles{min(timed)[1]}"
               + (f"; FP8 keys: GemmTiles{min(timed8)[1]}" if timed8 else ""))
     for e in errors:
