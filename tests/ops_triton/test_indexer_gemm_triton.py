@@ -22,17 +22,18 @@ TILES = GemmTiles(block_t=16, block_e=16, num_warps=4, num_stages=2)
 PER_PAGE, PITCH = 4, 8          # 4 entries a page; pages of other layers in between
 
 
-def chunks(spans, pad=0, window=None, seed=0):
+def chunks(spans, pad=0, window=None, seed=0, width=None):
     """A PagedRows of prefill chunks, C4 style: spans = [(request, first position, tokens)],
     token at position p reads entries [lo, (p + 1) // 4) of its request (lo = 0, or the last
     `window` entries: a different lo per token); then `pad` padding tokens (request 0, empty
-    range, as a CUDA-graph bucket's). -> (cand, pool rows)."""
+    range, as a CUDA-graph bucket's); `width`: the table's (default the widest range; wider, as
+    a CUDA-graph bucket's, leaves candidate blocks past every token's limit). -> (cand, pool rows)."""
     g = torch.Generator().manual_seed(seed)
     req, hi = [], []
     for r, start, n in spans:
         req += [r] * n
         hi += [(p + 1) // 4 for p in range(start, start + n)]
-    width = max(hi)
+    width = width or max(hi)
     lo = [0 if window is None else max(0, h - window) for h in hi]
     req, lo, hi = (torch.tensor(v + [0] * pad) for v in (req, lo, hi))
     R, P = max(r for r, _, _ in spans) + 1, -(-width // PER_PAGE)
@@ -53,7 +54,8 @@ def inputs(T, n, Hi, kind, seed=0, Di=None):
         weights = torch.randint(-1, 3, (T, Hi), generator=g).float()
         keys = torch.randint(-2, 3, (n, Di), generator=g).float()
     else:
-        q, weights, keys = torch.randn(T, Hi, Di, generator=g), torch.randn(T, Hi, generator=g), torch.randn(n, Di, generator=g)
+        q, weights = torch.randn(T, Hi, Di, generator=g), torch.randn(T, Hi, generator=g)
+        keys = torch.randn(n, Di, generator=g)
     if key_kind == "fp8":
         return q.bfloat16(), weights, pack_index_keys(keys)
     dtype = torch.bfloat16 if key_kind == "bf16" else torch.float32
@@ -65,12 +67,13 @@ def plain(keys):
     return unpack_index_keys(keys) if keys.dtype == torch.uint8 else keys
 
 
-CASES = {   # name: (spans, pad, window); BLOCK_T = 16 tokens
-    "one chunk at 0": ([(0, 0, 40)], 0, None),                     # causal tails, blocks wholly past the limit
-    "one chunk deep": ([(1, 100, 37)], 0, None),                   # request 1, every token's range non-empty
-    "two requests": ([(0, 60, 20), (1, 8, 20)], 0, None),          # block 1 mixes them: token by token
-    "padded bucket": ([(1, 100, 20)], 12, None),                   # padding tokens share the block
-    "windows": ([(0, 100, 33)], 0, 9),                             # a lo per token: token by token
+CASES = {   # name: (spans, pad, window, width); BLOCK_T = BLOCK_E = 16
+    "one chunk at 0": ([(0, 0, 40)], 0, None, None),               # causal tails (tokens 0-3: nothing)
+    "one chunk deep": ([(1, 100, 37)], 0, None, None),             # request 1, every token's range non-empty
+    "two requests": ([(0, 60, 20), (1, 8, 20)], 0, None, None),    # block 1 mixes them: token by token
+    "padded bucket": ([(1, 100, 20)], 12, None, 70),               # padding tokens share the block; blocks
+                                                                   # of candidates past every token's limit
+    "windows": ([(0, 100, 33)], 0, 9, None),                       # a lo per token: token by token
 }
 
 
@@ -82,8 +85,8 @@ def test_tiled_scores(case, kind, dense, device):
     """The tiled kernel's scores against the per-token kernel's and the reference's: bit for bit
     where every sum is exact, within fp32 summation order otherwise, and bit for bit on the tokens
     of blocks that do not share their rows (the per-token code)."""
-    spans, pad, window = CASES[case]
-    cand, n = chunks(spans, pad, window, seed=len(case))
+    spans, pad, window, width = CASES[case]
+    cand, n = chunks(spans, pad, window, seed=len(case), width=width)
     T = cand.num_tokens
     q, weights, keys = (v.to(device) for v in inputs(T, n, 4, kind, seed=T))
     cand = PagedRows(*(v.to(device) for v in (cand.pages, cand.req, cand.lo, cand.hi)), cand.per_page, cand.pitch,
@@ -94,6 +97,8 @@ def test_tiled_scores(case, kind, dense, device):
     want = reference_scores(q.cpu(), weights.cpu() * 0.5, plain(keys).cpu(), cand.dense().cpu())
     assert got.shape == (T, cand.width)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
+    if width:
+        assert torch.isinf(got[:, 32:]).all() and torch.isfinite(got[0, :25]).all()   # hi 25..30
     if kind.startswith("int"):
         assert torch.equal(got, old) and torch.equal(got, want)
     else:
@@ -113,7 +118,7 @@ def _sharing_kernel(cand_ptr, req_ptr, lo_ptr, hi_ptr, out_ptr, T, E, pitch, str
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     _, shared = _block_rows(cand_ptr, req_ptr, lo_ptr, hi_ptr, offs_t, offs_e, offs_t < T, offs_e < E, pitch,
-                               stride_ct, stride_ce, PAGED, PER_PAGE)
+                            stride_ct, stride_ce, PAGED, PER_PAGE)
     tl.store(out_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), shared.to(tl.int32))
 
 

@@ -37,7 +37,9 @@ import triton.language as tl
 from ..paged import PagedRows, index_width
 from .fp8_words import fp8_words_to
 
-BLOCK_E = 128       # candidates per program of the per-token kernel (best measured on an H200 for E >= 1k: benchmarks/kernels/indexer.py)
+# candidates per program of the per-token kernel (best measured on an H200 for E >= 1k:
+# benchmarks/kernels/indexer.py)
+BLOCK_E = 128
 NUM_WARPS = 4
 
 
