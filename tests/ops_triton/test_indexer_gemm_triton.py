@@ -16,6 +16,7 @@ from dsv4.ops.kv_fp8 import pack_index_keys, unpack_index_keys
 from dsv4.ops.paged import PagedRows
 from dsv4.ops.triton import indexer as tri
 from dsv4.ops.triton import indexer_scores as isc
+from dsv4.ops.triton import row_topk
 from dsv4.ops.triton.indexer_scores import GemmTiles, _block_rows
 
 TILES = GemmTiles(block_t=16, block_e=16, num_warps=4, num_stages=2)
@@ -151,15 +152,19 @@ def test_block_sharing(dense, device):
     assert sharing([(0, 100, 33)], window=9) == [0, 0, 1]     # lo moves every 4 tokens; a lone token
 
 
-@pytest.mark.parametrize(("kind", "score_tile"), [("int-fp32", 1), ("int-bf16", 1 << 24), ("rand-bf16", 1),
-                                                  ("rand-fp8", 1 << 24)])
-def test_selection(kind, score_tile, device, monkeypatch):
+@pytest.mark.parametrize(("kind", "score_tile", "rows_min"), [("int-fp32", 1, 1 << 20), ("int-bf16", 1 << 24, 1 << 20),
+                                                              ("int-fp32", 1, 1), ("rand-bf16", 1, 1 << 20),
+                                                              ("rand-fp8", 1 << 24, 1 << 20)])
+def test_selection(kind, score_tile, rows_min, device, monkeypatch):
     """indexer_topk_offsets on the tiled kernel (from the first token on), one tile or tiles of
-    k entries (tile offsets E0 > 0): the reference's selection; where every sum is exact (many
-    ties), its offsets and rows exactly (score desc, ties to the lower offset)."""
+    k entries (tile offsets E0 > 0), selected by radix select or a program per row (rows_min 1:
+    row_topk): the reference's selection; where every sum is exact (many ties), its offsets and
+    rows exactly (score desc, ties to the lower offset)."""
     monkeypatch.setattr(isc, "GEMM_MIN_TOKENS", 1)
     monkeypatch.setattr(isc, "GEMM_TILES", TILES)
     monkeypatch.setattr(tri, "SCORE_TILE", score_tile)
+    monkeypatch.setattr(tri, "ROWS_MIN", rows_min)
+    monkeypatch.setattr(row_topk, "MIN_CHUNK", 128)      # short tiles: narrow programs (fast to interpret)
     cand, n = chunks([(0, 300, 24), (1, 40, 9)], pad=3, seed=score_tile % 7)
     q, weights, keys = inputs(cand.num_tokens, n, 4, kind, seed=3)
     k = 10
