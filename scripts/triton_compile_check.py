@@ -50,6 +50,7 @@ def record(out_path: str, pytest_args: list[str]) -> int:
         names = self.arg_names
         values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
         launch = {"module": self.fn.__module__, "name": self.fn.__name__,
+                  "dir": os.path.dirname(os.path.abspath(self.fn.__code__.co_filename)),
                   "args": {k: describe(v) for k, v in values.items()},
                   "options": {k: kwargs[k] for k in OPTIONS if k in kwargs}}
         seen.setdefault(json.dumps(launch, sort_keys=True), launch)
@@ -73,6 +74,8 @@ def compile_all(in_path: str) -> int:
         launches = json.load(f)
     failures = 0
     for launch in launches:
+        if "." not in launch["module"] and launch["dir"] not in sys.path:   # a test file's kernel: by its folder
+            sys.path.append(launch["dir"])
         fn = getattr(importlib.import_module(launch["module"]), launch["name"])
         fn = getattr(fn, "fn", fn) if not isinstance(fn, triton.runtime.JITFunction) else fn
         consts = {p.name for p in fn.params if p.is_constexpr}
