@@ -338,6 +338,8 @@ def sizes_of(args) -> dict:
     sizes = dict(SMOKE if args.smoke else GPU)
     if args.contexts:
         sizes["contexts"] = args.contexts
+    if args.decode_tokens:
+        sizes["decode_tokens"] = args.decode_tokens
     return sizes
 
 
@@ -349,6 +351,8 @@ def main() -> int:
     p.add_argument("--cases", default=",".join(CASES),
                    help=f"comma-separated parts to time, in this order: {', '.join(CASES)} (default: all)")
     p.add_argument("--contexts", default="", help="comma-separated batch-1 decode contexts (default: 4k .. 1M)")
+    p.add_argument("--decode-tokens", type=int, default=0,
+                   help="tokens a decode case generates (its mean step is over all but the first; default 32)")
     p.add_argument("--kv", default="auto,fp8", help="comma-separated KV dtypes to time: auto, fp8 (default: both)")
     args = p.parse_args()
     args.cases = tuple(k.strip() for k in args.cases.split(",") if k.strip())
