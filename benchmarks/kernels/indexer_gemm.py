@@ -24,7 +24,6 @@ and the whole step's scores (E / W tiles) at the best config against the per-tok
 Last, for GEMM_MIN_TOKENS, one tile at smaller T at the best config: the chunk's last T tokens,
 and T decode tokens of T requests (blocks that never share their rows: the fallback's cost).
 """
-import argparse
 import os
 import sys
 import time
@@ -41,6 +40,7 @@ from dsv4.ops.paged import PagedRows  # noqa: E402
 from dsv4.ops.triton import indexer as tri  # noqa: E402
 from dsv4.ops.triton import indexer_scores as isc  # noqa: E402
 from dsv4.ops.triton.indexer_scores import GemmTiles  # noqa: E402
+from benchmarks.kernels import parse_smoke_args  # noqa: E402
 
 PEAK_FLOPS = 989e12
 PAGE, LAYERS = 64, 2
@@ -203,13 +203,8 @@ def threshold(shape, tiles, device, gen):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny shapes")
-    p.add_argument("--budget-s", type=float, default=35.0, help="seconds for the bf16 sweep (compiles included)")
-    args = p.parse_args()
-    device = "cpu" if args.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("needs CUDA (or --smoke)")
+    args, device = parse_smoke_args(__doc__, "CPU, Triton's interpreter, tiny shapes", lambda p: p.add_argument(
+        "--budget-s", type=float, default=35.0, help="seconds for the bf16 sweep (compiles included)"))
     shape = TINY if args.smoke else FULL
     if args.smoke:          # several tiles a step, as at 900k
         tri.SCORE_TILE = shape["T"] * 32

@@ -21,7 +21,6 @@ GRAPH_CALLS calls (launch gaps excluded), ms per call; the fp8/bf16 column is th
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -38,6 +37,7 @@ from dsv4.ops.paged import PagedRows  # noqa: E402
 from dsv4.ops.triton import attention as tri_attn  # noqa: E402
 from dsv4.ops.triton import indexer as tri_idx  # noqa: E402
 from dsv4.ops.triton import kv_pack  # noqa: E402
+from benchmarks.kernels import parse_smoke_args  # noqa: E402
 
 H, D, ROPE, HI, DI, WINDOW, TOPK = 64, 512, 64, 64, 128, 128, 512
 SWA_PAGE, C4_PAGE, C128_PAGE, LAYERS = 128, 64, 2, 2
@@ -165,14 +165,10 @@ def run_writes(gen, device, reps: int) -> bool:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny contexts")
-    p.add_argument("--contexts", default=None, help="comma-separated context lengths (default 4k,128k,1M)")
-    p.add_argument("--tiles", action="store_true", help="also time FP8 attention tile shapes (HCA)")
-    args = p.parse_args()
-    device = "cpu" if args.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("needs CUDA (or --smoke)")
+    def add(p):
+        p.add_argument("--contexts", default=None, help="comma-separated context lengths (default 4k,128k,1M)")
+        p.add_argument("--tiles", action="store_true", help="also time FP8 attention tile shapes (HCA)")
+    args, device = parse_smoke_args(__doc__, "CPU, Triton's interpreter, tiny contexts", add)
     contexts = tuple(int(c) for c in args.contexts.split(",")) if args.contexts else \
         (SMOKE_CONTEXTS if args.smoke else CONTEXTS)
     reps = 1 if args.smoke else 20

@@ -16,7 +16,6 @@ Then times, each as the replay of a CUDA graph of 10 calls (how decode runs it),
                the default)
   radix 11     the same with digits of 11, 11, 10 bits (3 passes, 8x the histogram bins)
 """
-import argparse
 import os
 import sys
 
@@ -29,6 +28,7 @@ import torch  # noqa: E402
 from dsv4.bench.timing import graph_ms  # noqa: E402
 from dsv4.ops.stream_topk import EMPTY_KEY, MIN_CHOSEN_KEY, RunningTopk, key_offsets, score_keys  # noqa: E402
 from dsv4.ops.triton.radix_topk import radix_topk  # noqa: E402
+from benchmarks.kernels import parse_smoke_args  # noqa: E402
 
 LAYOUTS = ((8, 8, 8, 8), (11, 11, 10))
 
@@ -76,12 +76,7 @@ def check(device, gen, entries, batches) -> list[str]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny rows")
-    args = p.parse_args()
-    device = "cpu" if args.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("needs CUDA (or --smoke)")
+    args, device = parse_smoke_args(__doc__, "CPU, Triton's interpreter, tiny rows")
     entries, batches = (SMOKE_ENTRIES, SMOKE_BATCHES) if args.smoke else (ENTRIES, BATCHES)
     reps = 1 if args.smoke else 20
     gen = torch.Generator(device=device).manual_seed(0)

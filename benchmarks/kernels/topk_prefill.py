@@ -20,7 +20,6 @@ one tile and as two tiles merged. Then times one tile merged into a full running
 and once per layer (not per tile) the row path's final sort of the set (sorted_keys). HBM
 floor: reading the tile once at 4.8 TB/s.
 """
-import argparse
 import os
 import sys
 import time
@@ -37,6 +36,7 @@ from dsv4.ops.stream_topk import RunningTopk, key_offsets  # noqa: E402
 from dsv4.ops.triton.radix_topk import radix_topk  # noqa: E402
 from dsv4.ops.triton import row_topk as rt  # noqa: E402
 from dsv4.ops.triton.row_topk import row_topk, sorted_keys  # noqa: E402
+from benchmarks.kernels import parse_smoke_args  # noqa: E402
 
 K = 512
 T, WIDTHS = 2048, (32768, 65536)
@@ -82,12 +82,7 @@ def check(device, gen, rows, widths, sweep) -> list[str]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="CPU, Triton's interpreter, tiny rows")
-    args = p.parse_args()
-    device = "cpu" if args.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("needs CUDA (or --smoke)")
+    args, device = parse_smoke_args(__doc__, "CPU, Triton's interpreter, tiny rows")
     rows, widths, sweep = (SMOKE_T, SMOKE_WIDTHS, SMOKE_SWEEP) if args.smoke else (T, WIDTHS, SWEEP)
     reps = 1 if args.smoke else 10
     gen = torch.Generator(device=device).manual_seed(0)
