@@ -7,17 +7,22 @@ import pytest
 
 from dsv4.engine.late_compiles import LateCompiles
 
-triton = pytest.importorskip("triton")
-from triton.runtime.jit import JitFunctionInfo  # noqa: E402
+
+@pytest.fixture
+def triton():
+    """Triton, imported when the test runs, never at collection: tests/ops_triton/conftest.py must
+    set TRITON_INTERPRET before anything imports Triton (its kernels read it when defined)."""
+    return pytest.importorskip("triton")
 
 
 def _compile(hook, name):
+    from triton.runtime.jit import JitFunctionInfo
     return hook(key=f"{name}-key", repr=f"{name}[num_warps=4](T: i32, BLOCK: constexpr = 64)",
                 fn=JitFunctionInfo("dsv4.ops.triton.x", name, None), compile={}, is_manual_warmup=False,
                 already_compiled=False)
 
 
-def test_counts_logs_chains_and_restores(caplog, monkeypatch):
+def test_counts_logs_chains_and_restores(caplog, monkeypatch, triton):
     runtime = triton.knobs.runtime
     seen = []
     previous = lambda **kw: seen.append(kw["key"])       # noqa: E731  a hook set before (returns None)
