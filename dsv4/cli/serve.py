@@ -22,6 +22,9 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=os.environ.get("DSV4_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $DSV4_API_KEY)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--api-server-count", type=int, default=None, metavar="N",
+                   help="API processes sharing the port, each talking to the one engine core (default: 1 "
+                        "without a GPU; on a GPU, one per 3 cores beyond 4, at most 4: see api_server_count_default)")
     limits = p.add_argument_group("request limits and shutdown")
     limits.add_argument("--max-request-body-mb", type=float, default=32.0, metavar="MB",
                         help="larger request bodies get 413 (default: 32)")
@@ -62,9 +65,10 @@ def run(args) -> int:
     model_dir = args.model or demo_model_dir()
     _check_model_dir(model_dir, config.tokenizer)
     names = args.served_model_name or [args.model or DEMO_NAME]
+    disagg = _disagg(args)
     settings = ServeSettings(model_dir=model_dir, model_names=names, engine=config, host=args.host,
                              port=args.port, api_key=args.api_key, log_level=args.log_level, limits=limits,
-                             disagg=_disagg(args))
+                             disagg=disagg, api_server_count=api_server_count(args, config, disagg is not None))
     try:
         server = APIServer(settings)
     except OSError as e:
@@ -83,8 +87,12 @@ def run(args) -> int:
     print(info.memory_report, flush=True)       # the memory plan, as `dsv4 plan` reports it
 
     def ready() -> None:
+        pids = server.pids
+        print(f"dsv4 serve: processes: api {' '.join(map(str, pids['api']))}; engine core {pids['engine'][0]}",
+              flush=True)
         print(f"dsv4 serve: ready at {server.url} (model {', '.join(names)}, max_model_len "
-              f"{info.max_model_len})", flush=True)
+              f"{info.max_model_len}, {settings.api_server_count} API process"
+              f"{'es' if settings.api_server_count > 1 else ''})", flush=True)
 
     return server.serve(on_ready=ready)
 
@@ -106,6 +114,36 @@ def _limits(args):
                         args.media_timeout)
     return ServerLimits(max_body_bytes=int(args.max_request_body_mb * MB), max_batch_requests=args.max_batch_requests,
                         strict_api=args.strict_api, shutdown_timeout=args.shutdown_timeout, media=media)
+
+
+RESERVED_CORES = 4     # the engine core, the CUDA driver's and ZeroMQ's threads, a benchmark client or proxy, the OS
+CORES_PER_API_SERVER = 3
+MAX_DEFAULT_API_SERVERS = 4
+
+
+def api_server_count_default(device: str, cores: int) -> int:
+    """1 without a GPU (the engine core's forward is the bottleneck there). On a GPU host, one
+    API process per CORES_PER_API_SERVER cores beyond RESERVED_CORES, at least 1, at most
+    MAX_DEFAULT_API_SERVERS: an API process spends about 30 µs of CPU per streamed token
+    (docs/architecture.md, "Serving"), so one is near saturation at 256 streams of a 6 ms
+    step; each one also runs tokenising and parsing threads, hence 3 cores each. 16 cores: 4."""
+    if not device.startswith("cuda"):
+        return 1
+    return max(1, min(MAX_DEFAULT_API_SERVERS, (cores - RESERVED_CORES) // CORES_PER_API_SERVER))
+
+
+def api_server_count(args, config, disaggregated: bool) -> int:
+    cores = len(os.sched_getaffinity(0))
+    n = args.api_server_count
+    if n is None:
+        return 1 if disaggregated else api_server_count_default(config.device, cores)
+    if n < 1:
+        raise SystemExit(f"dsv4 serve: --api-server-count must be >= 1, got {n}")
+    if n > cores:
+        raise SystemExit(f"dsv4 serve: --api-server-count {n} is more than the {cores} cores this process may use")
+    if disaggregated and n > 1:
+        raise SystemExit("dsv4 serve: --api-server-count: a prefill/decode role (--role) runs one API process")
+    return n
 
 
 def _disagg(args):

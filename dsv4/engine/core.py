@@ -4,7 +4,8 @@
 `Ready` (or `StartupFailed` with the reason, then exits 1), and loops: take every waiting
 input without blocking when there is work (blocking, with a timeout, when idle), run one
 `step()`, send what it produced as one `StepOutputs`. It exits on `Shutdown` or as soon as
-the API process (its parent) is gone. Stop strings are the API process's (it has the text):
+the API process (its parent) is gone. With several API processes (`--api-server-count`) it
+takes inputs from all and sends each one its own requests' outputs (ipc.Outbox). Stop strings are the API process's (it has the text):
 here requests end on EOS, stop token ids and lengths, and are aborted by the API on a stop
 string (text/stop_watch.py).
 
@@ -235,7 +236,7 @@ def serve_loop(core: EngineCore, inbox, outbox, parent_pid: int) -> None:
         outputs = core.step() if core.has_work else []
         failures = core.take_failures()
         if messages or outputs or failures:
-            outbox.send(encode(StepOutputs(outputs, failures, core.stats())))
+            outbox.send_step(StepOutputs(outputs, failures, core.stats()))   # (each API process its own part)
 
 
 def _drain(inbox, wait_ms: int, reject: Callable[[str, str], None] | None = None) -> list:

@@ -1,7 +1,11 @@
 """The wire between the API process and the engine-core process (docs/architecture.md, "Serving").
 
 Two ZeroMQ PUSH/PULL pipes on ipc:// paths in a private temp dir, both bound by the API
-process: requests flow in on `input`, results flow out on `output`. Every frame is one
+process: requests flow in on `input`, results flow out on `output`. With several API processes
+(`--api-server-count N`, serve/http/api_workers.py) each one binds a pair of its own
+(`Addresses.of(i)`); the engine core pulls from all N inputs (fair-queued) and sends each
+`StepOutputs` to every API process, with only the outputs of the requests it sent (the owner
+is in the request id: `owned_id`) and the same `EngineStats`. Every frame is one
 msgpack-encoded msgspec message of a tagged union below, so no JSON and no tensor ever
 crosses: token ids, logprobs and finish reasons come back, sampling parameters go in.
 
@@ -155,16 +159,37 @@ def decode_output(frame: bytes) -> Ready | StartupFailed | StepOutputs:
     return _output_decoder.decode(frame)
 
 
+# ---- request ids: which API process sent a request ------------------------------------------
+def owned_id(index: int, count: int, request_id: str) -> str:
+    """The engine request id of API process `index` of `count`: "<index>:<id>" when there are
+    several (ids are then unique across processes and name their owner), `request_id` alone
+    when there is one."""
+    return f"{index}:{request_id}" if count > 1 else request_id
+
+
+def request_owner(request_id: str) -> int:
+    """The API process that sent `request_id` (0 for an id without an owner prefix)."""
+    head, sep, _ = request_id.partition(":")
+    return int(head) if sep and head.isdigit() else 0
+
+
 # ---- sockets -----------------------------------------------------------------------------
 class Addresses(msgspec.Struct):
     input: str
     output: str
     folder: str
+    count: int = 1      # API processes; process i > 0 has the paths of `of(i)`
 
     @classmethod
-    def new(cls) -> "Addresses":
+    def new(cls, count: int = 1) -> "Addresses":
         folder = tempfile.mkdtemp(prefix="dsv4-ipc-")
-        return cls(f"ipc://{folder}/input", f"ipc://{folder}/output", folder)
+        return cls(f"ipc://{folder}/input", f"ipc://{folder}/output", folder, count)
+
+    def of(self, index: int) -> "Addresses":
+        """API process `index`'s pair (the same folder)."""
+        if index == 0:
+            return Addresses(self.input, self.output, self.folder)
+        return Addresses(f"{self.input}-{index}", f"{self.output}-{index}", self.folder)
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -184,9 +209,45 @@ def api_sockets(ctx: zmq.Context, addr: Addresses) -> tuple[zmq.Socket, zmq.Sock
     return _socket(ctx, zmq.PUSH, addr.input, True), _socket(ctx, zmq.PULL, addr.output, True)
 
 
-def engine_sockets(ctx: zmq.Context, addr: Addresses) -> tuple[zmq.Socket, zmq.Socket]:
-    """(input PULL, output PUSH), connected."""
-    return _socket(ctx, zmq.PULL, addr.input, False), _socket(ctx, zmq.PUSH, addr.output, False)
+def engine_sockets(ctx: zmq.Context, addr: Addresses) -> tuple[zmq.Socket, "Outbox"]:
+    """(input PULL connected to every API process's input, the outbox to all of them)."""
+    inbox = _socket(ctx, zmq.PULL, addr.input, False)
+    for i in range(1, addr.count):
+        inbox.connect(addr.of(i).input)
+    return inbox, Outbox([_socket(ctx, zmq.PUSH, addr.of(i).output, False) for i in range(addr.count)])
+
+
+class Outbox:
+    """The engine core's output pipes, one per API process (`Addresses.of(i)`)."""
+
+    def __init__(self, sockets: list[zmq.Socket]):
+        self.sockets = sockets
+
+    def send(self, frame: bytes) -> None:
+        """`frame` to every API process (Ready, StartupFailed)."""
+        for sock in self.sockets:
+            sock.send(frame)
+
+    def send_step(self, message: StepOutputs) -> None:
+        """Each API process gets the outputs and failures of its own requests (`request_owner`)
+        and the stats; with one API process, `message` as it is."""
+        if len(self.sockets) == 1:
+            self.sockets[0].send(encode(message))
+            return
+        parts = [StepOutputs([], [], message.stats) for _ in self.sockets]
+        last = len(parts) - 1          # (an owner out of range can only be a garbled id: process 0 gets it)
+        for out in message.outputs:
+            owner = request_owner(out.request_id)
+            parts[owner if owner <= last else 0].outputs.append(out)
+        for failure in message.failures:
+            owner = request_owner(failure.request_id)
+            parts[owner if owner <= last else 0].failures.append(failure)
+        for sock, part in zip(self.sockets, parts):
+            sock.send(encode(part))
+
+    def close(self, linger: int | None = None) -> None:
+        for sock in self.sockets:
+            sock.close(linger=linger)
 
 
 def parent_alive(parent_pid: int) -> bool:

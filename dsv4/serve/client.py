@@ -34,10 +34,12 @@ import zmq.asyncio
 
 from ..sampling_params import SamplingParams
 from ..text.stop_watch import StopStringWatch
+from .engine_process import EngineProcess
 from .item_queue import ItemQueue
 from ..engine.core import run_engine_core
 from ..engine.ipc import (AbortRequests, AddRequest, Addresses, ImageItem, EngineStats, Ready, RequestFailed, ResetPrefixCache,
-                  Shutdown, StartupFailed, StepOutputs, TokenOutput, api_sockets, decode_output, encode)
+                  Shutdown, StartupFailed, StepOutputs, TokenOutput, api_sockets, decode_output, encode,
+                  owned_id)
 
 log = logging.getLogger("dsv4.serve")
 
@@ -91,12 +93,19 @@ class RequestGroup:
 
 
 class EngineClient:
-    def __init__(self, model_dir: str, config, target: Callable = run_engine_core):
+    """API process `index` of `count` (`--api-server-count`): process 0 spawns the engine core
+    (`start`); the others attach to it (`attach`: its pid; the engine core then is not theirs
+    to stop). Each binds its own pair of pipes (`Addresses.of(index)`)."""
+
+    def __init__(self, model_dir: str, config, target: Callable = run_engine_core, count: int = 1,
+                 addresses: Addresses | None = None, index: int = 0):
         self.model_dir, self.config, self.target = model_dir, config, target
-        self.addresses = Addresses.new()
+        self.index, self.count = index, count
+        self.addresses = addresses or Addresses.new(count)
         self.ctx = zmq.Context()
-        self._push, self._pull = api_sockets(self.ctx, self.addresses)
-        self.process: multiprocessing.Process | None = None
+        self._push, self._pull = api_sockets(self.ctx, self.addresses.of(index))
+        self.process: multiprocessing.Process | EngineProcess | None = None
+        self.owns_engine = index == 0
         self.info: Ready | None = None
         self.stats = EngineStats()
         self.groups: dict[str, RequestGroup] = {}
@@ -110,13 +119,29 @@ class EngineClient:
         self._closing: str | None = None       # set by fail_all: why new requests are refused
 
     # ---- startup (before the event loop) -----------------------------------------------
-    def start(self, timeout: float | None = None) -> Ready:
+    def start(self, timeout: float | None = None, spawned: Callable[[int], None] | None = None) -> Ready:
         """Spawn the engine core and wait for its Ready; on failure everything is closed
-        (the process, the sockets, the IPC folder) and EngineStartError says why."""
+        (the process, the sockets, the IPC folder) and EngineStartError says why.
+        `spawned(pid)` runs once the engine core is started, before its Ready."""
         ctx = multiprocessing.get_context("spawn")
         self.process = ctx.Process(target=self.target, name="dsv4-engine-core",
                                    args=(self.model_dir, self.config, self.addresses, os.getpid()))
         self.process.start()
+        if spawned is not None:
+            spawned(self.process.pid)
+        return self._wait_ready(timeout)
+
+    def attach(self, engine_pid: int, timeout: float | None = None) -> Ready:
+        """An API process other than the first: wait for the Ready of the engine core `engine_pid`
+        (started by the first); EngineStartError when it fails or exits first."""
+        try:
+            self.process = EngineProcess(engine_pid)
+        except ProcessLookupError:
+            self.close()
+            raise EngineStartError("the engine core exited before this API process started") from None
+        return self._wait_ready(timeout)
+
+    def _wait_ready(self, timeout: float | None) -> Ready:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._pull.poll(100):
             if not self.process.is_alive():
@@ -128,7 +153,8 @@ class EngineClient:
                 raise EngineStartError(f"the engine core did not get ready within {timeout:.0f} s")
         message = decode_output(self._pull.recv())
         if isinstance(message, StartupFailed):
-            self.process.join(5)
+            if self.owns_engine:
+                self.process.join(5)
             self.close()
             raise EngineStartError(message.message)
         self.info = message
@@ -163,7 +189,7 @@ class EngineClient:
         prompt); raises NotEncodable (nothing queued) when one of them cannot be encoded.
         `kv_transfer`: a decode engine pulls the prompts' state from that prefill engine
         (dsv4/disagg/)."""
-        ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        ids = [owned_id(self.index, self.count, f"{base_id}-{i}") for i in range(len(prompts))]
         frames = [_encode_request(AddRequest(rid, prompt, p, list(images or []), kv_transfer))
                   for rid, prompt, p in zip(ids, prompts, params)]
         group = RequestGroup(self, ids)
@@ -270,6 +296,11 @@ class EngineClient:
     def close(self, timeout: float = 5.0) -> None:
         for task in self._tasks:
             task.cancel()
+        if not self.owns_engine:        # the first API process stops the engine core and removes the folder
+            if self.process is not None:
+                self.process.close()
+            self.ctx.destroy(linger=0)
+            return
         if self.process is not None and self.process.is_alive():
             try:
                 self._push.send(encode(Shutdown()), zmq.NOBLOCK)

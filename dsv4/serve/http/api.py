@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import inspect
 import json
 
 from fastapi import FastAPI, Request
@@ -27,16 +28,18 @@ from .warm_request import warm_up
 PROTECTED = ("/v1/", "/tokenize", "/detokenize")
 
 
-def build_app(state: ServerState, on_ready=None, warm: bool = False) -> FastAPI:
-    """warm: send the warm-up requests (serve/http/warm_request.py) before `on_ready`."""
+def build_app(state: ServerState, on_ready=None, warm: bool = False, server_index: int | None = None) -> FastAPI:
+    """warm: send the warm-up requests (serve/http/warm_request.py) before `on_ready` (a
+    function, or one returning an awaitable: awaited). server_index: this API process's index,
+    named in every response's `X-DSV4-API-Server` header (several API processes, api_workers.py)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state.client.run()
         if warm:
             await warm_up(app, state)                 # the first user request then runs warm
         state.client.on_stats = state.metrics.update
-        if on_ready is not None:
-            on_ready()
+        if on_ready is not None and inspect.isawaitable(result := on_ready()):
+            await result
         yield
 
     app = FastAPI(title="dsv4", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
@@ -45,6 +48,8 @@ def build_app(state: ServerState, on_ready=None, warm: bool = False) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=state.limits.max_body_bytes)
     if state.api_key:
         app.add_middleware(BearerAuth, api_key=state.api_key)
+    if server_index is not None:
+        app.add_middleware(ServerIndexHeader, index=server_index)
     _add_routes(app, state)
     openapi.install(app, utility.version()["version"])
     return app
@@ -66,6 +71,25 @@ class BearerAuth:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class ServerIndexHeader:
+    """Pure ASGI middleware: `X-DSV4-API-Server: <index>` on every response (which API process
+    answered, with several: api_workers.py)."""
+
+    def __init__(self, app, index: int):
+        self.app, self.header = app, (b"x-dsv4-api-server", str(index).encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.header]}
+            await send(message)
+        await self.app(scope, receive, send_with_header)
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:

@@ -1,4 +1,5 @@
-"""Starting and stopping the two processes of `dsv4 serve`.
+"""Starting and stopping the processes of `dsv4 serve` (the API process, or N of them:
+api_workers.py, and the engine core).
 
 `APIServer` binds the listening socket first (a busy port fails before any model loads),
 then spawns the engine core and waits until it is ready, then runs uvicorn on that socket
@@ -9,7 +10,9 @@ removes the IPC folder.
 """
 from __future__ import annotations
 
+import asyncio
 import gc
+import os
 import socket
 import sys
 from collections.abc import Callable
@@ -23,7 +26,8 @@ from ..client import EngineClient
 from ...engine.core import run_engine_core
 from ...engine.ipc import Ready
 from .limits import ServerLimits
-from .shutdown import GracefulServer
+from .api_workers import ApiWorkers
+from .shutdown import FINISH_S, GracefulServer
 from .state import ServerState
 
 
@@ -38,6 +42,7 @@ class ServeSettings:
     log_level: str = "info"
     limits: ServerLimits = field(default_factory=ServerLimits)
     disagg: object = None            # DisaggSettings (dsv4/disagg/settings.py) for --role prefill|decode
+    api_server_count: int = 1        # API processes (api_workers.py); 1 for a disaggregated role
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -55,16 +60,23 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 class APIServer:
-    def __init__(self, settings: ServeSettings, engine_target: Callable = run_engine_core):
+    """API process 0 (binds `sock`, spawns the engine core and, with `api_server_count` > 1, the
+    other API processes: api_workers.py), or, given `sock` and an attached `client`, one of those."""
+
+    def __init__(self, settings: ServeSettings, engine_target: Callable = run_engine_core,
+                 sock: socket.socket | None = None, client: EngineClient | None = None):
         self.settings = settings
-        self.sock = listen_socket(settings.host, settings.port)
+        self.sock = sock or listen_socket(settings.host, settings.port)
         self.port = self.sock.getsockname()[1]
         if settings.disagg is not None:
             from ...disagg.serving import role_engine_target
             engine_target = role_engine_target(settings.disagg)
-        self.client = EngineClient(settings.model_dir, settings.engine, engine_target)
+        self.client = client or EngineClient(settings.model_dir, settings.engine, engine_target,
+                                             count=settings.api_server_count)
+        self.workers: ApiWorkers | None = None       # API processes 1..N-1 (process 0 only)
         self.uvicorn: GracefulServer | None = None
         self.engine_died = False
+        self.failed = False               # an API process failed or died (process 0)
 
     @property
     def url(self) -> str:
@@ -74,10 +86,20 @@ class APIServer:
     def start_engine(self, timeout: float | None = None) -> Ready:
         """Spawn the engine core and wait for it; EngineStartError says why it could not start."""
         try:
-            return self.client.start(timeout)
+            return self.client.start(timeout, spawned=self._start_workers)
         except BaseException:
             self.close()
             raise
+
+    def _start_workers(self, engine_pid: int) -> None:
+        if self.settings.api_server_count > 1:
+            self.workers = ApiWorkers(self.settings, self.sock, self.client.addresses, engine_pid)
+
+    @property
+    def pids(self) -> dict[str, list[int]]:
+        """{"api": API processes' pids (this one first), "engine": [the engine core's]} (process 0)."""
+        workers = self.workers.pids if self.workers is not None else []
+        return {"api": [os.getpid(), *workers], "engine": [self.client.process.pid]}
 
     def serve(self, on_ready: Callable[[], None] | None = None) -> int:
         """Run until stopped (SIGTERM, Ctrl-C, `stop()`) or the engine dies; 1 when it died."""
@@ -86,19 +108,51 @@ class APIServer:
             state = ServerState.create(self.client, s.model_dir, s.model_names, s.api_key, s.limits,
                                        s.engine.tokenizer)
             self.client.on_death = self._engine_died
-            app = build_app(state, on_ready, warm=s.disagg is None)   # a disaggregated role's request needs its peer
+            app = build_app(state, self._when_all_ready(on_ready), warm=s.disagg is None,   # (a role's request needs its peer)
+                            server_index=self.client.index if s.api_server_count > 1 else None)
             if s.disagg is not None:
                 from ...disagg.serving import add_disagg_routes
                 add_disagg_routes(app, state, s.disagg)
             config = uvicorn.Config(app, log_level=s.log_level)
             gc.freeze()     # start-up objects (app, tokenizer) out of the full collections that run while serving
-            self.uvicorn = GracefulServer(config, s.limits.shutdown_timeout, self.client.fail_all)
+            self.uvicorn = GracefulServer(config, s.limits.shutdown_timeout, self.client.fail_all,
+                                          on_stop=self.workers.stop if self.workers is not None else None)
             self.uvicorn.run(sockets=[self.sock])
         except KeyboardInterrupt:
             pass   # a Ctrl-C before uvicorn took over the signals
         finally:
             self.close()
-        return 1 if self.engine_died else 0
+        return 1 if self.engine_died or self.failed else 0
+
+    def _when_all_ready(self, on_ready: Callable[[], None] | None):
+        """`on_ready`, once the other API processes are ready too (process 0 with workers);
+        one that fails to start stops the server (exit 1)."""
+        if self.workers is None:
+            return on_ready
+
+        async def all_ready() -> None:
+            error = await asyncio.to_thread(self.workers.wait_ready)
+            if error is not None:
+                print(f"dsv4 serve: {error}; shutting down", file=sys.stderr, flush=True)
+                self.failed = True
+                self.stop()
+                return
+            self.workers.watch(asyncio.get_running_loop(), self._worker_exited)
+            if on_ready is not None:
+                on_ready()
+        return all_ready
+
+    def _worker_exited(self, index: int, exitcode: int | None) -> None:
+        if self.uvicorn is None or self.uvicorn.should_exit:
+            return        # (shutting down: they were told to)
+        if exitcode == 0:       # stopped by a signal sent to it alone: stop the rest alike
+            print(f"dsv4 serve: API process {index} stopped; shutting down", file=sys.stderr, flush=True)
+            self.stop()
+            return
+        print(f"dsv4 serve: API process {index} died (exit code {exitcode}); failing the requests in flight "
+              f"and shutting down", file=sys.stderr, flush=True)
+        self.failed = True
+        self.client.process.kill()      # every API process then sees the engine core end (see api_workers.py)
 
     def stop(self) -> None:
         if self.uvicorn is not None:
@@ -106,9 +160,13 @@ class APIServer:
 
     def _engine_died(self, reason: str) -> None:
         self.engine_died = True
-        print(f"dsv4 serve: {reason.split(';')[0]}; shutting down", file=sys.stderr, flush=True)
+        if not self.failed:
+            print(f"dsv4 serve: {reason.split(';')[0]}; shutting down", file=sys.stderr, flush=True)
         self.stop()
 
     def close(self) -> None:
+        if self.workers is not None:        # they drain (SIGTERM), then the engine core stops
+            self.workers.stop()
+            self.workers.join(self.settings.limits.shutdown_timeout + FINISH_S + 5)
         self.client.close()
         self.sock.close()

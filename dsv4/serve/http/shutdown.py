@@ -26,10 +26,12 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, drain_s: float, on_drain_timeout: Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, drain_s: float, on_drain_timeout: Callable[[], None],
+                 on_stop: Callable[[], None] | None = None):
+        """on_stop: called as the shutdown starts (API process 0: stop the other API processes)."""
         config.timeout_graceful_shutdown = drain_s + FINISH_S
         super().__init__(config)
-        self.drain_s, self.on_drain_timeout = drain_s, on_drain_timeout
+        self.drain_s, self.on_drain_timeout, self.on_stop = drain_s, on_drain_timeout, on_stop
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -44,6 +46,8 @@ class GracefulServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
     async def shutdown(self, sockets=None) -> None:
+        if self.on_stop is not None:
+            self.on_stop()
         timer = asyncio.get_running_loop().call_later(self.drain_s, self.on_drain_timeout)
         try:
             await super().shutdown(sockets)

@@ -1,0 +1,124 @@
+"""API processes 1..N-1 of `dsv4 serve --api-server-count N` (docs/architecture.md, "Serving").
+
+API process 0 (the one `dsv4 serve` runs in) binds the listening socket, spawns the engine
+core and then these, each with the same socket (inherited: one accept queue, see below), its
+own index and its own pair of pipes to the engine core (`Addresses.of(index)`). Each one waits
+for the engine core's Ready (sent to every API process), sends itself the warm-up requests
+and says "ready" on its pipe to process 0; process 0 says the server is ready once all did.
+
+One listening socket shared, not SO_REUSEPORT: it is bound once, before any model loads (a
+busy port fails at once, port 0 names one port for all); no other program can bind the port
+alongside; and a connection waits in the one accept queue until some process takes it (the
+least busy tends to), where SO_REUSEPORT hashes each connection to one process's own queue,
+busy or not, and resets what was queued on a process that dies.
+
+Lifecycle (`ApiWorkers`, run by process 0): SIGTERM/SIGINT of process 0 is passed on as
+SIGTERM (each process drains its own requests, `shutdown.py`), and process 0 stops the
+engine core after all of them ended. An API process that dies (exit code other than 0)
+makes process 0 kill the engine core, so every other API process fails its requests in
+flight (5xx, as when the engine core dies) and exits 1; one that stops with 0 (a signal
+sent to it alone) stops the whole server gracefully. An API process other than 0 sees the
+engine core's exit through a pidfd (serve/engine_process.py).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+
+from ..client import EngineClient, EngineStartError
+
+
+class ApiWorkers:
+    """API processes 1..count-1, started with the engine core `engine_pid`'s pid."""
+
+    def __init__(self, settings, sock: socket.socket, addresses, engine_pid: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.processes: list[multiprocessing.Process] = []
+        self.pipes: list[multiprocessing.connection.Connection] = []     # each one's "ready" (or why not)
+        for index in range(1, settings.api_server_count):
+            reader, writer = ctx.Pipe(duplex=False)
+            process = ctx.Process(target=run_api_worker, name=f"dsv4-api-server-{index}",
+                                  args=(settings, index, sock, addresses, engine_pid, writer))
+            process.start()
+            writer.close()
+            self.processes.append(process)
+            self.pipes.append(reader)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def wait_ready(self) -> str | None:
+        """Block until every one said ready (None) or one failed or exited first (why)."""
+        waiting = dict(enumerate(self.pipes, start=1))
+        while waiting:
+            sentinels = {self.processes[i - 1].sentinel: i for i in waiting}
+            for ready in multiprocessing.connection.wait([*waiting.values(), *sentinels]):
+                index = sentinels.get(ready) or next(i for i, pipe in waiting.items() if pipe is ready)
+                pipe = waiting.pop(index, None)
+                if pipe is None:
+                    continue
+                try:
+                    kind, detail = pipe.recv()
+                except EOFError:        # it exited without a word
+                    process = self.processes[index - 1]
+                    process.join(5)
+                    return f"API process {index} exited with code {process.exitcode} while starting"
+                if kind != "ready":
+                    return f"API process {index}: {detail}"
+        return None
+
+    def watch(self, loop, on_exit: Callable[[int, int | None], None]) -> None:
+        """on_exit(index, exit code) in `loop` when one of them ends."""
+        for index, process in enumerate(self.processes, start=1):
+            loop.add_reader(process.sentinel, self._exited, loop, index, on_exit)
+
+    def _exited(self, loop, index: int, on_exit) -> None:
+        process = self.processes[index - 1]
+        loop.remove_reader(process.sentinel)
+        process.join(1)
+        on_exit(index, process.exitcode)
+
+    def stop(self) -> None:
+        """SIGTERM to those still running: each drains its requests and exits."""
+        for process in self.processes:
+            if process.is_alive():
+                try:
+                    os.kill(process.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    def join(self, timeout: float) -> None:
+        """Wait up to `timeout` s for all to exit; kill the rest."""
+        for process in self.processes:
+            process.join(timeout)
+            timeout = 0.1
+            if process.is_alive():
+                process.kill()
+                process.join(5)
+        for pipe in self.pipes:
+            pipe.close()
+
+
+def run_api_worker(settings, index: int, sock: socket.socket, addresses, engine_pid: int, ready) -> None:
+    """Process entry of API process `index`: attach to the engine core, serve on `sock`."""
+    from .server import APIServer
+    client = EngineClient(settings.model_dir, settings.engine, count=settings.api_server_count,
+                          addresses=addresses, index=index)
+    try:
+        client.attach(engine_pid)
+    except EngineStartError as e:        # process 0 reports the engine core's reason
+        ready.send(("failed", str(e)))
+        sys.exit(1)
+    except KeyboardInterrupt:            # Ctrl-C while the model loads: process 0 reports it
+        client.close()
+        sys.exit(130)
+    server = APIServer(settings, sock=sock, client=client)
+    code = server.serve(on_ready=lambda: ready.send(("ready", os.getpid())))
+    ready.close()
+    sys.exit(code)
