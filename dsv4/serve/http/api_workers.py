@@ -1,16 +1,20 @@
 """API processes 1..N-1 of `dsv4 serve --api-server-count N` (docs/architecture.md, "Serving").
 
-API process 0 (the one `dsv4 serve` runs in) binds the listening socket, spawns the engine
-core and then these, each with the same socket (inherited: one accept queue, see below), its
-own index and its own pair of pipes to the engine core (`Addresses.of(index)`). Each one waits
+API process 0 (the one `dsv4 serve` runs in) binds one listening socket per API process on
+the port (SO_REUSEPORT, see below), spawns the engine core and then these, each with its
+socket, its index and its own pair of pipes to the engine core (`Addresses.of(index)`). Each one waits
 for the engine core's Ready (sent to every API process), sends itself the warm-up requests
 and says "ready" on its pipe to process 0; process 0 says the server is ready once all did.
 
-One listening socket shared, not SO_REUSEPORT: it is bound once, before any model loads (a
-busy port fails at once, port 0 names one port for all); no other program can bind the port
-alongside; and a connection waits in the one accept queue until some process takes it (the
-least busy tends to), where SO_REUSEPORT hashes each connection to one process's own queue,
-busy or not, and resets what was queued on a process that dies.
+SO_REUSEPORT, not one listening socket shared: with one accept queue, the process that wakes
+first takes every connection waiting (uvicorn accepts until the queue is empty), and clients
+that keep connections alive (`dsv4 bench serve`, proxies) open theirs in a burst: 128
+connections at once went 122 / 6 to two processes. The kernel hashes each connection to one
+of the SO_REUSEPORT sockets instead, evenly whatever the timing. All N are still bound by
+process 0 before any model loads (a busy port fails at once; port 0: the port the first one
+got), and process 0 closes its copies of the others' once they started. (The price: another
+program of the same user could join the port with SO_REUSEPORT; a process that dies resets
+the connections still queued on its socket, and the server stops anyway.)
 
 Lifecycle (`ApiWorkers`, run by process 0): SIGTERM/SIGINT of process 0 is passed on as
 SIGTERM (each process drains its own requests, `shutdown.py`), and process 0 stops the
@@ -36,11 +40,12 @@ from ..client import EngineClient, EngineStartError
 class ApiWorkers:
     """API processes 1..count-1, started with the engine core `engine_pid`'s pid."""
 
-    def __init__(self, settings, sock: socket.socket, addresses, engine_pid: int):
+    def __init__(self, settings, socks: list[socket.socket], addresses, engine_pid: int):
+        """socks: the listening sockets of processes 1..count-1, in order."""
         ctx = multiprocessing.get_context("spawn")
         self.processes: list[multiprocessing.Process] = []
         self.pipes: list[multiprocessing.connection.Connection] = []     # each one's "ready" (or why not)
-        for index in range(1, settings.api_server_count):
+        for index, sock in enumerate(socks, start=1):
             reader, writer = ctx.Pipe(duplex=False)
             process = ctx.Process(target=run_api_worker, name=f"dsv4-api-server-{index}",
                                   args=(settings, index, sock, addresses, engine_pid, writer))

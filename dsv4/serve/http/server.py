@@ -45,10 +45,13 @@ class ServeSettings:
     api_server_count: int = 1        # API processes (api_workers.py); 1 for a disaggregated role
 
 
-def listen_socket(host: str, port: int) -> socket.socket:
+def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """`reuse_port`: SO_REUSEPORT, for one socket per API process on the same port (api_workers.py)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError:
@@ -59,6 +62,20 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """`count` listening sockets on one port (port 0: the one the first got), SO_REUSEPORT
+    when several; all closed when one cannot bind."""
+    socks = [listen_socket(host, port, reuse_port=count > 1)]
+    try:
+        for _ in range(count - 1):
+            socks.append(listen_socket(host, socks[0].getsockname()[1], reuse_port=True))
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
+
+
 class APIServer:
     """API process 0 (binds `sock`, spawns the engine core and, with `api_server_count` > 1, the
     other API processes: api_workers.py), or, given `sock` and an attached `client`, one of those."""
@@ -66,7 +83,8 @@ class APIServer:
     def __init__(self, settings: ServeSettings, engine_target: Callable = run_engine_core,
                  sock: socket.socket | None = None, client: EngineClient | None = None):
         self.settings = settings
-        self.sock = sock or listen_socket(settings.host, settings.port)
+        socks = [sock] if sock is not None else listen_sockets(settings.host, settings.port, settings.api_server_count)
+        self.sock, self.worker_socks = socks[0], socks[1:]     # (the other API processes' sockets, until they start)
         self.port = self.sock.getsockname()[1]
         if settings.disagg is not None:
             from ...disagg.serving import role_engine_target
@@ -92,8 +110,14 @@ class APIServer:
             raise
 
     def _start_workers(self, engine_pid: int) -> None:
-        if self.settings.api_server_count > 1:
-            self.workers = ApiWorkers(self.settings, self.sock, self.client.addresses, engine_pid)
+        if self.worker_socks:
+            self.workers = ApiWorkers(self.settings, self.worker_socks, self.client.addresses, engine_pid)
+            self._close_worker_socks()      # theirs now: a copy left open here would queue connections nobody takes
+
+    def _close_worker_socks(self) -> None:
+        for sock in self.worker_socks:
+            sock.close()
+        self.worker_socks = []
 
     @property
     def pids(self) -> dict[str, list[int]]:
@@ -170,3 +194,4 @@ class APIServer:
             self.workers.join(self.settings.limits.shutdown_timeout + FINISH_S + 5)
         self.client.close()
         self.sock.close()
+        self._close_worker_socks()
