@@ -279,6 +279,11 @@ class EngineClient:
             item, token_ids=item.token_ids[:keep], finished=True, finish_reason="stop", stop_reason=stop,
             final_text=text, logprobs=item.logprobs[:keep] if item.logprobs is not None else None)
 
+    def lose(self, message: str) -> None:
+        """Treat the engine core as gone, for `message` (another API process died: it is killed
+        next, serve/http/api_workers.py): every open group fails and the server stops."""
+        self._engine_died(message)
+
     def _engine_died(self, message: str | None = None) -> None:
         if self._dead:
             return

@@ -127,11 +127,13 @@ def silent_engine_core(*args) -> None:
 class ThreadServer:
     """An APIServer running in a thread of this process."""
 
-    def __init__(self, model_dir: str, engine_target, api_key: str | None = None, limits=None):
+    def __init__(self, model_dir: str, engine_target, api_key: str | None = None, limits=None,
+                 api_server_count: int = 1):
         from dsv4.serve.http.limits import ServerLimits
         from dsv4.serve.http.server import APIServer, ServeSettings
         settings = ServeSettings(model_dir=model_dir, model_names=list(MODEL_NAMES), port=0, api_key=api_key,
-                                 log_level="warning", limits=limits or ServerLimits())
+                                 log_level="warning", limits=limits or ServerLimits(),
+                                 api_server_count=api_server_count)
         self.server = APIServer(settings, engine_target)
         self.server.start_engine(timeout=60)
         self.base_url = self.server.url
@@ -149,9 +151,9 @@ class ThreadServer:
         self.thread.join(30)
 
 
-def start_fake_server(limits=None) -> ThreadServer:
+def start_fake_server(limits=None, api_server_count: int = 1) -> ThreadServer:
     from dsv4.text.tokenizer import TEST_TOKENIZER_DIR
-    return ThreadServer(str(TEST_TOKENIZER_DIR), fake_engine_core, limits=limits)
+    return ThreadServer(str(TEST_TOKENIZER_DIR), fake_engine_core, limits=limits, api_server_count=api_server_count)
 
 
 @pytest.fixture(scope="session")
@@ -163,9 +165,9 @@ def fake_server():
 
 @pytest.fixture
 def fake_server_factory():
-    """start(limits=None) -> a fresh fake server of its own (stopped after the test)."""
+    """start(limits=None, api_server_count=1) -> a fresh fake server of its own (stopped after the test)."""
     started = []
-    yield lambda limits=None: started.append(start_fake_server(limits)) or started[-1]
+    yield lambda limits=None, api_server_count=1: started.append(start_fake_server(limits, api_server_count)) or started[-1]
     for server in started:
         server.stop()
 

@@ -176,7 +176,8 @@ class APIServer:
         print(f"dsv4 serve: API process {index} died (exit code {exitcode}); failing the requests in flight "
               f"and shutting down", file=sys.stderr, flush=True)
         self.failed = True
-        self.client.process.kill()      # every API process then sees the engine core end (see api_workers.py)
+        self.client.lose(f"API process {index} died; the server is shutting down")
+        self.client.process.kill()      # every other API process then sees the engine core end (api_workers.py)
 
     def stop(self) -> None:
         if self.uvicorn is not None:
