@@ -18,6 +18,7 @@
     python -m benchmarks.host_path --only-profile  # the host profile alone (c64, c256)
     python -m benchmarks.host_path --skip-profile  # the server and offline parts alone
     python -m benchmarks.host_path --only-profile --device cpu --dtype float32   # the same, no GPU
+    python -m benchmarks.host_path --skip-profile --serve-args=--api-server-count=2   # N API processes
 """
 from __future__ import annotations
 
@@ -141,7 +142,8 @@ def host_profile(args, concurrency: int) -> dict:
 def serve_and_bench(args) -> dict:
     from dsv4.assets import demo_model_dir
     from dsv4.bench.serve import ServeBenchConfig, run_serve_benchmark
-    from .serve_path import cpu_seconds, engine_core_pid
+    from .serve_path import cpu_seconds
+    from .server_proc import server_pids, with_api_total
     model = demo_model_dir()
     flags = ["--model", model, "--port", "0", "--device", args.device, "--dtype", args.dtype,
              "--max-num-seqs", str(args.concurrency), "--max-model-len", str(args.max_model_len),
@@ -160,7 +162,7 @@ def serve_and_bench(args) -> dict:
             found = WARMUP.search(text)
             out["warmup"] = found.group(0) if found else None
 
-            pids = {"api": proc.pid, "engine": engine_core_pid(proc.pid)}
+            pids = server_pids(log_file.name)       # api0, api1, ... (--api-server-count), engine
 
             def bench(concurrency, n):
                 """The run's figures, and each process's CPU µs per output token (`cpu_us_per_token`)."""
@@ -169,7 +171,7 @@ def serve_and_bench(args) -> dict:
                                        show_progress=False)
                 before, client = {k: cpu_seconds(pid) for k, pid in pids.items()}, time.process_time()
                 result = run_serve_benchmark(cfg)
-                cpu = {k: cpu_seconds(pid) - before[k] for k, pid in pids.items()}
+                cpu = with_api_total({k: cpu_seconds(pid) - before[k] for k, pid in pids.items()})
                 cpu["client"] = time.process_time() - client
                 tokens = max(result["total_output_tokens"], 1)
                 return {**result, "cpu_us_per_token": {k: v / tokens * 1e6 for k, v in cpu.items()}}
@@ -255,8 +257,10 @@ def table(profiles: list[dict], serve: dict | None, concurrency: int) -> tuple[s
         lines.append(f"Triton compiles after the warm-up (while serving): {late['count']}")
         lines += [f"  {line[:400]}" for line in late["first"]]
         us = warm["cpu_us_per_token"]
+        apis = sorted((k for k in us if k[3:].isdigit()), key=lambda k: int(k[3:]))
+        each = f" = {' + '.join(f'{us[k]:.1f}' for k in apis)} ({len(apis)} API processes)" if len(apis) > 1 else ""
         lines.append(f"warm c{concurrency}, CPU µs per output token by process: client {us['client']:.1f}, "
-                     f"API {us['api']:.1f}, engine core {us['engine']:.1f} (its GPU waits included)")
+                     f"API {us['api']:.1f}{each}, engine core {us['engine']:.1f} (its GPU waits included)")
         lines.append(f"cold c1: first request's TTFT {cold.get('first_ttft_ms') or float('nan'):.1f} ms, "
                      f"median {cold['median_ttft_ms']:.1f} ms, p99 {cold['p99_ttft_ms']:.1f} ms; "
                      f"warm c{concurrency}: {warm['output_throughput']:.0f} out tok/s, {warm['completed']} done; "

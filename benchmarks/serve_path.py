@@ -9,6 +9,12 @@ one's functions by own time (sampled, `--profile`: benchmarks/cpu_sampler.py).
     python -m benchmarks.serve_path --profile --concurrency 256   # + the top functions per process
     python -m benchmarks.serve_path --device cuda --dtype bfloat16 --input-len 512 --concurrency 256 \
         --profile --real-model                                    # the real forward: where a GPU run's CPU goes
+    python -m benchmarks.serve_path --smoke --serve-args="--api-server-count 2"   # N API processes
+
+`--serve-args` are `dsv4 serve` flags; the API process count (`--api-server-count`, by default
+`dsv4 serve`'s) is the one applied (the engine's flags are this benchmark's own). CPU is
+reported for every API process (api0, api1, ...) and their sum (api); `--profile` samples
+API process 0.
 
 The client runs in this process; the server
 in a child (its engine core a grandchild); CPU seconds come from /proc (Linux).
@@ -18,13 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
 import time
 
 from .cpu_sampler import Sampler
-from .server_proc import wait_ready
+from .server_proc import server_pids, wait_ready, with_api_total
 
 PROFILE_ENV = "DSV4_SERVE_PATH_PROFILE"      # a path prefix: each process writes <prefix>.<role>.prof
 STUB_SHIFTS = 64                              # the stub's logits rows shift by one a step, cyclically
@@ -46,12 +53,27 @@ def parse_args(argv):
     p.add_argument("--real-model", action="store_true",
                    help="the demo model's own forward (CUDA graphs on a GPU), as `dsv4 serve` runs it: the engine "
                         "core's CPU then includes its kernel launches and GPU waits")
+    p.add_argument("--serve-args", default="", help="`dsv4 serve` flags, one string; --api-server-count applies")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
         args.device, args.dtype, args.input_len, args.output_len, args.concurrency = "cpu", "float32", 16, 8, [4]
+    args.api_server_count = api_server_count_of(args.serve_args, args.device)
     return args
+
+
+def api_server_count_of(serve_args: str, device: str) -> int:
+    """The API process count `dsv4 serve` would run with `serve_args` on `device`; SystemExit
+    for a flag this benchmark does not apply (its engine flags are its own)."""
+    from dsv4.cli import build_parser
+    from dsv4.cli.serve import api_server_count
+    parser = build_parser()
+    given, defaults = (vars(parser.parse_args(["serve", *shlex.split(x)])) for x in (serve_args, ""))
+    others = sorted(k for k in given if given[k] != defaults[k] and k != "api_server_count")
+    if others:
+        raise SystemExit(f"serve_path: --serve-args: only --api-server-count applies here, not {others}")
+    return api_server_count(argparse.Namespace(**given), argparse.Namespace(device=device), disaggregated=False)
 
 
 # ---- the server's side ---------------------------------------------------------------------
@@ -127,11 +149,16 @@ def serve_child(args) -> int:
                           max_model_len=args.input_len + args.output_len + 16, cache_memory_gb=4.0,
                           enforce_eager=not args.real_model)
     settings = ServeSettings(model_dir=demo_model_dir(), model_names=["demo"], engine=engine, port=0,
-                             log_level="warning")
+                             log_level="warning", api_server_count=args.api_server_count)
     server = APIServer(settings, engine_target=partial(stub_engine_core, stub=not args.real_model))
     server.start_engine()
+
+    def ready() -> None:
+        pids = server.pids
+        print(f"processes: api {' '.join(map(str, pids['api']))}; engine core {pids['engine'][0]}", flush=True)
+        print(f"ready at {server.url}", flush=True)
     with _profiled("api"):
-        return server.serve(on_ready=lambda: print(f"ready at {server.url}", flush=True))
+        return server.serve(on_ready=ready)
 
 
 # ---- the client's side ---------------------------------------------------------------------
@@ -142,17 +169,6 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def engine_core_pid(api_pid: int) -> int:
-    """The API process's child that runs the engine core (not multiprocessing's resource tracker)."""
-    with open(f"/proc/{api_pid}/task/{api_pid}/children") as f:
-        pids = [int(x) for x in f.read().split()]
-    for pid in pids:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"resource_tracker" not in f.read():
-                return pid
-    raise RuntimeError(f"no engine-core child among {pids}")
-
-
 def bench_once(url: str, args, concurrency: int, pids: dict[str, int]) -> dict:
     from dsv4.bench.serve import ServeBenchConfig, run_serve_benchmark
     cfg = ServeBenchConfig(base_url=url, model="demo", input_len=args.input_len, output_len=args.output_len,
@@ -161,7 +177,7 @@ def bench_once(url: str, args, concurrency: int, pids: dict[str, int]) -> dict:
     before = {role: cpu_seconds(pid) for role, pid in pids.items()}
     client_before = time.process_time()
     result = run_serve_benchmark(cfg)
-    cpu = {role: cpu_seconds(pid) - before[role] for role, pid in pids.items()}
+    cpu = with_api_total({role: cpu_seconds(pid) - before[role] for role, pid in pids.items()})
     cpu["client"] = time.process_time() - client_before
     tokens = max(result["total_output_tokens"], 1)
     return {"concurrency": concurrency, "completed": result["completed"], "failed": result["failed"],
@@ -187,11 +203,12 @@ def run(args) -> dict:
         env = dict(os.environ, **({PROFILE_ENV: os.path.join(tmp, "run")} if args.profile else {}))
         argv = [sys.executable, "-m", "benchmarks.serve_path", "--serve-child", "--device", args.device,
                 "--dtype", args.dtype, "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                "--concurrency", *map(str, args.concurrency), *(["--real-model"] if args.real_model else [])]
+                "--concurrency", *map(str, args.concurrency), *(["--real-model"] if args.real_model else []),
+                f"--serve-args=--api-server-count {args.api_server_count}"]
         server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             url = wait_ready(server, log.name, 600)
-            pids = {"api": server.pid, "engine": engine_core_pid(server.pid)}
+            pids = server_pids(log.name)
             sampler = Sampler().start() if args.profile else None
             for concurrency in args.concurrency:
                 results.append(least([bench_once(url, args, concurrency, pids) for _ in range(args.repeats)]))
@@ -206,7 +223,8 @@ def run(args) -> dict:
                 path = os.path.join(tmp, f"run.{role}.json")
                 got = sampler if role == "client" else (Sampler.from_state(json.load(open(path)))
                                                          if os.path.exists(path) else None)
-                per = sum(x["cpu_s"][role] for r in results for x in r["runs"]) / tokens
+                cpu_role = "api0" if role == "api" else role        # (the profile is API process 0's)
+                per = sum(x["cpu_s"][cpu_role] for r in results for x in r["runs"]) / tokens
                 profiles[role] = got.report(args.top, per, "output token", args.by) if got else "(no profile)"
         log.seek(0)
         tail = log.read()[-2000:]
@@ -214,12 +232,15 @@ def run(args) -> dict:
 
 
 def table(results: list[dict]) -> str:
+    apis = sorted((k for k in results[0]["cpu_us_per_token"] if k[3:].isdigit()), key=lambda k: int(k[3:]))
+    apis = apis if len(apis) > 1 else []        # (one API process: its figure is "api")
     lines = [f"{'conc':>5} {'done':>5} {'tok/s':>9} {'TPOT ms':>8}   CPU us per output token: "
-             f"{'client':>7} {'api':>7} {'engine':>7}"]
+             f"{'client':>7} {'api':>7} {'engine':>7}" + "".join(f" {k:>7}" for k in apis)]
     for r in results:
         us = r["cpu_us_per_token"]
         lines.append(f"{r['concurrency']:>5} {r['completed']:>5} {r['output_tok_s']:>9.0f} {r['median_tpot_ms']:>8.2f}"
-                     f"   {'':>24} {us['client']:>7.1f} {us['api']:>7.1f} {us['engine']:>7.1f}")
+                     f"   {'':>24} {us['client']:>7.1f} {us['api']:>7.1f} {us['engine']:>7.1f}"
+                     + "".join(f" {us[k]:>7.1f}" for k in apis))
     return "\n".join(lines)
 
 
@@ -229,7 +250,8 @@ def main(argv=None) -> int:
         return serve_child(args)
     out = run(args)
     for role, text in out["profiles"].items():
-        print(f"==== {role} process: CPU by function ====\n{text}\n")
+        name = "API process 0" if role == "api" else f"{role} process"
+        print(f"==== {name}: CPU by function ====\n{text}\n")
     print(table(out["results"]))
     failed = sum(r["failed"] for r in out["results"])
     if failed:

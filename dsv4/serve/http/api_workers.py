@@ -31,23 +31,21 @@ import multiprocessing.connection
 import os
 import signal
 import socket
-import sys
 from collections.abc import Callable
-
-from ..client import EngineClient, EngineStartError
 
 
 class ApiWorkers:
     """API processes 1..count-1, started with the engine core `engine_pid`'s pid."""
 
-    def __init__(self, settings, socks: list[socket.socket], addresses, engine_pid: int):
-        """socks: the listening sockets of processes 1..count-1, in order."""
+    def __init__(self, settings, socks: list[socket.socket], addresses, engine_pid: int, target: Callable):
+        """socks: the listening sockets of processes 1..count-1, in order; target: the process
+        entry, target(settings, index, sock, addresses, engine_pid, ready pipe) (server.run_api_worker)."""
         ctx = multiprocessing.get_context("spawn")
         self.processes: list[multiprocessing.Process] = []
         self.pipes: list[multiprocessing.connection.Connection] = []     # each one's "ready" (or why not)
         for index, sock in enumerate(socks, start=1):
             reader, writer = ctx.Pipe(duplex=False)
-            process = ctx.Process(target=run_api_worker, name=f"dsv4-api-server-{index}",
+            process = ctx.Process(target=target, name=f"dsv4-api-server-{index}",
                                   args=(settings, index, sock, addresses, engine_pid, writer))
             process.start()
             writer.close()
@@ -108,22 +106,3 @@ class ApiWorkers:
                 process.join(5)
         for pipe in self.pipes:
             pipe.close()
-
-
-def run_api_worker(settings, index: int, sock: socket.socket, addresses, engine_pid: int, ready) -> None:
-    """Process entry of API process `index`: attach to the engine core, serve on `sock`."""
-    from .server import APIServer
-    client = EngineClient(settings.model_dir, settings.engine, count=settings.api_server_count,
-                          addresses=addresses, index=index)
-    try:
-        client.attach(engine_pid)
-    except EngineStartError as e:        # process 0 reports the engine core's reason
-        ready.send(("failed", str(e)))
-        sys.exit(1)
-    except KeyboardInterrupt:            # Ctrl-C while the model loads: process 0 reports it
-        client.close()
-        sys.exit(130)
-    server = APIServer(settings, sock=sock, client=client)
-    code = server.serve(on_ready=lambda: ready.send(("ready", os.getpid())))
-    ready.close()
-    sys.exit(code)

@@ -22,7 +22,7 @@ import uvicorn
 
 from ...config import EngineConfig
 from .api import build_app
-from ..client import EngineClient
+from ..client import EngineClient, EngineStartError
 from ...engine.core import run_engine_core
 from ...engine.ipc import Ready
 from .limits import ServerLimits
@@ -111,7 +111,8 @@ class APIServer:
 
     def _start_workers(self, engine_pid: int) -> None:
         if self.worker_socks:
-            self.workers = ApiWorkers(self.settings, self.worker_socks, self.client.addresses, engine_pid)
+            self.workers = ApiWorkers(self.settings, self.worker_socks, self.client.addresses, engine_pid,
+                                      run_api_worker)
             self._close_worker_socks()      # theirs now: a copy left open here would queue connections nobody takes
 
     def _close_worker_socks(self) -> None:
@@ -196,3 +197,24 @@ class APIServer:
         self.client.close()
         self.sock.close()
         self._close_worker_socks()
+
+
+def run_api_worker(settings: ServeSettings, index: int, sock: socket.socket, addresses, engine_pid: int,
+                   ready) -> None:
+    """Process entry of API process `index` > 0 (api_workers.py): attach to the engine core
+    `engine_pid`, serve on `sock`, say "ready" on the pipe `ready`; exit 0 when stopped, 1 when
+    the engine core died or could not start (process 0 reports why)."""
+    client = EngineClient(settings.model_dir, settings.engine, count=settings.api_server_count,
+                          addresses=addresses, index=index)
+    try:
+        client.attach(engine_pid)
+    except EngineStartError as e:
+        ready.send(("failed", str(e)))
+        sys.exit(1)
+    except KeyboardInterrupt:            # Ctrl-C while the model loads: process 0 reports it
+        client.close()
+        sys.exit(130)
+    server = APIServer(settings, sock=sock, client=client)
+    code = server.serve(on_ready=lambda: ready.send(("ready", os.getpid())))
+    ready.close()
+    sys.exit(code)
