@@ -43,6 +43,7 @@ class ApiWorkers:
         ctx = multiprocessing.get_context("spawn")
         self.processes: list[multiprocessing.Process] = []
         self.pipes: list[multiprocessing.connection.Connection] = []     # each one's "ready" (or why not)
+        self.stopped = False
         for index, sock in enumerate(socks, start=1):
             reader, writer = ctx.Pipe(duplex=False)
             process = ctx.Process(target=target, name=f"dsv4-api-server-{index}",
@@ -88,7 +89,10 @@ class ApiWorkers:
         on_exit(index, process.exitcode)
 
     def stop(self) -> None:
-        """SIGTERM to those still running: each drains its requests and exits."""
+        """SIGTERM (once) to those still running: each drains its requests and exits."""
+        if self.stopped:
+            return
+        self.stopped = True
         for process in self.processes:
             if process.is_alive():
                 try:

@@ -192,7 +192,8 @@ class APIServer:
 
     def close(self) -> None:
         if self.workers is not None:        # they drain (SIGTERM), then the engine core stops
-            self.workers.stop()
+            if not self.engine_died:        # (else they fail their requests and exit by themselves)
+                self.workers.stop()
             self.workers.join(self.settings.limits.shutdown_timeout + FINISH_S + 5)
         self.client.close()
         self.sock.close()
