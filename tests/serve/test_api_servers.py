@@ -182,9 +182,10 @@ def test_disconnects_abort_in_the_process_that_served_them(two_servers, metric):
                 assert next(r.iter_lines()).startswith("data: ")
                 served.add(r.headers["x-dsv4-api-server"])
     _engine_metrics_agree(two_servers.base_url, metric)      # nothing left running in the engine
-    aborts = {p: metric(t, "dsv4:request_success_total", finished_reason="abort")
-              for p, t in _by_process(two_servers.base_url, "/metrics").items()}
+    texts = _by_process(two_servers.base_url, "/metrics")
+    aborts = {p: metric(t, "dsv4:request_success_total", finished_reason="abort") for p, t in texts.items()}
     assert aborts["0"] >= 1 and aborts["1"] >= 1, aborts
+    assert [metric(texts[p], "dsv4:api_server_info", api_server=p, api_server_count="2") for p in "01"] == [1, 1]
     assert {p for p in _by_process(two_servers.base_url, "/health")} == {"0", "1"}
 
 

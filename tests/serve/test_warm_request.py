@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from dsv4.serve.http import warm_request
+from dsv4.serve.http.metrics import ServerMetrics
 
 pytest_plugins = ["serve.server_fixtures"]
 
@@ -33,7 +34,7 @@ def test_metrics_start_after_the_warm_up(fake_server_factory, metric, monkeypatc
 
 class _State:
     api_key, model_names, info = "k", ["m"], type("Info", (), {"num_pages": 4})()
-    metrics = None
+    metrics = ServerMetrics("m", 4)
 
 
 def test_a_failing_warm_up_is_reported_not_fatal(capsys):
@@ -47,7 +48,8 @@ def test_a_failing_warm_up_is_reported_not_fatal(capsys):
         return JSONResponse({"error": {"message": "no"}}, status_code=500)
 
     state = _State()
+    before = state.metrics
     assert asyncio.run(warm_request.warm_up(app, state)) is False
     assert seen == ["m", "m"]
     assert "warm-up request to /v1/completions failed" in capsys.readouterr().err
-    assert state.metrics is not None               # fresh metrics even so
+    assert state.metrics is not before               # fresh metrics even so

@@ -24,9 +24,20 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, num_pages: int):
+    """With several API processes (`api_server` = (index, count), api_workers.py) each one has
+    its own: the engine's figures (gauges and the step, token, prefix and speculative counters)
+    are the same in every one (each gets every step's `EngineStats`); the request figures
+    (prompt tokens, request_success, the latency histograms) are the answering process's own,
+    which `dsv4:api_server_info` names (not summed over the processes)."""
+
+    def __init__(self, model_name: str, num_pages: int, api_server: tuple[int, int] | None = None):
         self.registry = r = CollectorRegistry()
+        self.num_pages, self.api_server = num_pages, api_server
         m = ["model_name"]
+        if api_server is not None:
+            info = Gauge("dsv4:api_server_info", "The API process that answered (index, of count)",
+                         m + ["api_server", "api_server_count"], registry=r)
+            info.labels(model_name, str(api_server[0]), str(api_server[1])).set(1)
         self.running = Gauge("dsv4:num_requests_running", "Requests in the engine's running batch", m, registry=r)
         self.waiting = Gauge("dsv4:num_requests_waiting", "Requests waiting for admission", m, registry=r)
         self.pages_used = Gauge("dsv4:cache_pages_used", "KV history pages (256 tokens) in use", m, registry=r)
@@ -72,6 +83,10 @@ class ServerMetrics:
         self._last = EngineStats()
         self.pages_total.labels(model_name).set(num_pages)
         self.update(EngineStats(pages_free=num_pages))
+
+    def fresh(self) -> "ServerMetrics":
+        """New metrics of the same server (every request figure at zero)."""
+        return ServerMetrics(self.name, self.num_pages, self.api_server)
 
     def update(self, stats: EngineStats) -> None:
         self.labelled(self.running).set(stats.num_running)

@@ -34,10 +34,11 @@ class ServerState:
         """`tokenizer_dir`: where the tokenizer (and the chat release) is read; the model folder when None."""
         text_dir = tokenizer_dir or model_dir
         tokenizer = Tokenizer.from_dir(text_dir)
+        api_server = (client.index, client.count) if client.count > 1 else None
         client.tokenizer = tokenizer          # stop strings are checked in this process (serve/client.py)
         return cls(client=client, info=client.info, tokenizer=tokenizer,
                    model_dir=model_dir, model_names=list(model_names), release=detect_release(text_dir),
-                   add_bos=_adds_bos(text_dir), metrics=ServerMetrics(model_names[0], client.info.num_pages),
+                   add_bos=_adds_bos(text_dir), metrics=ServerMetrics(model_names[0], client.info.num_pages, api_server),
                    api_key=api_key, limits=limits, max_token_chars=tokenizer.max_token_chars())
 
     def surely_too_long(self, text: str) -> bool:

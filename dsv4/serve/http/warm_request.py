@@ -11,7 +11,6 @@ import sys
 
 import httpx
 
-from .metrics import ServerMetrics
 from .state import ServerState
 
 MAX_TOKENS = 2
@@ -41,5 +40,5 @@ async def warm_up(app, state: ServerState) -> bool:
                 ok = False
                 print(f"dsv4 serve: the warm-up request to {path} failed: {str(getattr(response, 'text', response))[:200]}",
                       file=sys.stderr, flush=True)
-    state.metrics = ServerMetrics(state.model_names[0], state.info.num_pages)
+    state.metrics = state.metrics.fresh()
     return ok
