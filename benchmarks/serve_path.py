@@ -9,12 +9,13 @@ one's functions by own time (sampled, `--profile`: benchmarks/cpu_sampler.py).
     python -m benchmarks.serve_path --profile --concurrency 256   # + the top functions per process
     python -m benchmarks.serve_path --device cuda --dtype bfloat16 --input-len 512 --concurrency 256 \
         --profile --real-model                                    # the real forward: where a GPU run's CPU goes
-    python -m benchmarks.serve_path --smoke --serve-args="--api-server-count 2"   # N API processes
+    python -m benchmarks.serve_path --smoke --serve-args=--api-server-count=2   # N API processes
+    python -m benchmarks.serve_path --smoke --serve-args=--api-server-count=1 --serve-args=--api-server-count=2
 
-`--serve-args` are `dsv4 serve` flags; the API process count (`--api-server-count`, by default
-`dsv4 serve`'s) is the one applied (the engine's flags are this benchmark's own). CPU is
-reported for every API process (api0, api1, ...) and their sum (api); `--profile` samples
-API process 0.
+`--serve-args` are `dsv4 serve` flags, one server each (given several times: one server after
+the other); the API process count (`--api-server-count`, by default `dsv4 serve`'s) is the one
+applied (the engine's flags are this benchmark's own). CPU is reported for every API process
+(api0, api1, ...) and their sum (api); `--profile` samples API process 0.
 
 The client runs in this process; the server
 in a child (its engine core a grandchild); CPU seconds come from /proc (Linux).
@@ -53,13 +54,14 @@ def parse_args(argv):
     p.add_argument("--real-model", action="store_true",
                    help="the demo model's own forward (CUDA graphs on a GPU), as `dsv4 serve` runs it: the engine "
                         "core's CPU then includes its kernel launches and GPU waits")
-    p.add_argument("--serve-args", default="", help="`dsv4 serve` flags, one string; --api-server-count applies")
+    p.add_argument("--serve-args", action="append", default=None,
+                   help="`dsv4 serve` flags, one string; --api-server-count applies; again: one more server")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
         args.device, args.dtype, args.input_len, args.output_len, args.concurrency = "cpu", "float32", 16, 8, [4]
-    args.api_server_count = api_server_count_of(args.serve_args, args.device)
+    args.api_server_counts = [api_server_count_of(x, args.device) for x in args.serve_args or [""]]
     return args
 
 
@@ -149,7 +151,7 @@ def serve_child(args) -> int:
                           max_model_len=args.input_len + args.output_len + 16, cache_memory_gb=4.0,
                           enforce_eager=not args.real_model)
     settings = ServeSettings(model_dir=demo_model_dir(), model_names=["demo"], engine=engine, port=0,
-                             log_level="warning", api_server_count=args.api_server_count)
+                             log_level="warning", api_server_count=args.api_server_counts[0])
     server = APIServer(settings, engine_target=partial(stub_engine_core, stub=not args.real_model))
     server.start_engine()
 
@@ -197,21 +199,24 @@ def least(runs: list[dict]) -> dict:
     return best
 
 
-def run(args) -> dict:
+def run(args, api_server_count: int) -> dict:
+    """One server of `api_server_count` API processes, every concurrency; each result row
+    names the count."""
     results, profiles = [], {}
     with tempfile.TemporaryDirectory() as tmp, open(os.path.join(tmp, "server.log"), "w+") as log:
         env = dict(os.environ, **({PROFILE_ENV: os.path.join(tmp, "run")} if args.profile else {}))
         argv = [sys.executable, "-m", "benchmarks.serve_path", "--serve-child", "--device", args.device,
                 "--dtype", args.dtype, "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                 "--concurrency", *map(str, args.concurrency), *(["--real-model"] if args.real_model else []),
-                f"--serve-args=--api-server-count {args.api_server_count}"]
+                f"--serve-args=--api-server-count {api_server_count}"]
         server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             url = wait_ready(server, log.name, 600)
             pids = server_pids(log.name)
             sampler = Sampler().start() if args.profile else None
             for concurrency in args.concurrency:
-                results.append(least([bench_once(url, args, concurrency, pids) for _ in range(args.repeats)]))
+                row = least([bench_once(url, args, concurrency, pids) for _ in range(args.repeats)])
+                results.append({"api_server_count": api_server_count, **row})
             if sampler:
                 sampler.stop()
         finally:
@@ -232,15 +237,16 @@ def run(args) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    apis = sorted((k for k in results[0]["cpu_us_per_token"] if k[3:].isdigit()), key=lambda k: int(k[3:]))
+    apis = sorted({k for r in results for k in r["cpu_us_per_token"] if k[3:].isdigit()}, key=lambda k: int(k[3:]))
     apis = apis if len(apis) > 1 else []        # (one API process: its figure is "api")
-    lines = [f"{'conc':>5} {'done':>5} {'tok/s':>9} {'TPOT ms':>8}   CPU us per output token: "
+    lines = [f"{'APIs':>4} {'conc':>5} {'done':>5} {'tok/s':>9} {'TPOT ms':>8}   CPU us per output token: "
              f"{'client':>7} {'api':>7} {'engine':>7}" + "".join(f" {k:>7}" for k in apis)]
     for r in results:
         us = r["cpu_us_per_token"]
-        lines.append(f"{r['concurrency']:>5} {r['completed']:>5} {r['output_tok_s']:>9.0f} {r['median_tpot_ms']:>8.2f}"
+        lines.append(f"{r.get('api_server_count', 1):>4} {r['concurrency']:>5} {r['completed']:>5} "
+                     f"{r['output_tok_s']:>9.0f} {r['median_tpot_ms']:>8.2f}"
                      f"   {'':>24} {us['client']:>7.1f} {us['api']:>7.1f} {us['engine']:>7.1f}"
-                     + "".join(f" {us[k]:>7.1f}" for k in apis))
+                     + "".join(f" {us.get(k, float('nan')):>7.1f}" for k in apis))
     return "\n".join(lines)
 
 
@@ -248,10 +254,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.serve_child:
         return serve_child(args)
-    out = run(args)
-    for role, text in out["profiles"].items():
-        name = "API process 0" if role == "api" else f"{role} process"
-        print(f"==== {name}: CPU by function ====\n{text}\n")
+    outs = []
+    for count in args.api_server_counts:
+        outs.append(run(args, count))
+        for role, text in outs[-1]["profiles"].items():
+            name = "API process 0" if role == "api" else f"{role} process"
+            print(f"==== {count} API process(es): {name}: CPU by function ====\n{text}\n")
+    out = {**outs[-1], "results": [r for o in outs for r in o["results"]]}
     print(table(out["results"]))
     failed = sum(r["failed"] for r in out["results"])
     if failed:

@@ -80,3 +80,22 @@ def test_stubbed_forward_varies_tokens_by_slot_and_step():
     tokens = [done[str(i)] for i in range(3)]
     assert all(len(t) == 4 and len(set(t)) == 4 and min(t) >= 100 for t in tokens)
     assert len({t[0] for t in tokens}) == 3
+
+
+def test_serve_args_give_the_api_process_count_and_refuse_other_flags():
+    from benchmarks.serve_path import api_server_count_of
+    assert api_server_count_of("", "cpu") == 1
+    assert api_server_count_of("--api-server-count=2", "cpu") == 2
+    with pytest.raises(SystemExit, match=r"--api-server-count must be >= 1"):
+        api_server_count_of("--api-server-count 0", "cpu")
+    with pytest.raises(SystemExit, match=r"only --api-server-count applies here, not \['port'\]"):
+        api_server_count_of("--port 5", "cpu")
+
+
+def test_server_pids_come_from_its_log_with_every_api_process(tmp_path):
+    from benchmarks.server_proc import server_pids, with_api_total
+    log = tmp_path / "serve.log"
+    log.write_text("dsv4 serve: processes: api 11 12 13; engine core 14\ndsv4 serve: ready at http://x:1\n")
+    assert server_pids(str(log)) == {"api0": 11, "api1": 12, "api2": 13, "engine": 14}
+    assert with_api_total({"api0": 1.0, "api1": 2.5, "engine": 4.0}) == {"api0": 1.0, "api1": 2.5, "engine": 4.0,
+                                                                        "api": 3.5}
