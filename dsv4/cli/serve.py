@@ -24,7 +24,7 @@ def register(subparsers) -> None:
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--api-server-count", type=int, default=None, metavar="N",
                    help="API processes sharing the port, each talking to the one engine core (default: 1 "
-                        "without a GPU; on a GPU, one per 3 cores beyond 4, at most 4: see api_server_count_default)")
+                        "without a GPU; on a GPU, one per 3 cores beyond 4, at most 4)")
     limits = p.add_argument_group("request limits and shutdown")
     limits.add_argument("--max-request-body-mb", type=float, default=32.0, metavar="MB",
                         help="larger request bodies get 413 (default: 32)")

@@ -14,6 +14,11 @@ cannot carry fails alone (`NotEncodable`, a 400) and never reaches the send task
 task fails the one request whose frame it could not send and goes on. At shutdown
 `fail_all` ends every open group with a 503 and refuses new submissions.
 
+With several API processes (`--api-server-count`, serve/http/api_workers.py) each has its own
+client and pipes: process 0's spawns the engine core, the others `attach` to it (they watch
+its pid: engine_process.py) and never stop it; request ids carry the process index
+(`ipc.owned_id`), so the engine core sends each process its own outputs.
+
 Stop strings are checked here (`tokenizer` set: the server's), not in the engine: a request
 with stop strings gets a `StopStringWatch` (text/stop_watch.py); the output whose tokens
 complete a stop string is cut there and delivered as the request's last (finish_reason "stop",
