@@ -235,3 +235,24 @@ def test_engine_death_ends_every_api_process(fake_server_factory):
     assert server.exit_code == 1
     worker.join(30)
     assert worker.exitcode == 1
+
+
+def test_stopping_process_0_drains_every_api_process(fake_server_factory):
+    """SIGTERM/Ctrl-C/stop() of process 0 reaches the others: a stream on process 1 still runs
+    for the drain time, then ends with a 503 event; every process exits 0."""
+    from contextlib import ExitStack
+
+    from dsv4.serve.http.limits import ServerLimits
+    server = fake_server_factory(ServerLimits(shutdown_timeout=0.3), api_server_count=2)
+    worker, engine = server.server.workers.processes[0], server.server.client.process
+    with ExitStack() as stack:
+        lines = _endless_stream_on(server, "1", stack)
+        server.server.stop()
+        rest = [ln for ln in lines if ln.startswith("data: ")]
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["code"] == 503 and "shutting down" in error["message"] and rest[-1] == "data: [DONE]"
+    server.thread.join(30)
+    worker.join(30)
+    assert (server.exit_code, worker.exitcode) == (0, 0)
+    _wait_gone([engine.pid])
+    assert not os.path.exists(server.server.client.addresses.folder)
