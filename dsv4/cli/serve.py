@@ -23,8 +23,8 @@ def register(subparsers) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $DSV4_API_KEY)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--api-server-count", type=int, default=None, metavar="N",
-                   help="API processes sharing the port, each talking to the one engine core (default: 1 "
-                        "without a GPU; on a GPU, one per 3 cores beyond 4, at most 4)")
+                   help="API processes sharing the port, each talking to the one engine core (default: 1; "
+                        "more did not help at 256 streams of the demo model on an H200, docs/benchmarks.md)")
     limits = p.add_argument_group("request limits and shutdown")
     limits.add_argument("--max-request-body-mb", type=float, default=32.0, metavar="MB",
                         help="larger request bodies get 413 (default: 32)")
@@ -116,27 +116,11 @@ def _limits(args):
                         strict_api=args.strict_api, shutdown_timeout=args.shutdown_timeout, media=media)
 
 
-RESERVED_CORES = 4     # the engine core, the CUDA driver's and ZeroMQ's threads, a benchmark client or proxy, the OS
-CORES_PER_API_SERVER = 3
-MAX_DEFAULT_API_SERVERS = 4
-
-
-def api_server_count_default(device: str, cores: int) -> int:
-    """1 without a GPU (the engine core's forward is the bottleneck there). On a GPU host, one
-    API process per CORES_PER_API_SERVER cores beyond RESERVED_CORES, at least 1, at most
-    MAX_DEFAULT_API_SERVERS: an API process spends about 30 µs of CPU per streamed token
-    (docs/architecture.md, "Serving"), so one is near saturation at 256 streams of a 6 ms
-    step; each one also runs tokenising and parsing threads, hence 3 cores each. 16 cores: 4."""
-    if not device.startswith("cuda"):
-        return 1
-    return max(1, min(MAX_DEFAULT_API_SERVERS, (cores - RESERVED_CORES) // CORES_PER_API_SERVER))
-
-
 def api_server_count(args, config, disaggregated: bool) -> int:
     cores = len(os.sched_getaffinity(0))
     n = args.api_server_count
     if n is None:
-        return 1 if disaggregated else api_server_count_default(config.device, cores)
+        return 1
     if n < 1:
         raise SystemExit(f"dsv4 serve: --api-server-count must be >= 1, got {n}")
     if n > cores:

@@ -15,7 +15,7 @@ import pytest
 import zmq
 
 from dsv4.cli import main
-from dsv4.cli.serve import api_server_count, api_server_count_default
+from dsv4.cli.serve import api_server_count
 from dsv4.engine import ipc
 from dsv4.engine.ipc import (AddRequest, EngineStats, RequestFailed, StepOutputs, TokenOutput, owned_id,
                              request_owner)
@@ -93,9 +93,8 @@ def test_flag_errors_name_the_flag():
     assert api_server_count(_Args(None), _Config(), disaggregated=True) == 1
 
 
-def test_default_is_one_without_a_gpu_and_grows_with_the_cores():
-    assert api_server_count_default("cpu", 64) == 1
-    assert [api_server_count_default("cuda", c) for c in (2, 6, 8, 10, 16, 128)] == [1, 1, 1, 2, 4, 4]
+def test_default_is_one_process():
+    assert api_server_count(_Args(None), _Config(), disaggregated=False) == 1
 
 
 # ---- a real server of two API processes ------------------------------------------------------
