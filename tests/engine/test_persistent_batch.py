@@ -157,12 +157,14 @@ def test_gathered_decode_rows_equal_the_seqchunk_path(tiny, h, one_thread, mode)
     arrivals = sorted(rng.randrange(0, 30) for _ in prompts)
 
     def run(gather, stop):
-        eng = tiny.engine(max_num_batched_tokens=96, max_num_seqs=6, num_pages=14, async_scheduling=mode,
+        eng = tiny.engine(max_num_batched_tokens=96, max_num_seqs=6, num_pages=7, async_scheduling=mode,
                           enable_prefix_caching=True)
         eng.runner.gather_decode_rows = gather
         counts = {"gathered": 0, "mixed": 0}
         if gather:
             _check_step_inputs(eng.runner, counts)
+        preempt = eng.scheduler.preempt
+        eng.scheduler.preempt = lambda req: counts.__setitem__("preempted", counts.get("preempted", 0) + 1) or preempt(req)
         reqs = [h.Req(str(i), p, _params(i, stop), arrivals[i]) for i, p in enumerate(prompts)]
         return h.drive(eng, reqs, check=True, abort_at=("4", 12)), counts, eng
 
@@ -171,5 +173,5 @@ def test_gathered_decode_rows_equal_the_seqchunk_path(tiny, h, one_thread, mode)
     plain, _, _ = run(False, stop)
     gathered, counts, eng = run(True, stop)
     h.assert_same_outputs(plain, gathered)
-    assert counts["gathered"] >= 20 and counts["mixed"] >= 3, counts
+    assert counts["gathered"] >= 20 and counts["mixed"] >= 3 and counts.get("preempted", 0) >= 1, counts
     assert sum(eng.scheduler.counts()) == 0 and eng.cache.available_pages() == eng.plan.num_pages
