@@ -27,6 +27,7 @@ from ..cache.step_rows import StepRows
 _REQUEST, _NUM_TOKENS, _NUM_LOGITS = attrgetter("request"), attrgetter("num_tokens"), attrgetter("num_logits")
 _COMPUTED, _OUTPUT, _ID, _IMAGES = (attrgetter("num_computed"), attrgetter("output_token_ids"),
                                     attrgetter("request_id"), attrgetter("images"))
+_PROMPT = attrgetter("prompt_token_ids")
 _PENDING, _PENDING_ROW = attrgetter("num_pending"), attrgetter("pending_row")
 _PROMPT_LOGPROBS = attrgetter("params.prompt_logprobs")
 _SLOT, _PAGES, _SWA = attrgetter("slot"), attrgetter("pages"), attrgetter("swa_pages")
@@ -46,8 +47,9 @@ def gather_rows(chunks: list, records: dict, seq_chunk: Callable[[object], SeqCh
     pending = np.fromiter(map(_PENDING, reqs), np.int64, R)
     outputs = list(map(_OUTPUT, reqs))
     out_len = np.fromiter(map(len, outputs), np.int64, R)
+    num_tokens = np.fromiter(map(len, map(_PROMPT, reqs)), np.int64, R) + out_len + pending   # (Request.num_tokens)
     # one token, the last one (start + 1 == num_tokens), known from its outputs or pending
-    decode = (n == 1) & (starts + 1 == np.fromiter(map(_NUM_TOKENS, reqs), np.int64, R)) & ((out_len > 0) | (pending > 0))
+    decode = (n == 1) & (starts + 1 == num_tokens) & ((out_len > 0) | (pending > 0))
     for field, getter in ((chunks, _NUM_LOGITS), (reqs, _PROMPT_LOGPROBS)):   # verify rows, prompt logprobs
         if not all(map(is_, map(getter, field), repeat(None))):
             decode &= np.fromiter(map(is_, map(getter, field), repeat(None)), bool, R)
