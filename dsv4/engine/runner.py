@@ -42,8 +42,13 @@ class PendingFill:
     dst: torch.Tensor               # [P] long, CPU
     src: torch.Tensor               # [P] long, CPU
     prev: torch.Tensor              # [N] long on the device: the step in flight's sampled tokens
+    in_order: bool = False          # dst == src == range(P): row i takes prev[i] (a decode step of
+                                    # the requests the step in flight sampled, in its order)
 
     def apply(self, token_ids: torch.Tensor, h2d: HostToDevice) -> None:
+        if self.in_order:               # one device copy, nothing uploaded
+            token_ids[:len(self.dst)] = self.prev[:len(self.dst)]
+            return
         dst, src = h2d.upload([self.dst, self.src])
         token_ids[dst] = self.prev[src]
 
@@ -123,7 +128,8 @@ class ModelRunner:
             return rows, None
         if prev_tokens is None:
             raise RuntimeError(f"{len(dst)} scheduled tokens are pending with no step in flight")
-        return rows, PendingFill(torch.from_numpy(dst), torch.from_numpy(src), prev_tokens)
+        in_order = bool((dst == np.arange(len(dst))).all() and (src == dst).all())
+        return rows, PendingFill(torch.from_numpy(dst), torch.from_numpy(src), prev_tokens, in_order)
 
     @torch.inference_mode()
     def run_seqs(self, seqs: list[SeqChunk] | StepRows, fill: PendingFill | None = None,

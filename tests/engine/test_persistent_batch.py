@@ -138,6 +138,7 @@ def _check_step_inputs(runner, counts):
             assert_same(StepRows.of(seqs), rows, "rows")
             assert (fill is None) == (ref_fill is None)
             if fill is not None:
+                counts["in_order"] += fill.in_order
                 order = torch.argsort(ref_fill.dst)
                 assert torch.equal(fill.dst, ref_fill.dst[order]) and torch.equal(fill.src, ref_fill.src[order])
             ring = runner.storage.ring_slots
@@ -160,7 +161,7 @@ def test_gathered_decode_rows_equal_the_seqchunk_path(tiny, h, one_thread, mode)
         eng = tiny.engine(max_num_batched_tokens=96, max_num_seqs=6, num_pages=7, async_scheduling=mode,
                           enable_prefix_caching=True)
         eng.runner.gather_decode_rows = gather
-        counts = {"gathered": 0, "mixed": 0}
+        counts = {"gathered": 0, "mixed": 0, "in_order": 0}
         if gather:
             _check_step_inputs(eng.runner, counts)
         preempt = eng.scheduler.preempt
@@ -174,6 +175,7 @@ def test_gathered_decode_rows_equal_the_seqchunk_path(tiny, h, one_thread, mode)
     gathered, counts, eng = run(True, stop)
     h.assert_same_outputs(plain, gathered)
     assert counts["gathered"] >= 20 and counts["mixed"] >= 3 and counts.get("preempted", 0) >= 1, counts
+    assert (counts["in_order"] >= 5) == (mode == "on"), counts      # rows taking the tokens in flight in place
     assert sum(eng.scheduler.counts()) == 0 and eng.cache.available_pages() == eng.plan.num_pages
 
 
