@@ -16,7 +16,7 @@ rows `pending_of` fills from the device (tests/engine/test_persistent_batch.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import repeat
+from itertools import compress, repeat
 from operator import attrgetter, is_, itemgetter, not_
 
 import numpy as np
@@ -37,61 +37,70 @@ _LAST = itemgetter(-1)
 def gather_rows(chunks: list, records: dict, seq_chunk: Callable[[object], SeqChunk]
                 ) -> tuple[StepRows, np.ndarray, np.ndarray] | None:
     """(the step's rows, token rows still on the device [P], their rows in the step in flight's
-    sampled tokens [P]) for the scheduled chunks, or None when no chunk is a decode row (a
-    prefill step: the SeqChunk path). `records`: the cache manager's records by request id;
-    `seq_chunk`: the runner's SeqChunk of any other chunk."""
+    sampled tokens [P], by token row) for the scheduled chunks, or None when no chunk is a
+    decode row (a prefill step: the SeqChunk path). `records`: the cache manager's records by
+    request id; `seq_chunk`: the runner's SeqChunk of any other chunk."""
     R = len(chunks)
     reqs = list(map(_REQUEST, chunks))
     n = np.fromiter(map(_NUM_TOKENS, chunks), np.int64, R)
     starts = np.fromiter(map(_COMPUTED, reqs), np.int64, R)
     pending = np.fromiter(map(_PENDING, reqs), np.int64, R)
     outputs = list(map(_OUTPUT, reqs))
-    out_len = np.fromiter(map(len, outputs), np.int64, R)
-    num_tokens = np.fromiter(map(len, map(_PROMPT, reqs)), np.int64, R) + out_len + pending   # (Request.num_tokens)
-    # one token, the last one (start + 1 == num_tokens), known from its outputs or pending
-    decode = (n == 1) & (starts + 1 == num_tokens) & ((out_len > 0) | (pending > 0))
-    for field, getter in ((chunks, _NUM_LOGITS), (reqs, _PROMPT_LOGPROBS)):   # verify rows, prompt logprobs
-        if not all(map(is_, map(getter, field), repeat(None))):
-            decode &= np.fromiter(map(is_, map(getter, field), repeat(None)), bool, R)
-    if any(map(_IMAGES, reqs)):
-        decode &= np.fromiter(map(not_, map(_IMAGES, reqs)), bool, R)
+    decode = _decode_rows(chunks, reqs, n, starts, pending, outputs)
     if not decode.any():
         return None
-    held = list(map(records.__getitem__, map(_ID, reqs)))
-    offs = np.cumsum(n) - n
-    token_ids = np.zeros(int(n.sum()), np.int64)
-    logits = decode.astype(np.int64)
-    dec = decode.tolist()
     if (pending[decode] > 1).any():
         i = int(np.nonzero(decode & (pending > 1))[0][0])
         raise RuntimeError(f"request {reqs[i].request_id}: tokens up to {starts[i] + 1} scheduled, "
                            f"{starts[i] + 1 - pending[i]} known and {pending[i]} pending")
-    on_device = decode & (pending > 0)
-    known = (decode & ~on_device).tolist()
-    token_ids[offs[decode & ~on_device]] = np.fromiter(map(_LAST, [o for o, k in zip(outputs, known) if k]), np.int64)
-    dst, src = [offs[on_device]], [np.fromiter(map(_PENDING_ROW, [r for r, p in zip(reqs, on_device.tolist()) if p]),
-                                               np.int64)]
-    stage, images = None, None
-    for i in (i for i, d in enumerate(dec) if not d):       # prefill / verify chunks: as before
-        s = seq_chunk(chunks[i])
-        token_ids[offs[i]:offs[i] + n[i]] = s.token_ids
-        logits[i] = s.logits
-        if s.stage:
-            stage = np.zeros(R, np.int64) if stage is None else stage
-            stage[i] = s.stage
-        if s.images:
-            images = [()] * R if images is None else images
-            images[i] = s.images
-        fill = pending_of(chunks[i], s, int(offs[i]))
+    held = list(map(records.__getitem__, map(_ID, reqs)))
+    rows = StepRows(slots=np.fromiter(map(_SLOT, held), np.int64, R), starts=starts, lens=n,
+                    logits=decode.astype(np.int64), token_ids=np.zeros(int(n.sum()), np.int64),
+                    page_tables=list(map(_PAGES, held)), swa_tables=list(map(_SWA, held)))
+    offs = np.cumsum(n) - n
+    on_device, known = decode & (pending > 0), decode & (pending == 0)
+    rows.token_ids[offs[known]] = np.fromiter(map(_LAST, compress(outputs, known.tolist())), np.int64)
+    dst = [offs[on_device]]
+    src = [np.fromiter(map(_PENDING_ROW, compress(reqs, on_device.tolist())), np.int64)]
+    for i in np.nonzero(~decode)[0].tolist():           # prefill / verify chunks: as before
+        fill = _add_chunk(rows, i, int(offs[i]), chunks[i], seq_chunk(chunks[i]))
         if fill is not None:
             dst.append(np.array([fill[0]]))
             src.append(np.array([fill[1]]))
-    rows = StepRows(slots=np.fromiter(map(_SLOT, held), np.int64, R), starts=starts, lens=n, logits=logits,
-                    token_ids=token_ids, page_tables=list(map(_PAGES, held)), swa_tables=list(map(_SWA, held)),
-                    stage=stage, images=images)
     dst, src = np.concatenate(dst), np.concatenate(src)
     order = np.argsort(dst, kind="stable")
     return rows, dst[order], src[order]
+
+
+def _decode_rows(chunks: list, reqs: list, n: np.ndarray, starts: np.ndarray, pending: np.ndarray,
+                 outputs: list[list[int]]) -> np.ndarray:
+    """[R] bool: the chunks that are decode rows: one token, the request's last (start + 1 ==
+    num_tokens), known from its outputs or pending, not a verify chunk, of a request with no
+    prompt logprobs and no images."""
+    R = len(chunks)
+    out_len = np.fromiter(map(len, outputs), np.int64, R)
+    num_tokens = np.fromiter(map(len, map(_PROMPT, reqs)), np.int64, R) + out_len + pending   # (Request.num_tokens)
+    decode = (n == 1) & (starts + 1 == num_tokens) & ((out_len > 0) | (pending > 0))
+    for items, getter in ((chunks, _NUM_LOGITS), (reqs, _PROMPT_LOGPROBS)):
+        if not all(map(is_, map(getter, items), repeat(None))):
+            decode &= np.fromiter(map(is_, map(getter, items), repeat(None)), bool, R)
+    if any(map(_IMAGES, reqs)):
+        decode &= np.fromiter(map(not_, map(_IMAGES, reqs)), bool, R)
+    return decode
+
+
+def _add_chunk(rows: StepRows, i: int, row: int, chunk, seq: SeqChunk) -> tuple[int, int] | None:
+    """Row i of `rows` from its SeqChunk (tokens from step row `row`, logits, stage, images);
+    returns its token still on the device (`pending_of`)."""
+    rows.token_ids[row:row + len(seq.token_ids)] = seq.token_ids
+    rows.logits[i] = seq.logits
+    if seq.stage:
+        rows.stage = np.zeros(len(rows), np.int64) if rows.stage is None else rows.stage
+        rows.stage[i] = seq.stage
+    if seq.images:
+        rows.images = [()] * len(rows) if rows.images is None else rows.images
+        rows.images[i] = seq.images
+    return pending_of(chunk, seq, row)
 
 
 def pending_of(chunk, seq: SeqChunk, row: int) -> tuple[int, int] | None:
