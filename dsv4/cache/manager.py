@@ -41,7 +41,6 @@ from .pages import PageAllocator
 from .prefix import Node, PrefixHit, PrefixTree
 
 _ID, _COMPUTED, _TRIMMED = attrgetter("request_id"), attrgetter("num_computed"), attrgetter("trimmed")
-_SLOT, _PAGES, _SWA = attrgetter("slot"), attrgetter("pages"), attrgetter("swa_pages")
 
 
 @dataclass
@@ -141,29 +140,6 @@ class CacheManager:
             held.swa_pages.extend([-1] * (logical + 1 - len(held.swa_pages)))
             held.swa_pages[logical] = phys
         return True
-
-    def holds_next(self, reqs: list) -> list[bool]:
-        """Per request: whether it holds everything its next position needs (`reserve(req, 1)`
-        would return True without taking anything: its slot, the history page of position
-        num_computed and the SWA pages from num_computed - W - S to it), checked for all the
-        requests at once (C-level maps over the records, a few numpy operations)."""
-        R = len(reqs)
-        held = list(map(self.seqs.get, map(_ID, reqs)))
-        if not R or any(map(is_, held, repeat(None))) or any(map(is_, map(_SLOT, held), repeat(None))):
-            return [False] * R          # (a request without a record or slot: `reserve` decides)
-        start = np.fromiter(map(_COMPUTED, reqs), np.int64, R)
-        swa = list(map(_SWA, held))
-        swa_len = np.fromiter(map(len, swa), np.int64, R)
-        first = np.where(start > self.swa_keep, (start - self.swa_keep) // SWA_PAGE_TOKENS, 0)
-        last = start // SWA_PAGE_TOKENS
-        ok = (start + 1 <= np.fromiter(map(len, map(_PAGES, held)), np.int64, R) * PAGE_TOKENS) & (last < swa_len)
-        for j in range(int((last - first).max()) + 1):       # each logical SWA page first + j <= last
-            page = np.minimum(first + j, last)
-            rows = np.nonzero(ok)[0]
-            got = np.fromiter(map(list.__getitem__, map(swa.__getitem__, rows.tolist()), page[rows].tolist()),
-                              np.int64, len(rows))
-            ok[rows] &= got >= 0
-        return ok.tolist()
 
     def trim(self, req) -> None:
         """Free SWA pages wholly below num_computed - W - S."""

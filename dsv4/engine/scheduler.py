@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
-from itertools import compress, repeat
-from operator import attrgetter, is_
+from itertools import compress
+from operator import attrgetter
 
 import numpy as np
 
@@ -34,16 +34,7 @@ from .request import Request, Status
 _ARRIVAL = attrgetter("arrival")      # sort key: admission order
 _REQUEST = attrgetter("request")
 _NUM_TOKENS, _COMPUTED, _PENDING = attrgetter("num_tokens"), attrgetter("num_computed"), attrgetter("num_pending")
-_PROMPT, _OUTPUT, _STATUS = attrgetter("prompt_token_ids"), attrgetter("output_token_ids"), attrgetter("status")
-
-
-def _decoding(reqs: list[Request]) -> list[bool]:
-    """Per request: RUNNING with one token left to compute (`is_decoding`), in C-level maps."""
-    R = len(reqs)
-    left = (np.fromiter(map(len, map(_PROMPT, reqs)), np.int64, R) + np.fromiter(map(len, map(_OUTPUT, reqs)), np.int64, R)
-            + np.fromiter(map(_PENDING, reqs), np.int64, R) - np.fromiter(map(_COMPUTED, reqs), np.int64, R))
-    running = np.fromiter(map(is_, map(_STATUS, reqs), repeat(Status.RUNNING)), bool, R)
-    return ((left == 1) & running).tolist()
+_PROMPT, _OUTPUT = attrgetter("prompt_token_ids"), attrgetter("output_token_ids")
 
 
 def completing(chunks: list[ScheduledChunk]) -> list[int]:
@@ -98,12 +89,11 @@ class Scheduler:
         self.cache.poll_tiers()
         chunks: list[ScheduledChunk] = []
         running = Status.RUNNING
-        decoding = _decoding(self.running)
+        decoding = [r.status is running and r.num_remaining == 1 for r in self.running]
         # decodes first, then the others, each oldest first (two stable sorts by arrival: the
         # order of one sort by (not decoding, arrival), without a Python key call a request)
         order = sorted(compress(self.running, decoding), key=_ARRIVAL)
         num_decoding = len(order)
-        holds = self.cache.holds_next(order)     # decodes needing nothing more: no `reserve` call
         order += sorted(compress(self.running, [not d for d in decoding]), key=_ARRIVAL)
         used = 0                    # tokens of `chunks` (kept as a sum: O(1) a request)
         for i, req in enumerate(order):
@@ -117,8 +107,7 @@ class Scheduler:
             if req.images:
                 n = atomic_chunk(req.images, req.num_computed, n)
             before = len(chunks)
-            if (n == 1 and i < num_decoding and holds[i]) or self.cache.reserve(req, n) \
-                    or self._reserve_or_preempt(req, n, chunks):
+            if self.cache.reserve(req, n) or self._reserve_or_preempt(req, n, chunks):
                 chunks.append(ScheduledChunk(req, n, n if drafts else None))
             # a preemption may have withdrawn chunks: count again then
             used = used + n if len(chunks) == before + 1 else sum(c.num_tokens for c in chunks)

@@ -177,24 +177,3 @@ def test_gathered_decode_rows_equal_the_seqchunk_path(tiny, h, one_thread, mode)
     assert counts["gathered"] >= 20 and counts["mixed"] >= 3 and counts.get("preempted", 0) >= 1, counts
     assert (counts["in_order"] >= 5) == (mode == "on"), counts      # rows taking the tokens in flight in place
     assert sum(eng.scheduler.counts()) == 0 and eng.cache.available_pages() == eng.plan.num_pages
-
-
-def test_holds_next_is_reserve_needing_nothing():
-    """CacheManager.holds_next (the scheduler's vectorised decode check) against `_needs`, on
-    records with every kind of gap: a missing history page, an SWA page freed inside the window
-    or past the table's end, no slot."""
-    from types import SimpleNamespace
-
-    from dsv4.cache.layout import CachePlan
-    from dsv4.cache.manager import CacheManager, SeqCache
-    cache = CacheManager(CacheLayout(preset_config("tiny")), CachePlan(64, 64, 16))
-    rng, reqs = random.Random(1), []
-    for i in range(400):
-        n = rng.randrange(0, 1200)
-        swa = [rng.choice([-1, 5, 6]) if rng.random() < 0.3 else 7 for _ in range(n // 128 + rng.randint(0, 2))]
-        cache.seqs[str(i)] = SeqCache(pages=[1] * (n // 256 + rng.randint(0, 1)), swa_pages=swa, slot=i % 16)
-        reqs.append(SimpleNamespace(request_id=str(i), num_computed=n))
-    expected = [cache._needs(r, 1, cache.seq(r)) == (0, []) for r in reqs]
-    assert cache.holds_next(reqs) == expected and 50 < sum(expected) < 350
-    cache.seqs["0"].slot = None                          # a request without a slot: `reserve` decides
-    assert cache.holds_next(reqs) == [False] * len(reqs)
