@@ -7,8 +7,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from itertools import repeat
-from operator import add, attrgetter, is_, sub
 
 import torch
 
@@ -28,12 +26,11 @@ from .runner import ModelRunner, StepLogits
 from .sampler import Sampler, compute_prompt_logprobs, count_pending, make_generator
 from .sampling_inputs import SamplingInputs
 from ..sampling_params import SamplingParams
-from .scheduler import ScheduledChunk, Scheduler, completing
+from .scheduler import ScheduledChunk, Scheduler
 from ..text.stop import StopChecker, StopResult
 from ..text.stop_watch import StopStringWatch
 
 log = logging.getLogger("dsv4.engine")
-_REQUEST, _PROMPT_LOGPROBS = attrgetter("request"), attrgetter("request.params.prompt_logprobs")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -286,7 +283,7 @@ class LLMEngine:
         step = self.runner.execute(chunks, prev, fills) if fills else self.runner.execute(chunks, prev)
         later = None
         if self.spec is None:
-            sampled = completing(chunks)
+            sampled = [i for i, c in enumerate(chunks) if c.completes]
             if self._grammar_waits(chunks, sampled):   # (never with workers: see _must_wait)
                 tokens = values = None              # masks started by _complete (its `following`)
                 later = lambda: launched.set_sampled(*self._sample(chunks, sampled, step, prev,  # noqa: E731
@@ -297,13 +294,12 @@ class LLMEngine:
                     self.workers.share_sampled(tokens)
         else:                           # verify drafts, rewind rejected ones, draft the next
             sampled, tokens, values = self.spec.step(chunks, step)
-        lps = [] if all(map(is_, map(_PROMPT_LOGPROBS, chunks), repeat(None))) else [
-            self._prompt_logprobs(c.request, c, step, i) for i, c in enumerate(chunks)
-            if c.request.params.prompt_logprobs is not None      # (wants_prompt_logprobs, inlined)
-            and c.request.num_computed < len(c.request.prompt_token_ids)]
-        for row, req in enumerate(map(_REQUEST, map(chunks.__getitem__, sampled))):
-            req.num_pending += 1
-            req.pending_row = row
+        lps = [self._prompt_logprobs(c.request, c, step, i) for i, c in enumerate(chunks)
+               if c.request.params.prompt_logprobs is not None      # (wants_prompt_logprobs, inlined)
+               and c.request.num_computed < len(c.request.prompt_token_ids)]
+        for row, i in enumerate(sampled):
+            chunks[i].request.num_pending += 1
+            chunks[i].request.pending_row = row
         self.scheduler.advance_step(chunks)
         launched = StepInFlight(chunks, sampled, tokens, values, lps, sample_later=later)
         return launched
@@ -343,9 +339,8 @@ class LLMEngine:
             return None, None
         if masks is None:
             masks = self._start_masks(chunks, idx)
-        reqs = list(map(_REQUEST, map(chunks.__getitem__, idx)))
-        rows = list(map(sub, map(add, map(step.first_row.__getitem__, idx), map(step.num_rows.__getitem__, idx)),
-                        repeat(1)))     # each row's last logits row
+        reqs = [chunks[i].request for i in idx]
+        rows = [step.first_row[i] + step.num_rows[i] - 1 for i in idx]
         batch, rows_t, pending_t = self.sampling_inputs.batch(reqs, rows, masks)
         if pending_t is not None:
             count_pending(batch.penalties, pending_t[:, 0], prev[pending_t[:, 1]])

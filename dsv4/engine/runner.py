@@ -18,7 +18,7 @@ from ..model.vision.encoder import VisionEncoder
 from ..model.vision.step import ChunkImages, ImageRows, step_image_rows
 from ..model.vision.visibility import blocks_in_chunk
 from .cuda_graphs import StepGraphs, scratch_chunk
-from .decode_rows import gather_rows, pending_of
+from .decode_rows import GATHER_MIN_ROWS, gather_rows, pending_of
 from .late_compiles import LateCompiles
 from .scheduler import ScheduledChunk
 from .upload import HostToDevice, upload_tree
@@ -95,9 +95,10 @@ class ModelRunner:
         self.vision = VisionEncoder(model) if model.cfg.vision is not None else None
         self.workers = None     # rank 0 of a parallel run: engine/workers.py's Workers (same steps on every rank)
         self.late_compiles = LateCompiles()     # Triton compiles after the warm-up (installed by it on CUDA)
-        # decode rows gathered from the requests into arrays (engine/decode_rows.py); False: a
-        # SeqChunk per chunk (the same step; parallel runs and vision steps always take it)
-        self.gather_decode_rows = True
+        # decode rows gathered from the requests into arrays (engine/decode_rows.py) in steps of
+        # at least gather_min_rows chunks; else a SeqChunk per chunk (the same step; parallel
+        # runs and vision models always take it)
+        self.gather_decode_rows, self.gather_min_rows = True, GATHER_MIN_ROWS
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None = None,
@@ -118,7 +119,8 @@ class ModelRunner:
         """The step's sequences and the token rows still on the device: decode rows gathered
         into StepRows (engine/decode_rows.py) when there are any, else a SeqChunk per chunk."""
         gathered = None
-        if self.gather_decode_rows and self.workers is None and self.vision is None:
+        if (self.gather_decode_rows and len(chunks) >= self.gather_min_rows and self.workers is None
+                and self.vision is None):
             gathered = gather_rows(chunks, self.cache.seqs, self.seq_chunk)
         if gathered is None:
             seqs = [self.seq_chunk(c) for c in chunks]

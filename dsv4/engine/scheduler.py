@@ -23,8 +23,6 @@ from dataclasses import dataclass
 from itertools import compress
 from operator import attrgetter
 
-import numpy as np
-
 from ..cache.layout import PAGE_TOKENS
 from ..cache.manager import CacheManager
 from ..model.vision.spans import atomic_chunk
@@ -33,19 +31,6 @@ from .request import Request, Status
 
 _ARRIVAL = attrgetter("arrival")      # sort key: admission order
 _REQUEST = attrgetter("request")
-_NUM_TOKENS, _COMPUTED, _PENDING = attrgetter("num_tokens"), attrgetter("num_computed"), attrgetter("num_pending")
-_PROMPT, _OUTPUT = attrgetter("prompt_token_ids"), attrgetter("output_token_ids")
-
-
-def completing(chunks: list[ScheduledChunk]) -> list[int]:
-    """The indices of the chunks that complete their request's known tokens (`completes`), in
-    C-level maps over the chunks (no Python call per chunk)."""
-    R = len(chunks)
-    reqs = list(map(_REQUEST, chunks))
-    total = (np.fromiter(map(len, map(_PROMPT, reqs)), np.int64, R) + np.fromiter(map(len, map(_OUTPUT, reqs)), np.int64, R)
-             + np.fromiter(map(_PENDING, reqs), np.int64, R))        # Request.num_tokens
-    reach = np.fromiter(map(_COMPUTED, reqs), np.int64, R) + np.fromiter(map(_NUM_TOKENS, chunks), np.int64, R)
-    return np.nonzero(reach >= total)[0].tolist()
 
 
 @dataclass(slots=True)     # (made per request and step: no instance dict)

@@ -160,7 +160,7 @@ def test_gathered_decode_rows_equal_the_seqchunk_path(tiny, h, one_thread, mode)
     def run(gather, stop):
         eng = tiny.engine(max_num_batched_tokens=96, max_num_seqs=6, num_pages=7, async_scheduling=mode,
                           enable_prefix_caching=True)
-        eng.runner.gather_decode_rows = gather
+        eng.runner.gather_decode_rows, eng.runner.gather_min_rows = gather, 1    # (steps of <= 6 requests)
         counts = {"gathered": 0, "mixed": 0, "in_order": 0}
         if gather:
             _check_step_inputs(eng.runner, counts)
