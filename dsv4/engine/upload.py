@@ -95,8 +95,8 @@ class HostToDevice:
 
 def views(flat: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int]) -> list[torch.Tensor]:
     """Contiguous views of `flat` (uint8, offset and length multiples of ALIGN) shaped as
-    `tensors` at byte `offsets` (ALIGN-aligned): one as_strided each on a view of flat per
-    dtype (a slice, a dtype view and a shape view each cost ~3x the time)."""
+    `tensors` at byte `offsets` (each a multiple of its tensor's element size): one as_strided
+    each on a view of flat per dtype (a slice, a dtype view and a shape view cost ~3x the time)."""
     typed: dict[torch.dtype, torch.Tensor] = {}
     out = []
     for t, off in zip(tensors, offsets):
