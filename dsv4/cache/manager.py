@@ -29,18 +29,12 @@ admission (the request waits while the copy runs).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import attrgetter, is_
-
-import numpy as np
 
 from ..model.vision.spans import resume_limit
 from .checkpoint import OVERLAP
 from .layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout, CachePlan
 from .pages import PageAllocator
 from .prefix import Node, PrefixHit, PrefixTree
-
-_ID, _COMPUTED, _TRIMMED = attrgetter("request_id"), attrgetter("num_computed"), attrgetter("trimmed")
 
 
 @dataclass
@@ -155,21 +149,12 @@ class CacheManager:
         held.trimmed = keep_from
 
     def settle(self, reqs: list) -> None:
-        """`commit` then `trim` each of a step's requests (their num_computed advanced), with
-        the trims due found in one vectorised pass: a trim is due only where num_computed - W - S
-        crossed a 128-token SWA page since the last (every 128 steps of a decode)."""
-        if self.prefix is not None:
-            for req in reqs:
-                self.commit(req)
-        held = list(map(self.seqs.get, map(_ID, reqs)))
-        if any(map(is_, held, repeat(None))):            # (a request holding nothing: `trim` skips it)
-            due = range(len(reqs))
-        else:
-            behind = np.fromiter(map(_COMPUTED, reqs), np.int64, len(reqs)) - self.swa_keep
-            trimmed = np.fromiter(map(_TRIMMED, held), np.int64, len(reqs))
-            due = np.nonzero(np.where(behind > 0, behind // SWA_PAGE_TOKENS, 0) > trimmed)[0].tolist()
-        for i in due:
-            self.trim(reqs[i])
+        """`commit` then `trim` each of a step's requests (their num_computed advanced)."""
+        commit = self.commit if self.prefix is not None else None
+        for req in reqs:
+            if commit is not None:
+                commit(req)
+            self.trim(req)
 
     def release(self, req) -> None:
         """Free everything the request holds (finish, abort, preemption); the prefix cache keeps

@@ -160,8 +160,7 @@ class Scheduler:
 
     def advance_step(self, chunks: list[ScheduledChunk]) -> None:
         """`advance` each chunk's request of a launched step by its tokens less its rejected
-        ones: num_computed in one pass, then the cache's commits and trims where one is due
-        (CacheManager.settle)."""
+        ones: num_computed in one pass, then the cache's commits and trims (CacheManager.settle)."""
         reqs = list(map(_REQUEST, chunks))
         for req, c in zip(reqs, chunks):
             req.num_computed += c.num_tokens - c.num_rejected

@@ -103,8 +103,8 @@ def views(flat: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int]) -
         whole = typed.get(t.dtype)
         if whole is None:
             whole = typed[t.dtype] = flat.view(t.dtype)
-        out.append(whole.as_strided(t.shape, _contiguous_strides(t.shape),
-                                    whole.storage_offset() + off // t.element_size()))
+        strides = t.stride() if t.is_contiguous() else _contiguous_strides(t.shape)
+        out.append(whole.as_strided(t.shape, strides, whole.storage_offset() + off // t.element_size()))
     return out
 
 
