@@ -103,6 +103,7 @@ def instrument(engine, sections: Sections) -> None:
     w(engine, "_sample", "sampling inputs")
     w(engine, "sampler", "sampler kernels (device)")
     w(engine.scheduler, "advance", "cache advance (commit, trim)")
+    w(engine.scheduler, "advance_step", "cache advance (commit, trim)")
     w(engine, "_complete", "output processing")
 
 

@@ -10,7 +10,6 @@ never [tokens x entries] tables.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 
 import numpy as np
 import torch
@@ -21,6 +20,7 @@ from ..ops.paged import PagedRows
 from ..model.vision.visibility import widen_windows
 from .batch_tables import PersistentTables
 from .layout import PAGE_TOKENS, SWA_PAGE_TOKENS, CacheLayout
+from .step_rows import StepRows, as_rows
 
 
 @dataclass(slots=True)     # (made per request and step: no instance dict)
@@ -57,21 +57,24 @@ class StepShape:
     swa_pages: int
 
 
-def step_widths(chunks: list[SeqChunk], window: int) -> tuple[int, int, int]:
+def step_widths(chunks: list[SeqChunk] | StepRows, window: int) -> tuple[int, int, int]:
     """(E4, E128, SWA table columns) the chunks need: what a StepShape must cover."""
-    ends = [c.start + len(c.token_ids) for c in chunks]
-    swa = max((e - 1) // SWA_PAGE_TOKENS - max(c.start - window + 1, 0) // SWA_PAGE_TOKENS + 1
-              for c, e in zip(chunks, ends))
-    return max(ends) // CSA_RATIO, max(ends) // HCA_RATIO, swa
+    rows = as_rows(chunks)
+    ends = rows.starts + rows.lens
+    swa = (ends - 1) // SWA_PAGE_TOKENS - np.maximum(rows.starts - window + 1, 0) // SWA_PAGE_TOKENS + 1
+    end = int(ends.max())
+    return end // CSA_RATIO, end // HCA_RATIO, int(swa.max())
 
 
-def build_step(chunks: list[SeqChunk], layout: CacheLayout, ring_slots: int, shape: StepShape | None = None,
+def build_step(chunks: list[SeqChunk] | StepRows, layout: CacheLayout, ring_slots: int, shape: StepShape | None = None,
                scratch: Scratch | None = None, tables: PersistentTables | None = None) -> ForwardBatch:
     """The step's ForwardBatch on the host (CPU tensors). `ring_slots`: request slots the
     storage's rings have (KVStorage.ring_slots). With `shape`, every chunk must have
     `shape.tokens` tokens and the batch is padded to `shape.seqs` sequences, every row's logits
     kept. With `tables` (synced with every chunk's tables, rows by slot) the page tables are
-    gathered from it instead of the chunks' lists: the same batch."""
+    gathered from it instead of the chunks' lists: the same batch. `chunks` may be given as
+    StepRows (cache/step_rows.py): the same batch again."""
+    chunks = as_rows(chunks)
     s = _Seqs.of(chunks)
     W = layout.cfg.sliding_window
     e4, e128, swa_cols = step_widths(chunks, W) if shape is None else (shape.e4, shape.e128, shape.swa_pages)
@@ -80,8 +83,8 @@ def build_step(chunks: list[SeqChunk], layout: CacheLayout, ring_slots: int, sha
     scratch = scratch or Scratch(0, 0, 0)
     swa_base = np.maximum(s.starts - W + 1, 0) // SWA_PAGE_TOKENS
     if tables is None:
-        pages = _table([c.page_table for c in chunks], _history_columns(e4, e128), rows)
-        swa = _table([c.swa_table[b:] for c, b in zip(chunks, swa_base.tolist())], swa_cols, rows)
+        pages = _table(chunks.page_tables, _history_columns(e4, e128), rows)
+        swa = _table([t[b:] for t, b in zip(chunks.swa_tables, swa_base.tolist())], swa_cols, rows)
     else:
         pages = tables.history_rows(s.slots, _history_columns(e4, e128), rows)
         swa = tables.swa_rows(s.slots, swa_base, swa_cols, rows)
@@ -101,12 +104,13 @@ def build_step(chunks: list[SeqChunk], layout: CacheLayout, ring_slots: int, sha
         seq_lens=(shape.tokens,) * rows if shape is not None else tuple(s.lens.tolist()))
 
 
-def build_swa_step(chunks: list[SeqChunk], layout: CacheLayout, shape: StepShape | None = None,
+def build_swa_step(chunks: list[SeqChunk] | StepRows, layout: CacheLayout, shape: StepShape | None = None,
                    scratch: Scratch | None = None) -> ForwardBatch:
     """build_step for a forward whose layers all read only the sliding window (the MTP blocks:
     compress ratio 0, model/mtp.py): token ids, positions, SWA writes and reads exactly as
     build_step makes them; the compressed-entry reads and plans empty (none is read). About
     half build_step's host time; `shape` pads as there (its e4 / e128 are not used)."""
+    chunks = as_rows(chunks)
     s = _Seqs.of(chunks)
     W = layout.cfg.sliding_window
     swa_cols = step_widths(chunks, W)[2] if shape is None else shape.swa_pages
@@ -114,7 +118,7 @@ def build_swa_step(chunks: list[SeqChunk], layout: CacheLayout, shape: StepShape
     T = rows * shape.tokens if shape is not None else s.T
     scratch = scratch or Scratch(0, 0, 0)
     swa_base = np.maximum(s.starts - W + 1, 0) // SWA_PAGE_TOKENS
-    swa = _table([c.swa_table[b:] for c, b in zip(chunks, swa_base.tolist())], swa_cols, rows)
+    swa = _table([t[b:] for t, b in zip(chunks.swa_tables, swa_base.tolist())], swa_cols, rows)
     _check_swa_held(s, swa, swa_base, W)
     return _swa_only_batch(*_swa_part(chunks, s, layout, swa, swa_base, T, scratch),
                            logits_rows=torch.arange(T) if shape is not None else _logits_rows(chunks, s),
@@ -139,16 +143,16 @@ def swa_step_rows(groups: list[list[SeqChunk]], layout: CacheLayout, shapes: lis
     [T], positions [T], swa_write [T], SWA pages [seqs, swa_pages], req [T], lo [T], hi [T]) as
     the ForwardBatch and its `swa` PagedRows hold them. Every chunk of groups[i] has
     shapes[i].tokens tokens; no chunk has images."""
-    chunks = [c for g in groups for c in g]
-    assert not any(c.images for c in chunks)
+    chunks = StepRows.of([c for g in groups for c in g])
+    assert chunks.images is None
     s, W, pitch = _Seqs.of(chunks), layout.cfg.sliding_window, layout.swa_pitch
     swa_base = np.maximum(s.starts - W + 1, 0) // SWA_PAGE_TOKENS
-    swa = _table([c.swa_table[b:] for c, b in zip(chunks, swa_base.tolist())], max(h.swa_pages for h in shapes), s.R)
+    swa = _table([t[b:] for t, b in zip(chunks.swa_tables, swa_base.tolist())], max(h.swa_pages for h in shapes), s.R)
     _check_swa_held(s, swa, swa_base, W, np.repeat([h.swa_pages for h in shapes], [len(g) for g in groups]))
     pos, shift = s.pos, (swa_base * SWA_PAGE_TOKENS)[s.req]
     swa_write = swa[s.req, (pos - shift) // SWA_PAGE_TOKENS] * pitch + pos % SWA_PAGE_TOKENS
     lo, hi = np.maximum(pos - W + 1, 0) - shift, pos + 1 - shift
-    tokens = np.fromiter((t for c in chunks for t in c.token_ids), np.int64, s.T)
+    tokens = chunks.token_ids
     out, r0, t0 = [], 0, 0
     for g, shape in zip(groups, shapes):
         R, T = len(g), shape.seqs * shape.tokens
@@ -180,17 +184,16 @@ def _swa_only_batch(token_ids, positions, swa_write, swa: PagedRows, logits_rows
                         hca=_no_plan(HCA_RATIO), logits_rows=logits_rows, seq_lens=seq_lens)
 
 
-def _swa_part(chunks: list[SeqChunk], s: "_Seqs", layout: CacheLayout, swa: np.ndarray, swa_base: np.ndarray,
+def _swa_part(chunks: StepRows, s: "_Seqs", layout: CacheLayout, swa: np.ndarray, swa_base: np.ndarray,
               T: int, scratch: Scratch) -> tuple:
     """(token_ids, positions, swa_write, swa) of a ForwardBatch, padded to T rows."""
     W = layout.cfg.sliding_window
     pos, shift = s.pos, (swa_base * SWA_PAGE_TOKENS)[s.req]
     swa_write = swa[s.req, (pos - shift) // SWA_PAGE_TOKENS] * layout.swa_pitch + pos % SWA_PAGE_TOKENS
     lo, hi, width = np.maximum(pos - W + 1, 0), pos + 1, W
-    if any(c.images for c in chunks):
-        width = max(W, widen_windows(pos, lo, hi, s.offs, s.starts, [c.images for c in chunks]))
-    token_ids = np.fromiter(chain.from_iterable([c.token_ids for c in chunks]), np.int64, s.T)   # (no Python loop per token)
-    return (_pad(token_ids, T, 0), _pad(pos, T, 0),
+    if chunks.images is not None:
+        width = max(W, widen_windows(pos, lo, hi, s.offs, s.starts, chunks.images))
+    return (_pad(chunks.token_ids, T, 0), _pad(pos, T, 0),
             _pad(swa_write, T, scratch.swa_page * layout.swa_pitch),
             _ranges(swa, s, T, lo - shift, hi - shift, SWA_PAGE_TOKENS, layout.swa_pitch, width))
 
@@ -215,16 +218,13 @@ class _Seqs:
     tok_end: np.ndarray   # [T] one past the last position of each token's sequence
 
     @classmethod
-    def of(cls, chunks: list[SeqChunk]) -> "_Seqs":
-        R = len(chunks)
-        lens = np.fromiter((len(c.token_ids) for c in chunks), np.int64, R)
-        starts = np.fromiter((c.start for c in chunks), np.int64, R)
+    def of(cls, rows: StepRows) -> "_Seqs":
+        R, lens, starts = len(rows), rows.lens, rows.starts
         offs = np.cumsum(lens) - lens
         T = int(offs[-1] + lens[-1]) if R else 0
         req = np.repeat(np.arange(R), lens)
         pos = starts[req] + np.arange(T) - offs[req]
-        return cls(R, T, lens, starts, np.fromiter((c.slot for c in chunks), np.int64, R), offs,
-                   req, pos, (starts + lens)[req])
+        return cls(R, T, lens, starts, rows.slots, offs, req, pos, (starts + lens)[req])
 
 
 def _history_columns(e4: int, e128: int) -> int:
@@ -283,16 +283,16 @@ def _ranges(table: np.ndarray, s: _Seqs, T: int, lo, hi: np.ndarray, per_page: i
                      per_page=per_page, pitch=pitch, width=width)
 
 
-def _staging(chunks: list[SeqChunk], s: _Seqs) -> tuple[np.ndarray, np.ndarray]:
+def _staging(chunks: StepRows, s: _Seqs) -> tuple[np.ndarray, np.ndarray]:
     """(token rows, staging row j) of the overlap positions [L - 4, L) of each chunk's `stage` L."""
-    tokens, rows = [], []
-    for i, c in enumerate(chunks):
-        if c.stage:
-            assert c.start + CSA_RATIO <= c.stage <= c.start + len(c.token_ids), (c.start, c.stage)
-            tokens.append(s.offs[i] + c.stage - CSA_RATIO - c.start + np.arange(CSA_RATIO))
-            rows.append(np.full(CSA_RATIO, i))
-    if not tokens:
+    if chunks.stage is None:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    tokens, rows = [], []
+    for i in np.nonzero(chunks.stage)[0].tolist():
+        stage, start, n = int(chunks.stage[i]), int(s.starts[i]), int(s.lens[i])
+        assert start + CSA_RATIO <= stage <= start + n, (start, stage)
+        tokens.append(s.offs[i] + stage - CSA_RATIO - start + np.arange(CSA_RATIO))
+        rows.append(np.full(CSA_RATIO, i))
     return np.concatenate(tokens), np.concatenate(rows)
 
 
@@ -337,8 +337,8 @@ def _groups(pages: np.ndarray, s: _Seqs, ratio: int, overlap: bool, cap: int, ri
     return rows, entry_slot, e * ratio
 
 
-def _logits_rows(chunks: list[SeqChunk], s: _Seqs) -> torch.Tensor:
-    wanted = np.fromiter((c.logits for c in chunks), np.int64, s.R)
+def _logits_rows(chunks: StepRows, s: _Seqs) -> torch.Tensor:
+    wanted = chunks.logits
     ends = s.offs + s.lens
     return torch.from_numpy(np.repeat(ends - wanted, wanted) + np.arange(int(wanted.sum()))
                             - np.repeat(np.cumsum(wanted) - wanted, wanted))

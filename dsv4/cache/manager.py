@@ -148,6 +148,14 @@ class CacheManager:
         held.swa_pages[:keep_from] = [-1] * min(keep_from, len(held.swa_pages))
         held.trimmed = keep_from
 
+    def settle(self, reqs: list) -> None:
+        """`commit` then `trim` each of a step's requests (their num_computed advanced)."""
+        commit = self.commit if self.prefix is not None else None
+        for req in reqs:
+            if commit is not None:
+                commit(req)
+            self.trim(req)
+
     def release(self, req) -> None:
         """Free everything the request holds (finish, abort, preemption); the prefix cache keeps
         its own references to the pages it shares."""

@@ -23,6 +23,7 @@ import torch
 
 from ..cache.addressing import Scratch, SeqChunk, StepShape, build_step
 from ..cache.layout import SWA_PAGE_TOKENS
+from ..cache.step_rows import StepRows, as_rows
 from ..config import CSA_RATIO, HCA_RATIO
 from ..model.forward_batch import ForwardBatch
 from .upload import HostToDevice, leaf_tensors, replace_leaves, tensor_leaves
@@ -95,19 +96,22 @@ class StepGraphs:
         self.scratch = Scratch(storage.scratch_page, storage.scratch_swa_page, storage.scratch_slot)
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
 
-    def accepts(self, seqs: list[SeqChunk]) -> bool:
-        q = len(seqs[0].token_ids) if seqs else 0
-        return (0 < len(seqs) <= self.max_bs and batch_bucket(len(seqs), self.max_bs) is not None
-                and all(len(s.token_ids) == q and s.logits == q and not s.stage for s in seqs))
+    def accepts(self, seqs: list[SeqChunk] | StepRows) -> bool:
+        rows = as_rows(seqs)
+        if not 0 < len(rows) <= self.max_bs or batch_bucket(len(rows), self.max_bs) is None:
+            return False
+        q = rows.lens[0]
+        return bool((rows.lens == q).all() and (rows.logits == q).all()) and rows.stage is None
 
-    def shape(self, seqs: list[SeqChunk]) -> StepShape:
-        W, q = self.layout.cfg.sliding_window, len(seqs[0].token_ids)
-        end = max(s.start for s in seqs) + q       # (step_widths' E4 and E128; its SWA columns are not needed)
+    def shape(self, seqs: list[SeqChunk] | StepRows) -> StepShape:
+        rows = as_rows(seqs)
+        W, q = self.layout.cfg.sliding_window, int(rows.lens[0])
+        end = int(rows.starts.max()) + q       # (step_widths' E4 and E128; its SWA columns are not needed)
         # the SWA pages q tokens and their windows can span, at any alignment: one shape for all
-        return StepShape(seqs=batch_bucket(len(seqs), self.max_bs), tokens=q, e4=width_bucket(end // CSA_RATIO),
+        return StepShape(seqs=batch_bucket(len(rows), self.max_bs), tokens=q, e4=width_bucket(end // CSA_RATIO),
                          e128=width_bucket(end // HCA_RATIO), swa_pages=(W + q - 2) // SWA_PAGE_TOKENS + 2)
 
-    def run(self, seqs: list[SeqChunk], fill=None) -> torch.Tensor:
+    def run(self, seqs: list[SeqChunk] | StepRows, fill=None) -> torch.Tensor:
         """seqs: the step's uniform chunks -> fp32 logits [R * q, vocab] of its real rows.
         `fill` (runner.PendingFill): token rows whose ids are still on the device. The graph
         ends at the head's input [B * q, hidden]; the head GEMM runs after it (so a graph holds
@@ -115,12 +119,13 @@ class StepGraphs:
         return self.run_with_streams(seqs, fill)[0]
 
     @torch.inference_mode()
-    def run_with_streams(self, seqs: list[SeqChunk], fill=None) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                         torch.Tensor | None]:
+    def run_with_streams(self, seqs: list[SeqChunk] | StepRows, fill=None) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                                    torch.Tensor | None]:
         """`run`, and of the real rows the final residual streams [R * q, hc_mult, hidden] when
         keep_streams and the taps [R * q, n_taps * hidden] (runner.StepLogits.taps) when keep_taps
         (else None)."""
-        real = len(seqs) * len(seqs[0].token_ids)
+        seqs = as_rows(seqs)
+        real = seqs.num_tokens
         shape = self.shape(seqs)
         if self.warmed and shape not in self.warmed and shape not in self.late:
             self.late.add(shape)

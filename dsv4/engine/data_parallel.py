@@ -209,6 +209,10 @@ class DPScheduler:
     def advance(self, req: Request, num_tokens: int) -> None:
         self._of(req).advance(req, num_tokens)
 
+    def advance_step(self, chunks: list[ScheduledChunk]) -> None:
+        for c in chunks:
+            self.advance(c.request, c.num_tokens - c.num_rejected)
+
     def finish(self, req: Request, status: Status = Status.FINISHED) -> None:
         self._of(req).finish(req, status)
         del self.caches.rank_of[req.request_id]

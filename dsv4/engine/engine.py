@@ -300,8 +300,7 @@ class LLMEngine:
         for row, i in enumerate(sampled):
             chunks[i].request.num_pending += 1
             chunks[i].request.pending_row = row
-        for c in chunks:
-            self.scheduler.advance(c.request, c.num_tokens - c.num_rejected)
+        self.scheduler.advance_step(chunks)
         launched = StepInFlight(chunks, sampled, tokens, values, lps, sample_later=later)
         return launched
 

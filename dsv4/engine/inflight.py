@@ -13,19 +13,25 @@ from dataclasses import dataclass, field
 import torch
 
 from .scheduler import ScheduledChunk
+from .upload import ALIGN, views
 
 
 class HostCopy:
-    """Device tensors copied into pinned host memory behind an event; `get()` waits for it."""
+    """Device tensors copied into pinned host memory behind an event; `get()` waits for it.
+    On the device they are packed into one byte buffer first (one concatenation), so one pinned
+    buffer and one copy cross, not one a tensor (`pack`: do that on a CPU too, as tests do)."""
 
-    def __init__(self, tensors: list[torch.Tensor]):
+    def __init__(self, tensors: list[torch.Tensor], pack: bool = False):
         self.event = None
-        if tensors and tensors[0].is_cuda:
-            self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-            for h, t in zip(self.host, tensors):
-                h.copy_(t, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
+        on_cuda = bool(tensors) and tensors[0].is_cuda
+        if on_cuda or (pack and tensors):
+            flat, offsets = _packed(tensors)
+            host = torch.empty(-(-flat.numel() // ALIGN) * ALIGN, dtype=torch.uint8, pin_memory=on_cuda)
+            host[:flat.numel()].copy_(flat, non_blocking=on_cuda)
+            self.host = views(host, tensors, offsets)
+            if on_cuda:
+                self.event = torch.cuda.Event()
+                self.event.record()
         else:
             self.host = tensors
 
@@ -35,6 +41,17 @@ class HostCopy:
         if self.event is not None:
             self.event.synchronize()
         return [t.tolist() if t.ndim != 2 or t.shape[1] else [()] * t.shape[0] for t in self.host]
+
+
+def _packed(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """(the tensors' bytes in one uint8 tensor on their device, each one's byte offset): widest
+    dtypes first, so every offset is a multiple of its tensor's element size."""
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+    offsets, at = [0] * len(tensors), 0
+    for i in order:
+        offsets[i], at = at, at + tensors[i].nbytes
+    flat = torch.cat([tensors[i].contiguous().view(-1).view(torch.uint8) for i in order])
+    return flat, offsets
 
 
 @dataclass

@@ -5,17 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from ..cache.addressing import Scratch, SeqChunk, build_step
 from ..cache.batch_tables import PersistentTables
 from ..cache.layout import CacheLayout, CachePlan
 from ..cache.manager import CacheManager
+from ..cache.step_rows import StepRows, as_rows
 from ..cache.storage import KVStorage
 from ..model.vision.encoder import VisionEncoder
 from ..model.vision.step import ChunkImages, ImageRows, step_image_rows
 from ..model.vision.visibility import blocks_in_chunk
 from .cuda_graphs import StepGraphs, scratch_chunk
+from .decode_rows import GATHER_MIN_ROWS, gather_rows, pending_of
 from .late_compiles import LateCompiles
 from .scheduler import ScheduledChunk
 from .upload import HostToDevice, upload_tree
@@ -39,8 +42,13 @@ class PendingFill:
     dst: torch.Tensor               # [P] long, CPU
     src: torch.Tensor               # [P] long, CPU
     prev: torch.Tensor              # [N] long on the device: the step in flight's sampled tokens
+    in_order: bool = False          # dst == src == range(P): row i takes prev[i] (a decode step of
+                                    # the requests the step in flight sampled, in its order)
 
     def apply(self, token_ids: torch.Tensor, h2d: HostToDevice) -> None:
+        if self.in_order:               # one device copy, nothing uploaded
+            token_ids[:len(self.dst)] = self.prev[:len(self.dst)]
+            return
         dst, src = h2d.upload([self.dst, self.src])
         token_ids[dst] = self.prev[src]
 
@@ -87,6 +95,10 @@ class ModelRunner:
         self.vision = VisionEncoder(model) if model.cfg.vision is not None else None
         self.workers = None     # rank 0 of a parallel run: engine/workers.py's Workers (same steps on every rank)
         self.late_compiles = LateCompiles()     # Triton compiles after the warm-up (installed by it on CUDA)
+        # decode rows gathered from the requests into arrays (engine/decode_rows.py) in steps of
+        # at least gather_min_rows chunks; else a SeqChunk per chunk (the same step; parallel
+        # runs and vision models always take it)
+        self.gather_decode_rows, self.gather_min_rows = True, GATHER_MIN_ROWS
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None = None,
@@ -95,23 +107,41 @@ class ModelRunner:
         token is still pending (Request.num_pending). `draft_fills`: token rows of drafts still
         on the device (speculative/device_drafts.py; one process only: speculation refuses
         parallel runs)."""
-        seqs = [self.seq_chunk(c) for c in chunks]
-        fill = pending_fill(chunks, seqs, prev_tokens)
+        seqs, fill = self.step_inputs(chunks, prev_tokens)
         if draft_fills:
             fill = Fills([f for f in (fill, *draft_fills) if f is not None])
         if self.workers is not None:
             self.workers.send_step(seqs, fill, num_sampled=sum(c.completes for c in chunks))
         return self.run_seqs(seqs, fill, self._images(chunks, seqs))
 
+    def step_inputs(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None
+                    ) -> tuple[list[SeqChunk] | StepRows, PendingFill | None]:
+        """The step's sequences and the token rows still on the device: decode rows gathered
+        into StepRows (engine/decode_rows.py) when there are any, else a SeqChunk per chunk."""
+        gathered = None
+        if (self.gather_decode_rows and len(chunks) >= self.gather_min_rows and self.workers is None
+                and self.vision is None):
+            gathered = gather_rows(chunks, self.cache.seqs, self.seq_chunk)
+        if gathered is None:
+            seqs = [self.seq_chunk(c) for c in chunks]
+            return seqs, pending_fill(chunks, seqs, prev_tokens)
+        rows, dst, src = gathered
+        if not len(dst):
+            return rows, None
+        if prev_tokens is None:
+            raise RuntimeError(f"{len(dst)} scheduled tokens are pending with no step in flight")
+        in_order = bool((dst == np.arange(len(dst))).all() and (src == dst).all())
+        return rows, PendingFill(torch.from_numpy(dst), torch.from_numpy(src), prev_tokens, in_order)
+
     @torch.inference_mode()
-    def run_seqs(self, seqs: list[SeqChunk], fill: PendingFill | None = None,
+    def run_seqs(self, seqs: list[SeqChunk] | StepRows, fill: PendingFill | None = None,
                  images: ImageRows | None = None) -> StepLogits:
         """The step of `seqs` (what every rank of a parallel run executes alike; images: one
         process only, `EngineConfig` refuses vision with tensor parallelism)."""
-        counts = [s.logits for s in seqs]
-        first = [row if n else -1 for row, n in zip(accumulate([0] + counts), counts)]
-        for s in seqs:                  # the persistent tables follow the chunks (on every rank)
-            self.tables.sync(s.slot, s.page_table, s.swa_table)
+        seqs = as_rows(seqs)
+        ends = np.cumsum(seqs.logits)
+        counts, first = seqs.logits.tolist(), np.where(seqs.logits > 0, ends - seqs.logits, -1).tolist()
+        self.tables.sync_rows(seqs)     # the persistent tables follow the chunks (on every rank)
         if images is None and self.graphs is not None and self.graphs.accepts(seqs):
             self.graphs.tables = self.tables      # (graphs a test installs read them too)
             if self.keep_hidden or self.keep_taps:
@@ -209,18 +239,16 @@ def eager_warmup_steps(scratch: Scratch, max_model_len: int, max_num_seqs: int,
 def pending_fill(chunks: list[ScheduledChunk], seqs: list[SeqChunk],
                   prev_tokens: torch.Tensor | None) -> PendingFill | None:
     """Rows whose token the step in flight sampled: position `known` (the first unknown one)
-    of each request whose chunk reaches past its known tokens."""
+    of each request whose chunk reaches past its known tokens (decode_rows.pending_of)."""
     dst, src, row = [], [], 0
     for c, s in zip(chunks, seqs):
-        req = c.request
-        last = s.start + len(s.token_ids)                 # one past the chunk's last position
-        known = len(req.prompt_token_ids) + len(req.output_token_ids) + len(req.spec_token_ids)
-        if last > known:
-            if req.num_pending != 1 or last != known + 1 or prev_tokens is None:
-                raise RuntimeError(f"request {req.request_id}: tokens up to {last} scheduled, "
-                                   f"{known} known and {req.num_pending} pending")
-            dst.append(row + known - s.start)
-            src.append(req.pending_row)
+        fill = pending_of(c, s, row)
+        if fill is not None:
+            if prev_tokens is None:
+                raise RuntimeError(f"request {c.request.request_id}: its token at {fill[0] - row + s.start} "
+                                   f"is pending with no step in flight")
+            dst.append(fill[0])
+            src.append(fill[1])
         row += len(s.token_ids)
     if not dst:
         return None

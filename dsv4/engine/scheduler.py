@@ -30,6 +30,7 @@ from .request import Request, Status
 
 
 _ARRIVAL = attrgetter("arrival")      # sort key: admission order
+_REQUEST = attrgetter("request")
 
 
 @dataclass(slots=True)     # (made per request and step: no instance dict)
@@ -156,6 +157,14 @@ class Scheduler:
         req.num_computed += num_tokens
         self.cache.commit(req)
         self.cache.trim(req)
+
+    def advance_step(self, chunks: list[ScheduledChunk]) -> None:
+        """`advance` each chunk's request of a launched step by its tokens less its rejected
+        ones: num_computed in one pass, then the cache's commits and trims (CacheManager.settle)."""
+        reqs = list(map(_REQUEST, chunks))
+        for req, c in zip(reqs, chunks):
+            req.num_computed += c.num_tokens - c.num_rejected
+        self.cache.settle(reqs)
 
     def preempt(self, req: Request) -> None:
         self.cache.release(req)

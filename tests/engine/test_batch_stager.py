@@ -43,3 +43,17 @@ def test_mixed_dtypes_and_empty_tensors_round_trip():
     tensors[1] += 10
     h2d.upload_into(flat, tensors)
     assert torch.equal(views[1], torch.arange(10, 15))
+
+
+def test_host_copy_packs_mixed_dtypes_into_one_buffer():
+    """HostCopy's packed read-back (the device path, run on the CPU): every tensor back whole,
+    whatever its dtype, shape or emptiness, from one buffer."""
+    from dsv4.engine.inflight import HostCopy
+    tensors = [torch.tensor([5, 7, 9]), torch.tensor([0.5, -1.25, 3.0]), torch.empty(3, 0, dtype=torch.long),
+               torch.empty(3, 0), torch.tensor([True, False, True]), torch.ones(3, 2, dtype=torch.bfloat16),
+               torch.arange(6, dtype=torch.int32).view(2, 3).t()]
+    copy = HostCopy(tensors, pack=True)
+    assert len({t.untyped_storage().data_ptr() for t in copy.host}) == 1     # one buffer
+    for x, y in zip(tensors, copy.host):
+        assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+    assert copy.get()[0] == [5, 7, 9] and copy.get()[2] == [(), (), ()]

@@ -1,17 +1,23 @@
-"""The persistent batch (cache/batch_tables.py): page tables kept by slot between steps and
-synced incrementally give the same ForwardBatch as a fresh build from the chunks' lists, over
-random sequences of requests joining, leaving, growing, trimming and swapping pages, plain and
-padded to a CUDA-graph shape; an unchanged table is never rewritten."""
+"""The persistent batch (cache/batch_tables.py, engine/decode_rows.py): page tables kept by
+slot between steps and synced incrementally give the same ForwardBatch as a fresh build from the
+chunks' lists, over random sequences of requests joining, leaving, growing, trimming and
+swapping pages, plain and padded to a CUDA-graph shape; an unchanged table is never rewritten.
+In an engine, decode rows gathered from the requests give the same step inputs (rows, token
+rows on the device, ForwardBatch) as a SeqChunk per chunk, and the same outputs (invariant 5)."""
 import dataclasses
 import random
 
+import numpy as np
+import pytest
 import torch
 
 from dsv4.cache.addressing import Scratch, SeqChunk, StepShape, build_step, step_widths
 from dsv4.cache.batch_tables import PersistentTables
 from dsv4.cache.layout import CacheLayout
+from dsv4.cache.step_rows import StepRows, as_rows
 from dsv4.engine.cuda_graphs import batch_bucket, width_bucket
 from dsv4.model.random_init import preset_config
+from dsv4.sampling_params import SamplingParams
 
 SLOTS = 9
 
@@ -19,6 +25,8 @@ SLOTS = 9
 def assert_same(a, b, path="fb"):
     if isinstance(a, torch.Tensor):
         assert torch.equal(a, b), path
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b), path
     elif dataclasses.is_dataclass(a):
         for f in dataclasses.fields(a):
             assert_same(getattr(a, f.name), getattr(b, f.name), f"{path}.{f.name}")
@@ -91,3 +99,81 @@ def test_unchanged_tables_are_not_rewritten():
     pages.append(9)                          # the same list object, changed in place
     tables.sync(1, pages, swa)
     assert tables.writes == 3 and tables.history[1, :3].tolist() == [3, 4, 9]
+
+
+def test_sync_rows_rewrites_only_changed_rows_and_keeps_a_shared_slot_in_order():
+    tables, pages = PersistentTables(4), [[1, 2], [3], [4, 5]]
+    chunks = [SeqChunk(slot=s, start=0, token_ids=[0], page_table=p, swa_table=[s]) for s, p in enumerate(pages)]
+    tables.sync_rows(as_rows(chunks))
+    assert tables.writes == 6 and tables.history[2, :2].tolist() == [4, 5]
+    pages[1].append(9)                       # one row grows: one row rewritten
+    tables.sync_rows(as_rows(chunks))
+    assert tables.writes == 7 and tables.history[1, :2].tolist() == [3, 9]
+    shared = [SeqChunk(slot=3, start=0, token_ids=[0], page_table=p, swa_table=[7]) for p in ([6], [8, 8])]
+    tables.sync_rows(as_rows(shared))        # a slot given twice: the last tables, as `sync` in order
+    assert tables.history[3, :2].tolist() == [8, 8]
+
+
+def _params(i: int, stop: int | None) -> SamplingParams:
+    kinds = [dict(temperature=0.0, max_tokens=9, ignore_eos=True),
+             dict(temperature=0.9, top_k=20, seed=7, max_tokens=12, ignore_eos=True, logprobs=1),
+             dict(temperature=0.0, max_tokens=14, stop_token_ids=[stop] if stop is not None else None),
+             dict(temperature=0.0, max_tokens=7, ignore_eos=True, prompt_logprobs=1),
+             dict(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.2)]
+    return SamplingParams(**kinds[i % len(kinds)])
+
+
+def _check_step_inputs(runner, counts):
+    """Wrap runner.step_inputs: every step's gathered inputs must equal the SeqChunk path's."""
+    gathered = runner.step_inputs
+
+    def both(chunks, prev):
+        rows, fill = gathered(chunks, prev)
+        runner.gather_decode_rows = False
+        seqs, ref_fill = gathered(chunks, prev)
+        runner.gather_decode_rows = True
+        if isinstance(rows, StepRows):
+            counts["gathered"] += 1
+            counts["mixed"] += bool((rows.lens > 1).any())
+            assert_same(StepRows.of(seqs), rows, "rows")
+            assert (fill is None) == (ref_fill is None)
+            if fill is not None:
+                counts["in_order"] += fill.in_order
+                order = torch.argsort(ref_fill.dst)
+                assert torch.equal(fill.dst, ref_fill.dst[order]) and torch.equal(fill.src, ref_fill.src[order])
+            ring = runner.storage.ring_slots
+            assert_same(build_step(seqs, runner.layout, ring), build_step(rows, runner.layout, ring, tables=None))
+        return rows, fill
+    runner.step_inputs = both
+
+
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_gathered_decode_rows_equal_the_seqchunk_path(tiny, h, one_thread, mode):
+    """Requests join at random steps, leave (max tokens, a stop token, an abort), grow across SWA
+    and history pages, get preempted (few pages) and share pages through the prefix cache;
+    requests with prompt logprobs and penalties ride along (their rows take the SeqChunk path)."""
+    rng = random.Random(5)
+    base = tiny.ids(300, seed=3)
+    prompts = [base[:rng.randint(1, 300)] + tiny.ids(rng.randint(1, 40), seed=i) for i in range(12)]
+    arrivals = sorted(rng.randrange(0, 30) for _ in prompts)
+
+    def run(gather, stop):
+        eng = tiny.engine(max_num_batched_tokens=96, max_num_seqs=6, num_pages=7, async_scheduling=mode,
+                          enable_prefix_caching=True)
+        eng.runner.gather_decode_rows, eng.runner.gather_min_rows = gather, 1    # (steps of <= 6 requests)
+        counts = {"gathered": 0, "mixed": 0, "in_order": 0}
+        if gather:
+            _check_step_inputs(eng.runner, counts)
+        preempt = eng.scheduler.preempt
+        eng.scheduler.preempt = lambda req: counts.__setitem__("preempted", counts.get("preempted", 0) + 1) or preempt(req)
+        reqs = [h.Req(str(i), p, _params(i, stop), arrivals[i]) for i, p in enumerate(prompts)]
+        return h.drive(eng, reqs, check=True, abort_at=("4", 12)), counts, eng
+
+    plain, _, _ = run(False, stop=None)
+    stop = plain["2"].token_ids[3]
+    plain, _, _ = run(False, stop)
+    gathered, counts, eng = run(True, stop)
+    h.assert_same_outputs(plain, gathered)
+    assert counts["gathered"] >= 20 and counts["mixed"] >= 3 and counts.get("preempted", 0) >= 1, counts
+    assert (counts["in_order"] >= 5) == (mode == "on"), counts      # rows taking the tokens in flight in place
+    assert sum(eng.scheduler.counts()) == 0 and eng.cache.available_pages() == eng.plan.num_pages
