@@ -23,6 +23,7 @@ keeps them), checked against the reference, then timed for the default, the shor
 against the bf16 peak: the O(E / 128) attention term of a deep prefill chunk.
 
     python -m benchmarks.kernels.attention --deep-hca     # ~1 minute
+    python -m benchmarks.kernels.attention --deep-hca --deep-short   # + chunks of 256-1024 tokens
 
 A third table times paged sources (PagedRows, dsv4/ops/paged.py) against their dense form on
 the same rows (bit-identical outputs required, and within tolerance of the reference): each
@@ -55,6 +56,10 @@ PREFILL_SCAN = [(64, 32, 8, 2, None), (64, 64, 8, 2, None), (64, 32, 4, 2, None)
 DEEP_SCAN = [(32, 128, 8, 2, None), (32, 128, 8, 3, None), (32, 128, 4, 2, None), (16, 128, 8, 2, None),
              (16, 128, 4, 2, None), (32, 256, 8, 2, None), (16, 256, 8, 2, None), (32, 64, 4, 2, None)]
 DEEP_T, DEEP_POS = 2048, 900_000
+# `--deep-hca --deep-short`: shorter chunks at the same depth (a smaller token budget), default
+# tiles against the decode tile and the long-list tile, with and without the slot split
+DEEP_SHORT_T = (256, 512, 1024)
+DEEP_SHORT_SCAN = [(16, 32, 8, 2, None), (32, 128, 4, 2, None), (32, 128, 4, 2, 1), (32, 128, 8, 2, None)]
 TUNE_CASES = [("decode", 1), ("decode", 64), ("prefill", 4096)]
 LAYERS, SWA_PAGE, HCA_PAGE, HCA_RATIO, DECODE_POS = 4, 128, 2, 128, 65536
 
@@ -133,9 +138,10 @@ def paged_table(gen, scale) -> int:
     return failures
 
 
-def deep_hca_table(gen, scale) -> int:
-    """Time an HCA layer's attention for a chunk deep in a prompt over tile shapes; -> failures."""
-    t = torch.arange(DEEP_T, device=DEVICE)
+def deep_hca_table(gen, scale, tokens: int = DEEP_T, scan: list = DEEP_SCAN) -> int:
+    """Time an HCA layer's attention for a chunk of `tokens` deep in a prompt over tile shapes
+    (the default, the short-list prefill tile, then `scan`); -> failures."""
+    t = torch.arange(tokens, device=DEVICE)
     pos, req = DEEP_POS + t, torch.zeros_like(t)
     window, n_swa = paged_rows(req, pos - W + 1, pos + 1, SWA_PAGE, W, gen)
     closed = (pos + 1) // HCA_RATIO
@@ -144,16 +150,16 @@ def deep_hca_table(gen, scale) -> int:
 
     def rows(n):
         return torch.randn(n, D, generator=gen, device=DEVICE).to(torch.bfloat16)
-    q = torch.randn(DEEP_T, H, D, generator=gen, device=DEVICE).to(torch.bfloat16)
+    q = torch.randn(tokens, H, D, generator=gen, device=DEVICE).to(torch.bfloat16)
     sinks = torch.randn(H, generator=gen, device=DEVICE)
     sources = [(rows(n_swa), window), (rows(n_hca), history)]
     want = reference(q, sources, sinks, scale).float()
-    flops = 4 * H * D * (W * DEEP_T + float(closed.sum()))
-    print(f"\nHCA layer, chunk of {DEEP_T} at position {DEEP_POS} ({width} C128 entries at its end): "
+    flops = 4 * H * D * (W * tokens + float(closed.sum()))
+    print(f"\nHCA layer, chunk of {tokens} at position {DEEP_POS} ({width} C128 entries at its end): "
           f"{flops / 1e12:.2f} TFLOP")
     print(f"{'h_block':>7} {'block_k':>7} {'warps':>5} {'stages':>6} {'ms':>9} {'TFLOP/s':>8} {'%peak':>6}")
     failures = 0
-    for hb, bk, nw, ns, splits in [(None,) * 5, (64, 64, 8, 2, None)] + DEEP_SCAN:
+    for hb, bk, nw, ns, splits in [(None,) * 5, (64, 64, 8, 2, None)] + scan:
         knobs = dict(h_block=hb, block_k=bk, num_warps=nw, num_stages=ns, num_splits=splits)
         try:
             out = tri.sparse_attention(q, sources, sinks, scale, **knobs)
@@ -183,6 +189,8 @@ def main() -> int:
     failures = 0
     if "--deep-hca" in sys.argv[1:]:
         failures = deep_hca_table(gen, scale)
+        for tokens in DEEP_SHORT_T if "--deep-short" in sys.argv[1:] else ():
+            failures += deep_hca_table(gen, scale, tokens, DEEP_SHORT_SCAN)
         print("OK" if not failures else f"{failures} FAILED")
         return 1 if failures else 0
     print(f"sparse attention, H={H} D={D} W={W} K={K} bf16 on {torch.cuda.get_device_name()}")
