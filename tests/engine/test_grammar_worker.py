@@ -1,0 +1,167 @@
+"""The grammar worker process (structured/remote.py, worker_proc.py; docs/architecture.md,
+"Structured outputs"): outputs identical to the in-process path (`grammar_worker="threads"`)
+through every grammar feature, unconstrained neighbours unchanged (invariant 5), speculative
+verify masks, no worker without a constrained request, a bad constraint refused at `add`, the
+worker's death failing its requests alone, and the worker never outliving the engine."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from dsv4.assets import demo_model_dir
+from dsv4.config import ConfigError, EngineConfig
+from dsv4.engine.engine import LLMEngine
+from dsv4.sampling_params import SamplingParams, StructuredOutputs
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+KINDS = {"json": StructuredOutputs(json=json.dumps(SCHEMA)), "regex": StructuredOutputs(regex=r"[a-z]{3,6}-[0-9]{2}"),
+         "choice": StructuredOutputs(choice=["yes", "no", "maybe"]),
+         "grammar": StructuredOutputs(grammar='root ::= "(" [a-z]+ ("," [a-z]+)? ")"')}
+
+
+@pytest.fixture(scope="module")
+def engine_of():
+    made = {}
+
+    def get(**kw) -> LLMEngine:
+        key = tuple(sorted(kw.items()))
+        if key not in made:
+            made[key] = LLMEngine(demo_model_dir(), EngineConfig(num_pages=64, max_num_seqs=64,
+                                                                 max_num_batched_tokens=2048, **kw))
+        return made[key]
+    yield get
+    for eng in made.values():
+        eng.close()
+
+
+def prompts(eng: LLMEngine, n: int) -> list[list[int]]:
+    return [eng.tokenizer.encode(f"Request {i}: describe item number {i * 7} briefly.") for i in range(n)]
+
+
+def workload(eng: LLMEngine, h) -> list:
+    """Every kind (greedy and seeded), the `</think>` gate, grammars ended under ignore_eos, a
+    stop string, n = 3 copies of one prompt, unconstrained neighbours and one to abort."""
+    ps = prompts(eng, 4)
+    think_end = eng.tokenizer.token_to_id("</think>")
+    reqs = [h.Req(f"{kind}-{i}", p, SamplingParams(max_tokens=30, temperature=0.0 if i % 2 else 0.9, seed=i,
+                                                   structured=spec))
+            for kind, spec in KINDS.items() for i, p in enumerate(ps)]
+    reqs += [h.Req(f"copy-{i}", ps[0], SamplingParams(max_tokens=24, temperature=0.9, seed=i, structured=KINDS["json"]))
+             for i in range(3)]
+    reqs += [h.Req("think", ps[1], SamplingParams(max_tokens=12, temperature=0.0, logit_bias={think_end: 100.0},
+                                                  structured=StructuredOutputs(choice=["yes", "no"], after_think=True)))]
+    reqs += [h.Req(f"ended-{i}", p, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True,
+                                                   structured=KINDS["choice"])) for i, p in enumerate(ps[:2])]
+    reqs += [h.Req("stopped", ps[2], SamplingParams(max_tokens=20, temperature=0.0, stop=["-"], structured=KINDS["regex"]))]
+    reqs += [h.Req(f"plain-{i}", p, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+             for i, p in enumerate(ps)]
+    reqs += [h.Req("aborted", ps[3], SamplingParams(max_tokens=30, temperature=0.0, structured=KINDS["json"]),
+                   arrival=1)]
+    return reqs
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_worker_outputs_equal_the_in_process_path(engine_of, h, mode):
+    """Same outputs from the worker process and the in-process fill, async scheduling `mode`;
+    the unconstrained rows give the tokens of a run without any grammar (invariant 5)."""
+    inproc, worker = (engine_of(async_scheduling=mode, grammar_worker=w) for w in ("threads", "process"))
+    reqs = workload(worker, h)
+    outs = {}
+    for name, eng in (("threads", inproc), ("process", worker)):
+        outs[name] = h.drive(eng, reqs, check=True, abort_at=("aborted", 4))
+        assert len(eng.grammars) == 0 and eng.cache.available_pages() == eng.plan.num_pages
+    assert type(worker.grammars).__name__ == "WorkerGrammars" and type(inproc.grammars).__name__ == "Grammars"
+    h.assert_same_outputs(outs["threads"], outs["process"])
+    done = outs["process"]
+    assert "aborted" not in done and done["stopped"].stop_reason == "-"
+    assert done["think"].token_ids[0] == worker.tokenizer.token_to_id("</think>")
+    plain = [r for r in reqs if r.rid.startswith("plain")]
+    alone = h.drive(worker, [h.Req("alone-" + r.rid, r.prompt, r.params) for r in plain])
+    for r in plain:
+        assert done[r.rid].token_ids == alone["alone-" + r.rid].token_ids, r.rid
+
+
+def test_speculative_verify_masks_through_the_worker(engine_of, h):
+    """MTP drafts checked against the worker's grammars (verify masks, rollback): the outputs of
+    the in-process path."""
+    spec = '{"method": "mtp", "num_speculative_tokens": 3}'
+    inproc, worker = (engine_of(speculative_config=spec, grammar_worker=w) for w in ("threads", "process"))
+    ps = prompts(worker, 3)
+    reqs = [h.Req(f"{kind}-{i}", p, SamplingParams(max_tokens=30, temperature=0.0 if i % 2 else 1.0, seed=i,
+                                                   structured=s))
+            for kind, s in KINDS.items() for i, p in enumerate(ps)]
+    h.assert_same_outputs(h.drive(inproc, reqs), h.drive(worker, reqs))
+    assert worker.spec.stats.num_draft_tokens > 0 and len(worker.grammars) == 0
+
+
+def test_no_worker_without_a_constraint_and_bad_ones_refused_at_add(engine_of, h):
+    eng = LLMEngine(demo_model_dir(), EngineConfig(num_pages=16, max_num_seqs=8, grammar_worker="process"))
+    try:
+        h.drive(eng, [h.Req("p", prompts(eng, 1)[0], SamplingParams(max_tokens=4, temperature=0.0))])
+        assert eng.grammars is None                 # nothing started, nothing imported for it
+        with pytest.raises(ValueError, match="regex"):
+            eng.add_request("bad", prompts(eng, 1)[0], SamplingParams(max_tokens=4, structured=StructuredOutputs(regex="a(")))
+        assert "bad" not in eng.requests and eng.grammars.get("bad") is None
+        out = h.drive(eng, [h.Req("good", prompts(eng, 1)[0], SamplingParams(max_tokens=8, structured=KINDS["choice"]))])
+        assert out["good"].text in ("yes", "no", "maybe")
+        process = eng.grammars.process
+        assert process.is_alive()
+    finally:
+        eng.close()
+    assert not process.is_alive() and process.exitcode == 0     # told to stop, and gone
+
+
+def test_worker_death_fails_the_constrained_requests_alone(engine_of, h):
+    """The worker killed mid-run: every constrained request is aborted and reported with the
+    reason (`LLMEngine.failed`), the unconstrained ones finish with their own tokens, nothing
+    hangs; the next constrained request gets a fresh worker."""
+    eng = engine_of(async_scheduling="on", grammar_worker="process")
+    ps = prompts(eng, 3)
+    plain = [h.Req(f"plain-{i}", p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
+             for i, p in enumerate(ps)]
+    reqs = plain + [h.Req(f"json-{i}", p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                         structured=KINDS["json"])) for i, p in enumerate(ps)]
+    killed = []
+
+    def kill(engine, step):
+        if step == 3:
+            killed.append(engine.grammars.process)
+            os.kill(engine.grammars.process.pid, signal.SIGKILL)
+    done = h.drive(eng, reqs, check=True, on_step=kill)
+    failed = dict(eng.take_failed())
+    assert sorted(failed) == [f"json-{i}" for i in range(3)]
+    assert all("grammar worker process exited (code -9)" in why for why in failed.values())
+    assert all(done[f"json-{i}"].finish_reason == "abort" for i in range(3))
+    alone = h.drive(eng, [h.Req("alone-" + r.rid, r.prompt, r.params) for r in plain])
+    for r in plain:
+        assert done[r.rid].token_ids == alone["alone-" + r.rid].token_ids
+    assert len(eng.grammars) == 0 and eng.cache.available_pages() == eng.plan.num_pages
+    out = h.drive(eng, [h.Req("after", ps[0], SamplingParams(max_tokens=8, structured=KINDS["choice"]))])
+    assert out["after"].text in ("yes", "no", "maybe") and eng.grammars.process is not killed[0]
+
+
+def test_worker_ends_when_the_engine_is_gone(engine_of):
+    """The engine's end of the command pipe closing (its process gone) ends the worker."""
+    from dsv4.structured.remote import WorkerGrammars
+    eng = engine_of(async_scheduling="on", grammar_worker="process")
+    grammars = WorkerGrammars(eng.tokenizer, eng.cfg.vocab_size, eng.eos_token_id, rows=4)
+    grammars.add("x", KINDS["choice"])
+    assert grammars.ping()
+    grammars._commands.close()
+    grammars.process.join(timeout=60)
+    assert grammars.process.exitcode == 0
+
+
+def test_grammar_worker_knob(monkeypatch):
+    with pytest.raises(ConfigError, match="grammar_worker"):
+        EngineConfig(grammar_worker="fork")
+    assert EngineConfig(grammar_worker="process").grammar_process
+    assert not EngineConfig(grammar_worker="threads").grammar_process
+    for cores, process in ((2, False), (16, True)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
+        assert EngineConfig().grammar_process is process
