@@ -5,18 +5,22 @@ masks are filled on the host (fill threads for a large batch) while the GPU runs
 and the main thread appends the previous step's tokens and schedules the next step (the step is
 sampled after that schedule), and applied in the sampler.
 
-    python -m benchmarks.structured_output [--batch 64] [--tokens 256] [--repeats 3] [--fill-threads 1,4]
+    python -m benchmarks.structured_output [--batch 64] [--tokens 256] [--repeats 3] [--fill-threads 1,4] [--no-process]
     python -m benchmarks.structured_output --smoke        # tiny, on the CPU, in seconds
     python -m benchmarks.structured_output --host [--batch 64] [--tokens 64]   # forward stubbed
 
-Each time: no constraint; JSON with the masks filled on the fill threads, once per count in
---fill-threads (structured/masks.py: persistent threads, a slice of the rows each); JSON with them
-filled inline on the main thread. Each constrained row reports the main thread's ms per step in
-`MaskFiller.start` (the gates taking the previous step's tokens, then the hand-off to the
-threads, whose matchers accept those tokens before the hand-off ends, or the whole inline accept
-and fill), in `PendingMask.result` (waiting for the threads) and in the mask's upload, and how
-many of the slices handed to the threads no thread had begun by `result()` (filled there: a
-hand-off that failed).
+Each time, in turn (so the variants alternate): no constraint; JSON with the masks filled on the
+fill threads, once per count in --fill-threads (structured/masks.py: persistent threads, a slice
+of the rows each); JSON with them filled inline on the main thread; JSON with the matchers in the
+grammar worker process (structured/remote.py; --no-process leaves it out). Each constrained row
+reports the main thread's ms per step in `LLMEngine._advance_grammars` (`advance`: the rows'
+(grammar, token) pairs, then the start of the next mask: for the threads, `MaskFiller.start`
+(`start`: the gates taking the previous step's tokens, then the hand-off to the threads, whose
+matchers accept those tokens before the hand-off ends, or the whole inline accept and fill) and
+`PendingMask.result` (`result`: waiting for the threads); for the process, the post
+(`post`: `WorkerGrammars.step_masks`) and `PendingRemote.result` (`wait`: the reply)), and in
+the mask's upload, and how many of the slices handed to the threads no thread had begun by
+`result()` (filled there: a hand-off that failed).
 
 `--host` replaces the model's forward by constant logits (benchmarks/host_path.py) and reports
 the same over the host's work alone: the bound on the ratio of a host-bound step. On the CPU the
@@ -78,12 +82,14 @@ class MaskTimer:
         from dsv4.engine import sampler
         from dsv4.engine.sampling_inputs import SamplingInputs
         from dsv4.engine.upload import HostToDevice
-        from dsv4.structured import fill_threads, masks
-        self.seconds = {"start": 0.0, "gates": 0.0, "hand-off": 0.0, "result": 0.0, "upload": 0.0, "pack": 0.0,
-                        "apply": 0.0}
+        from dsv4.structured import fill_threads, masks, remote
+        self.seconds = {"advance": 0.0, "start": 0.0, "gates": 0.0, "hand-off": 0.0, "result": 0.0, "post": 0.0,
+                        "wait": 0.0, "upload": 0.0, "pack": 0.0, "apply": 0.0}
         self.steps = 0
-        timed = {"start": (masks.MaskFiller, "start"), "gates": (masks, "owed_tokens"),
+        timed = {"advance": (LLMEngine, "_advance_grammars"),
+                 "start": (masks.MaskFiller, "start"), "gates": (masks, "owed_tokens"),
                  "hand-off": (fill_threads.FillThreads, "submit"), "result": (masks.PendingMask, "result"),
+                 "post": (remote.WorkerGrammars, "step_masks"), "wait": (remote.PendingRemote, "result"),
                  "upload": (SamplingInputs, "_upload_mask"), "pack": (HostToDevice, "_pack"),
                  "apply": (sampler, "apply_grammar_mask")}
         self._inside: set[str] = set()     # the timed calls running now ("pack" counts inside "upload" only)
@@ -102,12 +108,13 @@ class MaskTimer:
             finally:
                 self._inside.discard(name)
                 self.seconds[name] += time.perf_counter() - start
-                self.steps += name == "result"
+                self.steps += name in ("result", "wait")
         return timed
 
     def per_step_ms(self) -> str:
+        """The parts timed in this run (a part of the other path's reads 0 and is left out)."""
         n = max(self.steps, 1)
-        return ", ".join(f"{k} {v / n * 1e3:.3f}" for k, v in self.seconds.items())
+        return ", ".join(f"{k} {v / n * 1e3:.3f}" for k, v in self.seconds.items() if v)
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.seconds, 0.0)
@@ -118,43 +125,75 @@ class MaskTimer:
             setattr(owner, attr, fn)
 
 
+PROCESS = -1          # the fill-threads value of the worker process variant
+
+
 def variants(args) -> list[tuple[str, int | None]]:
-    """(name, fill threads): no constraint (None), JSON on each --fill-threads count, JSON inline (0)."""
+    """(name, fill threads): no constraint (None), JSON on each --fill-threads count, JSON inline
+    (0), JSON in the grammar worker process (PROCESS)."""
     return ([("no constraint", None)] + [(f"JSON, {n} fill thread{'s' * (n > 1)}", n) for n in args.fill_threads]
-            + [("JSON, fill inline", 0)])
+            + [("JSON, fill inline", 0)] + ([] if args.no_process else [("JSON, worker process", PROCESS)]))
 
 
-def use_filler(engine, threads: int | None) -> None:
-    """The engine's mask filler with `threads` fill threads (0: every fill inline; None: the default)."""
-    from dsv4.structured.masks import MaskFiller
-    grammars = engine.grammars
-    grammars.masks.close()
-    grammars.masks = MaskFiller(engine.cfg.vocab_size, grammars.keep, threads=threads or None)
-    if threads == 0:
-        grammars.masks.thread_min_rows = 1 << 30
+class Paths:
+    """Both grammar paths of one engine, swapped in between runs (each empty then): the
+    in-process `Grammars` and the worker process's `WorkerGrammars`."""
+
+    def __init__(self, engine, process: bool):
+        from dsv4.structured.registry import Grammars
+        from dsv4.structured.remote import WorkerGrammars
+        if engine.grammars is not None:
+            engine.grammars.close()
+        args = (engine.tokenizer, engine.cfg.vocab_size, engine.eos_token_id)
+        self.inproc = Grammars(*args)
+        self.worker = WorkerGrammars(*args, engine.config.max_num_seqs) if process else None
+        if process:             # started, the schema compiled: not timed in the first run
+            self.worker.add("warm", StructuredOutputs(json=json.dumps(SCHEMA)))
+            assert self.worker.ping(), self.worker.error
+            self.worker.drop("warm")
+
+    def use(self, engine, threads: int | None) -> None:
+        """The engine's grammars for `threads` (PROCESS: the worker; 0: every fill inline; None:
+        the default fill threads)."""
+        from dsv4.structured.masks import MaskFiller
+        if threads == PROCESS:
+            engine.grammars = self.worker
+            return
+        engine.grammars = grammars = self.inproc
+        grammars.masks.close()
+        grammars.masks = MaskFiller(engine.cfg.vocab_size, grammars.keep, threads=threads or None)
+        if threads == 0:
+            grammars.masks.thread_min_rows = 1 << 30
+
+    def close(self) -> None:
+        self.inproc.close()
+        if self.worker is not None:
+            self.worker.close()
 
 
 def measure(engine, args) -> dict:
     """Best time of each variant over args.repeats, with the main thread's ms per step in the
     masks and the share of fill slices no thread had begun by `result()`; the outputs of the
     last constrained runs."""
-    best, outs, timer = {}, {}, MaskTimer()
+    best, outs, timer, paths = {}, {}, MaskTimer(), Paths(engine, not args.no_process)
     try:
         for r in range(args.repeats):
             for name, threads in variants(args):
                 if threads is not None:
-                    use_filler(engine, threads)
+                    paths.use(engine, threads)
                 timer.reset()
                 done, dt = run(engine, workload(engine, args.batch, args.tokens, threads is not None, f"{name}-{r}-"))
                 assert all(len(o.token_ids) == args.tokens for o in done.values()), "a request stopped early"
-                notes = timer.per_step_ms() + (taken_back(engine) if threads else "")
+                notes = timer.per_step_ms() + (taken_back(engine) if threads and threads != PROCESS else "")
                 if name not in best or dt < best[name][0]:
                     best[name] = (dt, notes)
                 if threads is not None:
                     outs[name] = done
     finally:
         timer.close()
-        use_filler(engine, None)
+        paths.use(engine, None)
+        paths.close()
+        engine.grammars = None
     return {"best": best, "outs": outs}
 
 
@@ -197,6 +236,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fill-threads", type=lambda v: [int(n) for n in v.split(",")], default=[1, FILL_THREADS],
                     help="comma-separated fill-thread counts to run (structured/masks.py FILL_THREADS)")
+    ap.add_argument("--no-process", action="store_true", help="leave the grammar worker process variant out")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     ap.add_argument("--host", action="store_true", help="the model's forward stubbed: host work only, on the CPU")
     args = ap.parse_args()
