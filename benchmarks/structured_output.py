@@ -12,7 +12,8 @@ sampled after that schedule), and applied in the sampler.
 Each time, in turn (so the variants alternate): no constraint; JSON with the masks filled on the
 fill threads, once per count in --fill-threads (structured/masks.py: persistent threads, a slice
 of the rows each); JSON with them filled inline on the main thread; JSON with the matchers in the
-grammar worker process (structured/remote.py; --no-process leaves it out). Each constrained row
+grammar worker process (structured/remote.py; --no-process leaves it out; --worker-thread adds the same worker's loop
+on a thread of the engine's process). Each constrained row
 reports the main thread's ms per step in `LLMEngine._advance_grammars` (`advance`: the rows'
 (grammar, token) pairs, then the start of the next mask: for the threads, `MaskFiller.start`
 (`start`: the gates taking the previous step's tokens, then the hand-off to the threads, whose
@@ -125,39 +126,43 @@ class MaskTimer:
             setattr(owner, attr, fn)
 
 
-PROCESS = -1          # the fill-threads value of the worker process variant
+PROCESS, THREAD = -1, -2    # the fill-threads values of the grammar worker variants: a process, a thread
 
 
 def variants(args) -> list[tuple[str, int | None]]:
     """(name, fill threads): no constraint (None), JSON on each --fill-threads count, JSON inline
-    (0), JSON in the grammar worker process (PROCESS)."""
+    (0), JSON in the grammar worker, a process (PROCESS) and on a thread (THREAD, --worker-thread)."""
     return ([("no constraint", None)] + [(f"JSON, {n} fill thread{'s' * (n > 1)}", n) for n in args.fill_threads]
-            + [("JSON, fill inline", 0)] + ([] if args.no_process else [("JSON, worker process", PROCESS)]))
+            + [("JSON, fill inline", 0)] + ([] if args.no_process else [("JSON, worker process", PROCESS)])
+            + ([("JSON, worker thread", THREAD)] if args.worker_thread else []))
 
 
 class Paths:
     """Both grammar paths of one engine, swapped in between runs (each empty then): the
     in-process `Grammars` and the worker process's `WorkerGrammars`."""
 
-    def __init__(self, engine, process: bool):
+    def __init__(self, engine, process: bool, thread: bool):
         from dsv4.structured.registry import Grammars
         from dsv4.structured.remote import WorkerGrammars
         if engine.grammars is not None:
             engine.grammars.close()
         args = (engine.tokenizer, engine.cfg.vocab_size, engine.eos_token_id)
         self.inproc = Grammars(*args)
-        self.worker = WorkerGrammars(*args, engine.config.max_num_seqs) if process else None
-        if process:             # started, the schema compiled: not timed in the first run
-            self.worker.add("warm", StructuredOutputs(json=json.dumps(SCHEMA)))
-            assert self.worker.ping(), self.worker.error
-            self.worker.drop("warm")
+        self.workers = {}
+        for kind, wanted in ((PROCESS, process), (THREAD, thread)):
+            if wanted:          # started, the schema compiled: not timed in the first run
+                self.workers[kind] = worker = WorkerGrammars(*args, engine.config.max_num_seqs,
+                                                             in_thread=kind == THREAD)
+                worker.add("warm", StructuredOutputs(json=json.dumps(SCHEMA)))
+                assert worker.ping(), worker.error
+                worker.drop("warm")
 
     def use(self, engine, threads: int | None) -> None:
         """The engine's grammars for `threads` (PROCESS: the worker; 0: every fill inline; None:
         the default fill threads)."""
         from dsv4.structured.masks import MaskFiller
-        if threads == PROCESS:
-            engine.grammars = self.worker
+        if threads in self.workers:
+            engine.grammars = self.workers[threads]
             return
         engine.grammars = grammars = self.inproc
         grammars.masks.close()
@@ -167,15 +172,15 @@ class Paths:
 
     def close(self) -> None:
         self.inproc.close()
-        if self.worker is not None:
-            self.worker.close()
+        for worker in self.workers.values():
+            worker.close()
 
 
 def measure(engine, args) -> dict:
     """Best time of each variant over args.repeats, with the main thread's ms per step in the
     masks and the share of fill slices no thread had begun by `result()`; the outputs of the
     last constrained runs."""
-    best, outs, timer, paths = {}, {}, MaskTimer(), Paths(engine, not args.no_process)
+    best, outs, timer, paths = {}, {}, MaskTimer(), Paths(engine, not args.no_process, args.worker_thread)
     try:
         for r in range(args.repeats):
             for name, threads in variants(args):
@@ -184,7 +189,7 @@ def measure(engine, args) -> dict:
                 timer.reset()
                 done, dt = run(engine, workload(engine, args.batch, args.tokens, threads is not None, f"{name}-{r}-"))
                 assert all(len(o.token_ids) == args.tokens for o in done.values()), "a request stopped early"
-                notes = timer.per_step_ms() + (taken_back(engine) if threads and threads != PROCESS else "")
+                notes = timer.per_step_ms() + (taken_back(engine) if threads and threads > 0 else "")
                 if name not in best or dt < best[name][0]:
                     best[name] = (dt, notes)
                 if threads is not None:
@@ -237,6 +242,8 @@ def main() -> None:
     ap.add_argument("--fill-threads", type=lambda v: [int(n) for n in v.split(",")], default=[1, FILL_THREADS],
                     help="comma-separated fill-thread counts to run (structured/masks.py FILL_THREADS)")
     ap.add_argument("--no-process", action="store_true", help="leave the grammar worker process variant out")
+    ap.add_argument("--worker-thread", action="store_true",
+                    help="also the grammar worker's loop on a thread of the engine's process (its GIL shared)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     ap.add_argument("--host", action="store_true", help="the model's forward stubbed: host work only, on the CPU")
     args = ap.parse_args()
@@ -245,6 +252,7 @@ def main() -> None:
     args.fill_threads = sorted(set(args.fill_threads))
     if args.smoke:       # two slices of THREAD_MIN_ROWS rows on two threads
         args.batch, args.tokens, args.repeats, args.fill_threads = 2 * THREAD_MIN_ROWS, 8, 1, [1, 2]
+        args.worker_thread = True
     if args.host or args.smoke:
         host_only(args)
     if args.host:

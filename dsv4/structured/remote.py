@@ -23,6 +23,7 @@ import mmap
 import multiprocessing
 import os
 import tempfile
+import threading
 from collections import OrderedDict
 
 import torch
@@ -41,9 +42,13 @@ class GrammarWorkerError(RuntimeError):
 
 
 class WorkerGrammars:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int, rows: int, fill_threads: int | None = None):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int, rows: int, fill_threads: int | None = None,
+                 in_thread: bool = False):
         """rows: the sampling rows of a step the buffer holds at first (grown when a step has
-        more); fill_threads: the worker's fill threads (None: masks.FILL_THREADS)."""
+        more); fill_threads: the worker's fill threads (None: masks.FILL_THREADS); in_thread:
+        the worker's loop on a thread of this process instead (benchmarks/structured_output.py
+        compares the two: the thread shares this process's GIL)."""
+        self.in_thread = in_thread
         if tokenizer is None:
             raise ValueError("structured outputs need the checkpoint's tokenizer (tokenizer.json)")
         hf = tokenizer._hf if hasattr(tokenizer, "_hf") else tokenizer
@@ -65,11 +70,13 @@ class WorkerGrammars:
         ctx = multiprocessing.get_context("spawn")
         commands_in, self._commands = ctx.Pipe(duplex=False)
         self._replies, replies_out = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=worker_proc.serve, name="dsv4-grammar-worker", daemon=True,
-                                   args=(commands_in, replies_out, *self._worker_args))
+        start = _WorkerThread if self.in_thread else ctx.Process
+        self.process = start(target=worker_proc.serve, name="dsv4-grammar-worker", daemon=True,
+                             args=(commands_in, replies_out, *self._worker_args))
         self.process.start()
-        commands_in.close()             # (only the worker holds these ends: its death is an EOF here)
-        replies_out.close()
+        if not self.in_thread:
+            commands_in.close()         # (only the worker holds these ends: its death is an EOF here)
+            replies_out.close()
         self.error, self.pending, self._half, self._unlink = None, None, 0, None
         self._map_buffer(self._rows)
 
@@ -240,3 +247,14 @@ class PendingRemote:
         rows_t = owner.all_rows[:n] if rows is None else torch.tensor(rows, dtype=torch.long)
         self.mask = GrammarMask(rows_t, owner.buffer[self.half, :n], rows is None, owner.keep)
         return self.mask
+
+
+class _WorkerThread(threading.Thread):
+    """The worker's loop on a thread, with a process's `kill` / `exitcode` (a benchmark variant)."""
+
+    def kill(self) -> None:
+        self._args[0].close()           # (its command pipe: the loop ends at its next receive)
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self.is_alive() else 0
