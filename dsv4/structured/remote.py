@@ -52,7 +52,8 @@ class WorkerGrammars:
         if tokenizer is None:
             raise ValueError("structured outputs need the checkpoint's tokenizer (tokenizer.json)")
         hf = tokenizer._hf if hasattr(tokenizer, "_hf") else tokenizer
-        self._worker_args = (hf.to_str(), vocab_size, eos_token_id, fill_threads)
+        self._tokenizer_json = hf.to_str()
+        self._worker_args = (vocab_size, eos_token_id, fill_threads, in_thread)
         self.vocab_size, self.width = vocab_size, words(vocab_size)
         self.keep = special_token_filter(tokenizer, vocab_size)
         self.end_row = only_token(eos_token_id, vocab_size)
@@ -71,8 +72,11 @@ class WorkerGrammars:
         commands_in, self._commands = ctx.Pipe(duplex=False)
         self._replies, replies_out = ctx.Pipe(duplex=False)
         start = _WorkerThread if self.in_thread else ctx.Process
+        fd, self._tokenizer_file = tempfile.mkstemp(prefix="dsv4-grammar-tokenizer-", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(self._tokenizer_json)       # (the worker removes it once read)
         self.process = start(target=worker_proc.serve, name="dsv4-grammar-worker", daemon=True,
-                             args=(commands_in, replies_out, *self._worker_args))
+                             args=(commands_in, replies_out, self._tokenizer_file, *self._worker_args))
         self.process.start()
         if not self.in_thread:
             commands_in.close()         # (only the worker holds these ends: its death is an EOF here)
@@ -95,10 +99,7 @@ class WorkerGrammars:
 
     def _remove_file(self) -> None:
         if self._unlink is not None:
-            try:
-                os.unlink(self._unlink)
-            except FileNotFoundError:
-                pass
+            _remove(self._unlink)
             self._unlink = None
 
     def _send(self, command: tuple) -> bool:
@@ -141,6 +142,7 @@ class WorkerGrammars:
             self.process.kill()
             self.process.join()
         self._remove_file()
+        _remove(self._tokenizer_file)       # (a worker that died before reading it)
         if self.error is None:
             self.error = "closed"
 
@@ -247,6 +249,13 @@ class PendingRemote:
         rows_t = owner.all_rows[:n] if rows is None else torch.tensor(rows, dtype=torch.long)
         self.mask = GrammarMask(rows_t, owner.buffer[self.half, :n], rows is None, owner.keep)
         return self.mask
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 class _WorkerThread(threading.Thread):

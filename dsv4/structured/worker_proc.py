@@ -23,14 +23,26 @@ place (the command asking for it still runs: the accepts of a step are state). T
 ends on "stop" or when the engine's end of the pipe closes (the engine gone)."""
 from __future__ import annotations
 
+import os
+import sys
 import traceback
 from multiprocessing.connection import Connection
 
 
-def serve(commands: Connection, replies: Connection, tokenizer_json: str, vocab_size: int, eos_token_id: int,
-          fill_threads: int | None) -> None:
-    """The process's entry (multiprocessing spawn)."""
+def serve(commands: Connection, replies: Connection, tokenizer_path: str, vocab_size: int, eos_token_id: int,
+          fill_threads: int | None, in_thread: bool = False) -> None:
+    """The process's entry (multiprocessing spawn). tokenizer_path: the tokenizer's JSON in a
+    file this removes once read (a large argument would hold the engine's `start` until this
+    process has started). Ends the process at once when done (nothing of its own to clean up:
+    no interpreter teardown), unless `in_thread` (a benchmark's thread variant)."""
+    with open(tokenizer_path, encoding="utf-8") as f:
+        tokenizer_json = f.read()
+    os.unlink(tokenizer_path)
     Worker(commands, replies, tokenizer_json, vocab_size, eos_token_id, fill_threads).loop()
+    if not in_thread:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 class Worker:
