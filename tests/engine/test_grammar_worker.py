@@ -120,33 +120,47 @@ def test_no_worker_without_a_constraint_and_bad_ones_refused_at_add(engine_of, h
         eng.close()
 
 
-def test_worker_death_fails_the_constrained_requests_alone(engine_of, h):
-    """The worker killed mid-run: every constrained request is aborted and reported with the
-    reason (`LLMEngine.failed`), the unconstrained ones finish with their own tokens, nothing
-    hangs; the next constrained request gets a fresh worker."""
+def test_worker_death_fails_the_constrained_requests_alone(engine_of, h, monkeypatch):
+    """The worker killed mid-run, through the engine core: every constrained request fails with
+    500 and the reason (`LLMEngine.failed`), none of its tokens sampled without a mask is
+    forwarded, the unconstrained ones finish with their own tokens, nothing hangs; the next
+    constrained request gets a fresh worker."""
+    from dsv4.engine import ipc
+    from dsv4.engine.core import EngineCore
     eng = engine_of(async_scheduling="on", grammar_worker="process")
+    monkeypatch.setattr(eng, "make_output", eng.make_output)     # (the core replaces it: put back at the end)
+    core = EngineCore(eng)
     ps = prompts(eng, 3)
-    plain = [h.Req(f"plain-{i}", p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
-             for i, p in enumerate(ps)]
-    reqs = plain + [h.Req(f"json-{i}", p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
-                                                         structured=KINDS["json"])) for i, p in enumerate(ps)]
-    killed = []
-
-    def kill(engine, step):
-        if step == 3:
-            killed.append(engine.grammars.process)
-            os.kill(engine.grammars.process.pid, signal.SIGKILL)
-    done = h.drive(eng, reqs, check=True, on_step=kill)
-    failed = dict(eng.take_failed())
-    assert sorted(failed) == [f"json-{i}" for i in range(3)]
-    assert all("grammar worker process exited (code -9)" in why for why in failed.values())
-    assert all(done[f"json-{i}"].finish_reason == "abort" for i in range(3))
-    alone = h.drive(eng, [h.Req("alone-" + r.rid, r.prompt, r.params) for r in plain])
-    for r in plain:
-        assert done[r.rid].token_ids == alone["alone-" + r.rid].token_ids
+    plain = {f"plain-{i}": (p, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)) for i, p in enumerate(ps)}
+    for rid, (p, params) in plain.items():
+        core.handle(ipc.AddRequest(rid, p, params))
+    for i, p in enumerate(ps):
+        core.handle(ipc.AddRequest(f"json-{i}", p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                                  structured=KINDS["json"])))
+    tokens, steps, failures, killed = {}, 0, [], eng.grammars.process
+    while core.has_work:
+        if steps == 3:
+            os.kill(killed.pid, signal.SIGKILL)
+        for out in core.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids)
+        failures += core.take_failures()
+        steps += 1
+        assert steps < 200
+    assert sorted(f.request_id for f in failures) == [f"json-{i}" for i in range(3)]
+    assert all(f.status == 500 and "grammar worker process exited (code -9)" in f.message for f in failures)
+    import xgrammar
+    from dsv4.structured.compiler import GrammarCache
+    compiled = GrammarCache(eng.tokenizer, eng.cfg.vocab_size, eng.eos_token_id).get(KINDS["json"])
+    for i in range(3):                      # every token forwarded was sampled under the mask
+        matcher = xgrammar.GrammarMatcher(compiled)
+        assert all(matcher.accept_token(t) for t in tokens.get(f"json-{i}", []))
+    eng.make_output = eng.output_of         # (the engine's own outputs again)
+    alone = h.drive(eng, [h.Req("alone-" + rid, p, params) for rid, (p, params) in plain.items()])
+    for rid in plain:
+        assert tokens[rid] == alone["alone-" + rid].token_ids
     assert len(eng.grammars) == 0 and eng.cache.available_pages() == eng.plan.num_pages
     out = h.drive(eng, [h.Req("after", ps[0], SamplingParams(max_tokens=8, structured=KINDS["choice"]))])
-    assert out["after"].text in ("yes", "no", "maybe") and eng.grammars.process is not killed[0]
+    assert out["after"].text in ("yes", "no", "maybe") and eng.grammars.process is not killed
 
 
 def test_grammar_worker_knob(monkeypatch):
