@@ -88,12 +88,15 @@ class Worker:
 
     def _step(self, slots: list[int], tokens: list[int], row_slots: list[int], half: int) -> tuple:
         taken = [(self._grammar(s), t) for s, t in zip(slots, tokens)]
+        masks = self.grammars.masks
+        masks.buffer, masks.all_rows = self.buffer[half], self.all_rows    # filled in place (rows fit)
         pending = self.grammars.step_masks(row_slots, taken)
         if pending is None:
             return ("mask", [], 0)
         mask = pending.result()
         n = mask.bitmask.shape[0]
-        self.buffer[half, :n].copy_(mask.bitmask)
+        if mask.bitmask.data_ptr() != self.buffer[half].data_ptr():
+            self.buffer[half, :n].copy_(mask.bitmask)
         return ("mask", None if mask.covers_all else mask.rows.tolist(), n)
 
     def _verify(self, chunks: list[tuple[int, list[int]]]):
@@ -108,6 +111,7 @@ class Worker:
         with open(path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), 0)
         self.buffer = torch.frombuffer(self._map, dtype=torch.int32).view(2, rows, -1)
+        self.all_rows = torch.arange(rows)
 
     def _ping(self) -> tuple:
         return ("pong",)
