@@ -113,7 +113,8 @@ class LLMEngine:
         # all generated ones per step, one object per token); None: no output
         self.make_output: Callable[[Request, list[int]], object | None] = self.output_of
         self._carried: list[RequestOutput] = []           # outputs of a step read after a failure
-        self.grammars = None        # structured/registry.Grammars or remote.WorkerGrammars, made on the first constrained request
+        self.grammars = None        # structured registry.Grammars or remote.WorkerGrammars, made on the first
+        #                             constrained request
         # requests the engine ended on its own with an error (the grammar worker's death): (id, why),
         # reported by the engine core as failures (`take_failed`)
         self.failed: list[tuple[str, str]] = []
