@@ -35,6 +35,9 @@ from .masks import GrammarMask, words
 from .registry import only_token, special_token_filter
 
 _UNREAD = object()
+# How long a reply may take before the worker counts as hung (killed, its requests failed): a
+# step's reply waits for the compiles of the constraints added before it (large schemas: seconds).
+REPLY_TIMEOUT_S = 60.0
 
 
 class GrammarWorkerError(RuntimeError):
@@ -117,6 +120,11 @@ class WorkerGrammars:
         if self.error is not None:
             return None
         try:
+            if not self._replies.poll(REPLY_TIMEOUT_S):
+                self.process.kill()
+                self._died(None, f"the grammar worker process did not answer within {REPLY_TIMEOUT_S:g} s "
+                                 f"(killed)")
+                return None
             reply = self._replies.recv()
         except (EOFError, OSError) as e:
             self._died(e)

@@ -163,6 +163,22 @@ def test_worker_death_fails_the_constrained_requests_alone(engine_of, h, monkeyp
     assert out["after"].text in ("yes", "no", "maybe") and eng.grammars.process is not killed
 
 
+def test_a_hung_worker_is_killed_and_its_requests_fail(engine_of, h, monkeypatch):
+    """A worker that stops answering (SIGSTOP) is killed after REPLY_TIMEOUT_S; its requests
+    fail with that reason, the others finish."""
+    from dsv4.structured import remote
+    eng = engine_of(async_scheduling="on", grammar_worker="process")
+    eng._grammars().ping()                  # (a fresh worker, started: not timed out while importing)
+    monkeypatch.setattr(remote, "REPLY_TIMEOUT_S", 0.5)
+    os.kill(eng.grammars.process.pid, signal.SIGSTOP)
+    ps = prompts(eng, 2)
+    done = h.drive(eng, [h.Req("plain", ps[0], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)),
+                         h.Req("json", ps[1], SamplingParams(max_tokens=8, temperature=0.0, structured=KINDS["json"]))])
+    assert eng.take_failed() == [("json", "the grammar worker process did not answer within 0.5 s (killed)")]
+    assert done["plain"].finish_reason == "length" and done["json"].finish_reason == "abort"
+    assert eng.grammars.process.exitcode == -signal.SIGKILL
+
+
 def test_grammar_worker_knob(monkeypatch):
     with pytest.raises(ConfigError, match="grammar_worker"):
         EngineConfig(grammar_worker="fork")
