@@ -64,6 +64,7 @@ class WorkerGrammars:
         self._next_slot = 0
         self._checked: OrderedDict[tuple, None] = OrderedDict()    # constraints grammars.build accepted
         self._rows = rows
+        self._last_ids, self._last_slots = None, []    # the last step's rows and their slots (until an add or drop)
         self.error: str | None = None             # why the worker is gone (None: running)
         self.pending: PendingRemote | None = None  # the step mask posted and not read yet
         self._start()
@@ -166,6 +167,7 @@ class WorkerGrammars:
         slot, self._next_slot = self._next_slot, self._next_slot + 1
         self._send(("add", slot, spec))
         self._slots[request_id] = slot
+        self._last_ids = None
         return slot
 
     def _check(self, spec: StructuredOutputs) -> None:
@@ -183,6 +185,7 @@ class WorkerGrammars:
 
     def drop(self, request_id: str) -> None:
         slot = self._slots.pop(request_id, None)
+        self._last_ids = None
         if slot is not None:
             self._send(("drop", slot))
 
@@ -199,14 +202,16 @@ class WorkerGrammars:
         """As registry.Grammars.step_masks, `taken` by slot: posted to the worker, which
         accepts `taken` and fills the rows' mask meanwhile. None when no row has a grammar."""
         self.idle()
-        row_slots = [self._slots.get(rid, -1) for rid in request_ids]
+        if request_ids != self._last_ids:       # (the same rows step after step: one C compare)
+            self._last_ids, self._last_slots = request_ids, [self._slots.get(rid, -1) for rid in request_ids]
+        row_slots = self._last_slots
         if len(row_slots) > self._rows:
             self._map_buffer(max(len(row_slots), 2 * self._rows))
         if max(row_slots, default=-1) < 0:
             self.accept(taken)
             return None
         self._half ^= 1
-        if not self._send(("step", [s for s, _ in taken], [t for _, t in taken], row_slots, self._half)):
+        if not self._send(("step", taken, row_slots, self._half)):
             return PendingRemote(self, self._half, len(row_slots), done=True)
         self.pending = PendingRemote(self, self._half, len(row_slots))
         return self.pending

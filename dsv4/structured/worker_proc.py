@@ -8,7 +8,7 @@ on another, one per command that asks for one (`step`, `verify`, `ping`):
     ("add", slot, spec)                       compile (cached by constraint), a new matcher
     ("drop", slot)
     ("accept", slots, tokens)                 in order, one token at a time (no reply)
-    ("step", slots, tokens, row_slots, half)  accept the (slot, token) pairs (a slot at most
+    ("step", pairs, row_slots, half)          accept the (slot, token) pairs (a slot at most
                                               once), then fill the mask of the rows `row_slots`
                                               (-1: unconstrained) into half `half` of the shared
                                               buffer -> ("mask", rows under a grammar | None
@@ -86,8 +86,8 @@ class Worker:
     def _accept(self, slots: list[int], tokens: list[int]) -> None:
         self.grammars.accept([(self._grammar(s), t) for s, t in zip(slots, tokens)])
 
-    def _step(self, slots: list[int], tokens: list[int], row_slots: list[int], half: int) -> tuple:
-        taken = [(self._grammar(s), t) for s, t in zip(slots, tokens)]
+    def _step(self, taken: list[tuple[int, int]], row_slots: list[int], half: int) -> tuple:
+        taken = [(self._grammar(s), t) for s, t in taken]
         masks = self.grammars.masks
         masks.buffer, masks.all_rows = self.buffer[half], self.all_rows    # filled in place (rows fit)
         pending = self.grammars.step_masks(row_slots, taken)
