@@ -12,8 +12,9 @@ sampled after that schedule), and applied in the sampler.
 Each time, in turn (so the variants alternate): no constraint; JSON with the masks filled on the
 fill threads, once per count in --fill-threads (structured/masks.py: persistent threads, a slice
 of the rows each); JSON with them filled inline on the main thread; JSON with the matchers in the
-grammar worker process (structured/remote.py; --no-process leaves it out; --worker-thread adds the same worker's loop
-on a thread of the engine's process). Each constrained row
+grammar worker process (structured/remote.py; once per --worker-fill-threads count, 0: the worker's fill inline;
+--no-process leaves it out; --worker-thread adds the same worker's loop on a thread of the
+engine's process). Each constrained row
 reports the main thread's ms per step in `LLMEngine._advance_grammars` (`advance`: the rows'
 (grammar, token) pairs, then the start of the next mask: for the threads, `MaskFiller.start`
 (`start`: the gates taking the previous step's tokens, then the hand-off to the threads, whose
@@ -126,39 +127,42 @@ class MaskTimer:
             setattr(owner, attr, fn)
 
 
-PROCESS, THREAD = -1, -2    # the fill-threads values of the grammar worker variants: a process, a thread
-
-
-def variants(args) -> list[tuple[str, int | None]]:
-    """(name, fill threads): no constraint (None), JSON on each --fill-threads count, JSON inline
-    (0), JSON in the grammar worker, a process (PROCESS) and on a thread (THREAD, --worker-thread)."""
+def variants(args) -> list[tuple[str, int | tuple | None]]:
+    """(name, path): no constraint (None), JSON on each --fill-threads count (n), JSON inline
+    (0), JSON in the grammar worker process with each --worker-fill-threads count ("process", n;
+    0: its fill inline, None: its default) and with the worker's loop on a thread ("thread",
+    None; --worker-thread)."""
+    def fills(n):
+        return "" if n is None else f", {n} fill threads" if n else ", fill inline"
     return ([("no constraint", None)] + [(f"JSON, {n} fill thread{'s' * (n > 1)}", n) for n in args.fill_threads]
-            + [("JSON, fill inline", 0)] + ([] if args.no_process else [("JSON, worker process", PROCESS)])
-            + ([("JSON, worker thread", THREAD)] if args.worker_thread else []))
+            + [("JSON, fill inline", 0)]
+            + ([] if args.no_process else [(f"JSON, worker process{fills(n)}", ("process", n))
+                                           for n in args.worker_fill_threads])
+            + ([("JSON, worker thread", ("thread", None))] if args.worker_thread else []))
 
 
 class Paths:
     """Both grammar paths of one engine, swapped in between runs (each empty then): the
     in-process `Grammars` and the worker process's `WorkerGrammars`."""
 
-    def __init__(self, engine, process: bool, thread: bool):
+    def __init__(self, engine, args):
         from dsv4.structured.registry import Grammars
         from dsv4.structured.remote import WorkerGrammars
         if engine.grammars is not None:
             engine.grammars.close()
-        args = (engine.tokenizer, engine.cfg.vocab_size, engine.eos_token_id)
+        options, args = args, (engine.tokenizer, engine.cfg.vocab_size, engine.eos_token_id)
         self.inproc = Grammars(*args)
         self.workers = {}
-        for kind, wanted in ((PROCESS, process), (THREAD, thread)):
-            if wanted:          # started, the schema compiled: not timed in the first run
-                self.workers[kind] = worker = WorkerGrammars(*args, engine.config.max_num_seqs,
-                                                             in_thread=kind == THREAD)
+        for _, path in variants(options):
+            if isinstance(path, tuple):     # started, the schema compiled: not timed in the first run
+                self.workers[path] = worker = WorkerGrammars(*args, engine.config.max_num_seqs, fill_threads=path[1],
+                                                             in_thread=path[0] == "thread")
                 worker.add("warm", StructuredOutputs(json=json.dumps(SCHEMA)))
                 assert worker.ping(), worker.error
                 worker.drop("warm")
 
-    def use(self, engine, threads: int | None) -> None:
-        """The engine's grammars for `threads` (PROCESS: the worker; 0: every fill inline; None:
+    def use(self, engine, threads: int | tuple | None) -> None:
+        """The engine's grammars for `threads` (a tuple: a worker's; 0: every fill inline; None:
         the default fill threads)."""
         from dsv4.structured.masks import MaskFiller
         if threads in self.workers:
@@ -180,7 +184,7 @@ def measure(engine, args) -> dict:
     """Best time of each variant over args.repeats, with the main thread's ms per step in the
     masks and the share of fill slices no thread had begun by `result()`; the outputs of the
     last constrained runs."""
-    best, outs, timer, paths = {}, {}, MaskTimer(), Paths(engine, not args.no_process, args.worker_thread)
+    best, outs, timer, paths = {}, {}, MaskTimer(), Paths(engine, args)
     try:
         for r in range(args.repeats):
             for name, threads in variants(args):
@@ -189,7 +193,7 @@ def measure(engine, args) -> dict:
                 timer.reset()
                 done, dt = run(engine, workload(engine, args.batch, args.tokens, threads is not None, f"{name}-{r}-"))
                 assert all(len(o.token_ids) == args.tokens for o in done.values()), "a request stopped early"
-                notes = timer.per_step_ms() + (taken_back(engine) if threads and threads > 0 else "")
+                notes = timer.per_step_ms() + (taken_back(engine) if isinstance(threads, int) and threads else "")
                 if name not in best or dt < best[name][0]:
                     best[name] = (dt, notes)
                 if threads is not None:
@@ -211,10 +215,11 @@ def table(title: str, args, best: dict) -> None:
     total, plain = args.batch * args.tokens, best["no constraint"][0]
     print(f"\n{title}, batch {args.batch}, {args.tokens} decode tokens each (best of {args.repeats}); "
           f"{os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable")
-    print(f"{'run':<24}{'seconds':>10}{'tokens/s':>12}{'ratio':>8}   main thread's ms per step in the masks")
+    w = max(len(name) for name, _ in variants(args)) + 2
+    print(f"{'run':<{w}}{'seconds':>10}{'tokens/s':>12}{'ratio':>8}   main thread's ms per step in the masks")
     for name, _ in variants(args):
         dt, masks_ms = best[name]
-        print(f"{name:<24}{dt:>10.3f}{total / dt:>12.0f}{plain / dt:>8.3f}   {masks_ms if name != 'no constraint' else ''}")
+        print(f"{name:<{w}}{dt:>10.3f}{total / dt:>12.0f}{plain / dt:>8.3f}   {masks_ms if name != 'no constraint' else ''}")
     if args.batch < THREAD_MIN_ROWS:
         print(f"(batch < THREAD_MIN_ROWS = {THREAD_MIN_ROWS}: every constrained run fills inline)")
 
@@ -242,6 +247,9 @@ def main() -> None:
     ap.add_argument("--fill-threads", type=lambda v: [int(n) for n in v.split(",")], default=[1, FILL_THREADS],
                     help="comma-separated fill-thread counts to run (structured/masks.py FILL_THREADS)")
     ap.add_argument("--no-process", action="store_true", help="leave the grammar worker process variant out")
+    ap.add_argument("--worker-fill-threads", type=lambda v: [int(n) for n in v.split(",")], default=[None],
+                    help="comma-separated fill-thread counts of the grammar worker process, one run each (0: its "
+                         "fill inline; default: masks.FILL_THREADS)")
     ap.add_argument("--worker-thread", action="store_true",
                     help="also the grammar worker's loop on a thread of the engine's process (its GIL shared)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
@@ -252,7 +260,7 @@ def main() -> None:
     args.fill_threads = sorted(set(args.fill_threads))
     if args.smoke:       # two slices of THREAD_MIN_ROWS rows on two threads
         args.batch, args.tokens, args.repeats, args.fill_threads = 2 * THREAD_MIN_ROWS, 8, 1, [1, 2]
-        args.worker_thread = True
+        args.worker_thread, args.worker_fill_threads = True, [0, 2]
     if args.host or args.smoke:
         host_only(args)
     if args.host:

@@ -48,7 +48,8 @@ class WorkerGrammars:
     def __init__(self, tokenizer, vocab_size: int, eos_token_id: int, rows: int, fill_threads: int | None = None,
                  in_thread: bool = False):
         """rows: the sampling rows of a step the buffer holds at first (grown when a step has
-        more); fill_threads: the worker's fill threads (None: masks.FILL_THREADS); in_thread:
+        more); fill_threads: the worker's fill threads (None: masks.FILL_THREADS; 0: none, its
+        fills inline); in_thread:
         the worker's loop on a thread of this process instead (benchmarks/structured_output.py
         compares the two: the thread shares this process's GIL)."""
         self.in_thread = in_thread

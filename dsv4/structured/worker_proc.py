@@ -54,7 +54,9 @@ class Worker:
         from .registry import Grammars
         self.commands, self.replies = commands, replies
         self.grammars = Grammars(Tokenizer.from_str(tokenizer_json), vocab_size, eos_token_id)
-        self.grammars.masks = MaskFiller(vocab_size, self.grammars.keep, threads=fill_threads)
+        self.grammars.masks = MaskFiller(vocab_size, self.grammars.keep, threads=fill_threads or None)
+        if fill_threads == 0:       # every fill inline, on this process's main thread
+            self.grammars.masks.thread_min_rows = 1 << 30
         self.buffer = None          # [2, rows, W] int32 over the shared memory (`buffer`)
         self._map = None
         self.error: str | None = None   # of a command without a reply, told with the next reply
