@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 import time
 
 import torch
@@ -78,7 +79,10 @@ class MaskTimer:
     is among the tokens) and `hand-off` (waiting for the threads to begin), `result` (waiting for
     the threads), `upload` (the mask to the device) and of it `pack` (its bytes into the pinned
     buffer, with the wait for that buffer's last copy), and `apply` (the sampler's launches of
-    the masked fill)."""
+    the masked fill); `cpu`: the main thread's CPU time in the outermost of these calls but `apply` (the
+    work itself, without the waits for a core or the GIL: on a busy host the wall times are
+    mostly those). Only calls on the main thread count (not a worker thread's fills).
+    """
 
     def __init__(self):
         from dsv4.engine import sampler
@@ -86,7 +90,7 @@ class MaskTimer:
         from dsv4.engine.upload import HostToDevice
         from dsv4.structured import fill_threads, masks, remote
         self.seconds = {"advance": 0.0, "start": 0.0, "gates": 0.0, "hand-off": 0.0, "result": 0.0, "post": 0.0,
-                        "wait": 0.0, "upload": 0.0, "pack": 0.0, "apply": 0.0}
+                        "wait": 0.0, "upload": 0.0, "pack": 0.0, "apply": 0.0, "cpu": 0.0}
         self.steps = 0
         timed = {"advance": (LLMEngine, "_advance_grammars"),
                  "start": (masks.MaskFiller, "start"), "gates": (masks, "owed_tokens"),
@@ -100,16 +104,21 @@ class MaskTimer:
             setattr(owner, attr, self._timed(key, fn, within="upload" if key == "pack" else None))
 
     def _timed(self, name, fn, within: str | None = None):
+        main = threading.main_thread()
+
         def timed(*a, **kw):
-            if within is not None and within not in self._inside:
+            if (within is not None and within not in self._inside) or threading.current_thread() is not main:
                 return fn(*a, **kw)
-            start = time.perf_counter()
+            outermost = not self._inside
+            start, cpu = time.perf_counter(), time.thread_time()
             self._inside.add(name)
             try:
                 return fn(*a, **kw)
             finally:
                 self._inside.discard(name)
                 self.seconds[name] += time.perf_counter() - start
+                if outermost and name != "apply":
+                    self.seconds["cpu"] += time.thread_time() - cpu
                 self.steps += name in ("result", "wait")
         return timed
 
