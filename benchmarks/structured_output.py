@@ -91,6 +91,7 @@ class MaskTimer:
         from dsv4.structured import fill_threads, masks, remote
         self.seconds = {"advance": 0.0, "start": 0.0, "gates": 0.0, "hand-off": 0.0, "result": 0.0, "post": 0.0,
                         "wait": 0.0, "upload": 0.0, "pack": 0.0, "apply": 0.0, "cpu": 0.0}
+        self.cpu: dict[str, float] = {}     # the outermost calls' CPU time by call
         self.steps = 0
         timed = {"advance": (LLMEngine, "_advance_grammars"),
                  "start": (masks.MaskFiller, "start"), "gates": (masks, "owed_tokens"),
@@ -119,17 +120,19 @@ class MaskTimer:
                 self.seconds[name] += time.perf_counter() - start
                 if outermost and name != "apply":
                     self.seconds["cpu"] += time.thread_time() - cpu
+                    self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - cpu
                 self.steps += name in ("result", "wait")
         return timed
 
     def per_step_ms(self) -> str:
         """The parts timed in this run (a part of the other path's reads 0 and is left out)."""
         n = max(self.steps, 1)
-        return ", ".join(f"{k} {v / n * 1e3:.3f}" for k, v in self.seconds.items() if v)
+        return (", ".join(f"{k} {v / n * 1e3:.3f}" for k, v in self.seconds.items() if v)
+                + " (" + ", ".join(f"{k} {v / n * 1e3:.3f}" for k, v in self.cpu.items()) + ")")
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.seconds, 0.0)
-        self.steps = 0
+        self.cpu, self.steps = {}, 0
 
     def close(self) -> None:
         for owner, attr, fn in self._saved:
