@@ -24,6 +24,7 @@ ends on "stop" or when the engine's end of the pipe closes (the engine gone)."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -35,6 +36,8 @@ def serve(commands: Connection, replies: Connection, tokenizer_path: str, vocab_
     file this removes once read (a large argument would hold the engine's `start` until this
     process has started). Ends the process at once when done (nothing of its own to clean up:
     no interpreter teardown), unless `in_thread` (a benchmark's thread variant)."""
+    if not in_thread:           # a terminal's Ctrl-C reaches every process: the engine decides (SIGTERM,
+        signal.signal(signal.SIGINT, signal.SIG_IGN)     # multiprocessing's end of a daemon, still ends it)
     with open(tokenizer_path, encoding="utf-8") as f:
         tokenizer_json = f.read()
     os.unlink(tokenizer_path)
