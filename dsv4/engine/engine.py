@@ -362,7 +362,7 @@ class LLMEngine:
             if self.config.grammar_process:
                 from ..structured.remote import WorkerGrammars
                 self.grammars = WorkerGrammars(self.tokenizer, self.cfg.vocab_size, self.eos_token_id,
-                                               self.config.max_num_seqs)
+                                               self.config.max_num_seqs * self.config.data_parallel_size)
             else:
                 from ..structured.registry import Grammars
                 self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, self.eos_token_id)

@@ -50,9 +50,8 @@ class WorkerGrammars:
                  in_thread: bool = False):
         """rows: the sampling rows of a step the buffer holds at first (grown when a step has
         more); fill_threads: the worker's fill threads (None: masks.FILL_THREADS; 0: none, its
-        fills inline); in_thread:
-        the worker's loop on a thread of this process instead (benchmarks/structured_output.py
-        compares the two: the thread shares this process's GIL)."""
+        fills inline); in_thread: the worker's loop on a thread of this process instead
+        (benchmarks/structured_output.py compares the two: the thread shares this GIL)."""
         self.in_thread = in_thread
         if tokenizer is None:
             raise ValueError("structured outputs need the checkpoint's tokenizer (tokenizer.json)")
@@ -89,7 +88,8 @@ class WorkerGrammars:
         if not self.in_thread:
             commands_in.close()         # (only the worker holds these ends: its death is an EOF here)
             replies_out.close()
-        self.error, self.pending, self._half, self._unlink = None, None, 0, None
+        self.error, self.pending, self._half = None, None, 0
+        self._unlink: list[str] = []     # buffer files the worker may not have mapped yet
         self._map_buffer(self._rows)
 
     def _map_buffer(self, rows: int) -> None:
@@ -99,16 +99,16 @@ class WorkerGrammars:
             self._map = mmap.mmap(fd, 0)
         finally:
             os.close(fd)
-        self._remove_file()
         self.buffer = torch.frombuffer(self._map, dtype=torch.int32).view(2, rows, self.width)
         self.all_rows = torch.arange(rows)
-        self._rows, self._unlink = rows, path
+        self._rows = rows
+        self._unlink.append(path)
         self._send(("buffer", path, rows))
 
-    def _remove_file(self) -> None:
-        if self._unlink is not None:
-            _remove(self._unlink)
-            self._unlink = None
+    def _remove_files(self) -> None:
+        """Unlink the buffer files sent: the worker has mapped them once it replies after."""
+        while self._unlink:
+            _remove(self._unlink.pop())
 
     def _send(self, command: tuple) -> bool:
         if self.error is not None:
@@ -134,7 +134,7 @@ class WorkerGrammars:
         except (EOFError, OSError) as e:
             self._died(e)
             return None
-        self._remove_file()             # the worker has mapped the buffer by now
+        self._remove_files()
         if reply[0] == "error":         # its matchers may be half-way through a step: ended here
             self.process.kill()
             self._died(None, f"the grammar worker failed: {reply[1] if len(reply) > 1 else '?'}")
@@ -147,6 +147,7 @@ class WorkerGrammars:
         self.error = why or (f"the grammar worker process exited (code {code})" if code is not None
                              else f"the grammar worker process stopped answering ({type(cause).__name__})")
         self.pending = None
+        self._remove_files()
 
     def close(self) -> None:
         self._send(("stop",))
@@ -154,7 +155,7 @@ class WorkerGrammars:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
-        self._remove_file()
+        self._remove_files()
         _remove(self._tokenizer_file)       # (a worker that died before reading it)
         if self.error is None:
             self.error = "closed"

@@ -10,6 +10,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from dsv4.assets import demo_model_dir
 from dsv4.config import ConfigError, EngineConfig
@@ -118,6 +119,41 @@ def test_no_worker_without_a_constraint_and_bad_ones_refused_at_add(engine_of, h
         assert process.exitcode == 0
     finally:
         eng.close()
+
+
+def test_masks_match_the_in_process_ones_and_the_buffer_grows(engine_of):
+    """`WorkerGrammars` against `registry.Grammars` call for call: a step of more rows than
+    the shared buffer holds (grown before the worker has answered once), unconstrained rows,
+    a request dropped, and verify masks."""
+    from dsv4.structured.registry import Grammars
+    from dsv4.structured.remote import WorkerGrammars
+    eng = engine_of(async_scheduling="on", grammar_worker="process")
+    args = (eng.tokenizer, eng.cfg.vocab_size, eng.eos_token_id)
+    inproc, worker = Grammars(*args), WorkerGrammars(*args, rows=2)
+    try:
+        specs = list(KINDS.values()) + [KINDS["json"]]
+        for g in (inproc, worker):
+            for i, spec in enumerate(specs):
+                g.add(f"r{i}", spec)
+        rows = ["r0", "plain", "r1", "r2", "r3", "r4"]
+        tokens = {rid: eng.tokenizer.encode(text) for rid, text in
+                  zip(["r0", "r1", "r2", "r3", "r4"], ['{"name"', "abc", "ma", "(x", '{"age"'])}
+        for step in range(3):
+            masks = []
+            for g in (inproc, worker):
+                taken = [(g.get(rid), ids[step]) for rid, ids in tokens.items() if step < len(ids)]
+                mask = g.step_masks(rows, taken if step else []).result()
+                masks.append((mask.rows.tolist(), mask.bitmask.clone(), mask.covers_all))
+            assert masks[0][0] == masks[1][0] == [0, 2, 3, 4, 5] and not masks[1][2]
+            assert torch.equal(masks[0][1], masks[1][1])
+        assert worker.buffer.shape[1] >= len(rows)
+        for g in (inproc, worker):
+            g.drop("r1")
+        a, b = (g.verify_masks([("r0", tokens["r0"][3:5]), ("r1", [1]), ("r2", [])]) for g in (inproc, worker))
+        assert a.rows.tolist() == b.rows.tolist() and torch.equal(a.bitmask, b.bitmask)
+    finally:
+        inproc.close()
+        worker.close()
 
 
 def test_worker_death_fails_the_constrained_requests_alone(engine_of, h, monkeypatch):
