@@ -38,6 +38,8 @@ def serve(commands: Connection, replies: Connection, tokenizer_path: str, vocab_
     no interpreter teardown), unless `in_thread` (a benchmark's thread variant)."""
     if not in_thread:           # a terminal's Ctrl-C reaches every process: the engine decides (SIGTERM,
         signal.signal(signal.SIGINT, signal.SIG_IGN)     # multiprocessing's end of a daemon, still ends it)
+        import torch
+        torch.set_num_threads(1)        # (no intra-op pool: this process's tensors are a few rows)
     with open(tokenizer_path, encoding="utf-8") as f:
         tokenizer_json = f.read()
     os.unlink(tokenizer_path)
@@ -74,8 +76,9 @@ class Worker:
                 return
             try:
                 reply = getattr(self, "_" + command[0])(*command[1:])
-            except Exception as e:  # noqa: BLE001 - told to the engine, the worker goes on
-                self.error = self.error or f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=4)}"
+            except Exception as e:  # noqa: BLE001 - told to the engine (which ends this process)
+                traceback.print_exc()
+                self.error = self.error or f"{type(e).__name__}: {e}"
                 reply = ("error",) if command[0] in ("step", "verify", "ping") else None
             if reply is not None:
                 if self.error is not None:

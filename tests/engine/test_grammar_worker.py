@@ -124,7 +124,7 @@ def test_no_worker_without_a_constraint_and_bad_ones_refused_at_add(engine_of, h
 def test_masks_match_the_in_process_ones_and_the_buffer_grows(engine_of):
     """`WorkerGrammars` against `registry.Grammars` call for call: a step of more rows than
     the shared buffer holds (grown before the worker has answered once), unconstrained rows,
-    a request dropped, and verify masks."""
+    a request dropped, and verify masks; then an error inside the worker ends it."""
     from dsv4.structured.registry import Grammars
     from dsv4.structured.remote import WorkerGrammars
     eng = engine_of(async_scheduling="on", grammar_worker="process")
@@ -151,6 +151,11 @@ def test_masks_match_the_in_process_ones_and_the_buffer_grows(engine_of):
             g.drop("r1")
         a, b = (g.verify_masks([("r0", tokens["r0"][3:5]), ("r1", [1]), ("r2", [])]) for g in (inproc, worker))
         assert a.rows.tolist() == b.rows.tolist() and torch.equal(a.bitmask, b.bitmask)
+        worker._send(("accept", [999], [1]))       # an error in the worker: told with the next reply
+        assert not worker.ping() and "KeyError" in worker.error and "slot 999" in worker.error
+        worker.process.join(timeout=30)
+        assert worker.process.exitcode == -signal.SIGKILL     # ended: its matchers may be half-way
+        assert worker.step_masks(rows).result() is None          # and nothing hangs after
     finally:
         inproc.close()
         worker.close()
