@@ -5,18 +5,24 @@ masks are filled on the host (fill threads for a large batch) while the GPU runs
 and the main thread appends the previous step's tokens and schedules the next step (the step is
 sampled after that schedule), and applied in the sampler.
 
-    python -m benchmarks.structured_output [--batch 64] [--tokens 256] [--repeats 3] [--fill-threads 1,4]
+    python -m benchmarks.structured_output [--batch 64] [--tokens 256] [--repeats 3] [--fill-threads 1,4] [--no-process]
     python -m benchmarks.structured_output --smoke        # tiny, on the CPU, in seconds
     python -m benchmarks.structured_output --host [--batch 64] [--tokens 64]   # forward stubbed
 
-Each time: no constraint; JSON with the masks filled on the fill threads, once per count in
---fill-threads (structured/masks.py: persistent threads, a slice of the rows each); JSON with them
-filled inline on the main thread. Each constrained row reports the main thread's ms per step in
-`MaskFiller.start` (the gates taking the previous step's tokens, then the hand-off to the
-threads, whose matchers accept those tokens before the hand-off ends, or the whole inline accept
-and fill), in `PendingMask.result` (waiting for the threads) and in the mask's upload, and how
-many of the slices handed to the threads no thread had begun by `result()` (filled there: a
-hand-off that failed).
+Each time, in turn (so the variants alternate): no constraint; JSON with the masks filled on the
+fill threads, once per count in --fill-threads (structured/masks.py: persistent threads, a slice
+of the rows each); JSON with them filled inline on the main thread; JSON with the matchers in the
+grammar worker process (structured/remote.py; once per --worker-fill-threads count, 0: the worker's fill inline;
+--no-process leaves it out; --worker-thread adds the same worker's loop on a thread of the
+engine's process). Each constrained row
+reports the main thread's ms per step in `LLMEngine._advance_grammars` (`advance`: the rows'
+(grammar, token) pairs, then the start of the next mask: for the threads, `MaskFiller.start`
+(`start`: the gates taking the previous step's tokens, then the hand-off to the threads, whose
+matchers accept those tokens before the hand-off ends, or the whole inline accept and fill) and
+`PendingMask.result` (`result`: waiting for the threads); for the process, the post
+(`post`: `WorkerGrammars.step_masks`) and `PendingRemote.result` (`wait`: the reply)), and in
+the mask's upload, and how many of the slices handed to the threads no thread had begun by
+`result()` (filled there: a hand-off that failed).
 
 `--host` replaces the model's forward by constant logits (benchmarks/host_path.py) and reports
 the same over the host's work alone: the bound on the ratio of a host-bound step. On the CPU the
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 import time
 
 import torch
@@ -72,18 +79,24 @@ class MaskTimer:
     is among the tokens) and `hand-off` (waiting for the threads to begin), `result` (waiting for
     the threads), `upload` (the mask to the device) and of it `pack` (its bytes into the pinned
     buffer, with the wait for that buffer's last copy), and `apply` (the sampler's launches of
-    the masked fill)."""
+    the masked fill); `cpu`: the main thread's CPU time in the outermost of these calls but `apply` (the
+    work itself, without the waits for a core or the GIL: on a busy host the wall times are
+    mostly those). Only calls on the main thread count (not a worker thread's fills).
+    """
 
     def __init__(self):
         from dsv4.engine import sampler
         from dsv4.engine.sampling_inputs import SamplingInputs
         from dsv4.engine.upload import HostToDevice
-        from dsv4.structured import fill_threads, masks
-        self.seconds = {"start": 0.0, "gates": 0.0, "hand-off": 0.0, "result": 0.0, "upload": 0.0, "pack": 0.0,
-                        "apply": 0.0}
+        from dsv4.structured import fill_threads, masks, remote
+        self.seconds = {"advance": 0.0, "start": 0.0, "gates": 0.0, "hand-off": 0.0, "result": 0.0, "post": 0.0,
+                        "wait": 0.0, "upload": 0.0, "pack": 0.0, "apply": 0.0, "cpu": 0.0}
+        self.cpu: dict[str, float] = {}     # the outermost calls' CPU time by call
         self.steps = 0
-        timed = {"start": (masks.MaskFiller, "start"), "gates": (masks, "owed_tokens"),
+        timed = {"advance": (LLMEngine, "_advance_grammars"),
+                 "start": (masks.MaskFiller, "start"), "gates": (masks, "owed_tokens"),
                  "hand-off": (fill_threads.FillThreads, "submit"), "result": (masks.PendingMask, "result"),
+                 "post": (remote.WorkerGrammars, "step_masks"), "wait": (remote.PendingRemote, "result"),
                  "upload": (SamplingInputs, "_upload_mask"), "pack": (HostToDevice, "_pack"),
                  "apply": (sampler, "apply_grammar_mask")}
         self._inside: set[str] = set()     # the timed calls running now ("pack" counts inside "upload" only)
@@ -92,69 +105,116 @@ class MaskTimer:
             setattr(owner, attr, self._timed(key, fn, within="upload" if key == "pack" else None))
 
     def _timed(self, name, fn, within: str | None = None):
+        main = threading.main_thread()
+
         def timed(*a, **kw):
-            if within is not None and within not in self._inside:
+            if (within is not None and within not in self._inside) or threading.current_thread() is not main:
                 return fn(*a, **kw)
-            start = time.perf_counter()
+            outermost = not self._inside
+            start, cpu = time.perf_counter(), time.thread_time()
             self._inside.add(name)
             try:
                 return fn(*a, **kw)
             finally:
                 self._inside.discard(name)
                 self.seconds[name] += time.perf_counter() - start
-                self.steps += name == "result"
+                if outermost and name != "apply":
+                    self.seconds["cpu"] += time.thread_time() - cpu
+                    self.cpu[name] = self.cpu.get(name, 0.0) + time.thread_time() - cpu
+                self.steps += name in ("result", "wait")
         return timed
 
     def per_step_ms(self) -> str:
+        """The parts timed in this run (a part of the other path's reads 0 and is left out)."""
         n = max(self.steps, 1)
-        return ", ".join(f"{k} {v / n * 1e3:.3f}" for k, v in self.seconds.items())
+        return (", ".join(f"{k} {v / n * 1e3:.3f}" for k, v in self.seconds.items() if v)
+                + " (" + ", ".join(f"{k} {v / n * 1e3:.3f}" for k, v in self.cpu.items()) + ")")
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(self.seconds, 0.0)
-        self.steps = 0
+        self.cpu, self.steps = {}, 0
 
     def close(self) -> None:
         for owner, attr, fn in self._saved:
             setattr(owner, attr, fn)
 
 
-def variants(args) -> list[tuple[str, int | None]]:
-    """(name, fill threads): no constraint (None), JSON on each --fill-threads count, JSON inline (0)."""
+def variants(args) -> list[tuple[str, int | tuple | None]]:
+    """(name, path): no constraint (None), JSON on each --fill-threads count (n), JSON inline
+    (0), JSON in the grammar worker process with each --worker-fill-threads count ("process", n;
+    0: its fill inline, None: its default) and with the worker's loop on a thread ("thread",
+    None; --worker-thread)."""
+    def fills(n):
+        return "" if n is None else f", {n} fill threads" if n else ", fill inline"
     return ([("no constraint", None)] + [(f"JSON, {n} fill thread{'s' * (n > 1)}", n) for n in args.fill_threads]
-            + [("JSON, fill inline", 0)])
+            + [("JSON, fill inline", 0)]
+            + ([] if args.no_process else [(f"JSON, worker process{fills(n)}", ("process", n))
+                                           for n in args.worker_fill_threads])
+            + ([("JSON, worker thread", ("thread", None))] if args.worker_thread else []))
 
 
-def use_filler(engine, threads: int | None) -> None:
-    """The engine's mask filler with `threads` fill threads (0: every fill inline; None: the default)."""
-    from dsv4.structured.masks import MaskFiller
-    grammars = engine.grammars
-    grammars.masks.close()
-    grammars.masks = MaskFiller(engine.cfg.vocab_size, grammars.keep, threads=threads or None)
-    if threads == 0:
-        grammars.masks.thread_min_rows = 1 << 30
+class Paths:
+    """Both grammar paths of one engine, swapped in between runs (each empty then): the
+    in-process `Grammars` and the worker process's `WorkerGrammars`."""
+
+    def __init__(self, engine, args):
+        from dsv4.structured.registry import Grammars
+        from dsv4.structured.remote import WorkerGrammars
+        if engine.grammars is not None:
+            engine.grammars.close()
+        options, args = args, (engine.tokenizer, engine.cfg.vocab_size, engine.eos_token_id)
+        self.inproc = Grammars(*args)
+        self.workers = {}
+        for _, path in variants(options):
+            if isinstance(path, tuple):     # started, the schema compiled: not timed in the first run
+                self.workers[path] = worker = WorkerGrammars(*args, engine.config.max_num_seqs, fill_threads=path[1],
+                                                             in_thread=path[0] == "thread")
+                worker.add("warm", StructuredOutputs(json=json.dumps(SCHEMA)))
+                assert worker.ping(), worker.error
+                worker.drop("warm")
+
+    def use(self, engine, threads: int | tuple | None) -> None:
+        """The engine's grammars for `threads` (a tuple: a worker's; 0: every fill inline; None:
+        the default fill threads)."""
+        from dsv4.structured.masks import MaskFiller
+        if threads in self.workers:
+            engine.grammars = self.workers[threads]
+            return
+        engine.grammars = grammars = self.inproc
+        grammars.masks.close()
+        grammars.masks = MaskFiller(engine.cfg.vocab_size, grammars.keep, threads=threads or None)
+        if threads == 0:
+            grammars.masks.thread_min_rows = 1 << 30
+
+    def close(self) -> None:
+        self.inproc.close()
+        for worker in self.workers.values():
+            worker.close()
 
 
 def measure(engine, args) -> dict:
     """Best time of each variant over args.repeats, with the main thread's ms per step in the
     masks and the share of fill slices no thread had begun by `result()`; the outputs of the
     last constrained runs."""
-    best, outs, timer = {}, {}, MaskTimer()
+    best, outs, timer, paths = {}, {}, MaskTimer(), Paths(engine, args)
     try:
         for r in range(args.repeats):
             for name, threads in variants(args):
                 if threads is not None:
-                    use_filler(engine, threads)
+                    paths.use(engine, threads)
                 timer.reset()
                 done, dt = run(engine, workload(engine, args.batch, args.tokens, threads is not None, f"{name}-{r}-"))
                 assert all(len(o.token_ids) == args.tokens for o in done.values()), "a request stopped early"
-                notes = timer.per_step_ms() + (taken_back(engine) if threads else "")
+                notes = timer.per_step_ms() + (taken_back(engine) if isinstance(threads, int) and threads else "")
                 if name not in best or dt < best[name][0]:
                     best[name] = (dt, notes)
                 if threads is not None:
                     outs[name] = done
     finally:
         timer.close()
-        use_filler(engine, None)
+        paths.use(engine, None)
+        paths.close()
+        engine.grammars = None
     return {"best": best, "outs": outs}
 
 
@@ -167,10 +227,11 @@ def table(title: str, args, best: dict) -> None:
     total, plain = args.batch * args.tokens, best["no constraint"][0]
     print(f"\n{title}, batch {args.batch}, {args.tokens} decode tokens each (best of {args.repeats}); "
           f"{os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} usable")
-    print(f"{'run':<24}{'seconds':>10}{'tokens/s':>12}{'ratio':>8}   main thread's ms per step in the masks")
+    w = max(len(name) for name, _ in variants(args)) + 2
+    print(f"{'run':<{w}}{'seconds':>10}{'tokens/s':>12}{'ratio':>8}   main thread's ms per step in the masks")
     for name, _ in variants(args):
         dt, masks_ms = best[name]
-        print(f"{name:<24}{dt:>10.3f}{total / dt:>12.0f}{plain / dt:>8.3f}   {masks_ms if name != 'no constraint' else ''}")
+        print(f"{name:<{w}}{dt:>10.3f}{total / dt:>12.0f}{plain / dt:>8.3f}   {masks_ms if name != 'no constraint' else ''}")
     if args.batch < THREAD_MIN_ROWS:
         print(f"(batch < THREAD_MIN_ROWS = {THREAD_MIN_ROWS}: every constrained run fills inline)")
 
@@ -197,6 +258,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--fill-threads", type=lambda v: [int(n) for n in v.split(",")], default=[1, FILL_THREADS],
                     help="comma-separated fill-thread counts to run (structured/masks.py FILL_THREADS)")
+    ap.add_argument("--no-process", action="store_true", help="leave the grammar worker process variant out")
+    ap.add_argument("--worker-fill-threads", type=lambda v: [int(n) for n in v.split(",")], default=[None],
+                    help="comma-separated fill-thread counts of the grammar worker process, one run each (0: its "
+                         "fill inline; default: masks.FILL_THREADS)")
+    ap.add_argument("--worker-thread", action="store_true",
+                    help="also the grammar worker's loop on a thread of the engine's process (its GIL shared)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU")
     ap.add_argument("--host", action="store_true", help="the model's forward stubbed: host work only, on the CPU")
     args = ap.parse_args()
@@ -205,6 +272,7 @@ def main() -> None:
     args.fill_threads = sorted(set(args.fill_threads))
     if args.smoke:       # two slices of THREAD_MIN_ROWS rows on two threads
         args.batch, args.tokens, args.repeats, args.fill_threads = 2 * THREAD_MIN_ROWS, 8, 1, [1, 2]
+        args.worker_thread, args.worker_fill_threads = True, [0, 2]
     if args.host or args.smoke:
         host_only(args)
     if args.host:

@@ -266,6 +266,9 @@ def default_batched_tokens(device: str, serving: bool) -> int:
     return BATCHED_TOKENS[(kind, serving)]
 
 
+GRAMMAR_PROCESS_MIN_CORES = 8    # usable cores from which grammar_worker "auto" picks the process
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every engine setting (the CLI flags of `generate`, `serve` and `bench`)."""
@@ -299,6 +302,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1          # ranks sharing each layer (dsv4/parallel/tensor_parallel.py)
     data_parallel_size: int = 1            # ranks running attention on their own requests (expert parallel MoE)
     enable_expert_parallel: bool = False   # routed experts split E/N over the ranks instead of each expert's width
+    grammar_worker: str = "auto"           # process | threads | auto: where grammar masks are filled (grammar_process)
 
     def __post_init__(self):
         if self.max_num_batched_tokens is None:
@@ -321,6 +325,8 @@ class EngineConfig:
         self._check_parallel()
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ConfigError("async_scheduling", f"expected 'auto', 'on' or 'off', got {self.async_scheduling!r}")
+        if self.grammar_worker not in ("auto", "process", "threads"):
+            raise ConfigError("grammar_worker", f"expected 'auto', 'process' or 'threads', got {self.grammar_worker!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ConfigError("kv_cache_dtype", f"expected 'auto' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.ops_backend not in ("auto", "reference"):
@@ -397,6 +403,17 @@ class EngineConfig:
         if self.world_size > 1 and self.host_cache_gb:
             raise ConfigError("host_cache_gb", "the host / disk tiers restore pages on one rank only: "
                                                "not under tensor or data parallelism yet")
+
+    @property
+    def grammar_process(self) -> bool:
+        """Whether the matchers live in a grammar worker process (structured/remote.py) rather
+        than in the engine's, filled on its fill threads; auto: a process with
+        GRAMMAR_PROCESS_MIN_CORES usable cores or more (on fewer it takes a core the main
+        thread needs)."""
+        if self.grammar_worker != "auto":
+            return self.grammar_worker == "process"
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return cores >= GRAMMAR_PROCESS_MIN_CORES
 
     @property
     def world_size(self) -> int:

@@ -58,6 +58,9 @@ HELP = {
                           "tree, a new request to the rank holding the longest prefix of it (else the least "
                           "loaded); needs --enable-expert-parallel (routed experts split E/N); --max-num-seqs, "
                           "--max-num-batched-tokens and the cache budget are per rank; no CUDA graphs under DP yet",
+    "grammar_worker": "where grammar masks (structured outputs) are filled: process (a worker process owning the "
+                      "matchers, fed each step's tokens through a pipe, the masks through shared memory), threads "
+                      "(in the engine process, on fill threads) or auto (process with 8 or more usable cores)",
     "enable_expert_parallel": "split the routed experts E/N over the ranks (each expert whole on one rank)",
 }
 # config.json keys that have a flag of their own (the rest of an override comes from --hf-overrides)

@@ -113,7 +113,11 @@ class LLMEngine:
         # all generated ones per step, one object per token); None: no output
         self.make_output: Callable[[Request, list[int]], object | None] = self.output_of
         self._carried: list[RequestOutput] = []           # outputs of a step read after a failure
-        self.grammars = None        # structured/registry.Grammars, made on the first constrained request
+        self.grammars = None        # structured registry.Grammars or remote.WorkerGrammars, made on the first
+        #                             constrained request
+        # requests the engine ended on its own with an error (the grammar worker's death): (id, why),
+        # reported by the engine core as failures (`take_failed`)
+        self.failed: list[tuple[str, str]] = []
         log.info(self.memory_report())
         if torch.device(config.device).type == "cuda":
             self.warmup()
@@ -313,9 +317,12 @@ class LLMEngine:
         if step.values is None:
             return []
         tokens, lps, top_ids, top_lps = step.values.get()
+        outputs = []
         if self.grammars:
             self._advance_grammars(step, tokens, following)
-        outputs, chunks, append = [], step.chunks, self._append
+            if self.grammars.error is not None:
+                outputs = self._fail_grammar_requests()
+        chunks, append = step.chunks, self._append
         commit = self.cache.commit if self.cache.prefix is not None else None    # (a no-op without one)
         for row, i in enumerate(step.sampled):
             req = chunks[i].request
@@ -351,9 +358,33 @@ class LLMEngine:
     # ---- structured outputs (dsv4/structured/) -------------------------------------------
     def _grammars(self):
         if self.grammars is None:
-            from ..structured.registry import Grammars
-            self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, self.eos_token_id)
+            if self.config.grammar_process:
+                from ..structured.remote import WorkerGrammars
+                self.grammars = WorkerGrammars(self.tokenizer, self.cfg.vocab_size, self.eos_token_id,
+                                               self.config.max_num_seqs * self.config.data_parallel_size)
+            else:
+                from ..structured.registry import Grammars
+                self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, self.eos_token_id)
         return self.grammars
+
+    def _fail_grammar_requests(self) -> list:
+        """The grammar worker is gone (`grammars.error`): abort every constrained request, each
+        recorded in `failed` with the reason, before any of its tokens sampled without a mask is
+        appended; -> their last outputs (finished, "abort")."""
+        why = self.grammars.error
+        outputs = []
+        for rid in [rid for rid in self.requests if self.grammars.get(rid) is not None]:
+            req = self.requests[rid]
+            self.abort(rid)
+            self.failed.append((rid, why))
+            out = self.make_output(req, [])
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def take_failed(self) -> list[tuple[str, str]]:
+        failed, self.failed = self.failed, []
+        return failed
 
     @torch.inference_mode()
     def _start_masks(self, chunks: list[ScheduledChunk], idx: list[int]):
@@ -368,19 +399,17 @@ class LLMEngine:
         per request in a non-speculative step) and its masks start filling right after; else
         one token at a time. Rows past a request's finishing token (speculative rows) may be
         taken too: its matcher is dropped when it finishes."""
-        taken = []
+        taken, get = [], self.grammars.get
         for row, i in enumerate(step.sampled):
             req = step.chunks[i].request
-            grammar = None if req.is_finished else self.grammars.get(req.request_id)
-            if grammar is not None:
+            grammar = None if req.is_finished else get(req.request_id)
+            if grammar is not None:         # (a RequestGrammar, or a slot in the grammar worker)
                 taken.append((grammar, tokens[row]))
         if following is not None and following.sample_later is not None:
             following.masks = self.grammars.step_masks(
                 [following.chunks[i].request.request_id for i in following.sampled], taken)
             return
-        self.grammars.masks.idle()
-        for grammar, token in taken:
-            grammar.accept(token)
+        self.grammars.accept(taken)
 
     def _grammar_waits(self, chunks: list[ScheduledChunk], idx: list[int]) -> bool:
         """Whether a row to sample is under a grammar while its last token is still on the

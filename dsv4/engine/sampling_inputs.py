@@ -47,10 +47,11 @@ class SamplingInputs:
             rows_t = None if plain else self.h2d.upload([torch.tensor(rows)])[0]
             return self._plain_rows(reqs), rows_t, None
         if self._batch is not None and key == self._reqs:
-            if masks is None:
+            mask = None if masks is None else masks.result()     # (None: no row constrained after all)
+            if mask is None:
                 rows_t = None if plain else self.h2d.upload([torch.tensor(rows)])[0]
                 return self._batch, rows_t, None
-            grammar, rows_t = self._upload_mask(masks.result(), None if plain else rows)
+            grammar, rows_t = self._upload_mask(mask, None if plain else rows)
             return dataclasses.replace(self._batch, grammar=grammar), rows_t, None
         self.builds += 1
         batch = SamplingBatch.build(

@@ -23,6 +23,7 @@ class Grammars:
         self.end_row, self.eos_token_id = only_token(eos_token_id, vocab_size), eos_token_id
         self.masks = MaskFiller(vocab_size, self.keep)      # decode steps' masks
         self._requests: dict[str, RequestGrammar] = {}
+        self.error: str | None = None       # (never set here: remote.WorkerGrammars's worker death)
 
     def add(self, request_id: str, spec: StructuredOutputs) -> RequestGrammar:
         """Raises grammars.GrammarError (a ValueError naming the problem) for a bad constraint."""
@@ -45,6 +46,13 @@ class Grammars:
         the worker thread for a large batch), or None. `taken`: the previous step's tokens, one
         per grammar, that the matchers accept first (masks.MaskFiller.start)."""
         return self.masks.start([self._requests.get(rid) for rid in request_ids], taken)
+
+    def accept(self, taken: list[tuple[RequestGrammar, int]]) -> None:
+        """The matchers take the (grammar, token) pairs in order, one token at a time, with no
+        mask to fill after (a speculative step's tokens, or a step sampled without waiting)."""
+        self.masks.idle()
+        for grammar, token in taken:
+            grammar.accept(token)
 
     def verify_masks(self, chunks: list[tuple[str, list[int]]]):
         """Per verify chunk (its request id, its drafts) -> masks.GrammarMask of its rows, or None."""

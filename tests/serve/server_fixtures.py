@@ -227,7 +227,8 @@ def demo_dir() -> str:
 @pytest.fixture(scope="session")
 def real_server(demo_dir, tmp_path_factory):
     args = ["--model", demo_dir, "--port", "0", "--served-model-name", *MODEL_NAMES, "--api-key", API_KEY,
-            "--num-pages", "96", "--max-model-len", "512", "--log-level", "warning"]
+            "--num-pages", "96", "--max-model-len", "512", "--log-level", "warning",
+            "--grammar-worker", "process"]   # (the structured-output tests take the worker process path)
     server = ServerProcess(args, tmp_path_factory.mktemp("server") / "serve.log")
     yield server
     assert server.stop() == 0, server.log()
