@@ -19,7 +19,8 @@ def test_metrics_start_after_the_warm_up(fake_server_factory, metric, monkeypatc
     real = warm_request.warm_bodies
     monkeypatch.setattr(warm_request, "warm_bodies", lambda model: sent.extend(real(model)) or sent)
     server = fake_server_factory()
-    assert [path for path, _ in sent] == ["/v1/completions", "/v1/chat/completions"]
+    assert [path for path, _ in sent] == ["/v1/completions", "/v1/chat/completions", "/v1/chat/completions"]
+    assert sent[2][1]["response_format"] == {"type": "json_object"}
     import httpx
     with httpx.Client(base_url=server.base_url, timeout=30, trust_env=False) as client:
         before = client.get("/metrics").text
@@ -50,6 +51,6 @@ def test_a_failing_warm_up_is_reported_not_fatal(capsys):
     state = _State()
     before = state.metrics
     assert asyncio.run(warm_request.warm_up(app, state)) is False
-    assert seen == ["m", "m"]
+    assert seen == ["m", "m", "m"]
     assert "warm-up request to /v1/completions failed" in capsys.readouterr().err
     assert state.metrics is not before               # fresh metrics even so

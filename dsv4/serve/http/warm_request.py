@@ -3,8 +3,10 @@
 graphs, but the first request also meets first-time work on both sides (request parsing and
 validation, the chat encoding, detokenisation and streaming, the engine's first admission of a
 request), about 20 ms of TTFT on an H200. Sent in process (ASGI, no socket), a streamed
-completion and a streamed chat completion of two tokens each; the server's request metrics
-start after them (`ServerState.metrics` is made again)."""
+completion, a streamed chat completion and a streamed JSON-mode chat completion (its grammar
+compiled and, with `--grammar-worker process`, the grammar worker started before READY, not in
+the first constrained request's TTFT) of two tokens each; the server's request metrics start
+after them (`ServerState.metrics` is made again)."""
 from __future__ import annotations
 
 import sys
@@ -19,8 +21,10 @@ MAX_TOKENS = 2
 def warm_bodies(model: str) -> list[tuple[str, dict]]:
     """(path, JSON body) of the warm-up requests."""
     common = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    chat = {**common, "messages": [{"role": "user", "content": "warm-up"}]}
     return [("/v1/completions", {**common, "prompt": "warm-up"}),
-            ("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": "warm-up"}]})]
+            ("/v1/chat/completions", chat),
+            ("/v1/chat/completions", {**chat, "response_format": {"type": "json_object"}})]
 
 
 async def warm_up(app, state: ServerState) -> bool:
