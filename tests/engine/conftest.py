@@ -17,6 +17,8 @@ position and CSA layer (`tiny.tie_free_ids`), so every remaining difference is a
   every logits row the runner produced (teacher forcing).
 * `stepper`: runs hand-made steps (which requests, how many tokens each) through the cache
   manager and the runner, for the invariant tests that need exact control of chunks.
+* `demo_engines`: get(**EngineConfig fields) -> a demo-model engine made once per module and
+  config (64 pages, 2,048-token steps unless given), closed at the module's end.
 * `drive` (also `h.drive`): runs `LLMEngine.step` over requests that arrive at given steps
   (optionally aborting one, checking the cache accounting after every step) until idle; every
   test that drives an engine over requests uses it.
@@ -459,3 +461,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def demo_engines():
+    from dsv4.assets import demo_model_dir
+    from dsv4.config import EngineConfig
+    from dsv4.engine.engine import LLMEngine
+    made = {}
+
+    def get(**kw):
+        kw = {"num_pages": 64, "max_num_batched_tokens": 2048, **kw}
+        key = tuple(sorted(kw.items()))
+        if key not in made:
+            made[key] = LLMEngine(demo_model_dir(), EngineConfig(**kw))
+        return made[key]
+    yield get
+    for eng in made.values():
+        eng.close()

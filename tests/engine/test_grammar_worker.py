@@ -26,18 +26,8 @@ KINDS = {"json": StructuredOutputs(json=json.dumps(SCHEMA)), "regex": Structured
 
 
 @pytest.fixture(scope="module")
-def engine_of():
-    made = {}
-
-    def get(**kw) -> LLMEngine:
-        key = tuple(sorted(kw.items()))
-        if key not in made:
-            made[key] = LLMEngine(demo_model_dir(), EngineConfig(num_pages=64, max_num_seqs=64,
-                                                                 max_num_batched_tokens=2048, **kw))
-        return made[key]
-    yield get
-    for eng in made.values():
-        eng.close()
+def engine_of(demo_engines):
+    return lambda **kw: demo_engines(max_num_seqs=64, **kw)
 
 
 def prompts(eng: LLMEngine, n: int) -> list[list[int]]:

@@ -14,8 +14,6 @@ import jsonschema
 import pytest
 import torch
 
-from dsv4.assets import demo_model_dir
-from dsv4.config import EngineConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.sampling_params import SamplingParams, StructuredOutputs
 
@@ -33,16 +31,8 @@ N = 50
 
 
 @pytest.fixture(scope="module")
-def engine_of():
-    made = {}
-
-    def get(**kw) -> LLMEngine:
-        key = tuple(sorted(kw.items()))
-        if key not in made:
-            made[key] = LLMEngine(demo_model_dir(), EngineConfig(num_pages=64, max_num_seqs=256,
-                                                                 max_num_batched_tokens=2048, **kw))
-        return made[key]
-    return get
+def engine_of(demo_engines):
+    return lambda **kw: demo_engines(max_num_seqs=256, **kw)
 
 
 @pytest.fixture(scope="module")
