@@ -211,6 +211,9 @@ class ModelRunner:
                         images=blocks_in_chunk(req.images, start, n) if req.images else ())
 
 
+ODD_FROM = 32      # warm-up sizes from which a prefill of one token less runs too (eager_warmup_steps)
+
+
 def eager_warmup_steps(scratch: Scratch, max_model_len: int, max_num_seqs: int,
                        max_num_batched_tokens: int) -> list[list[SeqChunk]]:
     """The warm-up's eager steps: for every n in 1, 2, 4, ... and the token budget, a prefill
@@ -219,7 +222,10 @@ def eager_warmup_steps(scratch: Scratch, max_model_len: int, max_num_seqs: int,
     for both, a mixed step of n tokens: d <= n // 2 decode rows at the furthest position (the
     widest cache reads) beside prefill chunks of the other n - d. At most max_num_seqs sequences
     a step. Sizes in powers of two meet every tile chosen from a power of two of a step's size
-    (tokens, pairs, top-k width). Every page and slot is the scratch one."""
+    (tokens, pairs, top-k width); from ODD_FROM on, a prefill of n - 1 tokens too: Triton
+    specialises integer arguments by divisibility by 16, and a real prompt's token count and
+    entry widths are rarely multiples of it (a row top-k compiled for the first such prompt on
+    an H200 otherwise). Every page and slot is the scratch one."""
     top = max(1, min(max_num_batched_tokens, max_model_len - 1))
     budget = max(1, min(max_num_batched_tokens, top * max_num_seqs))
     sizes = sorted({budget, *(1 << i for i in range(budget.bit_length()) if 1 << i < budget)})
@@ -230,6 +236,8 @@ def eager_warmup_steps(scratch: Scratch, max_model_len: int, max_num_seqs: int,
     steps = []
     for n in sizes:
         steps.append(prefill(n))
+        if n >= ODD_FROM:
+            steps.append(prefill(n - 1))
         d = min(n // 2, max_num_seqs - -(-n // top))
         if d > 0 and max_model_len > 1:
             steps.append([scratch_chunk(scratch, max_model_len - 1, 1)] * d + prefill(n - d))

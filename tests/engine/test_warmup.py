@@ -9,7 +9,7 @@ import torch
 
 from dsv4.cache.addressing import Scratch, SeqChunk
 from dsv4.engine.cuda_graphs import BATCH_BUCKETS, StepGraphs, graph_shapes, warmup_seqs, width_bucket
-from dsv4.engine.runner import eager_warmup_steps
+from dsv4.engine.runner import ODD_FROM, eager_warmup_steps
 from dsv4.model.random_init import preset_config
 
 MAX_LEN = 600
@@ -78,8 +78,8 @@ def test_warmup_runs_every_shape_and_leaves_tokens_unchanged(tiny, h, one_thread
 
 
 def test_eager_warmup_steps_cover_every_power_of_two_size():
-    """Each size 1, 2, 4, ... and the budget gets a prefill step and (room permitting) a mixed
-    one with decode rows at the furthest position; a budget past max_model_len takes several
+    """Each size 1, 2, 4, ... and the budget gets a prefill step (from ODD_FROM, one of a token
+    less too) and (room permitting) a mixed one with decode rows at the furthest position; a budget past max_model_len takes several
     chunks; no step exceeds the budget, max_num_seqs or max_model_len."""
     scratch = Scratch(7, 5, 3)
     for max_len, seqs, budget in ((600, 6, 64), (2048, 256, 8192), (100, 2, 1000), (2, 1, 1)):
@@ -87,6 +87,7 @@ def test_eager_warmup_steps_cover_every_power_of_two_size():
         sizes = [sum(len(c.token_ids) for c in step) for step in steps]
         top = min(budget, (max_len - 1) * seqs)
         want = {1 << i for i in range(top.bit_length()) if 1 << i < top} | {top}
+        want |= {n - 1 for n in want if n >= ODD_FROM}      # (prefills: divisibility by 16 specialised)
         assert set(sizes) == want and max(sizes) == top
         for step in steps:
             assert len(step) <= seqs
