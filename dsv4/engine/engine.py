@@ -2,6 +2,8 @@
 runner -> sampler). Bad requests raise ValueError at `add_request` and cost nothing else."""
 from __future__ import annotations
 
+import functools
+
 import itertools
 import logging
 import os
@@ -232,9 +234,9 @@ class LLMEngine:
             if not drained and not outputs:
                 self.cache.wait_for_tiers()     # e.g. a restore in flight: wait for it, don't spin
             return outputs + drained
-        self._sample_inflight()
         try:
-            launched = self._launch(chunks)
+            launched = self._launch(chunks)     # (the step in flight samples inside if its forward reads its tokens)
+            self._sample_inflight()
         except BaseException:
             if self.workers is not None:      # a collective failed: a dead rank ends the run here
                 self.workers.check_ranks()
@@ -266,14 +268,22 @@ class LLMEngine:
         return False
 
     def _sample_inflight(self) -> None:
-        """Sample the step in flight if its sampling waits for grammar masks (its `sample_later`,
-        the masks started by `_complete` when the step before it was read back). Deferred until
-        the next step is scheduled, so the masks fill while the host appends that step's tokens,
-        hands them out and schedules; the next forward takes these tokens on the device, so it
-        is launched after."""
-        if self._inflight is not None and self._inflight.sample_later is not None:
+        """Sample the step in flight if its sampling waits for grammar masks and has not run yet."""
+        if self._inflight is not None:
+            self._tokens_of(self._inflight)
+
+    @staticmethod
+    def _tokens_of(step: StepInFlight) -> torch.Tensor | None:
+        """`step`'s sampled tokens on the device, sampling it now if its sampling waits for grammar
+        masks (its `sample_later`, the masks started by `_complete` when the step before it was
+        read back). The next step's launch asks for them only when its forward first reads them
+        (`PendingFill.apply`: after the host scheduled that step, built and uploaded its inputs),
+        so the masks fill while the host does all of that; the sampling is enqueued before that
+        forward on the same stream."""
+        if step.sample_later is not None:
             with torch.inference_mode():
-                self._inflight.sample_later()
+                step.sample_later()
+        return step.tokens
 
     def _drain(self) -> list[RequestOutput]:
         self._sample_inflight()
@@ -282,7 +292,11 @@ class LLMEngine:
 
     @torch.inference_mode()
     def _launch(self, chunks: list[ScheduledChunk]) -> StepInFlight:
-        prev = self._inflight.tokens if self._inflight is not None else None
+        inflight = self._inflight
+        if inflight is None or inflight.sample_later is None:
+            prev = inflight.tokens if inflight is not None else None
+        else:                                       # sampled when first read (`_tokens_of`)
+            prev = functools.partial(self._tokens_of, inflight)
         fills = self.spec.draft_fills(chunks) if self.spec is not None else []    # drafts still on the device
         step = self.runner.execute(chunks, prev, fills) if fills else self.runner.execute(chunks, prev)
         later = None
@@ -350,6 +364,7 @@ class LLMEngine:
         rows = [step.first_row[i] + step.num_rows[i] - 1 for i in idx]
         batch, rows_t, pending_t = self.sampling_inputs.batch(reqs, rows, masks)
         if pending_t is not None:
+            prev = prev() if callable(prev) else prev
             count_pending(batch.penalties, pending_t[:, 0], prev[pending_t[:, 1]])
         logits = step.logits[:len(rows)] if rows_t is None else step.logits[rows_t]
         out = self.sampler(logits, batch)

@@ -2,6 +2,7 @@
 tokens (docs/architecture.md, "Engine")."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -41,16 +42,18 @@ class PendingFill:
     token the step in flight sampled (async scheduling, docs/architecture.md "Engine")."""
     dst: torch.Tensor               # [P] long, CPU
     src: torch.Tensor               # [P] long, CPU
-    prev: torch.Tensor              # [N] long on the device: the step in flight's sampled tokens
+    prev: torch.Tensor | Callable[[], torch.Tensor]   # [N] long on the device: the step in flight's
+                                    # sampled tokens (a callable: asked for, and so sampled, here)
     in_order: bool = False          # dst == src == range(P): row i takes prev[i] (a decode step of
                                     # the requests the step in flight sampled, in its order)
 
     def apply(self, token_ids: torch.Tensor, h2d: HostToDevice) -> None:
+        prev = self.prev() if callable(self.prev) else self.prev
         if self.in_order:               # one device copy, nothing uploaded
-            token_ids[:len(self.dst)] = self.prev[:len(self.dst)]
+            token_ids[:len(self.dst)] = prev[:len(self.dst)]
             return
         dst, src = h2d.upload([self.dst, self.src])
-        token_ids[dst] = self.prev[src]
+        token_ids[dst] = prev[src]
 
 
 class Fills(list):

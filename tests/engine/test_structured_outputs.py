@@ -244,8 +244,9 @@ def test_ignore_eos_after_the_grammar_ends_allows_eos_only(engine_of, run):
 
 def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     """Order of the host's work in a decode step with async scheduling: the next step is
-    scheduled, the fill started by the step before is joined and the step in flight sampled, the
-    next forward is launched (it takes those tokens on the device), the previous step's tokens
+    scheduled and its launch begins (inputs built and uploaded); when its forward first reads the
+    step in flight's tokens, the fill started by the step before is joined and the step in flight
+    sampled, then that forward is launched (it takes those tokens on the device); the previous step's tokens
     are read back and taken by the gates, the fill of the launched step's mask starts (on the
     fill threads for a batch of THREAD_MIN_ROWS or more, whose matchers accept those tokens first)
     and the tokens are appended while it runs, and it keeps running through the next schedule.
@@ -291,7 +292,7 @@ def test_mask_fill_overlaps_the_step(engine_of, monkeypatch, run):
     monkeypatch.setattr(filler, "batches", [recorded(b.batch_fill_next_token_bitmask) for b in filler.batches])
     got = run(eng, reqs)
 
-    steady = ["schedule", "fill-join", "sample", "execute", "fill-start", "gates"] + ["append"] * n
+    steady = ["schedule", "execute", "fill-join", "sample", "fill-start", "gates"] + ["append"] * n
     text = " ".join(events)
     assert text.count(" ".join(steady)) >= 3, text      # the decode steps between prefill and the end
     assert fill_threads and all(name.startswith("dsv4-grammar-masks") for name in fill_threads)
