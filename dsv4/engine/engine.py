@@ -2,7 +2,6 @@
 runner -> sampler). Bad requests raise ValueError at `add_request` and cost nothing else."""
 from __future__ import annotations
 
-import functools
 
 import itertools
 import logging
@@ -270,20 +269,7 @@ class LLMEngine:
     def _sample_inflight(self) -> None:
         """Sample the step in flight if its sampling waits for grammar masks and has not run yet."""
         if self._inflight is not None:
-            self._tokens_of(self._inflight)
-
-    @staticmethod
-    def _tokens_of(step: StepInFlight) -> torch.Tensor | None:
-        """`step`'s sampled tokens on the device, sampling it now if its sampling waits for grammar
-        masks (its `sample_later`, the masks started by `_complete` when the step before it was
-        read back). The next step's launch asks for them only when its forward first reads them
-        (`PendingFill.apply`: after the host scheduled that step, built and uploaded its inputs),
-        so the masks fill while the host does all of that; the sampling is enqueued before that
-        forward on the same stream."""
-        if step.sample_later is not None:
-            with torch.inference_mode():
-                step.sample_later()
-        return step.tokens
+            self._inflight.sampled_tokens()
 
     def _drain(self) -> list[RequestOutput]:
         self._sample_inflight()
@@ -295,8 +281,8 @@ class LLMEngine:
         inflight = self._inflight
         if inflight is None or inflight.sample_later is None:
             prev = inflight.tokens if inflight is not None else None
-        else:                                       # sampled when first read (`_tokens_of`)
-            prev = functools.partial(self._tokens_of, inflight)
+        else:                                       # sampled when first read (StepInFlight.sampled_tokens)
+            prev = inflight.sampled_tokens
         fills = self.spec.draft_fills(chunks) if self.spec is not None else []    # drafts still on the device
         step = self.runner.execute(chunks, prev, fills) if fills else self.runner.execute(chunks, prev)
         later = None

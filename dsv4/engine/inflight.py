@@ -77,3 +77,14 @@ class StepInFlight:
 
     def set_sampled(self, tokens: torch.Tensor | None, values: HostCopy | None) -> None:
         self.tokens, self.values, self.sample_later, self.masks = tokens, values, None, None
+
+    def sampled_tokens(self) -> torch.Tensor | None:
+        """The sampled tokens on the device, sampling now if the sampling waits for grammar masks
+        (`sample_later`, the masks started when the step before was read back). The next step's
+        launch asks for them only when its forward first reads them (`PendingFill.apply`: after
+        the host scheduled that step, built and uploaded its inputs), so the masks fill while the
+        host does all that; the sampling is enqueued before that forward on the same stream."""
+        if self.sample_later is not None:
+            with torch.inference_mode():
+                self.sample_later()
+        return self.tokens
