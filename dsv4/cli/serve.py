@@ -68,7 +68,7 @@ def run(args) -> int:
     disagg = _disagg(args)
     settings = ServeSettings(model_dir=model_dir, model_names=names, engine=config, host=args.host,
                              port=args.port, api_key=args.api_key, log_level=args.log_level, limits=limits,
-                             disagg=disagg, api_server_count=api_server_count(args, config, disagg is not None))
+                             disagg=disagg, api_server_count=api_server_count(args, disagg is not None))
     try:
         server = APIServer(settings)
     except OSError as e:
@@ -116,7 +116,7 @@ def _limits(args):
                         strict_api=args.strict_api, shutdown_timeout=args.shutdown_timeout, media=media)
 
 
-def api_server_count(args, config, disaggregated: bool) -> int:
+def api_server_count(args, disaggregated: bool) -> int:
     cores = len(os.sched_getaffinity(0))
     n = args.api_server_count
     if n is None:

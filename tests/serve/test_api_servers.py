@@ -77,24 +77,20 @@ class _Args:
         self.api_server_count = n
 
 
-class _Config:
-    device = "cuda"
-
-
 def test_flag_errors_name_the_flag():
     cores = len(os.sched_getaffinity(0))
     for n, message in ((0, "must be >= 1"), (-2, "must be >= 1"), (cores + 1, f"the {cores} cores")):
         with pytest.raises(SystemExit, match=f"--api-server-count.*{message}"):
-            api_server_count(_Args(n), _Config(), disaggregated=False)
+            api_server_count(_Args(n), disaggregated=False)
     with pytest.raises(SystemExit, match="--api-server-count: a prefill/decode role"):
-        api_server_count(_Args(2), _Config(), disaggregated=True)
+        api_server_count(_Args(2), disaggregated=True)
     with pytest.raises(SystemExit, match="--api-server-count must be >= 1, got 0"):
         main(["serve", "--api-server-count", "0"])
-    assert api_server_count(_Args(None), _Config(), disaggregated=True) == 1
+    assert api_server_count(_Args(None), disaggregated=True) == 1
 
 
 def test_default_is_one_process():
-    assert api_server_count(_Args(None), _Config(), disaggregated=False) == 1
+    assert api_server_count(_Args(None), disaggregated=False) == 1
 
 
 # ---- a real server of two API processes ------------------------------------------------------
