@@ -61,12 +61,12 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.smoke:
         args.device, args.dtype, args.input_len, args.output_len, args.concurrency = "cpu", "float32", 16, 8, [4]
-    args.api_server_counts = [api_server_count_of(x, args.device) for x in args.serve_args or [""]]
+    args.api_server_counts = [api_server_count_of(x) for x in args.serve_args or [""]]
     return args
 
 
-def api_server_count_of(serve_args: str, device: str) -> int:
-    """The API process count `dsv4 serve` would run with `serve_args` on `device`; SystemExit
+def api_server_count_of(serve_args: str) -> int:
+    """The API process count `dsv4 serve` would run with `serve_args`; SystemExit
     for a flag this benchmark does not apply (its engine flags are its own)."""
     from dsv4.cli import build_parser
     from dsv4.cli.serve import api_server_count
@@ -75,7 +75,7 @@ def api_server_count_of(serve_args: str, device: str) -> int:
     others = sorted(k for k in given if given[k] != defaults[k] and k != "api_server_count")
     if others:
         raise SystemExit(f"serve_path: --serve-args: only --api-server-count applies here, not {others}")
-    return api_server_count(argparse.Namespace(**given), argparse.Namespace(device=device), disaggregated=False)
+    return api_server_count(argparse.Namespace(**given), disaggregated=False)
 
 
 # ---- the server's side ---------------------------------------------------------------------

@@ -84,12 +84,12 @@ def test_stubbed_forward_varies_tokens_by_slot_and_step():
 
 def test_serve_args_give_the_api_process_count_and_refuse_other_flags():
     from benchmarks.serve_path import api_server_count_of
-    assert api_server_count_of("", "cpu") == 1
-    assert api_server_count_of("--api-server-count=2", "cpu") == 2
+    assert api_server_count_of("") == 1
+    assert api_server_count_of("--api-server-count=2") == 2
     with pytest.raises(SystemExit, match=r"--api-server-count must be >= 1"):
-        api_server_count_of("--api-server-count 0", "cpu")
+        api_server_count_of("--api-server-count 0")
     with pytest.raises(SystemExit, match=r"only --api-server-count applies here, not \['port'\]"):
-        api_server_count_of("--port 5", "cpu")
+        api_server_count_of("--port 5")
 
 
 def test_server_pids_come_from_its_log_with_every_api_process(tmp_path):
