@@ -16,6 +16,7 @@ from dsv4.cache.batch_tables import PersistentTables
 from dsv4.cache.layout import CacheLayout
 from dsv4.cache.step_rows import StepRows, as_rows
 from dsv4.engine.cuda_graphs import batch_bucket, width_bucket
+from dsv4.engine.runner import pending_fill
 from dsv4.model.random_init import preset_config
 from dsv4.sampling_params import SamplingParams
 
@@ -124,17 +125,21 @@ def _params(i: int, stop: int | None) -> SamplingParams:
 
 
 def _check_step_inputs(runner, counts):
-    """Wrap runner.step_inputs: every step's gathered inputs must equal the SeqChunk path's."""
-    gathered = runner.step_inputs
+    """Wrap runner.step_inputs: every step built from the persistent batch must equal the
+    SeqChunk path's (StepRows, token rows on the device, ForwardBatch)."""
+    step_inputs = runner.step_inputs
 
     def both(chunks, prev):
-        rows, fill = gathered(chunks, prev)
-        runner.gather_decode_rows = False
-        seqs, ref_fill = gathered(chunks, prev)
-        runner.gather_decode_rows = True
+        rows, fill, slots = step_inputs(chunks, prev)
+        seqs = [runner.seq_chunk(c) for c in chunks]
+        ref_fill = pending_fill(chunks, seqs, prev)
+        if slots is not None:
+            counts["batched"] += 1
+            assert slots.tolist() == [runner.cache.seqs[c.request.request_id].slot for c in chunks]
         if isinstance(rows, StepRows):
             counts["gathered"] += 1
             counts["mixed"] += bool((rows.lens > 1).any())
+            counts["verify"] += any(c.num_logits for c in chunks)
             assert_same(StepRows.of(seqs), rows, "rows")
             assert (fill is None) == (ref_fill is None)
             if fill is not None:
@@ -143,37 +148,60 @@ def _check_step_inputs(runner, counts):
                 assert torch.equal(fill.dst, ref_fill.dst[order]) and torch.equal(fill.src, ref_fill.src[order])
             ring = runner.storage.ring_slots
             assert_same(build_step(seqs, runner.layout, ring), build_step(rows, runner.layout, ring, tables=None))
-        return rows, fill
+        return rows, fill, slots
     runner.step_inputs = both
+
+
+def _batch_checked(eng, counts):
+    """After every step: the persistent batch agrees with every request (SlotState.check)."""
+    def on_step(engine, step):
+        live = list(engine.scheduler.running) + list(engine.scheduler.waiting)
+        engine.runner.batch.check(live, engine.cache.seqs)
+        counts["checked"] += 1
+    return on_step
+
+
+def _run(tiny, h, reqs, batched: bool, abort_at=None, **config):
+    """Drive `reqs` on an engine with the persistent batch in every step (batched; its steps and
+    state checked) or never (the plain path): (outputs, counts, engine)."""
+    eng = tiny.engine(**config)
+    counts = dict.fromkeys(["batched", "gathered", "mixed", "verify", "in_order", "checked", "preempted"], 0)
+    if batched:
+        eng.runner.gather_min_rows = 1          # (steps of a few requests)
+        _check_step_inputs(eng.runner, counts)
+    else:
+        eng.runner.batch = None
+    preempt = eng.scheduler.preempt
+    eng.scheduler.preempt = lambda req: counts.__setitem__("preempted", counts["preempted"] + 1) or preempt(req)
+    outs = h.drive(eng, reqs, check=True, abort_at=abort_at, on_step=_batch_checked(eng, counts) if batched else None)
+    assert sum(eng.scheduler.counts()) == 0 and eng.cache.available_pages() == eng.plan.num_pages
+    return outs, counts, eng
 
 
 @pytest.mark.parametrize("mode", ["off", "on"])
 def test_gathered_decode_rows_equal_the_seqchunk_path(tiny, h, one_thread, mode):
     """Requests join at random steps, leave (max tokens, a stop token, an abort), grow across SWA
     and history pages, get preempted (few pages) and share pages through the prefix cache;
-    requests with prompt logprobs and penalties ride along (their rows take the SeqChunk path)."""
+    n > 1 copies of a prompt run side by side (sharing its prefill); requests with prompt
+    logprobs and penalties ride along (their rows take the SeqChunk path)."""
     rng = random.Random(5)
     base = tiny.ids(300, seed=3)
     prompts = [base[:rng.randint(1, 300)] + tiny.ids(rng.randint(1, 40), seed=i) for i in range(12)]
     arrivals = sorted(rng.randrange(0, 30) for _ in prompts)
 
-    def run(gather, stop):
-        eng = tiny.engine(max_num_batched_tokens=96, max_num_seqs=6, num_pages=7, async_scheduling=mode,
-                          enable_prefix_caching=True)
-        eng.runner.gather_decode_rows, eng.runner.gather_min_rows = gather, 1    # (steps of <= 6 requests)
-        counts = {"gathered": 0, "mixed": 0, "in_order": 0}
-        if gather:
-            _check_step_inputs(eng.runner, counts)
-        preempt = eng.scheduler.preempt
-        eng.scheduler.preempt = lambda req: counts.__setitem__("preempted", counts.get("preempted", 0) + 1) or preempt(req)
-        reqs = [h.Req(str(i), p, _params(i, stop), arrivals[i]) for i, p in enumerate(prompts)]
-        return h.drive(eng, reqs, check=True, abort_at=("4", 12)), counts, eng
+    def reqs(stop):
+        out = [h.Req(str(i), p, _params(i, stop), arrivals[i]) for i, p in enumerate(prompts)]
+        copies = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
+        return out + [h.Req(f"n{k}", prompts[7], dataclasses.replace(copies, seed=11 + k), 4) for k in range(3)]
 
-    plain, _, _ = run(False, stop=None)
+    config = dict(max_num_batched_tokens=96, max_num_seqs=6, num_pages=7, async_scheduling=mode,
+                  enable_prefix_caching=True)
+    plain, _, _ = _run(tiny, h, reqs(None), False, ("4", 12), **config)
     stop = plain["2"].token_ids[3]
-    plain, _, _ = run(False, stop)
-    gathered, counts, eng = run(True, stop)
-    h.assert_same_outputs(plain, gathered)
-    assert counts["gathered"] >= 20 and counts["mixed"] >= 3 and counts.get("preempted", 0) >= 1, counts
+    plain, _, _ = _run(tiny, h, reqs(stop), False, ("4", 12), **config)
+    batched, counts, eng = _run(tiny, h, reqs(stop), True, ("4", 12), **config)
+    h.assert_same_outputs(plain, batched)
+    assert counts["gathered"] >= 20 and counts["mixed"] >= 3 and counts["preempted"] >= 1, counts
     assert (counts["in_order"] >= 5) == (mode == "on"), counts      # rows taking the tokens in flight in place
-    assert sum(eng.scheduler.counts()) == 0 and eng.cache.available_pages() == eng.plan.num_pages
+    # each request is read from its fields once a stay in the batch (admission, resumption)
+    assert eng.runner.batch.joins <= len(prompts) + 3 + counts["preempted"], (eng.runner.batch.joins, counts)

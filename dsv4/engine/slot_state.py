@@ -1,0 +1,144 @@
+"""The persistent batch: what a decode row reads of its request, kept by request state slot
+between steps (docs/architecture.md, "Engine").
+
+One row per slot (the request's cache record's slot) in pre-allocated arrays: its position
+(num_computed), prompt and output lengths, last output token, tokens still on the device
+(num_pending) and the latest one's row in its step's sampled tokens (pending_row), whether it may
+be a decode row at all (no prompt logprobs, no images), and its cache record's page tables (the
+record's own lists, changed in place by the cache). `Request.batch_row` is the row a request
+was joined into (-1: none).
+
+Updated incrementally, vectorised over a step, where the requests' fields change:
+  * join (`rows_of`): a request of a step that has no row yet (admitted, resumed from the prefix
+    cache, resumed after a preemption, forgotten) is read once from its fields;
+  * launch (`launched`, after `Scheduler.advance_step`): positions advance by the chunks' tokens
+    less the rejected drafts; sampled rows get one more pending token and its row;
+  * read-back (`completed`, after the engine appended the step's tokens): one pending token less,
+    one output token more, the last one known;
+  * leave: `Scheduler.finish` / `preempt` set batch_row = -1 (the slot's next request joins
+    afresh); a step the runner builds without the batch `forget`s its requests (their fields
+    change without the arrays following).
+Nothing else changes those fields of a request holding a row (spec drafts are read by verify
+chunks, which take the SeqChunk path). `check` compares every array with the requests
+(tests/engine/test_persistent_batch.py calls it after every step).
+"""
+from __future__ import annotations
+
+from operator import attrgetter
+
+import numpy as np
+
+_ROW = attrgetter("request.batch_row")
+_NUM_TOKENS, _REJECTED = attrgetter("num_tokens"), attrgetter("num_rejected")
+
+
+class SlotState:
+    def __init__(self, slots: int):
+        self.position = np.zeros(slots, np.int64)       # [S] num_computed
+        self.prompt_len = np.zeros(slots, np.int64)     # [S] len(prompt_token_ids)
+        self.out_len = np.zeros(slots, np.int64)        # [S] len(output_token_ids)
+        self.last = np.full(slots, -1, np.int64)        # [S] output_token_ids[-1] (-1: none yet)
+        self.pending = np.zeros(slots, np.int64)        # [S] num_pending
+        self.pending_row = np.full(slots, -1, np.int64) # [S] pending_row (meaningful while pending > 0)
+        self.plain = np.zeros(slots, bool)              # [S] no prompt logprobs, no images
+        self.pages: list[list[int]] = [[] for _ in range(slots)]   # [S] its record's history table
+        self.swa: list[list[int]] = [[] for _ in range(slots)]     # [S] its record's SWA table
+        self.owner: list[object | None] = [None] * slots           # [S] the request joined there
+        self.joins = 0                  # requests read from their fields so far (how incremental)
+
+    def rows_of(self, chunks: list, records: dict) -> tuple[list[int], np.ndarray]:
+        """The chunks' rows (list, [R] int64), joining the requests that have none. `records`:
+        the cache manager's records by request id."""
+        rows = list(map(_ROW, chunks))
+        if min(rows, default=0) < 0:
+            for i in [i for i, r in enumerate(rows) if r < 0]:
+                req = chunks[i].request
+                rows[i] = self.join(req, records[req.request_id])
+        return rows, np.array(rows, np.int64)
+
+    def join(self, req, held) -> int:
+        """Read `req` (its cache record `held`) into its slot's row; returns the row."""
+        s = held.slot
+        if s is None:
+            raise RuntimeError(f"request {req.request_id}: scheduled without a state slot")
+        out = req.output_token_ids
+        self.position[s], self.prompt_len[s], self.out_len[s] = req.num_computed, len(req.prompt_token_ids), len(out)
+        self.last[s] = out[-1] if out else -1
+        self.pending[s], self.pending_row[s] = req.num_pending, req.pending_row
+        self.plain[s] = req.params.prompt_logprobs is None and not req.images
+        self.pages[s], self.swa[s], self.owner[s] = held.pages, held.swa_pages, req
+        req.batch_row = s
+        self.joins += 1
+        return s
+
+    @staticmethod
+    def forget(chunks: list) -> None:
+        """A step built without the batch: its requests' rows stop following them."""
+        for c in chunks:
+            c.request.batch_row = -1
+
+    def launched(self, rows: np.ndarray, chunks: list, sampled: list[int]) -> None:
+        """After a launched step of `chunks` (their rows [R]) advanced num_computed by num_tokens
+        - num_rejected and gave each chunk in `sampled` (row order, a chunk once a token) a
+        pending token at its row there."""
+        n = np.fromiter(map(_NUM_TOKENS, chunks), np.int64, len(chunks))
+        if any(map(_REJECTED, chunks)):
+            n -= np.fromiter(map(_REJECTED, chunks), np.int64, len(chunks))
+        self.position[rows] += n                      # (a request once a step: rows distinct)
+        if not sampled:
+            return
+        s = rows[np.fromiter(sampled, np.int64, len(sampled))]
+        if len(sampled) == len(set(sampled)):
+            self.pending[s] += 1
+            self.pending_row[s] = np.arange(len(s))
+        else:                                         # several tokens of a chunk (verify rows)
+            np.add.at(self.pending, s, 1)
+            last, at = _last_of(s)
+            self.pending_row[last] = at
+
+    def completed(self, chunks: list, sampled: list[int], tokens: list[int]) -> None:
+        """After the engine appended a read-back step's `tokens` (one per entry of `sampled`)
+        to its requests (rows of requests that had left: batch_row -1, skipped)."""
+        rows = list(map(_ROW, map(chunks.__getitem__, sampled)))
+        if not rows or max(rows) < 0:
+            return
+        s = np.array(rows, np.int64)
+        t = np.fromiter(tokens, np.int64, len(tokens))
+        if min(rows) < 0:
+            keep = s >= 0
+            s, t = s[keep], t[keep]
+        if len(sampled) == len(set(sampled)):
+            self.pending[s] -= 1
+            self.out_len[s] += 1
+            self.last[s] = t
+        else:
+            np.subtract.at(self.pending, s, 1)
+            np.add.at(self.out_len, s, 1)
+            last, at = _last_of(s)
+            self.last[last] = t[at]
+
+    def check(self, requests, records: dict) -> None:
+        """Debug: every request holding a row agrees with it field by field (AssertionError
+        naming the request and field otherwise); rows are held once."""
+        held = [r for r in requests if r.batch_row >= 0]
+        assert len({r.batch_row for r in held}) == len(held), "two requests hold one row"
+        for req in held:
+            s, rec = req.batch_row, records.get(req.request_id)
+            out = req.output_token_ids
+            want = {"slot": (rec.slot if rec is not None else None, s), "owner": (True, self.owner[s] is req),
+                    "position": (req.num_computed, self.position[s]), "pending": (req.num_pending, self.pending[s]),
+                    "prompt_len": (len(req.prompt_token_ids), self.prompt_len[s]),
+                    "out_len": (len(out), self.out_len[s]), "last": (out[-1] if out else -1, self.last[s]),
+                    "plain": (req.params.prompt_logprobs is None and not req.images, self.plain[s]),
+                    "pages": (True, rec is not None and self.pages[s] is rec.pages),
+                    "swa": (True, rec is not None and self.swa[s] is rec.swa_pages)}
+            if req.num_pending:
+                want["pending_row"] = (req.pending_row, self.pending_row[s])
+            for name, (fields, row) in want.items():
+                assert fields == row, f"request {req.request_id}: {name} {fields} but row {s} holds {row}"
+
+
+def _last_of(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct values of s, the index of each one's last occurrence)."""
+    values, first_from_end = np.unique(s[::-1], return_index=True)
+    return values, len(s) - 1 - first_from_end
