@@ -135,11 +135,12 @@ def _check_step_inputs(runner, counts):
         ref_fill = pending_fill(chunks, seqs, prev)
         if slots is not None:
             counts["batched"] += 1
+            counts["verify"] += any(c.num_logits for c in chunks)
             assert slots.tolist() == [runner.cache.seqs[c.request.request_id].slot for c in chunks]
         if isinstance(rows, StepRows):
             counts["gathered"] += 1
             counts["mixed"] += bool((rows.lens > 1).any())
-            counts["verify"] += any(c.num_logits for c in chunks)
+            counts["verify_beside"] += any(c.num_logits for c in chunks)     # verify chunks beside decode rows
             assert_same(StepRows.of(seqs), rows, "rows")
             assert (fill is None) == (ref_fill is None)
             if fill is not None:
@@ -161,11 +162,13 @@ def _batch_checked(eng, counts):
     return on_step
 
 
-def _run(tiny, h, reqs, batched: bool, abort_at=None, **config):
+def _run(tiny, h, reqs, batched: bool, abort_at=None, prepare=None, **config):
     """Drive `reqs` on an engine with the persistent batch in every step (batched; its steps and
-    state checked) or never (the plain path): (outputs, counts, engine)."""
+    state checked) or never (the plain path): (outputs, counts, engine). `prepare(engine)` first."""
     eng = tiny.engine(**config)
-    counts = dict.fromkeys(["batched", "gathered", "mixed", "verify", "in_order", "checked", "preempted"], 0)
+    if prepare is not None:
+        prepare(eng)
+    counts = dict.fromkeys(["batched", "gathered", "mixed", "verify", "verify_beside", "in_order", "checked", "preempted"], 0)
     if batched:
         eng.runner.gather_min_rows = 1          # (steps of a few requests)
         _check_step_inputs(eng.runner, counts)
@@ -205,3 +208,62 @@ def test_gathered_decode_rows_equal_the_seqchunk_path(tiny, h, one_thread, mode)
     assert (counts["in_order"] >= 5) == (mode == "on"), counts      # rows taking the tokens in flight in place
     # each request is read from its fields once a stay in the batch (admission, resumption)
     assert eng.runner.batch.joins <= len(prompts) + 3 + counts["preempted"], (eng.runner.batch.joins, counts)
+
+
+class _TruthDrafts:
+    """A drafter whose drafts are a plain run's tokens (`truth`: request id -> prompt + output),
+    wrong at every third position: verifies accept runs of several tokens (several tokens of one
+    request read back in one step) and reject some."""
+
+    def __init__(self, truth: dict[str, list[int]]):
+        self.truth = truth
+
+    def propose(self, works, hidden, batch_of):
+        out = []
+        for w in [w for w in works if w.num_drafts > 0]:
+            seq, first = self.truth[w.request.request_id], w.start + w.anchor + 2
+            out.append((torch.tensor([seq[p] if p < len(seq) and p % 3 else 0 for p in range(first, first + w.num_drafts)]),
+                        None))
+        return out
+
+
+@pytest.mark.parametrize("scripted", [False, True])
+def test_speculative_steps_keep_the_batch(tiny, h, one_thread, scripted):
+    """MTP verify steps (k = 3): drafts verified in SeqChunk rows beside decode rows read from the
+    batch (requests with no room left to draft), several tokens a request read back at once,
+    rejected drafts rewound; greedy tokens equal the plain engine's (invariant 5)."""
+    prompts = [tiny.ids(n, seed=40 + n) for n in (5, 40, 70, 130, 17, 66)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 25, 18, 16, 14, 15)]
+    reqs = [h.Req(str(i), p, params[i], arrival=i // 2) for i, p in enumerate(prompts)]
+    config = dict(max_num_batched_tokens=64, max_num_seqs=6, num_pages=16)
+    plain, _, _ = _run(tiny, h, reqs, False, **config)
+    truth = {r.rid: r.prompt + plain[r.rid].token_ids for r in reqs}
+
+    def scripted_drafts(eng):
+        if scripted:
+            eng.spec.proposer = _TruthDrafts(truth)
+    got, counts, eng = _run(tiny, h, reqs, True, prepare=scripted_drafts,
+                            speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **config)
+    h.assert_same_outputs(plain, got)
+    assert counts["gathered"] >= 2 and counts["verify"] >= 5 and counts["verify_beside"] >= 1, counts
+    assert (eng.spec.stats.num_accepted_tokens >= 20) == scripted, eng.spec.stats.num_accepted_tokens
+
+
+def test_check_names_a_field_the_batch_missed(tiny, h, one_thread):
+    """A change of a request's field made behind the batch's back is caught by `check`."""
+    eng = tiny.engine(max_num_seqs=4)
+    eng.runner.gather_min_rows = 1
+    for i in range(3):
+        eng.add_request(str(i), tiny.ids(9 + i, seed=i), SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        eng.step()
+    live = list(eng.scheduler.running)
+    eng.runner.batch.check(live, eng.cache.seqs)
+    assert all(r.batch_row >= 0 for r in live) and len(live) == 3
+    live[1].output_token_ids.append(5)          # (no engine path appends without the batch following)
+    with pytest.raises(AssertionError, match="request 1: out_len"):
+        eng.runner.batch.check(live, eng.cache.seqs)
+    live[1].output_token_ids.pop()
+    live[2].num_computed -= 1
+    with pytest.raises(AssertionError, match="request 2: position"):
+        eng.runner.batch.check(live, eng.cache.seqs)
