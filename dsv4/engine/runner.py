@@ -35,6 +35,8 @@ class StepLogits:
                                          # row, chunks in order (keep_hidden: what drafters read)
     taps: torch.Tensor | None = None     # [T, n_taps * hidden] the DSpark target layers' input
                                          # streams, hc-averaged, concatenated (keep_taps)
+    slots: np.ndarray | None = None      # [R] the chunks' rows of the persistent batch when the step
+                                         # was built from it (the engine then calls its `launched`)
 
 
 @dataclass
