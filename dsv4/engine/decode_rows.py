@@ -5,7 +5,7 @@ A decode row — one token at position num_computed, the request's last: known (
 token), or sampled by the step in flight and still on the device (its `pending_row` there) —
 is a function of its request's row of the persistent batch (engine/slot_state.py: position,
 lengths, last token, pending token and row, page tables, kept by slot between steps).
-`gather_rows` takes the step's rows (one C-level map over the chunks, `SlotState.rows_of`) and
+`gather_rows` takes the step's rows (one C-level map over the chunks, `SlotState.step_slots`) and
 reads the rest by fancy indexing into arrays: no SeqChunk, no Python call and no attribute read
 per decode row. Any other chunk (a prefill chunk, k + 1 tokens to verify, a request with prompt
 logprobs or images) is made by `seq_chunk` as before. The page tables persist by slot
@@ -24,22 +24,21 @@ import numpy as np
 
 from ..cache.addressing import SeqChunk
 from ..cache.step_rows import StepRows
-from .slot_state import SlotState
+from .slot_state import SlotState, StepSlots
 
-_NUM_TOKENS, _NUM_LOGITS = attrgetter("num_tokens"), attrgetter("num_logits")
+_NUM_LOGITS = attrgetter("num_logits")
 # steps of fewer chunks take the SeqChunk path: the gather's ~25 us of numpy calls a step cost
 # more than a SeqChunk a chunk below ~30 chunks (CPU, c4 29 against 6 us; c256 240 against 630)
 GATHER_MIN_ROWS = 32
 
 
-def gather_rows(chunks: list, rows: tuple[list[int], np.ndarray], batch: SlotState,
+def gather_rows(chunks: list, rows: StepSlots, batch: SlotState,
                 seq_chunk: Callable[[object], SeqChunk]) -> tuple[StepRows, np.ndarray, np.ndarray] | None:
     """(the step's rows, token rows still on the device [P], their rows in the step in flight's
     sampled tokens [P], by token row) for the scheduled chunks, or None when no chunk is a
     decode row (a prefill step: the SeqChunk path). `rows`: the chunks' rows of `batch`
-    (`SlotState.rows_of`: list, [R] int64); `seq_chunk`: the runner's SeqChunk of any other chunk."""
-    R, (row_list, slots) = len(chunks), rows
-    n = np.fromiter(map(_NUM_TOKENS, chunks), np.int64, R)
+    (`SlotState.step_slots`); `seq_chunk`: the runner's SeqChunk of any other chunk."""
+    R, row_list, slots, n = len(chunks), rows.rows, rows.slots, rows.lens
     starts, pending, out_len = batch.position[slots], batch.pending[slots], batch.out_len[slots]
     # one token, the request's last (start + 1 == Request.num_tokens), known or pending, of a
     # request with no prompt logprobs and no images, not a verify chunk

@@ -308,7 +308,7 @@ class LLMEngine:
             chunks[i].request.pending_row = row
         self.scheduler.advance_step(chunks)
         if step.slots is not None:                  # the persistent batch follows (engine/slot_state.py)
-            self.runner.batch.launched(step.slots, chunks, sampled)
+            self.runner.batch.launched(step.slots, chunks, sampled, self.spec is not None)
         launched = StepInFlight(chunks, sampled, tokens, values, lps, sample_later=later)
         return launched
 
@@ -339,7 +339,7 @@ class LLMEngine:
             if commit is not None and not req.is_finished:
                 commit(req)                 # a boundary whose last token was still pending at launch
         if self.runner.batch is not None:
-            self.runner.batch.completed(chunks, step.sampled, tokens)
+            self.runner.batch.completed(chunks, step.sampled, tokens, self.spec is not None)
         return outputs
 
     def _sample(self, chunks: list[ScheduledChunk], idx: list[int], step: StepLogits, prev: torch.Tensor | None,

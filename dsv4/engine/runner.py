@@ -22,7 +22,7 @@ from .cuda_graphs import StepGraphs, scratch_chunk
 from .decode_rows import GATHER_MIN_ROWS, gather_rows, pending_of
 from .late_compiles import LateCompiles
 from .scheduler import ScheduledChunk
-from .slot_state import SlotState
+from .slot_state import SlotState, StepSlots
 from .upload import HostToDevice, upload_tree
 
 
@@ -35,7 +35,7 @@ class StepLogits:
                                          # row, chunks in order (keep_hidden: what drafters read)
     taps: torch.Tensor | None = None     # [T, n_taps * hidden] the DSpark target layers' input
                                          # streams, hc-averaged, concatenated (keep_taps)
-    slots: np.ndarray | None = None      # [R] the chunks' rows of the persistent batch when the step
+    slots: StepSlots | None = None       # the chunks' rows of the persistent batch when the step
                                          # was built from it (the engine then calls its `launched`)
 
 
@@ -125,7 +125,7 @@ class ModelRunner:
         return out
 
     def step_inputs(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None
-                    ) -> tuple[list[SeqChunk] | StepRows, PendingFill | None, np.ndarray | None]:
+                    ) -> tuple[list[SeqChunk] | StepRows, PendingFill | None, StepSlots | None]:
         """The step's sequences, the token rows still on the device, and the chunks' rows of the
         persistent batch when it was used (else None): decode rows read from it into StepRows
         (engine/decode_rows.py) when there are any, else a SeqChunk per chunk."""
@@ -135,18 +135,18 @@ class ModelRunner:
                 batch.forget(chunks)        # their fields change this step without the batch following
             seqs = [self.seq_chunk(c) for c in chunks]
             return seqs, pending_fill(chunks, seqs, prev_tokens), None
-        rows = batch.rows_of(chunks, self.cache.seqs)
+        rows = batch.step_slots(chunks, self.cache.seqs)
         gathered = gather_rows(chunks, rows, batch, self.seq_chunk)
         if gathered is None:
             seqs = [self.seq_chunk(c) for c in chunks]
-            return seqs, pending_fill(chunks, seqs, prev_tokens), rows[1]
+            return seqs, pending_fill(chunks, seqs, prev_tokens), rows
         step, dst, src = gathered
         if not len(dst):
-            return step, None, rows[1]
+            return step, None, rows
         if prev_tokens is None:
             raise RuntimeError(f"{len(dst)} scheduled tokens are pending with no step in flight")
         in_order = bool((dst == np.arange(len(dst))).all() and (src == dst).all())
-        return step, PendingFill(torch.from_numpy(dst), torch.from_numpy(src), prev_tokens, in_order), rows[1]
+        return step, PendingFill(torch.from_numpy(dst), torch.from_numpy(src), prev_tokens, in_order), rows
 
     @torch.inference_mode()
     def run_seqs(self, seqs: list[SeqChunk] | StepRows, fill: PendingFill | None = None,

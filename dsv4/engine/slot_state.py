@@ -9,7 +9,7 @@ record's own lists, changed in place by the cache). `Request.batch_row` is the r
 was joined into (-1: none).
 
 Updated incrementally, vectorised over a step, where the requests' fields change:
-  * join (`rows_of`): a request of a step that has no row yet (admitted, resumed from the prefix
+  * join (`step_slots`): a request of a step that has no row yet (admitted, resumed from the prefix
     cache, resumed after a preemption, forgotten) is read once from its fields;
   * launch (`launched`, after `Scheduler.advance_step`): positions advance by the chunks' tokens
     less the rejected drafts; sampled rows get one more pending token and its row;
@@ -24,12 +24,21 @@ chunks, which take the SeqChunk path). `check` compares every array with the req
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from operator import attrgetter
 
 import numpy as np
 
 _ROW = attrgetter("request.batch_row")
 _NUM_TOKENS, _REJECTED = attrgetter("num_tokens"), attrgetter("num_rejected")
+
+
+@dataclass(slots=True)
+class StepSlots:
+    """A step's chunks in the persistent batch."""
+    rows: list[int]                 # [R] each chunk's row (its request's state slot)
+    slots: np.ndarray               # [R] int64, the same
+    lens: np.ndarray                # [R] int64 the chunks' num_tokens
 
 
 class SlotState:
@@ -46,15 +55,15 @@ class SlotState:
         self.owner: list[object | None] = [None] * slots           # [S] the request joined there
         self.joins = 0                  # requests read from their fields so far (how incremental)
 
-    def rows_of(self, chunks: list, records: dict) -> tuple[list[int], np.ndarray]:
-        """The chunks' rows (list, [R] int64), joining the requests that have none. `records`:
-        the cache manager's records by request id."""
+    def step_slots(self, chunks: list, records: dict) -> StepSlots:
+        """The chunks' rows, joining the requests that have none. `records`: the cache
+        manager's records by request id."""
         rows = list(map(_ROW, chunks))
         if min(rows, default=0) < 0:
             for i in [i for i, r in enumerate(rows) if r < 0]:
                 req = chunks[i].request
                 rows[i] = self.join(req, records[req.request_id])
-        return rows, np.array(rows, np.int64)
+        return StepSlots(rows, np.array(rows, np.int64), np.fromiter(map(_NUM_TOKENS, chunks), np.int64, len(chunks)))
 
     def join(self, req, held) -> int:
         """Read `req` (its cache record `held`) into its slot's row; returns the row."""
@@ -77,37 +86,39 @@ class SlotState:
         for c in chunks:
             c.request.batch_row = -1
 
-    def launched(self, rows: np.ndarray, chunks: list, sampled: list[int]) -> None:
-        """After a launched step of `chunks` (their rows [R]) advanced num_computed by num_tokens
-        - num_rejected and gave each chunk in `sampled` (row order, a chunk once a token) a
-        pending token at its row there."""
-        n = np.fromiter(map(_NUM_TOKENS, chunks), np.int64, len(chunks))
-        if any(map(_REJECTED, chunks)):
-            n -= np.fromiter(map(_REJECTED, chunks), np.int64, len(chunks))
-        self.position[rows] += n                      # (a request once a step: rows distinct)
+    def launched(self, step: StepSlots, chunks: list, sampled: list[int], verify: bool) -> None:
+        """After a launched step of `chunks` (their rows `step`) advanced num_computed by
+        num_tokens - num_rejected and gave each chunk in `sampled` (row order, a chunk once a
+        token) a pending token at its row there. `verify`: a speculative step (chunks may
+        reject drafts and sample several tokens); else each chunk samples at most once."""
+        n = step.lens
+        if verify:
+            n = n - np.fromiter(map(_REJECTED, chunks), np.int64, len(chunks))
+        self.position[step.slots] += n                # (a request once a step: rows distinct)
         if not sampled:
             return
-        s = rows[np.fromiter(sampled, np.int64, len(sampled))]
-        if len(sampled) == len(set(sampled)):
+        s = step.slots if len(sampled) == len(chunks) and not verify else step.slots[np.array(sampled)]
+        if not verify:
             self.pending[s] += 1
             self.pending_row[s] = np.arange(len(s))
-        else:                                         # several tokens of a chunk (verify rows)
+        else:
             np.add.at(self.pending, s, 1)
             last, at = _last_of(s)
             self.pending_row[last] = at
 
-    def completed(self, chunks: list, sampled: list[int], tokens: list[int]) -> None:
+    def completed(self, chunks: list, sampled: list[int], tokens: list[int], verify: bool) -> None:
         """After the engine appended a read-back step's `tokens` (one per entry of `sampled`)
-        to its requests (rows of requests that had left: batch_row -1, skipped)."""
-        rows = list(map(_ROW, map(chunks.__getitem__, sampled)))
-        if not rows or max(rows) < 0:
+        to its requests (rows of requests that have left since: batch_row -1, skipped).
+        `verify` as in `launched`."""
+        full = len(sampled) == len(chunks) and not verify         # (sampled == range(R))
+        s = np.fromiter(map(_ROW, chunks if full else map(chunks.__getitem__, sampled)), np.int64, len(sampled))
+        if not len(s) or s.max() < 0:
             return
-        s = np.array(rows, np.int64)
-        t = np.fromiter(tokens, np.int64, len(tokens))
-        if min(rows) < 0:
+        t = np.fromiter(tokens, np.int64, len(sampled))
+        if s.min() < 0:
             keep = s >= 0
             s, t = s[keep], t[keep]
-        if len(sampled) == len(set(sampled)):
+        if not verify:
             self.pending[s] -= 1
             self.out_len[s] += 1
             self.last[s] = t

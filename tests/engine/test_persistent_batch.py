@@ -136,7 +136,8 @@ def _check_step_inputs(runner, counts):
         if slots is not None:
             counts["batched"] += 1
             counts["verify"] += any(c.num_logits for c in chunks)
-            assert slots.tolist() == [runner.cache.seqs[c.request.request_id].slot for c in chunks]
+            assert slots.rows == slots.slots.tolist() == [runner.cache.seqs[c.request.request_id].slot for c in chunks]
+            assert slots.lens.tolist() == [c.num_tokens for c in chunks]
         if isinstance(rows, StepRows):
             counts["gathered"] += 1
             counts["mixed"] += bool((rows.lens > 1).any())
