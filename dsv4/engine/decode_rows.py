@@ -24,7 +24,7 @@ import numpy as np
 
 from ..cache.addressing import SeqChunk
 from ..cache.step_rows import StepRows
-from .slot_state import SlotState, StepSlots
+from .slot_state import DECODE_FROM, LAST, NUM_TOKENS, PENDING, PENDING_ROW, POSITION, SlotState, StepSlots
 
 _NUM_LOGITS = attrgetter("num_logits")
 # steps of fewer chunks take the SeqChunk path: the batch's fixed numpy calls a step (step inputs,
@@ -37,30 +37,33 @@ def gather_rows(chunks: list, rows: StepSlots, batch: SlotState,
                 seq_chunk: Callable[[object], SeqChunk]) -> tuple[StepRows, np.ndarray, np.ndarray] | None:
     """(the step's rows, token rows still on the device [P], their rows in the step in flight's
     sampled tokens [P], by token row) for the scheduled chunks, or None when no chunk is a
-    decode row (a prefill step: the SeqChunk path). `rows`: the chunks' rows of `batch`
+    decode row (a prefill step: the SeqChunk path). `rows`: the chunks' slots in `batch`
     (`SlotState.step_slots`); `seq_chunk`: the runner's SeqChunk of any other chunk."""
-    R, row_list, slots, n = len(chunks), rows.rows, rows.slots, rows.lens
-    starts, pending, out_len = batch.position[slots], batch.pending[slots], batch.out_len[slots]
-    # one token, the request's last (start + 1 == Request.num_tokens), known or pending, of a
-    # request with no prompt logprobs and no images, not a verify chunk
-    decode = ((n == 1) & (starts + 1 == batch.prompt_len[slots] + out_len + pending)
-              & ((out_len > 0) | (pending > 0)) & batch.plain[slots])
+    R, slots, n = len(chunks), rows.slots, rows.lens
+    fields = batch.fields.take(slots, axis=1)            # [6, R] every field of the step's slots
+    starts, pending, num_tokens = fields[POSITION], fields[PENDING], fields[NUM_TOKENS]
+    # one token, the request's last, known or pending (past its prompt), not a verify chunk
+    decode = (n == 1) & (starts + 1 == num_tokens) & (num_tokens > fields[DECODE_FROM])
     if not all(map(is_, map(_NUM_LOGITS, chunks), repeat(None))):
         decode &= np.fromiter(map(is_, map(_NUM_LOGITS, chunks), repeat(None)), bool, R)
     if not decode.any():
         return None
-    if (pending[decode] > 1).any():
+    if pending.max() > 1 and (pending[decode] > 1).any():
         i = int(np.nonzero(decode & (pending > 1))[0][0])
         raise RuntimeError(f"request {chunks[i].request.request_id}: tokens up to {starts[i] + 1} scheduled, "
                            f"{starts[i] + 1 - pending[i]} known and {pending[i]} pending")
-    step = StepRows(slots=slots, starts=starts, lens=n, logits=decode.astype(np.int64),
-                    token_ids=np.zeros(int(n.sum()), np.int64),
-                    page_tables=list(map(batch.pages.__getitem__, row_list)),
-                    swa_tables=list(map(batch.swa.__getitem__, row_list)))
+    tables = list(map(batch.pages.__getitem__, rows.rows)), list(map(batch.swa.__getitem__, rows.rows))
+    on_device = pending > 0
+    if decode.all():                                    # a decode step: row i is token row i
+        dst = np.flatnonzero(on_device)
+        step = StepRows(slots, starts, n, np.ones(R, np.int64), np.where(on_device, 0, fields[LAST]), *tables)
+        return step, dst, fields[PENDING_ROW][dst]
+    step = StepRows(slots, starts, n, decode.astype(np.int64), np.zeros(int(n.sum()), np.int64), *tables)
     offs = np.cumsum(n) - n
-    on_device, known = decode & (pending > 0), decode & (pending == 0)
-    step.token_ids[offs[known]] = batch.last[slots[known]]
-    dst, src = [offs[on_device]], [batch.pending_row[slots[on_device]]]
+    on_device &= decode
+    known = decode & ~on_device
+    step.token_ids[offs[known]] = fields[LAST][known]
+    dst, src = [offs[on_device]], [fields[PENDING_ROW][on_device]]
     for i in np.nonzero(~decode)[0].tolist():           # prefill / verify chunks: as before
         fill = _add_chunk(step, i, int(offs[i]), chunks[i], seq_chunk(chunks[i]))
         if fill is not None:

@@ -145,7 +145,7 @@ class ModelRunner:
             return step, None, rows
         if prev_tokens is None:
             raise RuntimeError(f"{len(dst)} scheduled tokens are pending with no step in flight")
-        in_order = bool((dst == np.arange(len(dst))).all() and (src == dst).all())
+        in_order = bool(dst[-1] == len(dst) - 1 and (src == dst).all())    # (dst: distinct, ascending)
         return step, PendingFill(torch.from_numpy(dst), torch.from_numpy(src), prev_tokens, in_order), rows
 
     @torch.inference_mode()

@@ -262,7 +262,7 @@ def test_check_names_a_field_the_batch_missed(tiny, h, one_thread):
     eng.runner.batch.check(live, eng.cache.seqs)
     assert all(r.batch_row >= 0 for r in live) and len(live) == 3
     live[1].output_token_ids.append(5)          # (no engine path appends without the batch following)
-    with pytest.raises(AssertionError, match="request 1: out_len"):
+    with pytest.raises(AssertionError, match="request 1: num_tokens"):
         eng.runner.batch.check(live, eng.cache.seqs)
     live[1].output_token_ids.pop()
     live[2].num_computed -= 1
