@@ -141,6 +141,7 @@ def _check_step_inputs(runner, counts):
         if isinstance(rows, StepRows):
             counts["gathered"] += 1
             counts["mixed"] += bool((rows.lens > 1).any())
+            counts["decode_only"] += bool((rows.lens == 1).all() and (rows.logits == 1).all())
             counts["verify_beside"] += any(c.num_logits for c in chunks)     # verify chunks beside decode rows
             assert_same(StepRows.of(seqs), rows, "rows")
             assert (fill is None) == (ref_fill is None)
@@ -169,7 +170,7 @@ def _run(tiny, h, reqs, batched: bool, abort_at=None, prepare=None, **config):
     eng = tiny.engine(**config)
     if prepare is not None:
         prepare(eng)
-    counts = dict.fromkeys(["batched", "gathered", "mixed", "verify", "verify_beside", "in_order", "checked", "preempted"], 0)
+    counts = dict.fromkeys(["batched", "gathered", "mixed", "decode_only", "verify", "verify_beside", "in_order", "checked", "preempted"], 0)
     if batched:
         eng.runner.gather_min_rows = 1          # (steps of a few requests)
         _check_step_inputs(eng.runner, counts)
@@ -205,7 +206,8 @@ def test_gathered_decode_rows_equal_the_seqchunk_path(tiny, h, one_thread, mode)
     plain, _, _ = _run(tiny, h, reqs(stop), False, ("4", 12), **config)
     batched, counts, eng = _run(tiny, h, reqs(stop), True, ("4", 12), **config)
     h.assert_same_outputs(plain, batched)
-    assert counts["gathered"] >= 20 and counts["mixed"] >= 3 and counts["preempted"] >= 1, counts
+    assert counts["gathered"] >= 20 and counts["mixed"] >= 3 and counts["decode_only"] >= 5, counts
+    assert counts["preempted"] >= 1, counts
     assert (counts["in_order"] >= 5) == (mode == "on"), counts      # rows taking the tokens in flight in place
     # each request is read from its fields once a stay in the batch (admission, resumption)
     assert eng.runner.batch.joins <= len(prompts) + 3 + counts["preempted"], (eng.runner.batch.joins, counts)
