@@ -52,7 +52,7 @@ def gather_rows(chunks: list, rows: StepSlots, batch: SlotState,
         i = int(np.nonzero(decode & (pending > 1))[0][0])
         raise RuntimeError(f"request {chunks[i].request.request_id}: tokens up to {starts[i] + 1} scheduled, "
                            f"{starts[i] + 1 - pending[i]} known and {pending[i]} pending")
-    tables = list(map(batch.pages.__getitem__, rows.rows)), list(map(batch.swa.__getitem__, rows.rows))
+    tables = list(map(batch.pages.__getitem__, rows.slot_list)), list(map(batch.swa.__getitem__, rows.slot_list))
     on_device = pending > 0
     if decode.all():                                    # a decode step: row i is token row i
         dst = np.flatnonzero(on_device)

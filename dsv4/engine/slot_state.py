@@ -31,14 +31,14 @@ from operator import attrgetter
 
 import numpy as np
 
-_ROW = attrgetter("request.batch_row")
+_SLOT = attrgetter("request.batch_row")
 _NUM_TOKENS, _REJECTED = attrgetter("num_tokens"), attrgetter("num_rejected")
 
 
 @dataclass(slots=True)
 class StepSlots:
     """A step's chunks in the persistent batch."""
-    rows: list[int]                 # [R] each chunk's row (its request's state slot)
+    slot_list: list[int]            # [R] each chunk's column (its request's state slot)
     slots: np.ndarray               # [R] int64, the same
     lens: np.ndarray                # [R] int64 the chunks' num_tokens
 
@@ -65,14 +65,14 @@ class SlotState:
         self.joins = 0                  # requests read from their fields so far (how incremental)
 
     def step_slots(self, chunks: list, records: dict) -> StepSlots:
-        """The chunks' rows, joining the requests that have none. `records`: the cache
+        """The chunks' slots, joining the requests that have none. `records`: the cache
         manager's records by request id."""
-        rows = list(map(_ROW, chunks))
-        if min(rows, default=0) < 0:
-            for i in [i for i, r in enumerate(rows) if r < 0]:
+        slots = list(map(_SLOT, chunks))
+        if min(slots, default=0) < 0:
+            for i in [i for i, s in enumerate(slots) if s < 0]:
                 req = chunks[i].request
-                rows[i] = self.join(req, records[req.request_id])
-        return StepSlots(rows, np.array(rows, np.int64), np.fromiter(map(_NUM_TOKENS, chunks), np.int64, len(chunks)))
+                slots[i] = self.join(req, records[req.request_id])
+        return StepSlots(slots, np.array(slots, np.int64), np.fromiter(map(_NUM_TOKENS, chunks), np.int64, len(chunks)))
 
     def join(self, req, held) -> int:
         """Read `req` (its cache record `held`) into its slot's column; returns the slot."""
@@ -89,7 +89,7 @@ class SlotState:
 
     @staticmethod
     def forget(chunks: list) -> None:
-        """A step built without the batch: its requests' rows stop following them."""
+        """A step built without the batch: its requests' columns stop following them."""
         for c in chunks:
             c.request.batch_row = -1
 
@@ -121,7 +121,7 @@ class SlotState:
         to its requests (those of requests that have left since: batch_row -1, skipped).
         `verify` as in `launched`."""
         full = len(sampled) == len(chunks) and not verify         # (sampled == range(R))
-        s = np.fromiter(map(_ROW, chunks if full else map(chunks.__getitem__, sampled)), np.int64, len(sampled))
+        s = np.fromiter(map(_SLOT, chunks if full else map(chunks.__getitem__, sampled)), np.int64, len(sampled))
         t = np.fromiter(tokens, np.int64, len(sampled))
         if not len(s) or s.min() < 0:
             keep = s >= 0
@@ -145,15 +145,16 @@ class SlotState:
             s, rec = req.batch_row, records.get(req.request_id)
             out = req.output_token_ids
             want = {"slot": (rec.slot if rec is not None else None, s), "owner": (True, self.owner[s] is req),
-                    "position": (req.num_computed, self.position[s]), "num_tokens": (req.num_tokens, self.num_tokens[s]),
-                    "decode_from": (_decode_from(req), self.decode_from[s]), "pending": (req.num_pending, self.pending[s]),
-                    "last": (out[-1] if out else -1, self.last[s]),
+                    "position": (req.num_computed, self.position[s]),
+                    "num_tokens": (req.num_tokens, self.num_tokens[s]),
+                    "decode_from": (_decode_from(req), self.decode_from[s]),
+                    "pending": (req.num_pending, self.pending[s]), "last": (out[-1] if out else -1, self.last[s]),
                     "pages": (True, rec is not None and self.pages[s] is rec.pages),
                     "swa": (True, rec is not None and self.swa[s] is rec.swa_pages)}
             if req.num_pending:
                 want["pending_row"] = (req.pending_row, self.pending_row[s])
-            for name, (fields, column) in want.items():
-                assert fields == column, f"request {req.request_id}: {name} {fields} but slot {s} holds {column}"
+            for name, (value, column) in want.items():
+                assert value == column, f"request {req.request_id}: {name} {value} but slot {s} holds {column}"
 
 
 def _decode_from(req) -> int:

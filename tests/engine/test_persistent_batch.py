@@ -136,7 +136,8 @@ def _check_step_inputs(runner, counts):
         if slots is not None:
             counts["batched"] += 1
             counts["verify"] += any(c.num_logits for c in chunks)
-            assert slots.rows == slots.slots.tolist() == [runner.cache.seqs[c.request.request_id].slot for c in chunks]
+            held = [runner.cache.seqs[c.request.request_id].slot for c in chunks]
+            assert slots.slot_list == slots.slots.tolist() == held
             assert slots.lens.tolist() == [c.num_tokens for c in chunks]
         if isinstance(rows, StepRows):
             counts["gathered"] += 1
@@ -170,7 +171,8 @@ def _run(tiny, h, reqs, batched: bool, abort_at=None, prepare=None, **config):
     eng = tiny.engine(**config)
     if prepare is not None:
         prepare(eng)
-    counts = dict.fromkeys(["batched", "gathered", "mixed", "decode_only", "verify", "verify_beside", "in_order", "checked", "preempted"], 0)
+    counts = dict.fromkeys(["batched", "gathered", "mixed", "decode_only", "verify", "verify_beside", "in_order",
+                            "checked", "preempted"], 0)
     if batched:
         eng.runner.gather_min_rows = 1          # (steps of a few requests)
         _check_step_inputs(eng.runner, counts)
@@ -225,8 +227,8 @@ class _TruthDrafts:
         out = []
         for w in [w for w in works if w.num_drafts > 0]:
             seq, first = self.truth[w.request.request_id], w.start + w.anchor + 2
-            out.append((torch.tensor([seq[p] if p < len(seq) and p % 3 else 0 for p in range(first, first + w.num_drafts)]),
-                        None))
+            drafts = [seq[p] if p < len(seq) and p % 3 else 0 for p in range(first, first + w.num_drafts)]
+            out.append((torch.tensor(drafts), None))
         return out
 
 
