@@ -2,8 +2,11 @@
 slot between steps and synced incrementally give the same ForwardBatch as a fresh build from the
 chunks' lists, over random sequences of requests joining, leaving, growing, trimming and
 swapping pages, plain and padded to a CUDA-graph shape; an unchanged table is never rewritten.
-In an engine, decode rows gathered from the requests give the same step inputs (rows, token
-rows on the device, ForwardBatch) as a SeqChunk per chunk, and the same outputs (invariant 5)."""
+In an engine, the persistent batch (engine/slot_state.py) follows every request after every step
+(`SlotState.check`: plain decode, async scheduling on and off, preemption, prefix-cache hits,
+n > 1 copies, aborts, MTP verify steps), decode rows read from it give the same step inputs
+(rows, token rows on the device, ForwardBatch) as a SeqChunk per chunk, and the same outputs
+(invariant 5); each request is read from its fields once a stay."""
 import dataclasses
 import random
 
@@ -196,10 +199,13 @@ def test_gathered_decode_rows_equal_the_seqchunk_path(tiny, h, one_thread, mode)
     prompts = [base[:rng.randint(1, 300)] + tiny.ids(rng.randint(1, 40), seed=i) for i in range(12)]
     arrivals = sorted(rng.randrange(0, 30) for _ in prompts)
 
+    shared = base + tiny.ids(30, seed=99)       # its copies resume from its prefill (prefix-cache hits)
+
     def reqs(stop):
         out = [h.Req(str(i), p, _params(i, stop), arrivals[i]) for i, p in enumerate(prompts)]
         copies = SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=10, ignore_eos=True)
-        return out + [h.Req(f"n{k}", prompts[7], dataclasses.replace(copies, seed=11 + k), 4) for k in range(3)]
+        return out + [h.Req(f"n{k}", shared, dataclasses.replace(copies, seed=11 + k), 2 if k == 0 else 5)
+                      for k in range(3)]
 
     config = dict(max_num_batched_tokens=96, max_num_seqs=6, num_pages=7, async_scheduling=mode,
                   enable_prefix_caching=True)
@@ -209,7 +215,7 @@ def test_gathered_decode_rows_equal_the_seqchunk_path(tiny, h, one_thread, mode)
     batched, counts, eng = _run(tiny, h, reqs(stop), True, ("4", 12), **config)
     h.assert_same_outputs(plain, batched)
     assert counts["gathered"] >= 20 and counts["mixed"] >= 3 and counts["decode_only"] >= 5, counts
-    assert counts["preempted"] >= 1, counts
+    assert counts["preempted"] >= 1 and eng.prefix_stats()[1] > 0, (counts, eng.prefix_stats())
     assert (counts["in_order"] >= 5) == (mode == "on"), counts      # rows taking the tokens in flight in place
     # each request is read from its fields once a stay in the batch (admission, resumption)
     assert eng.runner.batch.joins <= len(prompts) + 3 + counts["preempted"], (eng.runner.batch.joins, counts)
