@@ -28,8 +28,8 @@ from .slot_state import DECODE_FROM, LAST, NUM_TOKENS, PENDING, PENDING_ROW, POS
 
 _NUM_LOGITS = attrgetter("num_logits")
 # steps of fewer chunks take the SeqChunk path: the batch's fixed numpy calls a step (step inputs,
-# `launched`, `completed`) cost more than a SeqChunk a chunk below ~16-20 chunks (CPU, µs a
-# request: c8 7.2 against 3.6; c16 2.8 against 2.6; c32 1.5 against 2.3; c256 0.47 against 2.1)
+# `launched`, `completed`) cost more than a SeqChunk a chunk below ~10-16 chunks (CPU, hot loop,
+# µs a request: c8 4.5 against 3.6; c16 3.3 against 4.2; c32 1.8 against 2.4; c256 0.58 against 3.1)
 GATHER_MIN_ROWS = 32
 
 
