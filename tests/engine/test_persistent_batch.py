@@ -18,7 +18,7 @@ from dsv4.cache.addressing import Scratch, SeqChunk, StepShape, build_step, step
 from dsv4.cache.batch_tables import PersistentTables
 from dsv4.cache.layout import CacheLayout
 from dsv4.cache.step_rows import StepRows, as_rows
-from dsv4.engine.cuda_graphs import batch_bucket, width_bucket
+from dsv4.engine.cuda_graphs import StepGraphs, batch_bucket, width_bucket
 from dsv4.engine.runner import pending_fill
 from dsv4.model.random_init import preset_config
 from dsv4.sampling_params import SamplingParams
@@ -155,7 +155,13 @@ def _check_step_inputs(runner, counts):
                 assert torch.equal(fill.dst, ref_fill.dst[order]) and torch.equal(fill.src, ref_fill.src[order])
             ring = runner.storage.ring_slots
             assert_same(build_step(seqs, runner.layout, ring), build_step(rows, runner.layout, ring, tables=None))
+            if graphs.accepts(rows):            # padded to a CUDA-graph shape, as a uniform step on a GPU
+                counts["uniform"] += 1
+                shape, scratch = graphs.shape(rows), graphs.scratch
+                assert_same(build_step(seqs, runner.layout, ring, shape, scratch),
+                            build_step(rows, runner.layout, ring, shape, scratch))
         return rows, fill, slots
+    graphs = StepGraphs(runner.model, runner.storage, 16, capture=False, h2d=runner.h2d)
     runner.step_inputs = both
 
 
@@ -174,7 +180,7 @@ def _run(tiny, h, reqs, batched: bool, abort_at=None, prepare=None, **config):
     eng = tiny.engine(**config)
     if prepare is not None:
         prepare(eng)
-    counts = dict.fromkeys(["batched", "gathered", "mixed", "decode_only", "verify", "verify_beside", "in_order",
+    counts = dict.fromkeys(["batched", "gathered", "mixed", "decode_only", "uniform", "verify", "verify_beside", "in_order",
                             "checked", "preempted"], 0)
     if batched:
         eng.runner.gather_min_rows = 1          # (steps of a few requests)
@@ -215,6 +221,7 @@ def test_gathered_decode_rows_equal_the_seqchunk_path(tiny, h, one_thread, mode)
     batched, counts, eng = _run(tiny, h, reqs(stop), True, ("4", 12), **config)
     h.assert_same_outputs(plain, batched)
     assert counts["gathered"] >= 20 and counts["mixed"] >= 3 and counts["decode_only"] >= 5, counts
+    assert counts["uniform"] >= 5, counts
     assert counts["preempted"] >= 1 and eng.prefix_stats()[1] > 0, (counts, eng.prefix_stats())
     assert (counts["in_order"] >= 5) == (mode == "on"), counts      # rows taking the tokens in flight in place
     # each request is read from its fields once a stay in the batch (admission, resumption)
