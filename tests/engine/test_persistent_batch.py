@@ -180,8 +180,8 @@ def _run(tiny, h, reqs, batched: bool, abort_at=None, prepare=None, **config):
     eng = tiny.engine(**config)
     if prepare is not None:
         prepare(eng)
-    counts = dict.fromkeys(["batched", "gathered", "mixed", "decode_only", "uniform", "verify", "verify_beside", "in_order",
-                            "checked", "preempted"], 0)
+    counts = dict.fromkeys(["batched", "gathered", "mixed", "decode_only", "uniform", "verify", "verify_beside",
+                            "in_order", "checked", "preempted"], 0)
     if batched:
         eng.runner.gather_min_rows = 1          # (steps of a few requests)
         _check_step_inputs(eng.runner, counts)
