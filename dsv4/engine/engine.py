@@ -130,9 +130,9 @@ class LLMEngine:
         (ModelRunner.warmup); returns and logs what ran and how long it took."""
         start = time.perf_counter()
         k = self.config.speculative_config.num_speculative_tokens if self.spec is not None else 0
+        self.sampling_inputs.warmup(self.sampler, self.config.device)     # (before the late-compile watch)
         done = self.runner.warmup(self.max_model_len, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                   (1, k + 1) if k else (1,))
-        self.sampling_inputs.warmup(self.sampler, self.config.device)
         done["seconds"] = time.perf_counter() - start
         log.info("warm-up: %d eager steps, %d CUDA-graph shapes in %.1f s", done["eager_steps"],
                  done["graph_shapes"], done["seconds"])
