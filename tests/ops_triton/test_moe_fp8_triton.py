@@ -91,7 +91,9 @@ def test_decode_fp8(device, dtype, T, k):
     assert_matches(got, moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales), dtype)
 
 
-SHARED_SPLIT = 3     # down splits of test_decode_fp8_shared_tiles: 14 units (default tiles) in 5 + 5 + 4
+# test_decode_fp8_shared_tiles: 2 tokens of 3 routed pairs + the shared one (k = 1..6 are
+# test_decode_fp8's); down split 3: 8 (expert, I-block) units (default tiles) in 3 + 3 + 2
+SHARED_T, SHARED_K, SHARED_SPLIT = 2, 3, 3
 
 
 @pytest.mark.parametrize("tiles,dtype,pow2", [("default", BF16, True), ("default", BF16, False),
@@ -102,14 +104,14 @@ def test_decode_fp8_shared_tiles(device, tiles, dtype, pow2):
     non-power-of-two fp32 scales (rounded to x's dtype after the product, as at load). Down split
     SHARED_SPLIT (the default split, one (expert, I-block) unit per program here, is test_decode_fp8's):
     each program sums several units, the shared pair among them, and the interpreter runs
-    ~10x fewer programs than the default's (up to 49 splits with the small tiles)."""
-    x, weights, ids, w1, w2, w3, scales = make_inputs(device, 3, 6, dtype, pow2)
+    fewer programs than the default's (up to 49 splits with the small tiles)."""
+    x, weights, ids, w1, w2, w3, scales = make_inputs(device, SHARED_T, SHARED_K, dtype, pow2)
     sw, ss = make_shared(device, pow2)
     got = triton_moe.routed_experts(x, weights, ids, w1, w2, w3, LIMIT, shared=sw, scales=scales,
                                     shared_scales=ss, **DECODE_TILES[tiles], down_split=SHARED_SPLIT)
     d1, d2, d3 = dequantised((w1, w2, w3), scales, dtype)
     dsw = dequantised(sw, ss, dtype)
-    same_tiles = {**fp8_down_defaults(3, 7, DECODE_TILES[tiles]), "down_split": SHARED_SPLIT}
+    same_tiles = {**fp8_down_defaults(SHARED_T, SHARED_K + 1, DECODE_TILES[tiles]), "down_split": SHARED_SPLIT}
     assert_same_as_dequantised(got, triton_moe.routed_experts(x, weights, ids, d1, d2, d3, LIMIT, shared=dsw,
                                                               **same_tiles),
                                pow2, dtype, device)
