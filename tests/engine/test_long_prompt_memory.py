@@ -6,8 +6,8 @@ streams its scores in tiles), and its last-position logits equal a whole-prompt 
 The model is the tiny preset cut to one CSA layer (the one whose indexer scores every causal
 C4 entry) with one small indexer head: the indexer's O(T * E) work, which is its nature (2^29
 token-entry pairs here, chunked), is most of the test's time. Peak process memory is the
-kernel's high-water mark of the resident set (VmHWM, reset through /proc/self/clear_refs), measured around the engine's whole
-life: cache allocation, every chunk, the result."""
+kernel's high-water mark of the resident set (VmHWM, reset through /proc/self/clear_refs),
+measured around the engine's whole life: cache allocation, every chunk, the result."""
 from __future__ import annotations
 
 import ctypes
