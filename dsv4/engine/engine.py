@@ -368,7 +368,8 @@ class LLMEngine:
             if self.config.grammar_process:
                 from ..structured.remote import WorkerGrammars
                 self.grammars = WorkerGrammars(self.tokenizer, self.cfg.vocab_size, self.eos_token_id,
-                                               self.config.max_num_seqs * self.config.data_parallel_size)
+                                               self.config.max_num_seqs * self.config.data_parallel_size,
+                                               page_lock=self.runner.h2d.on_cuda)
             else:
                 from ..structured.registry import Grammars
                 self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, self.eos_token_id)
