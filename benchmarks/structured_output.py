@@ -187,9 +187,11 @@ def variants(args) -> list[tuple[str, int | tuple | None]]:
     None; --worker-thread)."""
     def fills(n):
         return "" if n is None else f", {n} fill threads" if n else ", fill inline"
-    if args.default_only:
+    if args.default_only:       # (with the worker process variants of explicit --worker-fill-threads counts)
         default = ("process", None) if args.default_process else FILL_THREADS
-        return [("no constraint", None), ("JSON, default path", default)]
+        return ([("no constraint", None), ("JSON, default path", default)]
+                + [(f"JSON, worker process{fills(n)}", ("process", n)) for n in args.worker_fill_threads
+                   if n is not None])
     return ([("no constraint", None)] + [(f"JSON, {n} fill thread{'s' * (n > 1)}", n) for n in args.fill_threads]
             + [("JSON, fill inline", 0)]
             + ([] if args.no_process else [(f"JSON, worker process{fills(n)}", ("process", n))
@@ -219,7 +221,8 @@ class Paths:
         for _, path in variants(options):
             if isinstance(path, tuple):     # started, the schema compiled: not timed in the first run
                 self.workers[path] = worker = WorkerGrammars(*args, engine.config.max_num_seqs, fill_threads=path[1],
-                                                             in_thread=path[0] == "thread")
+                                                             in_thread=path[0] == "thread",
+                                                             page_lock=engine.runner.h2d.on_cuda)   # as the engine's
                 worker.add("warm", StructuredOutputs(json=json.dumps(SCHEMA)))
                 assert worker.ping(), worker.error
                 worker.drop("warm")

@@ -11,13 +11,15 @@ the host µs a call. First it checks the one-launch kernel against the torch def
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
 
-from dsv4.engine.sampler import apply_grammar_mask
+from dsv4.engine.sampler import Sampler, SamplingBatch, SamplingRow, apply_grammar_mask
 from dsv4.engine.upload import HostToDevice
 from dsv4.ops.backend import forced
+from dsv4.sampling_params import SamplingParams
 from dsv4.structured.masks import GrammarMask, keep_bits, words
 
 
@@ -57,6 +59,9 @@ def main() -> None:
     got = logits.clone()
     apply_grammar_mask(got, mask)
     assert torch.equal(got, want), "the one-launch mask differs from the torch definition"
+    batch = dataclasses.replace(SamplingBatch.build([SamplingRow(SamplingParams(temperature=0.0), [1], [])] * rows,
+                                                    vocab, "cpu"), grammar=mask)
+    batch = dataclasses.replace(batch, is_greedy=batch.is_greedy.to(device), temperature=batch.temperature.to(device))
     h2d = HostToDevice(device)
     dst = torch.empty_like(on_device)
     work = logits.clone()
@@ -68,6 +73,7 @@ def main() -> None:
     cases = [("apply_grammar_mask (dispatch: Triton on CUDA)", lambda: apply_grammar_mask(work, mask)),
              ("apply_grammar_mask, torch definition (3 kernels)", reference),
              ("logits.to(float32, copy=True)", lambda: logits.to(torch.float32, copy=True)),
+             ("Sampler.processed_logits (the copy and the mask)", lambda: Sampler.processed_logits(logits, batch)),
              ("bitmask: pinned -> kept device buffer, copy_", lambda: dst.copy_(pinned, non_blocking=True)),
              ("bitmask + rows: packed upload (HostToDevice)", lambda: h2d.upload([mask.rows.cpu(), bitmask])),
              ("an empty torch op (x.add_(0))", lambda: work[:1, :1].add_(0))]
