@@ -360,6 +360,10 @@ PREFILL_TILES, DECODE_TILES, PREFILL_FROM = (64, 64, 8, 2), (16, 32, 8, 2), 1024
 # takes 128 keys a step over 32 heads and 4 warps: 9.7 against 14.0 ms for a 2,048-token chunk at
 # 900k (`python -m benchmarks.kernels.attention --deep-hca`, H200)
 LONG_TILES, LONG_FROM = (32, 128, 4, 2), 2048
+# The shared-tile kernel (attention_shared.py: tokens x heads a program over paged ranges, the
+# output channels split) in place of LONG_TILES where every source is a PagedRows: off until
+# `python -m benchmarks.kernels.attention --deep-hca --shared` on the H200 says it is faster.
+SHARED_LONG = False
 MERGE_BLOCK_D = 64              # channels per program of the split merge (D = 512: 8 programs a head block)
 
 
@@ -386,6 +390,12 @@ def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
     Defaults (D = 512, bf16, sm_90, Triton 3.9 ahead-of-time): 103 registers, no spills, 50 KB
     of shared memory; the keys go through cp.async. benchmarks/kernels/attention.py times others."""
     assert supports(q, sources, sinks, rope_dims), "sparse_attention (triton): unsupported inputs, use the reference"
+    if SHARED_LONG and all(k is None for k in (h_block, block_k, num_splits, num_warps, num_stages)):
+        from . import attention_shared
+        slots = sum(idx.width if isinstance(idx, PagedRows) else idx.shape[1] for _, idx in sources)
+        if (_default_tiles(q, slots, [kv for kv, _ in sources]) == LONG_TILES
+                and attention_shared.supports_shared(q, sources, sinks)):
+            return attention_shared.shared_attention(q, sources, sinks, scale)
     T, H, D = q.shape
     out = torch.empty_like(q)
     if T == 0:

@@ -1,0 +1,154 @@
+"""The shared-tile attention kernel (dsv4/ops/triton/attention_shared.py: BLOCK_T tokens x
+H_BLOCK heads a program over the union of their paged ranges, the output channels split across
+D_PARTS programs) against the torch reference (dsv4.ops.attention), the definition: tokens of
+several requests in one block, windows, prefixes, empty ranges and -1 pages; a prefill chunk
+deep in a prompt (the C128-like history closing entries inside the chunk, the window ring);
+sinks, RoPE-scaled channels, partial token and head blocks; the dispatch behind SHARED_LONG."""
+import pathlib
+import sys
+
+import pytest
+import torch
+
+import dsv4.ops.attention as attention_ops
+from dsv4.ops import backend
+from dsv4.ops.paged import PagedRows
+from dsv4.ops.triton import attention as triton_attention
+from dsv4.ops.triton import attention_shared as shared
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "ops"))
+from paged_inputs import random_paged  # noqa: E402
+
+TOL = {torch.float32: dict(rtol=5e-5, atol=5e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+D, ROPE = 64, 16          # fp32 tolerance: scores up to ~100 (q x3, RoPE channels x4), summed in another order
+
+
+def reference(q, sources, sinks, scale):
+    with backend.forced("reference"):
+        return attention_ops.sparse_attention(q, sources, sinks, scale, ROPE)
+
+
+def check(q, sources, sinks, **knobs):
+    scale = q.shape[-1] ** -0.5
+    out = shared.shared_attention(q, sources, sinks, scale, **knobs)
+    want = reference(q, sources, sinks, scale)
+    assert out.shape == want.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out.float(), want.float(), **TOL[q.dtype])
+    return out
+
+
+def rows(g, n, device, dtype):
+    """n pool rows; the last ROPE channels (RoPE'd in the model) 4x larger: a kernel mixing up
+    the channel halves of a split would score them wrongly."""
+    kv = torch.randn(n, D, generator=g)
+    kv[:, -ROPE:] *= 4
+    return kv.to(device, dtype)
+
+
+def random_inputs(device, T, H, dtype, widths=(16, 24), per_pages=(16, 4), seed=0):
+    """q [T, H, D], two (pool, PagedRows) sources of random_paged ranges (3 requests mixed in any
+    block; windows, prefixes, full and empty ranges; -1 pages; pitch 3x), sinks [H]."""
+    g = torch.Generator().manual_seed(seed)
+    q = (3 * torch.randn(T, H, D, generator=g)).to(device, dtype)
+    sources = []
+    for i, (width, per_page) in enumerate(zip(widths, per_pages)):
+        paged, n = random_paged(T, width, per_page=per_page, pitch=3 * per_page, seed=seed + i, device=device)
+        sources.append((rows(g, n, device, dtype), paged))
+    return q, sources, (2 * torch.randn(H, generator=g)).to(device)
+
+
+def chunk_inputs(device, T, H, dtype, start, window=16, ratio=4, per_pages=(8, 2), seed=0):
+    """A prefill chunk of one request at positions start + t: the window (pos - window, pos] on
+    per_pages[0]-item pages and the history of entries e < (pos + 1) // ratio from 0 on
+    per_pages[1]-item pages (entries close inside the chunk), shuffled pages interleaved with
+    another layer's (pitch 2x), -1 pages below the window and past the last entry."""
+    g = torch.Generator().manual_seed(seed)
+    pos = start + torch.arange(T)
+    q = (3 * torch.randn(T, H, D, generator=g)).to(device, dtype)
+    sources = []
+    for lo, hi, width, per_page in ((pos - window + 1).clamp(min=0), pos + 1, window, per_pages[0]), \
+                                   (torch.zeros(T, dtype=torch.long), (pos + 1) // ratio,
+                                    int((start + T) // ratio), per_pages[1]):
+        first, count = int(lo.min()) // per_page, int(hi.max() - 1) // per_page + 1
+        pages = torch.full((1, count + 1), -1, dtype=torch.long)
+        pages[0, first:count] = torch.randperm(count - first, generator=g)
+        paged = PagedRows(pages.to(device), torch.zeros(T, dtype=torch.long, device=device), lo.to(device),
+                          hi.to(device), per_page, 2 * per_page, max(width, 1))
+        sources.append((rows(g, (count - first) * 2 * per_page, device, dtype), paged))
+    return q, sources, (2 * torch.randn(H, generator=g)).to(device)
+
+
+def first_tokens(sources, n):
+    """The sources of a step's first n tokens."""
+    return [(kv, PagedRows(idx.pages, idx.req[:n], idx.lo[:n], idx.hi[:n], idx.per_page, idx.pitch, idx.width))
+            for kv, idx in sources]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_t, h_block, d_parts", [(1, 16, 1), (2, 8, 2), (4, 8, 1), (4, 4, 2)])
+def test_mixed_requests(device, dtype, block_t, h_block, d_parts):
+    """Tokens of 3 requests in any order: every block's groups walk their own page rows; a
+    partial last token block (13 tokens); rows with no valid key get 0 (all weight on the sink)."""
+    q, sources, sinks = random_inputs(device, 13, 8, dtype)
+    check(q, sources, sinks, block_t=block_t, h_block=h_block, block_k=16, d_parts=d_parts)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("start", [0, 37, 300])
+@pytest.mark.parametrize("d_parts", [1, 2])
+def test_prefill_chunk(device, dtype, start, d_parts):
+    """A chunk at position `start` (0: the history fills from empty): the shared prefix and the
+    entries closing inside the chunk, the window over pages of 8, history pages of 2 (a block
+    of 16 keys spans 8 of them), 6 heads (a partial head block of 8)."""
+    q, sources, sinks = chunk_inputs(device, 22, 6, dtype, start)
+    check(q, sources, sinks, block_t=2, h_block=8, block_k=16, d_parts=d_parts)
+    check(q, sources, sinks, block_t=4, h_block=4, block_k=32, d_parts=d_parts)
+
+
+def test_one_source_and_empty(device):
+    """One source; zero tokens; zero-width ranges (every row on the sink alone: 0)."""
+    q, sources, sinks = random_inputs(device, 9, 4, torch.float32)
+    check(q, sources[1:], sinks, block_t=4, h_block=4)
+    assert shared.shared_attention(q[:0], first_tokens(sources, 0), sinks, 0.125).shape == (0, 4, D)
+    q, sources, sinks = random_inputs(device, 9, 4, torch.float32, widths=(0, 0))
+    assert check(q, sources, sinks, block_t=2, h_block=8).abs().max() == 0
+
+
+def test_large_logits_and_sinks(device):
+    """Large scores and sinks (one far above every score, one far below): exp2 never overflows."""
+    q, sources, sinks = chunk_inputs(device, 8, 4, torch.float32, 50)
+    sinks = torch.tensor([40.0, -40.0, 0.0, 5.0], device=q.device)
+    check(30 * q, sources, sinks, block_t=2, h_block=8, d_parts=2)
+
+
+def test_supports():
+    """Only PagedRows sources over pools of q's dtype and width."""
+    q, sources, sinks = random_inputs("cpu", 5, 4, torch.float32)
+    assert shared.supports_shared(q, sources, sinks)
+    assert not shared.supports_shared(q, [(sources[0][0], sources[0][1].dense())], sinks)
+    assert not shared.supports_shared(q, [(sources[0][0].to(torch.bfloat16), sources[0][1])], sinks)
+    assert not shared.supports_shared(q, [(sources[0][0][:, :32], sources[0][1])], sinks)
+
+
+def test_dispatch_behind_switch(device, monkeypatch):
+    """triton.attention.sparse_attention takes the shared kernel for a long prefill only with
+    SHARED_LONG on (off by default), for PagedRows sources, and gives the reference's result."""
+    assert triton_attention.SHARED_LONG is False
+    calls = []
+    kernel = shared.shared_attention
+    monkeypatch.setattr(shared, "shared_attention", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+    monkeypatch.setattr(triton_attention, "PREFILL_FROM", 4)
+    monkeypatch.setattr(triton_attention, "LONG_FROM", 8)
+    q, sources, sinks = chunk_inputs(device, 12, 4, torch.bfloat16, 100)
+    scale = D ** -0.5
+    triton_attention.sparse_attention(q, sources, sinks, scale)
+    assert not calls                                            # off
+    monkeypatch.setattr(triton_attention, "SHARED_LONG", True)
+    monkeypatch.setattr(shared, "SHARED_TILES", (2, 4, 16, 2, 4, 1))
+    out = triton_attention.sparse_attention(q, sources, sinks, scale)
+    assert len(calls) == 1
+    torch.testing.assert_close(out.float(), reference(q, sources, sinks, scale).float(), **TOL[torch.bfloat16])
+    triton_attention.sparse_attention(q, [(sources[0][0], sources[0][1].dense()), sources[1]], sinks, scale)
+    triton_attention.sparse_attention(q, sources, sinks, scale, block_k=16)     # knobs: the per-token kernel
+    triton_attention.sparse_attention(q[:3], first_tokens(sources, 3), sinks, scale)
+    assert len(calls) == 1                                      # dense source, knobs, a short step: not taken
