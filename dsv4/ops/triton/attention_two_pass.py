@@ -1,0 +1,231 @@
+"""Sparse shared-KV attention in two passes through a probability buffer (Triton): a prefill
+chunk over a long slot list (an HCA layer deep in a prompt, docs/architecture.md "Attention").
+Same contract as `dsv4.ops.attention.sparse_attention` (the definition) for sources that are all
+PagedRows over pools of q's dtype; the last source (the C128 history) takes the two passes, any
+other (the window) is walked in the second pass as attention_shared.py does.
+
+Rows are (token, head) pairs, BLOCK_T tokens x H_BLOCK heads a tile; a row's slot k is item
+lo_t + k of its request (PagedRows' dense form, k < n_t = min(hi_t - lo_t, width)). The tokens
+of a tile that share (request, lo) form a group and read the same pool rows for the same slots
+(every token of a chunk on the history: one group); a tile does one pass a group.
+  1. scores (grid: slot tiles of BLOCK_N x row tiles): S = q k^T over D in BLOCK_D steps (a
+     plain GEMM: no [rows, D] accumulator), then per row and slot tile the max m_j, the sum
+     l_j of exp2(s - m_j) and P = exp2(s - m_j) in q's dtype into a buffer [T, H, slots];
+  2. values (grid: row tiles x D_PARTS channel parts): the online softmax over the slot tiles
+     with their (m_j, l_j) and acc += exp2(m_j - m) P K (K = V: the part's channels only), the
+     sink in the denominator, out normalised.
+Every S element is computed once (no 1.5x of a channel split: pass 2 reads P instead); the
+price is P's round trip (2 bytes a row and slot). Tokens go TOKENS_PER_PASS at a time, which
+bounds the buffer (at 900k: 512 tokens x 64 heads x 7,168 slots x 2 bytes = 470 MB).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..paged import PagedRows
+from .attention import INTERPRETING, LOG2E
+from .attention_shared import _walk, supports_shared
+
+# (block_t, h_block, block_n, block_d, warps, stages) of pass 1; (block_n is pass 2's key step
+# too) (d_parts, warps, stages) of pass 2; tokens a pass. Guesses, unmeasured on the H200 when
+# written: `python -m benchmarks.kernels.attention --variants` times others.
+SCORE_TILES = (2, 64, 128, 64, 8, 3)
+VALUE_TILES = (2, 8, 2)
+TOKENS_PER_PASS = 512
+
+
+@triton.jit
+def _slot_rows(page_row, start, n, lo, pitch, BLOCK: tl.constexpr, PER_PAGE: tl.constexpr):
+    """Pool rows [BLOCK] int64 of slots start + [0, BLOCK) (items lo + slot) of one request's
+    page-table row, -1 past n or on a -1 page; every load masked (start may be past n)."""
+    slot = start + tl.arange(0, BLOCK)
+    e = lo + slot
+    page = tl.load(page_row + e // PER_PAGE, mask=slot < n, other=-1).to(tl.int32)
+    return tl.where((slot < n) & (page >= 0), page * pitch + e % PER_PAGE, -1).to(tl.int64)
+
+
+@triton.jit
+def _groups(req_ptr, lo_ptr, hi_ptr, t0, T, W, row_ok, row_tok, BLOCK_T: tl.constexpr):
+    """Per row: its token's lo, slot count n (<= W) and group (the first token of the tile with
+    the same request and lo)."""
+    tok = t0 + row_tok
+    req = tl.load(req_ptr + tok, mask=row_ok, other=-1).to(tl.int32)
+    lo = tl.load(lo_ptr + tok, mask=row_ok, other=0).to(tl.int32)
+    n = tl.minimum(tl.maximum(tl.load(hi_ptr + tok, mask=row_ok, other=0).to(tl.int32) - lo, 0), W)
+    js = tl.arange(0, BLOCK_T)
+    js_ok = t0 + js < T
+    blk_req = tl.load(req_ptr + t0 + js, mask=js_ok, other=-1).to(tl.int32)
+    blk_lo = tl.load(lo_ptr + t0 + js, mask=js_ok, other=0).to(tl.int32)
+    same = (req[:, None] == blk_req[None, :]) & (lo[:, None] == blk_lo[None, :]) & js_ok[None, :]
+    return lo, n, tl.min(tl.where(same, js[None, :], BLOCK_T), axis=1)
+
+
+@triton.jit
+def _tile_rows(T, H, BLOCK_T: tl.constexpr, H_BLOCK: tl.constexpr, tile):
+    """Row tile `tile` (token blocks outer, head blocks inner) -> first token, rows' token
+    offset, heads, validity [M]."""
+    n_hb = tl.cdiv(H, H_BLOCK)
+    t0 = tile // n_hb * BLOCK_T
+    r = tl.arange(0, BLOCK_T * H_BLOCK)
+    row_tok = r // H_BLOCK
+    heads = tile % n_hb * H_BLOCK + r % H_BLOCK
+    return t0, row_tok, heads, (t0 + row_tok < T) & (heads < H)
+
+
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("T", "W", "stride_p", "pitch", "slots"))
+def _scores_kernel(q_ptr, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, p_ptr, m_ptr, l_ptr,
+                   T, H, W, qk_scale, stride_qt, stride_qh, stride_kv, stride_p, pitch,
+                   slots,                            # P [T, H, slots], m, l [T, H, slots / BLOCK_N]
+                   D: tl.constexpr, BLOCK_T: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, PER_PAGE: tl.constexpr, FP32_DOT: tl.constexpr):
+    j = tl.program_id(0)                             # slot tile (fastest: a row tile's q stays in L2)
+    t0, row_tok, heads, row_ok = _tile_rows(T, H, BLOCK_T, H_BLOCK, tl.program_id(1))
+    lo, n, group = _groups(req_ptr, lo_ptr, hi_ptr, t0, T, W, row_ok, row_tok, BLOCK_T)
+    slot = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    q_row = q_ptr + (t0 + row_tok).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
+    d = tl.arange(0, BLOCK_D)
+    s = tl.full([BLOCK_T * H_BLOCK, BLOCK_N], float("-inf"), tl.float32)
+    for g in range(BLOCK_T):
+        member = row_ok & (group == g)
+        n_g = tl.max(tl.where(member, n, 0), axis=0)
+        lo_g = tl.load(lo_ptr + t0 + g, mask=t0 + g < T, other=0).to(tl.int32)
+        page_row = pages_ptr + tl.load(req_ptr + t0 + g, mask=t0 + g < T, other=0).to(tl.int64) * stride_p
+        rows = _slot_rows(page_row, j * BLOCK_N, n_g, lo_g, pitch, BLOCK_N, PER_PAGE)           # [BLOCK_N]
+        key_ok = rows >= 0
+        s_g = tl.zeros([BLOCK_T * H_BLOCK, BLOCK_N], tl.float32)
+        for d0 in range(0, D * (j * BLOCK_N < n_g).to(tl.int32), BLOCK_D):     # none past the group's slots
+            qd = tl.load(q_row + d0 + d[None, :], mask=member[:, None] & (d0 + d < D)[None, :], other=0.0)
+            kd = tl.load(kv_ptr + rows[:, None] * stride_kv + d0 + d[None, :],
+                         mask=key_ok[:, None] & (d0 + d < D)[None, :], other=0.0)
+            if FP32_DOT:
+                qd, kd = qd.to(tl.float32), kd.to(tl.float32)
+            s_g = tl.dot(qd, tl.trans(kd), acc=s_g, input_precision="ieee" if FP32_DOT else "tf32")
+        valid = member[:, None] & key_ok[None, :] & (slot[None, :] < n[:, None])
+        s = tl.where(valid, s_g * qk_scale, s)
+    m = tl.max(s, axis=1)                                                           # -inf: no slot
+    p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])                  # masked: 0
+    out_row = (t0 + row_tok).to(tl.int64) * H + heads                               # [M] rows of [T, H]
+    tl.store(p_ptr + out_row[:, None] * slots + slot[None, :], p.to(p_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & (slot[None, :] < n[:, None]))
+    tiles = slots // BLOCK_N
+    tl.store(m_ptr + out_row * tiles + j, m, mask=row_ok)
+    tl.store(l_ptr + out_row * tiles + j, tl.sum(p, axis=1), mask=row_ok)
+
+
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("T", "W0", "W1", "stride_p0", "stride_p1", "pitch0", "pitch1", "slots"))
+def _values_kernel(q_ptr, sink_ptr, out_ptr, p_ptr, m_ptr, l_ptr,
+                   kv0_ptr, pages0_ptr, req0_ptr, lo0_ptr, hi0_ptr,       # the walked source (OTHER)
+                   kv1_ptr, pages1_ptr, req1_ptr, lo1_ptr, hi1_ptr,       # the scored one
+                   T, H, W0, W1, qk_scale, slots, stride_qt, stride_qh, stride_ot, stride_oh,
+                   stride_kv0, stride_p0, pitch0, stride_kv1, stride_p1, pitch1,
+                   D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
+                   H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, D_PARTS: tl.constexpr,
+                   OTHER: tl.constexpr, PER_PAGE0: tl.constexpr, PER_PAGE1: tl.constexpr, FP32_DOT: tl.constexpr):
+    pid = tl.program_id(0)                           # parts of a row tile adjacent (P read twice from L2)
+    part = pid % D_PARTS
+    t0, row_tok, heads, row_ok = _tile_rows(T, H, BLOCK_T, H_BLOCK, pid // D_PARTS)
+    c = tl.arange(0, BLOCK_DV)
+    ca_ok = c < DV
+    col_a = part * DV + c
+    sink = tl.load(sink_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+    m = sink                                         # [M] running max (log2 units), >= sink
+    l = tl.zeros([BLOCK_T * H_BLOCK], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T * H_BLOCK, BLOCK_DV], dtype=tl.float32)
+    q_row = q_ptr + (t0 + row_tok).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
+    if OTHER:                                        # the window: scores computed here
+        col_b = (1 - part) * DV + c
+        cb_ok = ca_ok & (D_PARTS == 2)
+        q_a = tl.load(q_row + col_a[None, :], mask=row_ok[:, None] & ca_ok[None, :], other=0.0)
+        q_b = tl.load(q_row + col_b[None, :], mask=row_ok[:, None] & cb_ok[None, :], other=0.0)
+        if FP32_DOT:
+            q_a, q_b = q_a.to(tl.float32), q_b.to(tl.float32)
+        m, l, acc = _walk(q_a, q_b, m, l, acc, kv0_ptr, pages0_ptr, req0_ptr, lo0_ptr, hi0_ptr, t0, T, W0,
+                          stride_kv0, stride_p0, pitch0, qk_scale, row_tok, row_ok, col_a, col_b, ca_ok, cb_ok,
+                          BLOCK_T, BLOCK_K, PER_PAGE0, D_PARTS, FP32_DOT)
+    lo, n, group = _groups(req1_ptr, lo1_ptr, hi1_ptr, t0, T, W1, row_ok, row_tok, BLOCK_T)
+    out_row = (t0 + row_tok).to(tl.int64) * H + heads
+    tiles = slots // BLOCK_N
+    for g in range(BLOCK_T):
+        member = row_ok & (group == g)
+        n_g = tl.max(tl.where(member, n, 0), axis=0)
+        lo_g = tl.load(lo1_ptr + t0 + g, mask=t0 + g < T, other=0).to(tl.int32)
+        page_row = pages1_ptr + tl.load(req1_ptr + t0 + g, mask=t0 + g < T, other=0).to(tl.int64) * stride_p1
+        for j in range(0, tl.cdiv(n_g, BLOCK_N)):
+            slot = j * BLOCK_N + tl.arange(0, BLOCK_N)
+            rows = _slot_rows(page_row, j * BLOCK_N, n_g, lo_g, pitch1, BLOCK_N, PER_PAGE1)
+            k = tl.load(kv1_ptr + rows[:, None] * stride_kv1 + col_a[None, :],
+                        mask=(rows >= 0)[:, None] & ca_ok[None, :], other=0.0)      # [BLOCK_N, BLOCK_DV]
+            p = tl.load(p_ptr + out_row[:, None] * slots + slot[None, :],
+                        mask=member[:, None] & (slot[None, :] < n[:, None]), other=0.0)
+            m_j = tl.load(m_ptr + out_row * tiles + j, mask=member, other=float("-inf"))
+            l_j = tl.load(l_ptr + out_row * tiles + j, mask=member, other=0.0)
+            if FP32_DOT:
+                k, p = k.to(tl.float32), p.to(tl.float32)
+            m_new = tl.maximum(m, m_j)
+            alpha = tl.exp2(m - m_new)
+            beta = tl.exp2(m_j - m_new)                                             # -inf (no slot): 0
+            l = l * alpha + beta * l_j
+            pv = tl.dot(p, k, input_precision="ieee" if FP32_DOT else "tf32")
+            acc = acc * alpha[:, None] + pv * beta[:, None]
+            m = m_new
+    out = acc / (l + tl.exp2(sink - m))[:, None]
+    o_row = out_ptr + (t0 + row_tok).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
+    tl.store(o_row + col_a[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & ca_ok[None, :])
+
+
+def _paged(kv: torch.Tensor, idx: PagedRows) -> tuple:
+    pages = idx.pages if idx.pages.stride(1) == 1 else idx.pages.contiguous()
+    return kv, pages, *(v.contiguous() for v in (idx.req, idx.lo, idx.hi))
+
+
+def two_pass_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedRows]], sinks: torch.Tensor,
+                       scale: float, *, score_tiles: tuple | None = None, value_tiles: tuple | None = None,
+                       block_k: int = 32, tokens_per_pass: int | None = None) -> torch.Tensor:
+    """q [T, H, D]; sources [(kv [N, D], PagedRows)] (one or two; the last one through the
+    buffer, the other walked with block_k keys a step); sinks [H] -> out [T, H, D] in q's dtype,
+    as `dsv4.ops.attention.sparse_attention`. Tiles: SCORE_TILES / VALUE_TILES /
+    TOKENS_PER_PASS by default (fp32, checks only: 16-row tiles). No host sync (CUDA graphs)."""
+    assert supports_shared(q, sources, sinks), "two_pass_attention (triton): unsupported inputs"
+    T, H, D = q.shape
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    small = q.dtype == torch.float32
+    block_t, h_block, block_n, block_d, warps_a, stages_a = score_tiles or (
+        (2, 8, 16, 16, 4, 1) if small else SCORE_TILES)
+    d_parts, warps_b, stages_b = value_tiles or ((2, 4, 1) if small else VALUE_TILES)
+    assert d_parts in (1, 2) and D % d_parts == 0 and block_t & (block_t - 1) == 0 and min(block_n, block_k) >= 16
+    h_block = max(min(h_block, triton.next_power_of_2(H)), triton.cdiv(16, block_t))   # tl.dot: >= 16 rows
+    q = q if q.stride(2) == 1 else q.contiguous()
+    scored, walked = _paged(*sources[-1]), _paged(*sources[0])
+    w1, w0 = sources[-1][1], sources[0][1]
+    slots = max(1, triton.cdiv(w1.width, block_n)) * block_n
+    chunk = triton.cdiv(min(tokens_per_pass or TOKENS_PER_PASS, T), block_t) * block_t
+    p = torch.empty((chunk, H, slots), device=q.device, dtype=q.dtype)
+    m = torch.empty((chunk, H, slots // block_n), device=q.device, dtype=torch.float32)
+    l = torch.empty_like(m)
+    dv = D // d_parts
+    sinks = sinks.contiguous()
+    for a in range(0, T, chunk):        # token views: the kernels index tokens from the view's 0
+        b = min(a + chunk, T)
+        (kv1, pages1, req1, lo1, hi1), (kv0, pages0, req0, lo0, hi0) = (
+            (kv, pages, req[a:b], lo[a:b], hi[a:b]) for kv, pages, req, lo, hi in (scored, walked))
+        row_tiles = triton.cdiv(b - a, block_t) * triton.cdiv(H, h_block)
+        _scores_kernel[(slots // block_n, row_tiles)](
+            q[a:b], kv1, pages1, req1, lo1, hi1, p, m, l, b - a, H, w1.width, scale * LOG2E.value,
+            q.stride(0), q.stride(1), kv1.stride(0), pages1.stride(0), w1.pitch, slots,
+            D=D, BLOCK_T=block_t, H_BLOCK=h_block, BLOCK_N=block_n, BLOCK_D=block_d, PER_PAGE=w1.per_page,
+            FP32_DOT=small or INTERPRETING, num_warps=warps_a, num_stages=stages_a)
+        _values_kernel[(row_tiles * d_parts,)](
+            q[a:b], sinks, out[a:b], p, m, l, kv0, pages0, req0, lo0, hi0, kv1, pages1, req1, lo1, hi1,
+            b - a, H, w0.width, w1.width, scale * LOG2E.value, slots, q.stride(0), q.stride(1),
+            out.stride(0), out.stride(1), kv0.stride(0), pages0.stride(0), w0.pitch,
+            kv1.stride(0), pages1.stride(0), w1.pitch,
+            D=D, DV=dv, BLOCK_DV=triton.next_power_of_2(dv), BLOCK_T=block_t, H_BLOCK=h_block, BLOCK_N=block_n,
+            BLOCK_K=block_k, D_PARTS=d_parts, OTHER=len(sources) == 2, PER_PAGE0=w0.per_page,
+            PER_PAGE1=w1.per_page, FP32_DOT=small or INTERPRETING, num_warps=warps_b, num_stages=stages_b)
+    return out
