@@ -21,12 +21,12 @@ def check(q, sources, sinks, **knobs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("score_tiles, value_tiles", [((2, 8, 16, 16, 4, 1), (2, 4, 1)),
-                                                      ((4, 4, 32, 32, 4, 1), (1, 4, 1)),
-                                                      ((1, 16, 16, 64, 4, 1), (1, 4, 1))])
+@pytest.mark.parametrize("score_tiles, value_tiles", [((2, 8, 16, 16, 4, 1), (2, 8, 16, 2, 4, 1)),
+                                                      ((4, 4, 32, 32, 4, 1), (1, 16, 16, 1, 4, 1)),
+                                                      ((1, 16, 32, 64, 4, 1), (4, 4, 32, 1, 4, 1))])
 def test_mixed_requests(device, dtype, score_tiles, value_tiles):
     """Tokens of 3 requests in any order with any ranges; 13 tokens in passes of 8 (a partial
-    tile in each); rows with no valid key get 0."""
+    tile in each); the two passes' row tiles differ, pass 2 steps by half a tile of pass 1; rows with no valid key get 0."""
     q, sources, sinks = random_inputs(device, 13, 8, dtype)
     check(q, sources, sinks, score_tiles=score_tiles, value_tiles=value_tiles, block_k=16, tokens_per_pass=8)
 
@@ -37,8 +37,8 @@ def test_prefill_chunk(device, dtype, start):
     """A chunk at position `start`: one group a tile on the history, entries closing inside the
     chunk, the window walked in the values pass; 6 heads (a partial head block)."""
     q, sources, sinks = chunk_inputs(device, 22, 6, dtype, start)
-    check(q, sources, sinks, score_tiles=(2, 8, 16, 32, 4, 1), value_tiles=(2, 4, 1))
-    check(q, sources, sinks, score_tiles=(4, 4, 32, 16, 4, 1), value_tiles=(1, 4, 1), tokens_per_pass=12)
+    check(q, sources, sinks, score_tiles=(2, 8, 16, 32, 4, 1), value_tiles=(2, 8, 16, 2, 4, 1))
+    check(q, sources, sinks, score_tiles=(4, 4, 32, 16, 4, 1), value_tiles=(1, 16, 16, 1, 4, 1), tokens_per_pass=11)
 
 
 def test_one_source_and_empty(device):

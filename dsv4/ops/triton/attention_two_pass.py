@@ -28,11 +28,12 @@ from ..paged import PagedRows
 from .attention import INTERPRETING, LOG2E
 from .attention_shared import _walk, supports_shared
 
-# (block_t, h_block, block_n, block_d, warps, stages) of pass 1; (block_n is pass 2's key step
-# too) (d_parts, warps, stages) of pass 2; tokens a pass. Guesses, unmeasured on the H200 when
-# written: `python -m benchmarks.kernels.attention --variants` times others.
+# (block_t, h_block, block_n, block_d, warps, stages) of pass 1 (block_n: pass 2's key step too);
+# (block_t, h_block, block_n, d_parts, warps, stages) of pass 2 (its own row tiles: P is by row;
+# block_n divides pass 1's); tokens a pass. sm_90 (Triton 3.6): 254 registers, no spills, 96 KB; 255, none, 224 KB. Guesses,
+# unmeasured on the H200 when written: `python -m benchmarks.kernels.attention --variants`.
 SCORE_TILES = (2, 64, 128, 64, 8, 3)
-VALUE_TILES = (2, 8, 2)
+VALUE_TILES = (2, 64, 64, 2, 8, 3)
 TOKENS_PER_PASS = 512
 
 
@@ -86,33 +87,31 @@ def _scores_kernel(q_ptr, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, p_ptr, m_p
     lo, n, group = _groups(req_ptr, lo_ptr, hi_ptr, t0, T, W, row_ok, row_tok, BLOCK_T)
     slot = j * BLOCK_N + tl.arange(0, BLOCK_N)
     q_row = q_ptr + (t0 + row_tok).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
+    out_row = (t0 + row_tok).to(tl.int64) * H + heads                               # [M] rows of [T, H]
+    tiles = slots // BLOCK_N
     d = tl.arange(0, BLOCK_D)
-    s = tl.full([BLOCK_T * H_BLOCK, BLOCK_N], float("-inf"), tl.float32)
-    for g in range(BLOCK_T):
+    for g in range(BLOCK_T):        # one group a pass (one [M, BLOCK_N] tile live); its rows stored
         member = row_ok & (group == g)
         n_g = tl.max(tl.where(member, n, 0), axis=0)
         lo_g = tl.load(lo_ptr + t0 + g, mask=t0 + g < T, other=0).to(tl.int32)
         page_row = pages_ptr + tl.load(req_ptr + t0 + g, mask=t0 + g < T, other=0).to(tl.int64) * stride_p
         rows = _slot_rows(page_row, j * BLOCK_N, n_g, lo_g, pitch, BLOCK_N, PER_PAGE)           # [BLOCK_N]
         key_ok = rows >= 0
-        s_g = tl.zeros([BLOCK_T * H_BLOCK, BLOCK_N], tl.float32)
+        s = tl.zeros([BLOCK_T * H_BLOCK, BLOCK_N], tl.float32)
         for d0 in range(0, D * (j * BLOCK_N < n_g).to(tl.int32), BLOCK_D):     # none past the group's slots
             qd = tl.load(q_row + d0 + d[None, :], mask=member[:, None] & (d0 + d < D)[None, :], other=0.0)
             kd = tl.load(kv_ptr + rows[:, None] * stride_kv + d0 + d[None, :],
                          mask=key_ok[:, None] & (d0 + d < D)[None, :], other=0.0)
             if FP32_DOT:
                 qd, kd = qd.to(tl.float32), kd.to(tl.float32)
-            s_g = tl.dot(qd, tl.trans(kd), acc=s_g, input_precision="ieee" if FP32_DOT else "tf32")
-        valid = member[:, None] & key_ok[None, :] & (slot[None, :] < n[:, None])
-        s = tl.where(valid, s_g * qk_scale, s)
-    m = tl.max(s, axis=1)                                                           # -inf: no slot
-    p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])                  # masked: 0
-    out_row = (t0 + row_tok).to(tl.int64) * H + heads                               # [M] rows of [T, H]
-    tl.store(p_ptr + out_row[:, None] * slots + slot[None, :], p.to(p_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & (slot[None, :] < n[:, None]))
-    tiles = slots // BLOCK_N
-    tl.store(m_ptr + out_row * tiles + j, m, mask=row_ok)
-    tl.store(l_ptr + out_row * tiles + j, tl.sum(p, axis=1), mask=row_ok)
+            s = tl.dot(qd, tl.trans(kd), acc=s, input_precision="ieee" if FP32_DOT else "tf32")
+        s = tl.where(key_ok[None, :] & (slot[None, :] < n[:, None]), s * qk_scale, float("-inf"))
+        m = tl.max(s, axis=1)                                                       # -inf: no slot
+        p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])              # masked: 0
+        tl.store(p_ptr + out_row[:, None] * slots + slot[None, :], p.to(p_ptr.dtype.element_ty),
+                 mask=member[:, None] & (slot[None, :] < n[:, None]))
+        tl.store(m_ptr + out_row * tiles + j, m, mask=member)
+        tl.store(l_ptr + out_row * tiles + j, tl.sum(p, axis=1), mask=member)
 
 
 # per-step sizes are not specialised: one compiled variant for every step shape
@@ -123,7 +122,8 @@ def _values_kernel(q_ptr, sink_ptr, out_ptr, p_ptr, m_ptr, l_ptr,
                    T, H, W0, W1, qk_scale, slots, stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_kv0, stride_p0, pitch0, stride_kv1, stride_p1, pitch1,
                    D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
-                   H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, D_PARTS: tl.constexpr,
+                   H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_K: tl.constexpr,
+                   D_PARTS: tl.constexpr,
                    OTHER: tl.constexpr, PER_PAGE0: tl.constexpr, PER_PAGE1: tl.constexpr, FP32_DOT: tl.constexpr):
     pid = tl.program_id(0)                           # parts of a row tile adjacent (P read twice from L2)
     part = pid % D_PARTS
@@ -154,23 +154,27 @@ def _values_kernel(q_ptr, sink_ptr, out_ptr, p_ptr, m_ptr, l_ptr,
         n_g = tl.max(tl.where(member, n, 0), axis=0)
         lo_g = tl.load(lo1_ptr + t0 + g, mask=t0 + g < T, other=0).to(tl.int32)
         page_row = pages1_ptr + tl.load(req1_ptr + t0 + g, mask=t0 + g < T, other=0).to(tl.int64) * stride_p1
-        for j in range(0, tl.cdiv(n_g, BLOCK_N)):
-            slot = j * BLOCK_N + tl.arange(0, BLOCK_N)
-            rows = _slot_rows(page_row, j * BLOCK_N, n_g, lo_g, pitch1, BLOCK_N, PER_PAGE1)
+        for j in range(0, tl.cdiv(n_g, BLOCK_NB)):     # steps of BLOCK_NB slots within pass 1's tiles
+            slot = j * BLOCK_NB + tl.arange(0, BLOCK_NB)
+            rows = _slot_rows(page_row, j * BLOCK_NB, n_g, lo_g, pitch1, BLOCK_NB, PER_PAGE1)
             k = tl.load(kv1_ptr + rows[:, None] * stride_kv1 + col_a[None, :],
-                        mask=(rows >= 0)[:, None] & ca_ok[None, :], other=0.0)      # [BLOCK_N, BLOCK_DV]
+                        mask=(rows >= 0)[:, None] & ca_ok[None, :], other=0.0)      # [BLOCK_NB, BLOCK_DV]
             p = tl.load(p_ptr + out_row[:, None] * slots + slot[None, :],
                         mask=member[:, None] & (slot[None, :] < n[:, None]), other=0.0)
-            m_j = tl.load(m_ptr + out_row * tiles + j, mask=member, other=float("-inf"))
-            l_j = tl.load(l_ptr + out_row * tiles + j, mask=member, other=0.0)
-            if FP32_DOT:
-                k, p = k.to(tl.float32), p.to(tl.float32)
+            tile = j * BLOCK_NB // BLOCK_N
+            m_j = tl.load(m_ptr + out_row * tiles + tile, mask=member, other=float("-inf"))
+            l_j = tl.load(l_ptr + out_row * tiles + tile, mask=member & (j * BLOCK_NB % BLOCK_N == 0),
+                          other=0.0)                                                # once a tile
             m_new = tl.maximum(m, m_j)
             alpha = tl.exp2(m - m_new)
             beta = tl.exp2(m_j - m_new)                                             # -inf (no slot): 0
             l = l * alpha + beta * l_j
-            pv = tl.dot(p, k, input_precision="ieee" if FP32_DOT else "tf32")
-            acc = acc * alpha[:, None] + pv * beta[:, None]
+            # P rescaled to the running max before the dot (exp2(s - m), as a one-pass kernel's):
+            # the dot then accumulates into acc, no second [M, BLOCK_DV] fp32 tile
+            p = (p.to(tl.float32) * beta[:, None]).to(tl.float32 if FP32_DOT else k.dtype)
+            if FP32_DOT:
+                k = k.to(tl.float32)
+            acc = tl.dot(p, k, acc=acc * alpha[:, None], input_precision="ieee" if FP32_DOT else "tf32")
             m = m_new
     out = acc / (l + tl.exp2(sink - m))[:, None]
     o_row = out_ptr + (t0 + row_tok).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
@@ -180,6 +184,12 @@ def _values_kernel(q_ptr, sink_ptr, out_ptr, p_ptr, m_ptr, l_ptr,
 def _paged(kv: torch.Tensor, idx: PagedRows) -> tuple:
     pages = idx.pages if idx.pages.stride(1) == 1 else idx.pages.contiguous()
     return kv, pages, *(v.contiguous() for v in (idx.req, idx.lo, idx.hi))
+
+
+def _rows(block_t: int, h_block: int, H: int) -> int:
+    """h_block of a row tile: at most H's power of two, at least 16 rows (tl.dot)."""
+    assert block_t & (block_t - 1) == 0, "two_pass_attention: block_t a power of two"
+    return max(min(h_block, triton.next_power_of_2(H)), triton.cdiv(16, block_t))
 
 
 def two_pass_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedRows]], sinks: torch.Tensor,
@@ -197,14 +207,15 @@ def two_pass_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedR
     small = q.dtype == torch.float32
     block_t, h_block, block_n, block_d, warps_a, stages_a = score_tiles or (
         (2, 8, 16, 16, 4, 1) if small else SCORE_TILES)
-    d_parts, warps_b, stages_b = value_tiles or ((2, 4, 1) if small else VALUE_TILES)
-    assert d_parts in (1, 2) and D % d_parts == 0 and block_t & (block_t - 1) == 0 and min(block_n, block_k) >= 16
-    h_block = max(min(h_block, triton.next_power_of_2(H)), triton.cdiv(16, block_t))   # tl.dot: >= 16 rows
+    block_tb, h_block_b, block_nb, d_parts, warps_b, stages_b = value_tiles or (
+        (2, 8, 16, 2, 4, 1) if small else VALUE_TILES)
+    assert d_parts in (1, 2) and D % d_parts == 0 and min(block_nb, block_k) >= 16 and block_n % block_nb == 0
+    h_block, h_block_b = (_rows(block_t, h_block, H), _rows(block_tb, h_block_b, H))
     q = q if q.stride(2) == 1 else q.contiguous()
     scored, walked = _paged(*sources[-1]), _paged(*sources[0])
     w1, w0 = sources[-1][1], sources[0][1]
     slots = max(1, triton.cdiv(w1.width, block_n)) * block_n
-    chunk = triton.cdiv(min(tokens_per_pass or TOKENS_PER_PASS, T), block_t) * block_t
+    chunk = min(tokens_per_pass or TOKENS_PER_PASS, T)
     p = torch.empty((chunk, H, slots), device=q.device, dtype=q.dtype)
     m = torch.empty((chunk, H, slots // block_n), device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
@@ -214,18 +225,18 @@ def two_pass_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedR
         b = min(a + chunk, T)
         (kv1, pages1, req1, lo1, hi1), (kv0, pages0, req0, lo0, hi0) = (
             (kv, pages, req[a:b], lo[a:b], hi[a:b]) for kv, pages, req, lo, hi in (scored, walked))
-        row_tiles = triton.cdiv(b - a, block_t) * triton.cdiv(H, h_block)
-        _scores_kernel[(slots // block_n, row_tiles)](
+        _scores_kernel[(slots // block_n, triton.cdiv(b - a, block_t) * triton.cdiv(H, h_block))](
             q[a:b], kv1, pages1, req1, lo1, hi1, p, m, l, b - a, H, w1.width, scale * LOG2E.value,
             q.stride(0), q.stride(1), kv1.stride(0), pages1.stride(0), w1.pitch, slots,
             D=D, BLOCK_T=block_t, H_BLOCK=h_block, BLOCK_N=block_n, BLOCK_D=block_d, PER_PAGE=w1.per_page,
             FP32_DOT=small or INTERPRETING, num_warps=warps_a, num_stages=stages_a)
-        _values_kernel[(row_tiles * d_parts,)](
+        _values_kernel[(triton.cdiv(b - a, block_tb) * triton.cdiv(H, h_block_b) * d_parts,)](
             q[a:b], sinks, out[a:b], p, m, l, kv0, pages0, req0, lo0, hi0, kv1, pages1, req1, lo1, hi1,
             b - a, H, w0.width, w1.width, scale * LOG2E.value, slots, q.stride(0), q.stride(1),
             out.stride(0), out.stride(1), kv0.stride(0), pages0.stride(0), w0.pitch,
             kv1.stride(0), pages1.stride(0), w1.pitch,
-            D=D, DV=dv, BLOCK_DV=triton.next_power_of_2(dv), BLOCK_T=block_t, H_BLOCK=h_block, BLOCK_N=block_n,
+            D=D, DV=dv, BLOCK_DV=triton.next_power_of_2(dv), BLOCK_T=block_tb, H_BLOCK=h_block_b, BLOCK_N=block_n,
+            BLOCK_NB=block_nb,
             BLOCK_K=block_k, D_PARTS=d_parts, OTHER=len(sources) == 2, PER_PAGE0=w0.per_page,
             PER_PAGE1=w1.per_page, FP32_DOT=small or INTERPRETING, num_warps=warps_b, num_stages=stages_b)
     return out
