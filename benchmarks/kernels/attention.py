@@ -48,6 +48,7 @@ from dsv4.ops.attention import sparse_attention as dispatch  # noqa: E402
 from dsv4.ops.paged import PagedRows  # noqa: E402
 from dsv4.ops.triton import attention as tri  # noqa: E402
 from dsv4.ops.triton import attention_shared as shared  # noqa: E402
+from dsv4.ops.triton import attention_two_pass as two_pass  # noqa: E402
 
 H, D, W, K = 64, 512, 128, 512
 HBM_BPS, PEAK_FLOPS = 4.2e12, 800e12
@@ -69,18 +70,25 @@ DEEP_SHORT_T = (256, 512, 1024)
 DEEP_SHORT_SCAN = [(16, 32, 8, 2, None), (32, 128, 4, 2, None), (32, 128, 4, 2, 1), (32, 128, 8, 2, None)]
 TUNE_CASES = [("decode", 1), ("decode", 64), ("prefill", 4096)]
 LAYERS, SWA_PAGE, HCA_PAGE, HCA_RATIO, DECODE_POS = 4, 128, 2, 128, 65536
-# `--deep-hca --variants`: (name, knobs) against the per-token kernel. "shared": tokens x heads a
-# program, the output channels split in d_parts (dsv4/ops/triton/attention_shared.py); sm_90
-# (Triton 3.6) registers / stack (spills) / shared memory in the comment (`--sm90` prints them)
-VARIANT_FNS = {"shared": shared.shared_attention}
+# `--deep-hca --variants` / `--variants`: (name, knobs) against the per-token kernel, sm_90 (Triton
+# 3.6) registers / stack bytes (spills) / shared memory in the comments.
+# "shared": tokens x heads a program over the union of their ranges, the output channels split in
+# d_parts (dsv4/ops/triton/attention_shared.py): (block_t, h_block, block_k, d_parts, warps, stages)
+# "2pass": scores into a bf16 probability buffer, then values (attention_two_pass.py): pass 1
+# (block_t, h_block, block_n, block_d, warps, stages), pass 2 (block_t, h_block, block_n, d_parts,
+# warps, stages), tokens a pass
+VARIANT_FNS = {"shared": shared.shared_attention, "2pass": two_pass.two_pass_attention}
 VARIANTS = [("shared", dict(block_t=bt, h_block=hb, block_k=bk, d_parts=dp, num_warps=nw, num_stages=ns))
             for bt, hb, bk, dp, nw, ns in [
                 (2, 64, 32, 2, 8, 2),       # 255 regs, 0 B stack, 192 KB: M = 128 rows, acc [128, 256]
                 (2, 64, 32, 2, 8, 3),       # 254, 0, 224 KB
-                (2, 64, 16, 2, 8, 4),       # 245, 0, 192 KB
                 (1, 64, 32, 2, 8, 2),       # 219, 0, 128 KB: M = 64, acc [64, 256] over 2 warp groups
-                (2, 32, 32, 2, 8, 2),       # 198, 0, 128 KB: M = 64 (2 tokens x 32 heads)
                 (1, 64, 32, 1, 8, 3),       # 255, 56 B, 160 KB: M = 64, acc [64, 512], no split
+            ]] + [("2pass", dict(score_tiles=a, value_tiles=b, tokens_per_pass=n)) for a, b, n in [
+                ((2, 64, 128, 64, 8, 3), (2, 64, 64, 2, 8, 3), 512),     # 254, 0, 96 KB; 255, 0, 224 KB
+                ((2, 64, 128, 64, 8, 3), (2, 64, 64, 2, 8, 3), 2048),    # one pass: a 1.9 GB buffer
+                ((2, 64, 128, 64, 8, 4), (2, 64, 64, 2, 8, 2), 512),     # 254, 0, 128 KB; 255, 0, 192 KB
+                ((1, 64, 256, 64, 8, 3), (1, 64, 64, 2, 8, 3), 512),     # 178, 0, 120 KB; 241, 0, 160 KB
             ]]
 
 
@@ -218,13 +226,14 @@ def variants_table(gen, scale, tokens: int, pos0: int, heads: int = H, dim: int 
     want = reference(q, sources, sinks, scale).float()
     print(f"\nHCA layer, chunk of {tokens} at position {pos0} ({width} C128 entries at its end): "
           f"{flops / 1e12:.3g} TFLOP; variants against the per-token kernel's default tile")
-    print(f"{'variant':>8} {'knobs':>28} {'ms':>9} {'TFLOP/s':>8} {'%peak':>6} {'speedup':>7} {'max err':>8}")
+    print(f"{'variant':>8} {'knobs':>52} {'ms':>9} {'TFLOP/s':>8} {'%peak':>6} {'speedup':>7} {'max err':>8}")
     failures, base = 0, None
     for name, knobs in [("per-tok", None)] + VARIANTS:
         fn = ((lambda: tri.sparse_attention(q, sources, sinks, scale)) if knobs is None else
               (lambda k=knobs, f=VARIANT_FNS[name]: f(q, sources, sinks, scale, **k)))
-        label = str(tri._default_tiles(q, sum(i.width for _, i in sources), [kv for kv, _ in sources])
-                    if knobs is None else tuple(knobs.values()))
+        label = " ".join(str(v).replace(" ", "") for v in (
+            [tri._default_tiles(q, sum(i.width for _, i in sources), [kv for kv, _ in sources])]
+            if knobs is None else knobs.values()))
         try:
             out = fn().float()
             err = (out - want).abs()
@@ -232,11 +241,11 @@ def variants_table(gen, scale, tokens: int, pos0: int, heads: int = H, dim: int 
             ms = time_ms(fn, reps=10)
             base = base or ms
             tfs = flops / ms / 1e9
-            print(f"{name:>8} {label:>28} {ms:9.3f} {tfs:8.1f} {100 * tfs * 1e12 / PEAK_FLOPS:5.1f}% "
+            print(f"{name:>8} {label:>52} {ms:9.3f} {tfs:8.1f} {100 * tfs * 1e12 / PEAK_FLOPS:5.1f}% "
                   f"{base / ms:6.2f}x {err.max().item():8.2e}{'' if ok else '  MISMATCH'}", flush=True)
             failures += not ok
         except Exception as e:     # a tile that does not fit (shared memory) is reported, not fatal
-            print(f"{name:>8} {label:>28}  failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
+            print(f"{name:>8} {label:>52}  failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
             failures += knobs is None
     return failures
 

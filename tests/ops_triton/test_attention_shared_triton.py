@@ -3,7 +3,7 @@ H_BLOCK heads a program over the union of their paged ranges, the output channel
 D_PARTS programs) against the torch reference (dsv4.ops.attention), the definition: tokens of
 several requests in one block, windows, prefixes, empty ranges and -1 pages; a prefill chunk
 deep in a prompt (the C128-like history closing entries inside the chunk, the window ring);
-sinks, RoPE-scaled channels, partial token and head blocks; the dispatch behind SHARED_LONG."""
+sinks, RoPE-scaled channels, partial token and head blocks; the dispatch behind LONG_KERNEL."""
 import pathlib
 import sys
 
@@ -67,21 +67,26 @@ def test_supports():
     assert not shared.supports_shared(q, [(sources[0][0][:, :32], sources[0][1])], sinks)
 
 
-def test_dispatch_behind_switch(device, monkeypatch):
-    """triton.attention.sparse_attention takes the shared kernel for a long prefill only with
-    SHARED_LONG on (off by default), for PagedRows sources, and gives the reference's result."""
-    assert triton_attention.SHARED_LONG is False
+@pytest.mark.parametrize("name", ["shared", "two_pass"])
+def test_dispatch_behind_switch(device, monkeypatch, name):
+    """triton.attention.sparse_attention takes LONG_KERNEL's kernel for a long prefill only when
+    it is set (None by default), for PagedRows sources, and gives the reference's result."""
+    from dsv4.ops.triton import attention_two_pass as two_pass
+    assert triton_attention.LONG_KERNEL is None
+    module, fn = {"shared": (shared, "shared_attention"), "two_pass": (two_pass, "two_pass_attention")}[name]
     calls = []
-    kernel = shared.shared_attention
-    monkeypatch.setattr(shared, "shared_attention", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+    kernel = getattr(module, fn)
+    monkeypatch.setattr(module, fn, lambda *a, **k: calls.append(k) or kernel(*a, **k))
     monkeypatch.setattr(triton_attention, "PREFILL_FROM", 4)
     monkeypatch.setattr(triton_attention, "LONG_FROM", 8)
+    monkeypatch.setattr(shared, "SHARED_TILES", (2, 4, 16, 2, 4, 1))
+    monkeypatch.setattr(two_pass, "SCORE_TILES", (2, 8, 16, 16, 4, 1))
+    monkeypatch.setattr(two_pass, "VALUE_TILES", (2, 8, 16, 2, 4, 1))
     q, sources, sinks = chunk_inputs(device, 12, 4, torch.bfloat16, 100)
     scale = D ** -0.5
     triton_attention.sparse_attention(q, sources, sinks, scale)
     assert not calls                                            # off
-    monkeypatch.setattr(triton_attention, "SHARED_LONG", True)
-    monkeypatch.setattr(shared, "SHARED_TILES", (2, 4, 16, 2, 4, 1))
+    monkeypatch.setattr(triton_attention, "LONG_KERNEL", name)
     out = triton_attention.sparse_attention(q, sources, sinks, scale)
     assert len(calls) == 1
     torch.testing.assert_close(out.float(), reference(q, sources, sinks, scale).float(), **TOL[torch.bfloat16])

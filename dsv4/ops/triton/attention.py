@@ -360,10 +360,12 @@ PREFILL_TILES, DECODE_TILES, PREFILL_FROM = (64, 64, 8, 2), (16, 32, 8, 2), 1024
 # takes 128 keys a step over 32 heads and 4 warps: 9.7 against 14.0 ms for a 2,048-token chunk at
 # 900k (`python -m benchmarks.kernels.attention --deep-hca`, H200)
 LONG_TILES, LONG_FROM = (32, 128, 4, 2), 2048
-# The shared-tile kernel (attention_shared.py: tokens x heads a program over paged ranges, the
-# output channels split) in place of LONG_TILES where every source is a PagedRows: off until
-# `python -m benchmarks.kernels.attention --deep-hca --shared` on the H200 says it is faster.
-SHARED_LONG = False
+# Where LONG_TILES would run and every source is a PagedRows, another kernel may take the step:
+# "shared" (attention_shared.py: tokens x heads a program over the union of their ranges, the
+# output channels split) or "two_pass" (attention_two_pass.py: scores into a probability buffer,
+# then values). None (the per-token kernel) until `python -m benchmarks.kernels.attention
+# --variants` on the H200 says one is faster; each runs its module's default tiles.
+LONG_KERNEL: str | None = None
 MERGE_BLOCK_D = 64              # channels per program of the split merge (D = 512: 8 programs a head block)
 
 
@@ -378,6 +380,18 @@ def _default_tiles(q: torch.Tensor, slots: int, pools: list[torch.Tensor]) -> tu
     return PREFILL_TILES
 
 
+def _long_kernel(q: torch.Tensor, sources: list, sinks: torch.Tensor):
+    """LONG_KERNEL's entry point where it takes these inputs in place of LONG_TILES, else None."""
+    from . import attention_shared, attention_two_pass
+    slots = sum(idx.width if isinstance(idx, PagedRows) else idx.shape[1] for _, idx in sources)
+    if (_default_tiles(q, slots, [kv for kv, _ in sources]) != LONG_TILES
+            or not attention_shared.supports_shared(q, sources, sinks)):
+        return None
+    kernels = {"shared": attention_shared.shared_attention, "two_pass": attention_two_pass.two_pass_attention}
+    assert LONG_KERNEL in kernels, f"LONG_KERNEL: one of {sorted(kernels)} or None"
+    return kernels[LONG_KERNEL]
+
+
 def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor | PagedRows]],
                      sinks: torch.Tensor, scale: float, *, rope_dims: int = 0, h_block: int | None = None,
                      block_k: int | None = None,
@@ -390,12 +404,10 @@ def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
     Defaults (D = 512, bf16, sm_90, Triton 3.9 ahead-of-time): 103 registers, no spills, 50 KB
     of shared memory; the keys go through cp.async. benchmarks/kernels/attention.py times others."""
     assert supports(q, sources, sinks, rope_dims), "sparse_attention (triton): unsupported inputs, use the reference"
-    if SHARED_LONG and all(k is None for k in (h_block, block_k, num_splits, num_warps, num_stages)):
-        from . import attention_shared
-        slots = sum(idx.width if isinstance(idx, PagedRows) else idx.shape[1] for _, idx in sources)
-        if (_default_tiles(q, slots, [kv for kv, _ in sources]) == LONG_TILES
-                and attention_shared.supports_shared(q, sources, sinks)):
-            return attention_shared.shared_attention(q, sources, sinks, scale)
+    if LONG_KERNEL is not None and all(k is None for k in (h_block, block_k, num_splits, num_warps, num_stages)):
+        long_kernel = _long_kernel(q, sources, sinks)
+        if long_kernel is not None:
+            return long_kernel(q, sources, sinks, scale)
     T, H, D = q.shape
     out = torch.empty_like(q)
     if T == 0:
