@@ -26,7 +26,8 @@ def check(q, sources, sinks, **knobs):
                                                       ((1, 16, 32, 64, 4, 1), (4, 4, 32, 1, 4, 1))])
 def test_mixed_requests(device, dtype, score_tiles, value_tiles):
     """Tokens of 3 requests in any order with any ranges; 13 tokens in passes of 8 (a partial
-    tile in each); the two passes' row tiles differ, pass 2 steps by half a tile of pass 1; rows with no valid key get 0."""
+    tile in each); the two passes' row tiles differ, pass 2 steps by half a tile of pass 1; rows
+    with no valid key get 0."""
     q, sources, sinks = random_inputs(device, 13, 8, dtype)
     check(q, sources, sinks, score_tiles=score_tiles, value_tiles=value_tiles, block_k=16, tokens_per_pass=8)
 

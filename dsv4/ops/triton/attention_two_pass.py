@@ -28,10 +28,10 @@ from ..paged import PagedRows
 from .attention import INTERPRETING, LOG2E
 from .attention_shared import _walk, supports_shared
 
-# (block_t, h_block, block_n, block_d, warps, stages) of pass 1 (block_n: pass 2's key step too);
-# (block_t, h_block, block_n, d_parts, warps, stages) of pass 2 (its own row tiles: P is by row;
-# block_n divides pass 1's); tokens a pass. sm_90 (Triton 3.6): 254 registers, no spills, 96 KB; 255, none, 224 KB. Guesses,
-# unmeasured on the H200 when written: `python -m benchmarks.kernels.attention --variants`.
+# (block_t, h_block, block_n, block_d, warps, stages) of pass 1; (block_t, h_block, block_n,
+# d_parts, warps, stages) of pass 2 (its own row tiles: P is by row; its block_n divides pass
+# 1's); tokens a pass. sm_90 (Triton 3.6): 254 registers, no spills, 96 KB; 255, none, 224 KB.
+# Guesses, unmeasured on the H200 when written: `python -m benchmarks.kernels.attention --variants`.
 SCORE_TILES = (2, 64, 128, 64, 8, 3)
 VALUE_TILES = (2, 64, 64, 2, 8, 3)
 TOKENS_PER_PASS = 512
@@ -93,25 +93,26 @@ def _scores_kernel(q_ptr, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, p_ptr, m_p
     for g in range(BLOCK_T):        # one group a pass (one [M, BLOCK_N] tile live); its rows stored
         member = row_ok & (group == g)
         n_g = tl.max(tl.where(member, n, 0), axis=0)
-        lo_g = tl.load(lo_ptr + t0 + g, mask=t0 + g < T, other=0).to(tl.int32)
-        page_row = pages_ptr + tl.load(req_ptr + t0 + g, mask=t0 + g < T, other=0).to(tl.int64) * stride_p
-        rows = _slot_rows(page_row, j * BLOCK_N, n_g, lo_g, pitch, BLOCK_N, PER_PAGE)           # [BLOCK_N]
-        key_ok = rows >= 0
-        s = tl.zeros([BLOCK_T * H_BLOCK, BLOCK_N], tl.float32)
-        for d0 in range(0, D * (j * BLOCK_N < n_g).to(tl.int32), BLOCK_D):     # none past the group's slots
-            qd = tl.load(q_row + d0 + d[None, :], mask=member[:, None] & (d0 + d < D)[None, :], other=0.0)
-            kd = tl.load(kv_ptr + rows[:, None] * stride_kv + d0 + d[None, :],
-                         mask=key_ok[:, None] & (d0 + d < D)[None, :], other=0.0)
-            if FP32_DOT:
-                qd, kd = qd.to(tl.float32), kd.to(tl.float32)
-            s = tl.dot(qd, tl.trans(kd), acc=s, input_precision="ieee" if FP32_DOT else "tf32")
-        s = tl.where(key_ok[None, :] & (slot[None, :] < n[:, None]), s * qk_scale, float("-inf"))
-        m = tl.max(s, axis=1)                                                       # -inf: no slot
-        p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])              # masked: 0
-        tl.store(p_ptr + out_row[:, None] * slots + slot[None, :], p.to(p_ptr.dtype.element_ty),
-                 mask=member[:, None] & (slot[None, :] < n[:, None]))
-        tl.store(m_ptr + out_row * tiles + j, m, mask=member)
-        tl.store(l_ptr + out_row * tiles + j, tl.sum(p, axis=1), mask=member)
+        if j * BLOCK_N < n_g:       # the group has slots here (pass 2 reads no other (row, tile))
+            lo_g = tl.load(lo_ptr + t0 + g, mask=t0 + g < T, other=0).to(tl.int32)
+            page_row = pages_ptr + tl.load(req_ptr + t0 + g, mask=t0 + g < T, other=0).to(tl.int64) * stride_p
+            rows = _slot_rows(page_row, j * BLOCK_N, n_g, lo_g, pitch, BLOCK_N, PER_PAGE)           # [BLOCK_N]
+            key_ok = rows >= 0
+            s = tl.zeros([BLOCK_T * H_BLOCK, BLOCK_N], tl.float32)
+            for d0 in range(0, D, BLOCK_D):
+                qd = tl.load(q_row + d0 + d[None, :], mask=member[:, None] & (d0 + d < D)[None, :], other=0.0)
+                kd = tl.load(kv_ptr + rows[:, None] * stride_kv + d0 + d[None, :],
+                             mask=key_ok[:, None] & (d0 + d < D)[None, :], other=0.0)
+                if FP32_DOT:
+                    qd, kd = qd.to(tl.float32), kd.to(tl.float32)
+                s = tl.dot(qd, tl.trans(kd), acc=s, input_precision="ieee" if FP32_DOT else "tf32")
+            s = tl.where(key_ok[None, :] & (slot[None, :] < n[:, None]), s * qk_scale, float("-inf"))
+            m = tl.max(s, axis=1)                                                       # -inf: no slot
+            p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])              # masked: 0
+            tl.store(p_ptr + out_row[:, None] * slots + slot[None, :], p.to(p_ptr.dtype.element_ty),
+                     mask=member[:, None] & (slot[None, :] < n[:, None]))
+            tl.store(m_ptr + out_row * tiles + j, m, mask=member)
+            tl.store(l_ptr + out_row * tiles + j, tl.sum(p, axis=1), mask=member)
 
 
 # per-step sizes are not specialised: one compiled variant for every step shape
@@ -162,8 +163,9 @@ def _values_kernel(q_ptr, sink_ptr, out_ptr, p_ptr, m_ptr, l_ptr,
             p = tl.load(p_ptr + out_row[:, None] * slots + slot[None, :],
                         mask=member[:, None] & (slot[None, :] < n[:, None]), other=0.0)
             tile = j * BLOCK_NB // BLOCK_N
-            m_j = tl.load(m_ptr + out_row * tiles + tile, mask=member, other=float("-inf"))
-            l_j = tl.load(l_ptr + out_row * tiles + tile, mask=member & (j * BLOCK_NB % BLOCK_N == 0),
+            written = member & (tile * BLOCK_N < n)                                 # by pass 1
+            m_j = tl.load(m_ptr + out_row * tiles + tile, mask=written, other=float("-inf"))
+            l_j = tl.load(l_ptr + out_row * tiles + tile, mask=written & (j * BLOCK_NB % BLOCK_N == 0),
                           other=0.0)                                                # once a tile
             m_new = tl.maximum(m, m_j)
             alpha = tl.exp2(m - m_new)
