@@ -18,8 +18,9 @@ import sys
 import tempfile
 
 D, PAGES = 512, dict(PER_PAGE0=128, PER_PAGE1=2)
-DIV16 = {"H", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kv", "stride_kv0", "stride_kv1", "slots"}
-FP32 = {"sink_ptr", "m_ptr", "l_ptr"}
+DIV16 = {"H", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kv", "stride_kv0", "stride_kv1", "slots",
+         "slots0", "slots1"}
+FP32 = {"sink_ptr", "m_ptr", "l_ptr", "m0_ptr", "l0_ptr", "m1_ptr", "l1_ptr"}
 INDEX = ("pages", "req", "lo", "hi", "idx")
 
 
@@ -75,8 +76,8 @@ def launches(name: str, knobs: dict) -> list[tuple[str, object, dict, int, int]]
     return [("scores", two_pass._scores_kernel, dict(D=D, BLOCK_T=bt, H_BLOCK=hb, BLOCK_N=bn, BLOCK_D=bd,
                                                      PER_PAGE=2, FP32_DOT=False), nwa, nsa),
             ("values", two_pass._values_kernel, dict(
-                D=D, DV=D // dp, BLOCK_DV=D // dp, BLOCK_T=btb, H_BLOCK=hbb, BLOCK_N=bn, BLOCK_NB=bnb, BLOCK_K=32,
-                D_PARTS=dp, OTHER=True, FP32_DOT=False, **PAGES), nwb, nsb)]
+                DV=D // dp, BLOCK_DV=D // dp, BLOCK_T=btb, H_BLOCK=hbb, BLOCK_N=bn, BLOCK_NB=bnb,
+                D_PARTS=dp, TWO=True, FP32_DOT=False, **PAGES), nwb, nsb)]
 
 
 def main() -> int:

@@ -29,7 +29,7 @@ def test_mixed_requests(device, dtype, score_tiles, value_tiles):
     tile in each); the two passes' row tiles differ, pass 2 steps by half a tile of pass 1; rows
     with no valid key get 0."""
     q, sources, sinks = random_inputs(device, 13, 8, dtype)
-    check(q, sources, sinks, score_tiles=score_tiles, value_tiles=value_tiles, block_k=16, tokens_per_pass=8)
+    check(q, sources, sinks, score_tiles=score_tiles, value_tiles=value_tiles, tokens_per_pass=8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,22 +1,24 @@
 """Sparse shared-KV attention in two passes through a probability buffer (Triton): a prefill
-chunk over a long slot list (an HCA layer deep in a prompt, docs/architecture.md "Attention").
-Same contract as `dsv4.ops.attention.sparse_attention` (the definition) for sources that are all
-PagedRows over pools of q's dtype; the last source (the C128 history) takes the two passes, any
-other (the window) is walked in the second pass as attention_shared.py does.
+chunk over a long slot list (an HCA layer deep in a prompt, docs/architecture.md "A step's
+addressing"). Same contract as `dsv4.ops.attention.sparse_attention` (the definition) for
+sources that are all PagedRows over pools of q's dtype.
 
 Rows are (token, head) pairs, BLOCK_T tokens x H_BLOCK heads a tile; a row's slot k is item
 lo_t + k of its request (PagedRows' dense form, k < n_t = min(hi_t - lo_t, width)). The tokens
 of a tile that share (request, lo) form a group and read the same pool rows for the same slots
-(every token of a chunk on the history: one group); a tile does one pass a group.
-  1. scores (grid: slot tiles of BLOCK_N x row tiles): S = q k^T over D in BLOCK_D steps (a
-     plain GEMM: no [rows, D] accumulator), then per row and slot tile the max m_j, the sum
-     l_j of exp2(s - m_j) and P = exp2(s - m_j) in q's dtype into a buffer [T, H, slots];
-  2. values (grid: row tiles x D_PARTS channel parts): the online softmax over the slot tiles
-     with their (m_j, l_j) and acc += exp2(m_j - m) P K (K = V: the part's channels only), the
-     sink in the denominator, out normalised.
-Every S element is computed once (no 1.5x of a channel split: pass 2 reads P instead); the
-price is P's round trip (2 bytes a row and slot). Tokens go TOKENS_PER_PASS at a time, which
-bounds the buffer (at 900k: 512 tokens x 64 heads x 7,168 slots x 2 bytes = 470 MB).
+(every token of a chunk on the history: one group; on the window, a group a token); a tile does
+one pass a group.
+  1. scores, a launch a source (grid: slot tiles of BLOCK_N x row tiles): S = q k^T over D in
+     BLOCK_D steps (a plain GEMM: no [rows, D] accumulator), then per row and slot tile the max
+     m_j, the sum l_j of exp2(s - m_j) and P = exp2(s - m_j) in q's dtype into the source's
+     buffer [T, H, slots];
+  2. values (grid: row tiles x D_PARTS channel parts): the online softmax over every source's
+     slot tiles with their (m_j, l_j), acc += exp2(m_j - m) P K (K = V: the part's channels
+     only), the sink in the denominator, out normalised.
+Every S element is computed once (no 1.5x of a channel split: pass 2 reads P instead), and q
+is never held whole; the price is P's round trip (2 bytes a row and slot). Tokens go
+TOKENS_PER_PASS at a time, which bounds the buffers (at 900k: 512 tokens x 64 heads x 7,168
+slots x 2 bytes = 470 MB for the history).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import triton.language as tl
 
 from ..paged import PagedRows
 from .attention import INTERPRETING, LOG2E
-from .attention_shared import _walk, supports_shared
+from .attention_shared import supports_shared
 
 # (block_t, h_block, block_n, block_d, warps, stages) of pass 1; (block_t, h_block, block_n,
 # d_parts, warps, stages) of pass 2 (its own row tiles: P is by row; its block_n divides pass
@@ -115,51 +117,26 @@ def _scores_kernel(q_ptr, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, p_ptr, m_p
             tl.store(l_ptr + out_row * tiles + j, tl.sum(p, axis=1), mask=member)
 
 
-# per-step sizes are not specialised: one compiled variant for every step shape
-@triton.jit(do_not_specialize=("T", "W0", "W1", "stride_p0", "stride_p1", "pitch0", "pitch1", "slots"))
-def _values_kernel(q_ptr, sink_ptr, out_ptr, p_ptr, m_ptr, l_ptr,
-                   kv0_ptr, pages0_ptr, req0_ptr, lo0_ptr, hi0_ptr,       # the walked source (OTHER)
-                   kv1_ptr, pages1_ptr, req1_ptr, lo1_ptr, hi1_ptr,       # the scored one
-                   T, H, W0, W1, qk_scale, slots, stride_qt, stride_qh, stride_ot, stride_oh,
-                   stride_kv0, stride_p0, pitch0, stride_kv1, stride_p1, pitch1,
-                   D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
-                   H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_K: tl.constexpr,
-                   D_PARTS: tl.constexpr,
-                   OTHER: tl.constexpr, PER_PAGE0: tl.constexpr, PER_PAGE1: tl.constexpr, FP32_DOT: tl.constexpr):
-    pid = tl.program_id(0)                           # parts of a row tile adjacent (P read twice from L2)
-    part = pid % D_PARTS
-    t0, row_tok, heads, row_ok = _tile_rows(T, H, BLOCK_T, H_BLOCK, pid // D_PARTS)
-    c = tl.arange(0, BLOCK_DV)
-    ca_ok = c < DV
-    col_a = part * DV + c
-    sink = tl.load(sink_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
-    m = sink                                         # [M] running max (log2 units), >= sink
-    l = tl.zeros([BLOCK_T * H_BLOCK], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_T * H_BLOCK, BLOCK_DV], dtype=tl.float32)
-    q_row = q_ptr + (t0 + row_tok).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
-    if OTHER:                                        # the window: scores computed here
-        col_b = (1 - part) * DV + c
-        cb_ok = ca_ok & (D_PARTS == 2)
-        q_a = tl.load(q_row + col_a[None, :], mask=row_ok[:, None] & ca_ok[None, :], other=0.0)
-        q_b = tl.load(q_row + col_b[None, :], mask=row_ok[:, None] & cb_ok[None, :], other=0.0)
-        if FP32_DOT:
-            q_a, q_b = q_a.to(tl.float32), q_b.to(tl.float32)
-        m, l, acc = _walk(q_a, q_b, m, l, acc, kv0_ptr, pages0_ptr, req0_ptr, lo0_ptr, hi0_ptr, t0, T, W0,
-                          stride_kv0, stride_p0, pitch0, qk_scale, row_tok, row_ok, col_a, col_b, ca_ok, cb_ok,
-                          BLOCK_T, BLOCK_K, PER_PAGE0, D_PARTS, FP32_DOT)
-    lo, n, group = _groups(req1_ptr, lo1_ptr, hi1_ptr, t0, T, W1, row_ok, row_tok, BLOCK_T)
+@triton.jit
+def _values_source(m, l, acc, p_ptr, m_ptr, l_ptr, slots, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, t0, T, H,
+                   W, stride_kv, stride_p, pitch, row_tok, row_ok, heads, col, col_ok, BLOCK_T: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, PER_PAGE: tl.constexpr, FP32_DOT: tl.constexpr):
+    """One source's pass 2 for the program's rows: its P [T, H, slots] and per-tile m, l [T, H,
+    slots / BLOCK_N] from pass 1, BLOCK_NB slots a step, into the running m, l [M] and acc
+    [M, BLOCK_DV] (channels col of the pool rows) -> (m, l, acc)."""
+    lo, n, group = _groups(req_ptr, lo_ptr, hi_ptr, t0, T, W, row_ok, row_tok, BLOCK_T)
     out_row = (t0 + row_tok).to(tl.int64) * H + heads
     tiles = slots // BLOCK_N
     for g in range(BLOCK_T):
         member = row_ok & (group == g)
         n_g = tl.max(tl.where(member, n, 0), axis=0)
-        lo_g = tl.load(lo1_ptr + t0 + g, mask=t0 + g < T, other=0).to(tl.int32)
-        page_row = pages1_ptr + tl.load(req1_ptr + t0 + g, mask=t0 + g < T, other=0).to(tl.int64) * stride_p1
+        lo_g = tl.load(lo_ptr + t0 + g, mask=t0 + g < T, other=0).to(tl.int32)
+        page_row = pages_ptr + tl.load(req_ptr + t0 + g, mask=t0 + g < T, other=0).to(tl.int64) * stride_p
         for j in range(0, tl.cdiv(n_g, BLOCK_NB)):     # steps of BLOCK_NB slots within pass 1's tiles
             slot = j * BLOCK_NB + tl.arange(0, BLOCK_NB)
-            rows = _slot_rows(page_row, j * BLOCK_NB, n_g, lo_g, pitch1, BLOCK_NB, PER_PAGE1)
-            k = tl.load(kv1_ptr + rows[:, None] * stride_kv1 + col_a[None, :],
-                        mask=(rows >= 0)[:, None] & ca_ok[None, :], other=0.0)      # [BLOCK_NB, BLOCK_DV]
+            rows = _slot_rows(page_row, j * BLOCK_NB, n_g, lo_g, pitch, BLOCK_NB, PER_PAGE)
+            k = tl.load(kv_ptr + rows[:, None] * stride_kv + col[None, :],
+                        mask=(rows >= 0)[:, None] & col_ok[None, :], other=0.0)     # [BLOCK_NB, BLOCK_DV]
             p = tl.load(p_ptr + out_row[:, None] * slots + slot[None, :],
                         mask=member[:, None] & (slot[None, :] < n[:, None]), other=0.0)
             tile = j * BLOCK_NB // BLOCK_N
@@ -178,9 +155,38 @@ def _values_kernel(q_ptr, sink_ptr, out_ptr, p_ptr, m_ptr, l_ptr,
                 k = k.to(tl.float32)
             acc = tl.dot(p, k, acc=acc * alpha[:, None], input_precision="ieee" if FP32_DOT else "tf32")
             m = m_new
+    return m, l, acc
+
+
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("T", "W0", "W1", "stride_p0", "stride_p1", "pitch0", "pitch1", "slots0", "slots1"))
+def _values_kernel(sink_ptr, out_ptr, p0_ptr, m0_ptr, l0_ptr, p1_ptr, m1_ptr, l1_ptr,  # pass 1's, a source
+                   kv0_ptr, pages0_ptr, req0_ptr, lo0_ptr, hi0_ptr,   # source 0 (TWO: else unused)
+                   kv1_ptr, pages1_ptr, req1_ptr, lo1_ptr, hi1_ptr,
+                   T, H, W0, W1, slots0, slots1, stride_ot, stride_oh,
+                   stride_kv0, stride_p0, pitch0, stride_kv1, stride_p1, pitch1,
+                   DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, H_BLOCK: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, D_PARTS: tl.constexpr, TWO: tl.constexpr,
+                   PER_PAGE0: tl.constexpr, PER_PAGE1: tl.constexpr, FP32_DOT: tl.constexpr):
+    pid = tl.program_id(0)                           # parts of a row tile adjacent (P read twice from L2)
+    t0, row_tok, heads, row_ok = _tile_rows(T, H, BLOCK_T, H_BLOCK, pid // D_PARTS)
+    c = tl.arange(0, BLOCK_DV)
+    col_ok = c < DV
+    col = pid % D_PARTS * DV + c                     # this program's channels
+    sink = tl.load(sink_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
+    m = sink                                         # [M] running max (log2 units), >= sink
+    l = tl.zeros([BLOCK_T * H_BLOCK], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_T * H_BLOCK, BLOCK_DV], dtype=tl.float32)
+    if TWO:
+        m, l, acc = _values_source(m, l, acc, p0_ptr, m0_ptr, l0_ptr, slots0, kv0_ptr, pages0_ptr, req0_ptr,
+                                   lo0_ptr, hi0_ptr, t0, T, H, W0, stride_kv0, stride_p0, pitch0, row_tok, row_ok,
+                                   heads, col, col_ok, BLOCK_T, BLOCK_N, BLOCK_NB, PER_PAGE0, FP32_DOT)
+    m, l, acc = _values_source(m, l, acc, p1_ptr, m1_ptr, l1_ptr, slots1, kv1_ptr, pages1_ptr, req1_ptr,
+                               lo1_ptr, hi1_ptr, t0, T, H, W1, stride_kv1, stride_p1, pitch1, row_tok, row_ok,
+                               heads, col, col_ok, BLOCK_T, BLOCK_N, BLOCK_NB, PER_PAGE1, FP32_DOT)
     out = acc / (l + tl.exp2(sink - m))[:, None]
     o_row = out_ptr + (t0 + row_tok).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
-    tl.store(o_row + col_a[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & ca_ok[None, :])
+    tl.store(o_row + col[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 def _paged(kv: torch.Tensor, idx: PagedRows) -> tuple:
@@ -196,11 +202,11 @@ def _rows(block_t: int, h_block: int, H: int) -> int:
 
 def two_pass_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedRows]], sinks: torch.Tensor,
                        scale: float, *, score_tiles: tuple | None = None, value_tiles: tuple | None = None,
-                       block_k: int = 32, tokens_per_pass: int | None = None) -> torch.Tensor:
-    """q [T, H, D]; sources [(kv [N, D], PagedRows)] (one or two; the last one through the
-    buffer, the other walked with block_k keys a step); sinks [H] -> out [T, H, D] in q's dtype,
-    as `dsv4.ops.attention.sparse_attention`. Tiles: SCORE_TILES / VALUE_TILES /
-    TOKENS_PER_PASS by default (fp32, checks only: 16-row tiles). No host sync (CUDA graphs)."""
+                       tokens_per_pass: int | None = None) -> torch.Tensor:
+    """q [T, H, D]; sources [(kv [N, D], PagedRows)] (one or two, each through its own buffer);
+    sinks [H] -> out [T, H, D] in q's dtype, as `dsv4.ops.attention.sparse_attention`. Tiles:
+    SCORE_TILES / VALUE_TILES / TOKENS_PER_PASS by default (fp32, checks only: 16-row tiles).
+    No host sync (CUDA graphs)."""
     assert supports_shared(q, sources, sinks), "two_pass_attention (triton): unsupported inputs"
     T, H, D = q.shape
     out = torch.empty_like(q)
@@ -211,34 +217,31 @@ def two_pass_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedR
         (2, 8, 16, 16, 4, 1) if small else SCORE_TILES)
     block_tb, h_block_b, block_nb, d_parts, warps_b, stages_b = value_tiles or (
         (2, 8, 16, 2, 4, 1) if small else VALUE_TILES)
-    assert d_parts in (1, 2) and D % d_parts == 0 and min(block_nb, block_k) >= 16 and block_n % block_nb == 0
+    assert d_parts in (1, 2) and D % d_parts == 0 and block_nb >= 16 and block_n % block_nb == 0
     h_block, h_block_b = (_rows(block_t, h_block, H), _rows(block_tb, h_block_b, H))
     q = q if q.stride(2) == 1 else q.contiguous()
-    scored, walked = _paged(*sources[-1]), _paged(*sources[0])
-    w1, w0 = sources[-1][1], sources[0][1]
-    slots = max(1, triton.cdiv(w1.width, block_n)) * block_n
-    chunk = min(tokens_per_pass or TOKENS_PER_PASS, T)
-    p = torch.empty((chunk, H, slots), device=q.device, dtype=q.dtype)
-    m = torch.empty((chunk, H, slots // block_n), device=q.device, dtype=torch.float32)
-    l = torch.empty_like(m)
-    dv = D // d_parts
     sinks = sinks.contiguous()
+    chunk = min(tokens_per_pass or TOKENS_PER_PASS, T)
+    paged = [_paged(kv, idx) for kv, idx in sources]
+    slots = [max(1, triton.cdiv(idx.width, block_n)) * block_n for _, idx in sources]
+    buffers = [(torch.empty((chunk, H, n), device=q.device, dtype=q.dtype),
+                *torch.empty((2, chunk, H, n // block_n), device=q.device, dtype=torch.float32)) for n in slots]
     for a in range(0, T, chunk):        # token views: the kernels index tokens from the view's 0
         b = min(a + chunk, T)
-        (kv1, pages1, req1, lo1, hi1), (kv0, pages0, req0, lo0, hi0) = (
-            (kv, pages, req[a:b], lo[a:b], hi[a:b]) for kv, pages, req, lo, hi in (scored, walked))
-        _scores_kernel[(slots // block_n, triton.cdiv(b - a, block_t) * triton.cdiv(H, h_block))](
-            q[a:b], kv1, pages1, req1, lo1, hi1, p, m, l, b - a, H, w1.width, scale * LOG2E.value,
-            q.stride(0), q.stride(1), kv1.stride(0), pages1.stride(0), w1.pitch, slots,
-            D=D, BLOCK_T=block_t, H_BLOCK=h_block, BLOCK_N=block_n, BLOCK_D=block_d, PER_PAGE=w1.per_page,
-            FP32_DOT=small or INTERPRETING, num_warps=warps_a, num_stages=stages_a)
+        views = [(kv, pages, req[a:b], lo[a:b], hi[a:b]) for kv, pages, req, lo, hi in paged]
+        for (kv, pages, req, lo, hi), (_, idx), n, (p, m, l) in zip(views, sources, slots, buffers):
+            _scores_kernel[(n // block_n, triton.cdiv(b - a, block_t) * triton.cdiv(H, h_block))](
+                q[a:b], kv, pages, req, lo, hi, p, m, l, b - a, H, idx.width, scale * LOG2E.value,
+                q.stride(0), q.stride(1), kv.stride(0), pages.stride(0), idx.pitch, n,
+                D=D, BLOCK_T=block_t, H_BLOCK=h_block, BLOCK_N=block_n, BLOCK_D=block_d, PER_PAGE=idx.per_page,
+                FP32_DOT=small or INTERPRETING, num_warps=warps_a, num_stages=stages_a)
+        (kv0, pages0, req0, lo0, hi0), (kv1, pages1, req1, lo1, hi1) = views[0], views[-1]
+        (w0, w1), (n0, n1), (b0, b1) = (sources[0][1], sources[-1][1]), (slots[0], slots[-1]), (buffers[0], buffers[-1])
         _values_kernel[(triton.cdiv(b - a, block_tb) * triton.cdiv(H, h_block_b) * d_parts,)](
-            q[a:b], sinks, out[a:b], p, m, l, kv0, pages0, req0, lo0, hi0, kv1, pages1, req1, lo1, hi1,
-            b - a, H, w0.width, w1.width, scale * LOG2E.value, slots, q.stride(0), q.stride(1),
-            out.stride(0), out.stride(1), kv0.stride(0), pages0.stride(0), w0.pitch,
-            kv1.stride(0), pages1.stride(0), w1.pitch,
-            D=D, DV=dv, BLOCK_DV=triton.next_power_of_2(dv), BLOCK_T=block_tb, H_BLOCK=h_block_b, BLOCK_N=block_n,
-            BLOCK_NB=block_nb,
-            BLOCK_K=block_k, D_PARTS=d_parts, OTHER=len(sources) == 2, PER_PAGE0=w0.per_page,
+            sinks, out[a:b], *b0, *b1, kv0, pages0, req0, lo0, hi0, kv1, pages1, req1, lo1, hi1,
+            b - a, H, w0.width, w1.width, n0, n1, out.stride(0), out.stride(1),
+            kv0.stride(0), pages0.stride(0), w0.pitch, kv1.stride(0), pages1.stride(0), w1.pitch,
+            DV=D // d_parts, BLOCK_DV=triton.next_power_of_2(D // d_parts), BLOCK_T=block_tb, H_BLOCK=h_block_b,
+            BLOCK_N=block_n, BLOCK_NB=block_nb, D_PARTS=d_parts, TWO=len(sources) == 2, PER_PAGE0=w0.per_page,
             PER_PAGE1=w1.per_page, FP32_DOT=small or INTERPRETING, num_warps=warps_b, num_stages=stages_b)
     return out
