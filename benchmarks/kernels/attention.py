@@ -25,6 +25,19 @@ against the bf16 peak: the O(E / 128) attention term of a deep prefill chunk.
     python -m benchmarks.kernels.attention --deep-hca     # ~1 minute
     python -m benchmarks.kernels.attention --deep-hca --deep-short   # + chunks of 256-1024 tokens
 
+With `--deep-hca --variants` (or `--variants`), instead: the same chunk, the per-token kernel's
+default tile (LONG_TILES) against every entry of VARIANTS, the long-list kernels that
+`LONG_KERNEL` in dsv4/ops/triton/attention.py can pick (attention_shared.py, attention_two_pass.py),
+each checked against the reference (max error printed) and timed; TFLOP/s count the model's
+FLOPs, not a variant's own. `--one-item` hands the history over as one-item pages, as the
+engine does (docs/architecture.md, "A step's addressing"). `--smoke` runs that table on a tiny
+chunk in Triton's interpreter on the CPU (checks only: its times mean nothing).
+`python -m benchmarks.kernels.attention_sm90` prints each variant's sm_90 registers, spills and
+shared memory without a GPU.
+
+    python -m benchmarks.kernels.attention --deep-hca --variants     # ~2 minutes, compiles included
+    python -m benchmarks.kernels.attention --smoke
+
 A third table times paged sources (PagedRows, dsv4/ops/paged.py) against their dense form on
 the same rows (bit-identical outputs required, and within tolerance of the reference): each
 case's window as a PagedRows over 128-position pages (a CSA layer: the C4 source stays the
@@ -223,8 +236,11 @@ def variants_table(gen, scale, tokens: int, pos0: int, heads: int = H, dim: int 
     """--variants: the per-token kernel's default tile (LONG_TILES at 900k) against every
     variant of VARIANTS on the deep chunk, each checked against the reference; -> failures."""
     q, sources, sinks, flops, width = deep_case(gen, tokens, pos0, heads, dim)
+    if "--one-item" in sys.argv[1:]:
+        sources[1] = (sources[1][0], sources[1][1].one_item_pages())
     want = reference(q, sources, sinks, scale).float()
-    print(f"\nHCA layer, chunk of {tokens} at position {pos0} ({width} C128 entries at its end): "
+    print(f"\nHCA layer, chunk of {tokens} at position {pos0} ({width} C128 entries at its end"
+          f"{', one-item pages' if '--one-item' in sys.argv[1:] else ''}): "
           f"{flops / 1e12:.3g} TFLOP; variants against the per-token kernel's default tile")
     print(f"{'variant':>8} {'knobs':>52} {'ms':>9} {'TFLOP/s':>8} {'%peak':>6} {'speedup':>7} {'max err':>8}")
     failures, base = 0, None
