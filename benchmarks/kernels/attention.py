@@ -260,10 +260,26 @@ def variants_table(gen, scale, tokens: int, pos0: int, heads: int = H, dim: int 
             print(f"{name:>8} {label:>52} {ms:9.3f} {tfs:8.1f} {100 * tfs * 1e12 / PEAK_FLOPS:5.1f}% "
                   f"{base / ms:6.2f}x {err.max().item():8.2e}{'' if ok else '  MISMATCH'}", flush=True)
             failures += not ok
+            if DEVICE == "cuda" and name == "2pass":
+                print(f"{'':>8} {'':>52} {kernel_split(fn)}", flush=True)
         except Exception as e:     # a tile that does not fit (shared memory) is reported, not fatal
             print(f"{name:>8} {label:>52}  failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
             failures += knobs is None
     return failures
+
+
+def kernel_split(fn) -> str:
+    """Where one call's GPU time goes, by kernel (torch.profiler; the summed device time of
+    each Triton kernel, ms)."""
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        times = {e.key: getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+                 for e in prof.key_averages() if "kernel" in e.key}
+        return ", ".join(f"{k}: {v / 1e3:.3f} ms" for k, v in sorted(times.items()))
+    except Exception as e:  # noqa: BLE001 - a profile that fails does not stop the table
+        return f"(no profile: {type(e).__name__})"
 
 
 def reference(*args):
