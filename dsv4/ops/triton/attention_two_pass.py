@@ -111,8 +111,9 @@ def _scores_kernel(q_ptr, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, p_ptr, m_p
             s = tl.where(key_ok[None, :] & (slot[None, :] < n[:, None]), s * qk_scale, float("-inf"))
             m = tl.max(s, axis=1)                                                       # -inf: no slot
             p = tl.exp2(s - tl.where(m == float("-inf"), 0.0, m)[:, None])              # masked: 0
+            # the whole tile (0 past a row's n): a row-only mask keeps the stores vectorised
             tl.store(p_ptr + out_row[:, None] * slots + slot[None, :], p.to(p_ptr.dtype.element_ty),
-                     mask=member[:, None] & (slot[None, :] < n[:, None]))
+                     mask=member[:, None])
             tl.store(m_ptr + out_row * tiles + j, m, mask=member)
             tl.store(l_ptr + out_row * tiles + j, tl.sum(p, axis=1), mask=member)
 
@@ -137,10 +138,9 @@ def _values_source(m, l, acc, p_ptr, m_ptr, l_ptr, slots, kv_ptr, pages_ptr, req
             rows = _slot_rows(page_row, j * BLOCK_NB, n_g, lo_g, pitch, BLOCK_NB, PER_PAGE)
             k = tl.load(kv_ptr + rows[:, None] * stride_kv + col[None, :],
                         mask=(rows >= 0)[:, None] & col_ok[None, :], other=0.0)     # [BLOCK_NB, BLOCK_DV]
-            p = tl.load(p_ptr + out_row[:, None] * slots + slot[None, :],
-                        mask=member[:, None] & (slot[None, :] < n[:, None]), other=0.0)
             tile = j * BLOCK_NB // BLOCK_N
-            written = member & (tile * BLOCK_N < n)                                 # by pass 1
+            written = member & (tile * BLOCK_N < n)      # by pass 1, whole (0 past n): a row-only mask
+            p = tl.load(p_ptr + out_row[:, None] * slots + slot[None, :], mask=written[:, None], other=0.0)
             m_j = tl.load(m_ptr + out_row * tiles + tile, mask=written, other=float("-inf"))
             l_j = tl.load(l_ptr + out_row * tiles + tile, mask=written & (j * BLOCK_NB % BLOCK_N == 0),
                           other=0.0)                                                # once a tile
