@@ -36,10 +36,12 @@ def test_mixed_requests(device, dtype, block_t, h_block, d_parts):
 def test_prefill_chunk(device, dtype, start, d_parts):
     """A chunk at position `start` (0: the history fills from empty): the shared prefix and the
     entries closing inside the chunk, the window over pages of 8, history pages of 2 (a block
-    of 16 keys spans 8 of them), 6 heads (a partial head block of 8)."""
+    of 16 keys spans 8 of them), then one-item pages (as the engine hands the history over), 6
+    heads (a partial head block of 8)."""
     q, sources, sinks = chunk_inputs(device, 14, 6, dtype, start)
     check(q, sources, sinks, block_t=2, h_block=8, block_k=16, d_parts=d_parts)
-    check(q, sources, sinks, block_t=4, h_block=4, block_k=32, d_parts=d_parts)
+    one_item = [sources[0], (sources[1][0], sources[1][1].one_item_pages())]
+    check(q, one_item, sinks, block_t=4, h_block=4, block_k=32, d_parts=d_parts)
 
 
 def test_one_source_and_empty(device):

@@ -35,11 +35,13 @@ def test_mixed_requests(device, dtype, score_tiles, value_tiles):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("start", [0, 150])
 def test_prefill_chunk(device, dtype, start):
-    """A chunk at position `start`: one group a tile on the history, entries closing inside the
-    chunk, the window walked in the values pass; 6 heads (a partial head block)."""
+    """A chunk at position `start`: one group a tile on the history (pages of 2, then one-item
+    pages as the engine hands it over), entries closing inside the chunk, a group a token on the
+    window; 6 heads (a partial head block); passes of 9 tokens."""
     q, sources, sinks = chunk_inputs(device, 14, 6, dtype, start)
     check(q, sources, sinks, score_tiles=(2, 8, 16, 32, 4, 1), value_tiles=(2, 8, 16, 2, 4, 1))
-    check(q, sources, sinks, score_tiles=(4, 4, 32, 16, 4, 1), value_tiles=(1, 16, 16, 1, 4, 1), tokens_per_pass=9)
+    one_item = [sources[0], (sources[1][0], sources[1][1].one_item_pages())]
+    check(q, one_item, sinks, score_tiles=(4, 4, 32, 16, 4, 1), value_tiles=(1, 16, 16, 1, 4, 1), tokens_per_pass=9)
 
 
 def test_one_source_and_empty(device):
