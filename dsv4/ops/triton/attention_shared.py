@@ -1,6 +1,6 @@
 """Sparse shared-KV attention over paged ranges with key tiles shared by several tokens (Triton):
 the kernel for a prefill chunk over a long slot list (an HCA layer deep in a prompt, docs/
-architecture.md "Attention"). Same contract as `dsv4.ops.attention.sparse_attention` (the
+architecture.md "A step's addressing"). Same contract as `dsv4.ops.attention.sparse_attention` (the
 definition) for sources that are all PagedRows over pools of q's dtype.
 
 Every token of a chunk of one request sees the same C128 entries [0, hi_t) (hi_t grows by one
@@ -28,9 +28,10 @@ import triton.language as tl
 from ..paged import PagedRows
 from .attention import INTERPRETING, LOG2E, _block_rows
 
-# (block_t, h_block, block_k, d_parts, num_warps, num_stages): the default guess of
-# benchmarks/kernels/attention.py --deep-hca's SHARED_SCAN (2 tokens x 64 heads = 128 rows,
-# acc [128, 256] fp32, 32 keys a step); unmeasured on the H200 when written.
+# (block_t, h_block, block_k, d_parts, num_warps, num_stages): 2 tokens x 64 heads = 128 rows,
+# acc [128, 256] fp32, 32 keys a step (sm_90, Triton 3.6: 255 registers, no spills, 192 KB of
+# shared memory). A guess, unmeasured on the H200 when written: `python -m
+# benchmarks.kernels.attention --variants` times others.
 SHARED_TILES = (2, 64, 32, 2, 8, 2)
 EMPTY = tl.constexpr(2**30)     # a group's range start when it has no row (an empty walk)
 
@@ -85,6 +86,27 @@ def _walk(q_a, q_b, m, l, acc, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, t0, T
     return m, l, acc
 
 
+@triton.jit
+def _tile_rows(T, H, BLOCK_T: tl.constexpr, H_BLOCK: tl.constexpr, tile):
+    """Row tile `tile` (token blocks outer, head blocks inner) -> first token, rows' token
+    offset, heads, validity [M]."""
+    n_hb = tl.cdiv(H, H_BLOCK)
+    t0 = tile // n_hb * BLOCK_T
+    r = tl.arange(0, BLOCK_T * H_BLOCK)
+    row_tok = r // H_BLOCK
+    heads = tile % n_hb * H_BLOCK + r % H_BLOCK
+    return t0, row_tok, heads, (t0 + row_tok < T) & (heads < H)
+
+
+@triton.jit
+def _store_rows(out_ptr, acc, m, l, sink, t0, row_tok, heads, row_ok, col, col_ok, stride_ot, stride_oh):
+    """out[token, head, col] of the tile's rows <- acc / (l + exp2(sink - m)) (the sink in the
+    denominator only)."""
+    out = acc / (l + tl.exp2(sink - m))[:, None]
+    o_row = out_ptr + (t0 + row_tok).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
+    tl.store(o_row + col[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
 # per-step sizes are not specialised: one compiled variant for every step shape
 @triton.jit(do_not_specialize=("T", "W0", "W1", "stride_p0", "stride_p1", "pitch0", "pitch1"))
 def _shared_attn_kernel(
@@ -97,15 +119,9 @@ def _shared_attn_kernel(
         D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
         H_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, D_PARTS: tl.constexpr, TWO: tl.constexpr,
         PER_PAGE0: tl.constexpr, PER_PAGE1: tl.constexpr, FP32_DOT: tl.constexpr):
-    n_hb = tl.cdiv(H, H_BLOCK)
     pid = tl.program_id(0)          # parts, then head blocks of one token block adjacent (L2 reuse)
     part = pid % D_PARTS
-    hb = (pid // D_PARTS) % n_hb
-    t0 = pid // (D_PARTS * n_hb) * BLOCK_T
-    r = tl.arange(0, BLOCK_T * H_BLOCK)                                             # [M] rows
-    row_tok = r // H_BLOCK
-    heads = hb * H_BLOCK + r % H_BLOCK
-    row_ok = (t0 + row_tok < T) & (heads < H)
+    t0, row_tok, heads, row_ok = _tile_rows(T, H, BLOCK_T, H_BLOCK, pid // D_PARTS)
     c = tl.arange(0, BLOCK_DV)
     ca_ok = c < DV
     col_a = part * DV + c                                    # this program's channels
@@ -127,9 +143,7 @@ def _shared_attn_kernel(
         m, l, acc = _walk(q_a, q_b, m, l, acc, kv1_ptr, pages1_ptr, req1_ptr, lo1_ptr, hi1_ptr, t0, T, W1,
                           stride_kv1, stride_p1, pitch1, qk_scale, row_tok, row_ok, col_a, col_b, ca_ok, cb_ok,
                           BLOCK_T, BLOCK_K, PER_PAGE1, D_PARTS, FP32_DOT)
-    out = acc / (l + tl.exp2(sink - m))[:, None]
-    o_row = out_ptr + (t0 + row_tok).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
-    tl.store(o_row + col_a[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & ca_ok[None, :])
+    _store_rows(out_ptr, acc, m, l, sink, t0, row_tok, heads, row_ok, col_a, ca_ok, stride_ot, stride_oh)
 
 
 def supports_shared(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor | PagedRows]],
@@ -144,7 +158,14 @@ def supports_shared(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Ten
                     for kv, idx in sources))
 
 
-def _paged_args(kv: torch.Tensor, idx: PagedRows) -> tuple:
+def tile_heads(block_t: int, h_block: int, H: int) -> int:
+    """h_block of a tile of block_t tokens: at most H's power of two, at least 16 rows (tl.dot)."""
+    assert block_t & (block_t - 1) == 0, "block_t: a power of two"
+    return max(min(h_block, triton.next_power_of_2(H)), triton.cdiv(16, block_t))
+
+
+def paged_args(kv: torch.Tensor, idx: PagedRows) -> tuple:
+    """A source's kernel arguments: kv, pages (last dim contiguous), req, lo, hi (contiguous)."""
     pages = idx.pages if idx.pages.stride(1) == 1 else idx.pages.contiguous()
     req, lo, hi = (v.contiguous() for v in (idx.req, idx.lo, idx.hi))
     return kv, pages, req, lo, hi
@@ -168,11 +189,11 @@ def shared_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedRow
         g if g is not None else d for g, d in zip((block_t, h_block, block_k, d_parts, num_warps, num_stages),
                                                   defaults))
     assert d_parts in (1, 2) and D % d_parts == 0, "shared_attention: d_parts is 1 or 2 and divides D"
-    assert block_t & (block_t - 1) == 0 and block_k >= 16, "shared_attention: block_t a power of two, block_k >= 16"
-    h_block = max(min(h_block, triton.next_power_of_2(H)), triton.cdiv(16, block_t))   # tl.dot: >= 16 rows
+    assert block_k >= 16, "shared_attention: block_k >= 16"
+    h_block = tile_heads(block_t, h_block, H)
     q = q if q.stride(2) == 1 else q.contiguous()
-    kv0, pages0, req0, lo0, hi0 = _paged_args(*sources[0])
-    kv1, pages1, req1, lo1, hi1 = _paged_args(*sources[-1])
+    kv0, pages0, req0, lo0, hi0 = paged_args(*sources[0])
+    kv1, pages1, req1, lo1, hi1 = paged_args(*sources[-1])
     idx0, idx1 = sources[0][1], sources[-1][1]
     dv = D // d_parts
     grid = (triton.cdiv(T, block_t) * triton.cdiv(H, h_block) * d_parts,)

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from ..paged import PagedRows
 from .attention import INTERPRETING, LOG2E
-from .attention_shared import supports_shared
+from .attention_shared import _store_rows, _tile_rows, paged_args, supports_shared, tile_heads
 
 # (block_t, h_block, block_n, block_d, warps, stages) of pass 1; (block_t, h_block, block_n,
 # d_parts, warps, stages) of pass 2 (its own row tiles: P is by row; its block_n divides pass
@@ -63,18 +63,6 @@ def _groups(req_ptr, lo_ptr, hi_ptr, t0, T, W, row_ok, row_tok, BLOCK_T: tl.cons
     blk_lo = tl.load(lo_ptr + t0 + js, mask=js_ok, other=0).to(tl.int32)
     same = (req[:, None] == blk_req[None, :]) & (lo[:, None] == blk_lo[None, :]) & js_ok[None, :]
     return lo, n, tl.min(tl.where(same, js[None, :], BLOCK_T), axis=1)
-
-
-@triton.jit
-def _tile_rows(T, H, BLOCK_T: tl.constexpr, H_BLOCK: tl.constexpr, tile):
-    """Row tile `tile` (token blocks outer, head blocks inner) -> first token, rows' token
-    offset, heads, validity [M]."""
-    n_hb = tl.cdiv(H, H_BLOCK)
-    t0 = tile // n_hb * BLOCK_T
-    r = tl.arange(0, BLOCK_T * H_BLOCK)
-    row_tok = r // H_BLOCK
-    heads = tile % n_hb * H_BLOCK + r % H_BLOCK
-    return t0, row_tok, heads, (t0 + row_tok < T) & (heads < H)
 
 
 # per-step sizes are not specialised: one compiled variant for every step shape
@@ -184,20 +172,7 @@ def _values_kernel(sink_ptr, out_ptr, p0_ptr, m0_ptr, l0_ptr, p1_ptr, m1_ptr, l1
     m, l, acc = _values_source(m, l, acc, p1_ptr, m1_ptr, l1_ptr, slots1, kv1_ptr, pages1_ptr, req1_ptr,
                                lo1_ptr, hi1_ptr, t0, T, H, W1, stride_kv1, stride_p1, pitch1, row_tok, row_ok,
                                heads, col, col_ok, BLOCK_T, BLOCK_N, BLOCK_NB, PER_PAGE1, FP32_DOT)
-    out = acc / (l + tl.exp2(sink - m))[:, None]
-    o_row = out_ptr + (t0 + row_tok).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
-    tl.store(o_row + col[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-
-
-def _paged(kv: torch.Tensor, idx: PagedRows) -> tuple:
-    pages = idx.pages if idx.pages.stride(1) == 1 else idx.pages.contiguous()
-    return kv, pages, *(v.contiguous() for v in (idx.req, idx.lo, idx.hi))
-
-
-def _rows(block_t: int, h_block: int, H: int) -> int:
-    """h_block of a row tile: at most H's power of two, at least 16 rows (tl.dot)."""
-    assert block_t & (block_t - 1) == 0, "two_pass_attention: block_t a power of two"
-    return max(min(h_block, triton.next_power_of_2(H)), triton.cdiv(16, block_t))
+    _store_rows(out_ptr, acc, m, l, sink, t0, row_tok, heads, row_ok, col, col_ok, stride_ot, stride_oh)
 
 
 def two_pass_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedRows]], sinks: torch.Tensor,
@@ -218,11 +193,11 @@ def two_pass_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedR
     block_tb, h_block_b, block_nb, d_parts, warps_b, stages_b = value_tiles or (
         (2, 8, 16, 2, 4, 1) if small else VALUE_TILES)
     assert d_parts in (1, 2) and D % d_parts == 0 and block_nb >= 16 and block_n % block_nb == 0
-    h_block, h_block_b = (_rows(block_t, h_block, H), _rows(block_tb, h_block_b, H))
+    h_block, h_block_b = tile_heads(block_t, h_block, H), tile_heads(block_tb, h_block_b, H)
     q = q if q.stride(2) == 1 else q.contiguous()
     sinks = sinks.contiguous()
     chunk = min(tokens_per_pass or TOKENS_PER_PASS, T)
-    paged = [_paged(kv, idx) for kv, idx in sources]
+    paged = [paged_args(kv, idx) for kv, idx in sources]
     slots = [max(1, triton.cdiv(idx.width, block_n)) * block_n for _, idx in sources]
     buffers = [(torch.empty((chunk, H, n), device=q.device, dtype=q.dtype),
                 *torch.empty((2, chunk, H, n // block_n), device=q.device, dtype=torch.float32)) for n in slots]
