@@ -30,8 +30,9 @@ default tile (LONG_TILES) against every entry of VARIANTS, the long-list kernels
 `LONG_KERNEL` in dsv4/ops/triton/attention.py can pick (attention_shared.py, attention_two_pass.py),
 each checked against the reference (max error printed) and timed; TFLOP/s count the model's
 FLOPs, not a variant's own. `--one-item` hands the history over as one-item pages, as the
-engine does (docs/architecture.md, "A step's addressing"). `--smoke` runs that table on a tiny
-chunk in Triton's interpreter on the CPU (checks only: its times mean nothing).
+engine does (docs/architecture.md, "A step's addressing"). `--smoke` runs that table on a
+4-token chunk at position 20,000 (H = 64, D = 512: the variants' own tiles) in Triton's
+interpreter on the CPU (checks only: its times mean nothing; ~15 s).
 `python -m benchmarks.kernels.attention_sm90` prints each variant's sm_90 registers, spills and
 shared memory without a GPU.
 
@@ -289,9 +290,9 @@ def reference(*args):
 
 def main() -> int:
     global DEVICE
-    if SMOKE:                   # the variants on a tiny deep chunk in Triton's interpreter (runs, checks)
+    if SMOKE:                   # the variants' V4 tiles on a 4-token chunk in Triton's interpreter (checks)
         DEVICE = "cpu"
-        failures = variants_table(torch.Generator().manual_seed(0), 64 ** -0.5, 6, 5000, heads=8, dim=64)
+        failures = variants_table(torch.Generator().manual_seed(0), D ** -0.5, 4, 20000)
         print("OK" if not failures else f"{failures} FAILED")
         return 1 if failures else 0
     if not torch.cuda.is_available():
