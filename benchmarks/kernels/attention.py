@@ -36,7 +36,7 @@ interpreter on the CPU (checks only: its times mean nothing; ~15 s).
 `python -m benchmarks.kernels.attention_sm90` prints each variant's sm_90 registers, spills and
 shared memory without a GPU.
 
-    python -m benchmarks.kernels.attention --deep-hca --variants     # ~2 minutes, compiles included
+    python -m benchmarks.kernels.attention --deep-hca --variants     # ~2 minutes, 19 compiles included
     python -m benchmarks.kernels.attention --smoke
 
 A third table times paged sources (PagedRows, dsv4/ops/paged.py) against their dense form on
@@ -85,9 +85,8 @@ DEEP_SHORT_SCAN = [(16, 32, 8, 2, None), (32, 128, 4, 2, None), (32, 128, 4, 2, 
 TUNE_CASES = [("decode", 1), ("decode", 64), ("prefill", 4096)]
 LAYERS, SWA_PAGE, HCA_PAGE, HCA_RATIO, DECODE_POS = 4, 128, 2, 128, 65536
 # `--deep-hca --variants` / `--variants`: (name, knobs) against the per-token kernel, sm_90 (Triton
-# 3.6) registers / stack bytes (spills) / shared memory in the comments (`attention_sm90`). Ten
-# compiles in all (a two-pass variant's scores kernel compiles once per source's page size): keep
-# the table within ~2 minutes of the device.
+# 3.6) registers / shared memory in the comments (`attention_sm90`; no spills unless said). 19 compiles in all (a two-pass variant's scores kernel compiles once per source's
+# page size), a few seconds each: the table takes about 2 minutes of the device.
 # "shared": tokens x heads a program over the union of their ranges, the output channels split in
 # d_parts (dsv4/ops/triton/attention_shared.py): (block_t, h_block, block_k, d_parts, warps, stages)
 # "2pass": scores into a bf16 probability buffer, then values (attention_two_pass.py): pass 1
@@ -96,13 +95,18 @@ LAYERS, SWA_PAGE, HCA_PAGE, HCA_RATIO, DECODE_POS = 4, 128, 2, 128, 65536
 VARIANT_FNS = {"shared": shared.shared_attention, "2pass": two_pass.two_pass_attention}
 VARIANTS = [("shared", dict(block_t=bt, h_block=hb, block_k=bk, d_parts=dp, num_warps=nw, num_stages=ns))
             for bt, hb, bk, dp, nw, ns in [
-                (2, 64, 32, 2, 8, 2),       # 255 regs, 0 B stack, 192 KB: M = 128 rows, acc [128, 256]
-                (1, 64, 32, 2, 8, 2),       # 219, 0, 128 KB: M = 64, acc [64, 256] over 2 warp groups
+                (2, 64, 32, 2, 8, 2),       # 255 regs, 192 KB: M = 128 rows, acc [128, 256] (SHARED_TILES)
+                (2, 64, 32, 2, 8, 3),       # 254, 224 KB
+                (2, 64, 16, 2, 8, 4),       # 245, 192 KB
+                (1, 64, 32, 2, 8, 2),       # 219, 128 KB: M = 64, acc [64, 256] over 2 warp groups
+                (2, 32, 32, 2, 8, 2),       # 198, 128 KB: M = 64 (2 tokens x 32 heads)
             ]] + [("2pass", dict(score_tiles=a, value_tiles=b, tokens_per_pass=n)) for a, b, n in [
-                ((2, 64, 128, 64, 8, 3), (2, 64, 64, 2, 8, 3), 512),     # 255, 0, 96 KB; 255, 0, 81 KB
+                ((2, 64, 128, 64, 8, 3), (2, 64, 64, 2, 8, 3), 512),     # 255, 96 KB; 255, 81 KB (the defaults)
                 ((2, 64, 128, 64, 8, 3), (2, 64, 64, 2, 8, 3), 2048),    # one pass: a 1.9 GB buffer
-                ((1, 64, 256, 64, 8, 3), (1, 64, 64, 2, 8, 3), 512),     # 218, 0, 120 KB; 211, 0, 80 KB
-                ((2, 64, 128, 64, 8, 3), (1, 64, 64, 1, 8, 3), 512),     # values acc [64, 512]: 255, 0, 144 KB
+                ((2, 64, 128, 64, 8, 4), (2, 64, 64, 2, 8, 2), 512),     # 255, 128 KB; 255 + 8 B spilled, 81 KB
+                ((1, 64, 256, 64, 8, 3), (1, 64, 64, 2, 8, 3), 512),     # 218, 120 KB; 211, 80 KB
+                ((2, 64, 128, 64, 8, 3), (1, 64, 64, 1, 8, 3), 512),     # values acc [64, 512]: 255, 144 KB
+                ((1, 64, 128, 64, 4, 3), (2, 64, 32, 2, 8, 4), 512),     # 217, 72 KB (2 an SM); 255, 41 KB
             ]]
 
 
