@@ -32,7 +32,7 @@ from .attention_shared import _store_rows, _tile_rows, paged_args, supports_shar
 
 # (block_t, h_block, block_n, block_d, warps, stages) of pass 1; (block_t, h_block, block_n,
 # d_parts, warps, stages) of pass 2 (its own row tiles: P is by row; its block_n divides pass
-# 1's); tokens a pass. sm_90 (Triton 3.6): 254 registers, no spills, 96 KB; 255, none, 224 KB.
+# 1's); tokens a pass. sm_90 (Triton 3.6): 255 registers, no spills, 96 KB; 255, none, 81 KB.
 # Guesses, unmeasured on the H200 when written: `python -m benchmarks.kernels.attention --variants`.
 SCORE_TILES = (2, 64, 128, 64, 8, 3)
 VALUE_TILES = (2, 64, 64, 2, 8, 3)
@@ -65,8 +65,9 @@ def _groups(req_ptr, lo_ptr, hi_ptr, t0, T, W, row_ok, row_tok, BLOCK_T: tl.cons
     return lo, n, tl.min(tl.where(same, js[None, :], BLOCK_T), axis=1)
 
 
-# per-step sizes are not specialised: one compiled variant for every step shape
-@triton.jit(do_not_specialize=("T", "W", "stride_p", "pitch", "slots"))
+# per-step sizes are not specialised: one compiled variant for every step shape; `slots` is (a
+# multiple of BLOCK_N: always divisible by 16, one variant), so P's rows take 16-byte accesses
+@triton.jit(do_not_specialize=("T", "W", "stride_p", "pitch"))
 def _scores_kernel(q_ptr, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, p_ptr, m_ptr, l_ptr,
                    T, H, W, qk_scale, stride_qt, stride_qh, stride_kv, stride_p, pitch,
                    slots,                            # P [T, H, slots], m, l [T, H, slots / BLOCK_N]
@@ -146,8 +147,8 @@ def _values_source(m, l, acc, p_ptr, m_ptr, l_ptr, slots, kv_ptr, pages_ptr, req
     return m, l, acc
 
 
-# per-step sizes are not specialised: one compiled variant for every step shape
-@triton.jit(do_not_specialize=("T", "W0", "W1", "stride_p0", "stride_p1", "pitch0", "pitch1", "slots0", "slots1"))
+# per-step sizes are not specialised but slots0/1 (as _scores_kernel's slots)
+@triton.jit(do_not_specialize=("T", "W0", "W1", "stride_p0", "stride_p1", "pitch0", "pitch1"))
 def _values_kernel(sink_ptr, out_ptr, p0_ptr, m0_ptr, l0_ptr, p1_ptr, m1_ptr, l1_ptr,  # pass 1's, a source
                    kv0_ptr, pages0_ptr, req0_ptr, lo0_ptr, hi0_ptr,   # source 0 (TWO: else unused)
                    kv1_ptr, pages1_ptr, req1_ptr, lo1_ptr, hi1_ptr,
