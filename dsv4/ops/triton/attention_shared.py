@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..paged import PagedRows
-from .attention import INTERPRETING, LOG2E, _block_rows
+from .attention_rows import INTERPRETING, LOG2E, _block_rows
 
 # (block_t, h_block, block_k, d_parts, num_warps, num_stages): 2 tokens x 64 heads = 128 rows,
 # acc [128, 256] fp32, 32 keys a step (sm_90, Triton 3.6: 255 registers, no spills, 192 KB of

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..paged import PagedRows
-from .attention import INTERPRETING, LOG2E
+from .attention_rows import INTERPRETING, LOG2E
 from .attention_shared import _store_rows, _tile_rows, paged_args, supports_shared, tile_heads
 
 # (block_t, h_block, block_n, block_d, warps, stages) of pass 1; (block_t, h_block, block_n,
