@@ -18,8 +18,7 @@ import sys
 import tempfile
 
 D, PAGES = 512, dict(PER_PAGE0=128, PER_PAGE1=2)
-DIV16 = {"H", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kv", "stride_kv0", "stride_kv1", "slots",
-         "slots0", "slots1"}
+DIV16 = {"H", "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_kv", "stride_kv0", "stride_kv1"}
 FP32 = {"sink_ptr", "m_ptr", "l_ptr", "m0_ptr", "l0_ptr", "m1_ptr", "l1_ptr"}
 INDEX = ("pages", "req", "lo", "hi", "idx")
 

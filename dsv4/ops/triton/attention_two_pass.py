@@ -65,12 +65,12 @@ def _groups(req_ptr, lo_ptr, hi_ptr, t0, T, W, row_ok, row_tok, BLOCK_T: tl.cons
     return lo, n, tl.min(tl.where(same, js[None, :], BLOCK_T), axis=1)
 
 
-# per-step sizes are not specialised: one compiled variant for every step shape; `slots` is (a
-# multiple of BLOCK_N: always divisible by 16, one variant), so P's rows take 16-byte accesses
-@triton.jit(do_not_specialize=("T", "W", "stride_p", "pitch"))
+# per-step sizes are not specialised: one compiled variant for every step shape (P's row length
+# is tiles * BLOCK_N in the kernel: a known multiple of BLOCK_N, so its rows keep 16-byte accesses)
+@triton.jit(do_not_specialize=("T", "W", "stride_p", "pitch", "tiles"))
 def _scores_kernel(q_ptr, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, p_ptr, m_ptr, l_ptr,
                    T, H, W, qk_scale, stride_qt, stride_qh, stride_kv, stride_p, pitch,
-                   slots,                            # P [T, H, slots], m, l [T, H, slots / BLOCK_N]
+                   tiles,                            # P [T, H, tiles * BLOCK_N], m, l [T, H, tiles]
                    D: tl.constexpr, BLOCK_T: tl.constexpr, H_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, PER_PAGE: tl.constexpr, FP32_DOT: tl.constexpr):
     j = tl.program_id(0)                             # slot tile (fastest: a row tile's q stays in L2)
@@ -79,7 +79,7 @@ def _scores_kernel(q_ptr, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, p_ptr, m_p
     slot = j * BLOCK_N + tl.arange(0, BLOCK_N)
     q_row = q_ptr + (t0 + row_tok).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
     out_row = (t0 + row_tok).to(tl.int64) * H + heads                               # [M] rows of [T, H]
-    tiles = slots // BLOCK_N
+    slots = tiles * BLOCK_N
     d = tl.arange(0, BLOCK_D)
     for g in range(BLOCK_T):        # one group a pass (one [M, BLOCK_N] tile live); its rows stored
         member = row_ok & (group == g)
@@ -108,15 +108,15 @@ def _scores_kernel(q_ptr, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, p_ptr, m_p
 
 
 @triton.jit
-def _values_source(m, l, acc, p_ptr, m_ptr, l_ptr, slots, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, t0, T, H,
+def _values_source(m, l, acc, p_ptr, m_ptr, l_ptr, tiles, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, t0, T, H,
                    W, stride_kv, stride_p, pitch, row_tok, row_ok, heads, col, col_ok, BLOCK_T: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, PER_PAGE: tl.constexpr, FP32_DOT: tl.constexpr):
-    """One source's pass 2 for the program's rows: its P [T, H, slots] and per-tile m, l [T, H,
-    slots / BLOCK_N] from pass 1, BLOCK_NB slots a step, into the running m, l [M] and acc
+    """One source's pass 2 for the program's rows: its P [T, H, tiles * BLOCK_N] and per-tile m,
+    l [T, H, tiles] from pass 1, BLOCK_NB slots a step, into the running m, l [M] and acc
     [M, BLOCK_DV] (channels col of the pool rows) -> (m, l, acc)."""
     lo, n, group = _groups(req_ptr, lo_ptr, hi_ptr, t0, T, W, row_ok, row_tok, BLOCK_T)
     out_row = (t0 + row_tok).to(tl.int64) * H + heads
-    tiles = slots // BLOCK_N
+    slots = tiles * BLOCK_N                          # P's row length: a known multiple of BLOCK_N
     for g in range(BLOCK_T):
         member = row_ok & (group == g)
         n_g = tl.max(tl.where(member, n, 0), axis=0)
@@ -147,12 +147,12 @@ def _values_source(m, l, acc, p_ptr, m_ptr, l_ptr, slots, kv_ptr, pages_ptr, req
     return m, l, acc
 
 
-# per-step sizes are not specialised but slots0/1 (as _scores_kernel's slots)
-@triton.jit(do_not_specialize=("T", "W0", "W1", "stride_p0", "stride_p1", "pitch0", "pitch1"))
+# per-step sizes are not specialised: one compiled variant for every step shape
+@triton.jit(do_not_specialize=("T", "W0", "W1", "stride_p0", "stride_p1", "pitch0", "pitch1", "tiles0", "tiles1"))
 def _values_kernel(sink_ptr, out_ptr, p0_ptr, m0_ptr, l0_ptr, p1_ptr, m1_ptr, l1_ptr,  # pass 1's, a source
                    kv0_ptr, pages0_ptr, req0_ptr, lo0_ptr, hi0_ptr,   # source 0 (TWO: else unused)
                    kv1_ptr, pages1_ptr, req1_ptr, lo1_ptr, hi1_ptr,
-                   T, H, W0, W1, slots0, slots1, stride_ot, stride_oh,
+                   T, H, W0, W1, tiles0, tiles1, stride_ot, stride_oh,
                    stride_kv0, stride_p0, pitch0, stride_kv1, stride_p1, pitch1,
                    DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr, H_BLOCK: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_NB: tl.constexpr, D_PARTS: tl.constexpr, TWO: tl.constexpr,
@@ -167,10 +167,10 @@ def _values_kernel(sink_ptr, out_ptr, p0_ptr, m0_ptr, l0_ptr, p1_ptr, m1_ptr, l1
     l = tl.zeros([BLOCK_T * H_BLOCK], dtype=tl.float32)
     acc = tl.zeros([BLOCK_T * H_BLOCK, BLOCK_DV], dtype=tl.float32)
     if TWO:
-        m, l, acc = _values_source(m, l, acc, p0_ptr, m0_ptr, l0_ptr, slots0, kv0_ptr, pages0_ptr, req0_ptr,
+        m, l, acc = _values_source(m, l, acc, p0_ptr, m0_ptr, l0_ptr, tiles0, kv0_ptr, pages0_ptr, req0_ptr,
                                    lo0_ptr, hi0_ptr, t0, T, H, W0, stride_kv0, stride_p0, pitch0, row_tok, row_ok,
                                    heads, col, col_ok, BLOCK_T, BLOCK_N, BLOCK_NB, PER_PAGE0, FP32_DOT)
-    m, l, acc = _values_source(m, l, acc, p1_ptr, m1_ptr, l1_ptr, slots1, kv1_ptr, pages1_ptr, req1_ptr,
+    m, l, acc = _values_source(m, l, acc, p1_ptr, m1_ptr, l1_ptr, tiles1, kv1_ptr, pages1_ptr, req1_ptr,
                                lo1_ptr, hi1_ptr, t0, T, H, W1, stride_kv1, stride_p1, pitch1, row_tok, row_ok,
                                heads, col, col_ok, BLOCK_T, BLOCK_N, BLOCK_NB, PER_PAGE1, FP32_DOT)
     _store_rows(out_ptr, acc, m, l, sink, t0, row_tok, heads, row_ok, col, col_ok, stride_ot, stride_oh)
@@ -199,20 +199,20 @@ def two_pass_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedR
     sinks = sinks.contiguous()
     chunk = min(tokens_per_pass or TOKENS_PER_PASS, T)
     paged = [paged_args(kv, idx) for kv, idx in sources]
-    slots = [max(1, triton.cdiv(idx.width, block_n)) * block_n for _, idx in sources]
-    buffers = [(torch.empty((chunk, H, n), device=q.device, dtype=q.dtype),
-                *torch.empty((2, chunk, H, n // block_n), device=q.device, dtype=torch.float32)) for n in slots]
+    tiles = [max(1, triton.cdiv(idx.width, block_n)) for _, idx in sources]     # slot tiles a row
+    buffers = [(torch.empty((chunk, H, n * block_n), device=q.device, dtype=q.dtype),
+                *torch.empty((2, chunk, H, n), device=q.device, dtype=torch.float32)) for n in tiles]
     for a in range(0, T, chunk):        # token views: the kernels index tokens from the view's 0
         b = min(a + chunk, T)
         views = [(kv, pages, req[a:b], lo[a:b], hi[a:b]) for kv, pages, req, lo, hi in paged]
-        for (kv, pages, req, lo, hi), (_, idx), n, (p, m, l) in zip(views, sources, slots, buffers):
-            _scores_kernel[(n // block_n, triton.cdiv(b - a, block_t) * triton.cdiv(H, h_block))](
+        for (kv, pages, req, lo, hi), (_, idx), n, (p, m, l) in zip(views, sources, tiles, buffers):
+            _scores_kernel[(n, triton.cdiv(b - a, block_t) * triton.cdiv(H, h_block))](
                 q[a:b], kv, pages, req, lo, hi, p, m, l, b - a, H, idx.width, scale * LOG2E.value,
                 q.stride(0), q.stride(1), kv.stride(0), pages.stride(0), idx.pitch, n,
                 D=D, BLOCK_T=block_t, H_BLOCK=h_block, BLOCK_N=block_n, BLOCK_D=block_d, PER_PAGE=idx.per_page,
                 FP32_DOT=small or INTERPRETING, num_warps=warps_a, num_stages=stages_a)
         (kv0, pages0, req0, lo0, hi0), (kv1, pages1, req1, lo1, hi1) = views[0], views[-1]
-        (w0, w1), (n0, n1), (b0, b1) = (sources[0][1], sources[-1][1]), (slots[0], slots[-1]), (buffers[0], buffers[-1])
+        (w0, w1), (n0, n1), (b0, b1) = (sources[0][1], sources[-1][1]), (tiles[0], tiles[-1]), (buffers[0], buffers[-1])
         _values_kernel[(triton.cdiv(b - a, block_tb) * triton.cdiv(H, h_block_b) * d_parts,)](
             sinks, out[a:b], *b0, *b1, kv0, pages0, req0, lo0, hi0, kv1, pages1, req1, lo1, hi1,
             b - a, H, w0.width, w1.width, n0, n1, out.stride(0), out.stride(1),
