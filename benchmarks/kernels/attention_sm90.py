@@ -52,7 +52,17 @@ def figures(kernel) -> str:
         out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+)", out)
     regs, stack = m.groups() if m else ("?", "?")
-    return f"{regs:>4} regs {stack:>4} B stack {kernel.metadata.shared // 1024:4d} KB shared"
+    return (f"{regs:>4} regs {stack:>4} B stack {kernel.metadata.shared // 1024:4d} KB shared "
+            f"{lowering(kernel.asm['ttgir'])}")
+
+
+def lowering(ttgir: str) -> str:
+    """How the dots and key loads lower: "wgmma yes" where a dot became Hopper's warp-group MMA
+    (`ttng.warp_group_dot`), "no" where it stayed mma v2; "cp.async yes" where a global load
+    goes to shared memory asynchronously (`ttg.async_copy_global_to_local`)."""
+    wgmma = "yes" if "ttng.warp_group_dot" in ttgir else "no"
+    cp_async = "yes" if "ttg.async_copy_global_to_local" in ttgir else "no"
+    return f"wgmma {wgmma:>3} cp.async {cp_async:>3}"
 
 
 def launches(name: str, knobs: dict) -> list[tuple[str, object, dict, int, int]]:

@@ -81,6 +81,7 @@ def test_dispatch_behind_switch(device, monkeypatch, name):
     monkeypatch.setattr(module, fn, lambda *a, **k: calls.append(k) or kernel(*a, **k))
     monkeypatch.setattr(triton_attention, "PREFILL_FROM", 4)
     monkeypatch.setattr(triton_attention, "LONG_FROM", 8)
+    monkeypatch.setattr(triton_attention, "LONG_MIN_TOKENS", 4)
     monkeypatch.setattr(shared, "SHARED_TILES", (2, 4, 16, 2, 4, 1))
     monkeypatch.setattr(two_pass, "SCORE_TILES", (2, 8, 16, 16, 4, 1))
     monkeypatch.setattr(two_pass, "VALUE_TILES", (2, 8, 16, 2, 4, 1))

@@ -19,13 +19,13 @@ def _block_rows(idx_ptr, start, hi, base, pitch, BLOCK_K: tl.constexpr, PAGED: t
     """Pool rows [BLOCK_K] int64 of slots [start, start + BLOCK_K) of one source (-1: unused).
     Dense: idx_ptr points at the token's index row. Paged: at its request's page-table row;
     slot k is item base + k, on row page[(base + k) // PER_PAGE] * pitch + (base + k) % PER_PAGE
-    (the caller bounds hi by the range's length)."""
+    (the caller bounds hi by the range's length; start may be past hi: every load masked)."""
     slots = start + tl.arange(0, BLOCK_K)
     if PAGED:   # rows in int32 (fewer registers): 2^31 pool rows would not fit in GPU memory
         e = base + slots                                                        # items
         if PER_PAGE >= BLOCK_K:     # the block spans at most two pages: two scalar loads
             p0 = (base + start) // PER_PAGE
-            page0 = tl.load(idx_ptr + p0).to(tl.int32)
+            page0 = tl.load(idx_ptr + p0, mask=start < hi, other=-1).to(tl.int32)
             page1 = tl.load(idx_ptr + p0 + 1, mask=(p0 + 1) * PER_PAGE < base + hi, other=-1).to(tl.int32)
             page = tl.where(e // PER_PAGE == p0, page0, page1)
         else:

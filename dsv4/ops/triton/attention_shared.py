@@ -59,8 +59,11 @@ def _walk(q_a, q_b, m, l, acc, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, t0, T
         first = tl.min(tl.where(member, lo, EMPTY), axis=0)
         last = tl.max(tl.where(member, end, 0), axis=0)
         page_row = pages_ptr + tl.load(req_ptr + t0 + j, mask=t0 + j < T, other=0).to(tl.int64) * stride_p
+        # the next block's rows are read one step ahead into registers (a plain load: the
+        # pipeliner then only stages the key rows, and never waits on a page read)
+        rows = _block_rows(page_row, first, last, 0, pitch, BLOCK_K, True, PER_PAGE)    # [BLOCK_K] items
         for start in range(first, last, BLOCK_K):
-            rows = _block_rows(page_row, start, last, 0, pitch, BLOCK_K, True, PER_PAGE)   # [BLOCK_K] items
+            rows_next = _block_rows(page_row, start + BLOCK_K, last, 0, pitch, BLOCK_K, True, PER_PAGE)
             key_ok = rows >= 0
             item = start + tl.arange(0, BLOCK_K)
             k_a = tl.load(kv_ptr + rows[:, None] * stride_kv + col_a[None, :],
@@ -83,6 +86,7 @@ def _walk(q_a, q_b, m, l, acc, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, t0, T
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
             acc = acc * alpha[:, None] + tl.dot(p.to(k_a.dtype), k_a, input_precision=prec)
+            rows = rows_next
     return m, l, acc
 
 
