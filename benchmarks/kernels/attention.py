@@ -26,8 +26,9 @@ against the bf16 peak: the O(E / 128) attention term of a deep prefill chunk.
     python -m benchmarks.kernels.attention --deep-hca --deep-short   # + chunks of 256-1024 tokens
 
 With `--deep-hca --variants` (or `--variants`), instead: the same chunk, the per-token kernel's
-default tile (LONG_TILES) against every entry of VARIANTS, the long-list kernels that
-`LONG_KERNEL` in dsv4/ops/triton/attention.py can pick (attention_shared.py, attention_two_pass.py),
+default tile (LONG_TILES) and the dispatch's default against every entry of VARIANTS, the
+long-list kernels that `LONG_KERNEL` in dsv4/ops/triton/attention.py can pick (attention_shared.py;
+attention_two_pass.py with `--two-pass`),
 each checked against the reference (max error printed) and timed; TFLOP/s count the model's
 FLOPs, not a variant's own. `--one-item` hands the history over as one-item pages, as the
 engine does (docs/architecture.md, "A step's addressing"). `--smoke` runs that table on a
@@ -36,7 +37,7 @@ interpreter on the CPU (checks only: its times mean nothing; ~15 s).
 `python -m benchmarks.kernels.attention_sm90` prints each variant's sm_90 registers, spills and
 shared memory without a GPU.
 
-    python -m benchmarks.kernels.attention --deep-hca --variants     # ~2 minutes, 19 compiles included
+    python -m benchmarks.kernels.attention --deep-hca --variants     # ~1.5 minutes, 8 compiles included
     python -m benchmarks.kernels.attention --smoke
 
 A third table times paged sources (PagedRows, dsv4/ops/paged.py) against their dense form on
@@ -85,29 +86,29 @@ DEEP_SHORT_SCAN = [(16, 32, 8, 2, None), (32, 128, 4, 2, None), (32, 128, 4, 2, 
 TUNE_CASES = [("decode", 1), ("decode", 64), ("prefill", 4096)]
 LAYERS, SWA_PAGE, HCA_PAGE, HCA_RATIO, DECODE_POS = 4, 128, 2, 128, 65536
 # `--deep-hca --variants` / `--variants`: (name, knobs) against the per-token kernel, sm_90 (Triton
-# 3.6) registers / shared memory in the comments (`attention_sm90`; no spills unless said). 19 compiles in all (a two-pass variant's scores kernel compiles once per source's
-# page size), a few seconds each: the table takes about 2 minutes of the device.
+# 3.6) registers, bytes spilled a thread and shared memory in the comments (`attention_sm90`: every
+# dot a wgmma, keys by cp.async). 8 compiles, a few seconds each: the table takes about 1.5 minutes.
 # "shared": tokens x heads a program over the union of their ranges, the output channels split in
-# d_parts (dsv4/ops/triton/attention_shared.py): (block_t, h_block, block_k, d_parts, warps, stages)
-# "2pass": scores into a bf16 probability buffer, then values (attention_two_pass.py): pass 1
-# (block_t, h_block, block_n, block_d, warps, stages), pass 2 (block_t, h_block, block_n, d_parts,
-# warps, stages), tokens a pass
+# d_parts (dsv4/ops/triton/attention_shared.py): (block_t, h_block, block_k, d_parts, warps, stages,
+# q_regs)
+# "2pass" (only with `--two-pass`: its buffers are too large for the engine): scores into a bf16
+# probability buffer, then values (attention_two_pass.py): pass 1 (block_t, h_block, block_n,
+# block_d, warps, stages), pass 2 (block_t, h_block, block_n, d_parts, warps, stages), tokens a pass
 VARIANT_FNS = {"shared": shared.shared_attention, "2pass": two_pass.two_pass_attention}
-VARIANTS = [("shared", dict(block_t=bt, h_block=hb, block_k=bk, d_parts=dp, num_warps=nw, num_stages=ns))
-            for bt, hb, bk, dp, nw, ns in [
-                (2, 64, 32, 2, 8, 2),       # 255 regs, 192 KB: M = 128 rows, acc [128, 256] (SHARED_TILES)
-                (2, 64, 32, 2, 8, 3),       # 254, 224 KB
-                (2, 64, 16, 2, 8, 4),       # 245, 192 KB
-                (1, 64, 32, 2, 8, 2),       # 219, 128 KB: M = 64, acc [64, 256] over 2 warp groups
-                (2, 32, 32, 2, 8, 2),       # 198, 128 KB: M = 64 (2 tokens x 32 heads)
-            ]] + [("2pass", dict(score_tiles=a, value_tiles=b, tokens_per_pass=n)) for a, b, n in [
-                ((2, 64, 128, 64, 8, 3), (2, 64, 64, 2, 8, 3), 512),     # 255, 96 KB; 255, 81 KB (the defaults)
-                ((2, 64, 128, 64, 8, 3), (2, 64, 64, 2, 8, 3), 2048),    # one pass: a 1.9 GB buffer
-                ((2, 64, 128, 64, 8, 4), (2, 64, 64, 2, 8, 2), 512),     # 255, 128 KB; 255 + 16 B spilled, 81 KB
-                ((1, 64, 256, 64, 8, 3), (1, 64, 64, 2, 8, 3), 512),     # 218, 120 KB; 211, 80 KB
-                ((2, 64, 128, 64, 8, 3), (1, 64, 64, 1, 8, 3), 512),     # values acc [64, 512]: 255, 144 KB
-                ((1, 64, 128, 64, 4, 3), (2, 64, 32, 2, 8, 4), 512),     # 217, 72 KB (2 an SM); 255, 41 KB
+VARIANTS = [("shared", dict(block_t=bt, h_block=hb, block_k=bk, d_parts=dp, num_warps=nw, num_stages=ns, q_regs=qr))
+            for bt, hb, bk, dp, nw, ns, qr in [
+                (2, 64, 32, 2, 8, 3, False),    # 255 regs, 0 B, 224 KB: M = 128 rows, acc [128, 256] (SHARED_TILES)
+                (2, 64, 32, 2, 8, 3, True),     # 255, 104 B, 224 KB: q's own channels in registers
+                (2, 64, 32, 2, 8, 2, False),    # 255, 24 B, 192 KB
+                (2, 64, 16, 2, 8, 4, False),    # 244, 0 B, 192 KB
+                (2, 64, 16, 2, 8, 6, False),    # 249, 0 B, 224 KB
+                (1, 64, 64, 1, 8, 2, False),    # 255, 424 B, 192 KB: M = 64 (one token), acc [64, 512]
+                (1, 64, 32, 1, 8, 4, False),    # 255, 136 B, 192 KB
             ]]
+TWO_PASS_VARIANTS = [("2pass", dict(score_tiles=a, value_tiles=b, tokens_per_pass=n)) for a, b, n in [
+    ((2, 64, 128, 64, 8, 3), (2, 64, 64, 2, 8, 3), 512),     # 255, 96 KB; 255, 81 KB (the defaults)
+    ((1, 64, 128, 64, 4, 3), (2, 64, 32, 2, 8, 4), 512),     # 217, 72 KB (2 an SM); 255, 41 KB
+]]
 
 
 def make_case(kind, T, gen):
@@ -249,12 +250,7 @@ def variants_table(gen, scale, tokens: int, pos0: int, heads: int = H, dim: int 
           f"{flops / 1e12:.3g} TFLOP; variants against the per-token kernel's default tile")
     print(f"{'variant':>8} {'knobs':>52} {'ms':>9} {'TFLOP/s':>8} {'%peak':>6} {'speedup':>7} {'max err':>8}")
     failures, base = 0, None
-    for name, knobs in [("per-tok", None)] + VARIANTS:
-        fn = ((lambda: tri.sparse_attention(q, sources, sinks, scale)) if knobs is None else
-              (lambda k=knobs, f=VARIANT_FNS[name]: f(q, sources, sinks, scale, **k)))
-        label = " ".join(str(v).replace(" ", "") for v in (
-            [tri._default_tiles(q, sum(i.width for _, i in sources), [kv for kv, _ in sources])]
-            if knobs is None else knobs.values()))
+    for name, label, fn in candidates(q, sources, sinks, scale):
         try:
             out = fn().float()
             err = (out - want).abs()
@@ -271,6 +267,20 @@ def variants_table(gen, scale, tokens: int, pos0: int, heads: int = H, dim: int 
             print(f"{name:>8} {label:>52}  failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
             failures += knobs is None
     return failures
+
+
+def candidates(q, sources, sinks, scale) -> list[tuple[str, str, object]]:
+    """(name, knobs label, call) of --variants: the per-token kernel at its default tile for these
+    inputs (LONG_TILES at 900k), the dispatch's default (`LONG_KERNEL`'s kernel where it is set),
+    then VARIANTS (and TWO_PASS_VARIANTS with --two-pass)."""
+    tiles = tri._default_tiles(q, sum(i.width for _, i in sources), [kv for kv, _ in sources])
+    per_token = dict(zip(("h_block", "block_k", "num_warps", "num_stages"), tiles))
+    rows = [("per-tok", str(tiles).replace(" ", ""), lambda: tri.sparse_attention(q, sources, sinks, scale, **per_token)),
+            ("default", f"LONG_KERNEL={tri.LONG_KERNEL}", lambda: tri.sparse_attention(q, sources, sinks, scale))]
+    for name, knobs in VARIANTS + (TWO_PASS_VARIANTS if "--two-pass" in sys.argv[1:] else []):
+        rows.append((name, " ".join(str(v).replace(" ", "") for v in knobs.values()),
+                     lambda k=knobs, f=VARIANT_FNS[name]: f(q, sources, sinks, scale, **k)))
+    return rows
 
 
 def kernel_split(fn) -> str:

@@ -80,7 +80,8 @@ def launches(name: str, knobs: dict) -> list[tuple[str, object, dict, int, int]]
         dv = D // k["d_parts"]
         return [("shared", shared._shared_attn_kernel, dict(
             D=D, DV=dv, BLOCK_DV=dv, BLOCK_T=k["block_t"], H_BLOCK=k["h_block"], BLOCK_K=k["block_k"],
-            D_PARTS=k["d_parts"], TWO=True, FP32_DOT=False, **PAGES), k["num_warps"], k["num_stages"])]
+            D_PARTS=k["d_parts"], TWO=True, FP32_DOT=False, Q_REGS=k["q_regs"], **PAGES),
+                 k["num_warps"], k["num_stages"])]
     (bt, hb, bn, bd, nwa, nsa), (btb, hbb, bnb, dp, nwb, nsb) = knobs["score_tiles"], knobs["value_tiles"]
     return [("scores", two_pass._scores_kernel, dict(D=D, BLOCK_T=bt, H_BLOCK=hb, BLOCK_N=bn, BLOCK_D=bd,
                                                      PER_PAGE=2, FP32_DOT=False), nwa, nsa),
@@ -90,9 +91,9 @@ def launches(name: str, knobs: dict) -> list[tuple[str, object, dict, int, int]]
 
 
 def main() -> int:
-    from benchmarks.kernels.attention import VARIANTS
+    from benchmarks.kernels.attention import TWO_PASS_VARIANTS, VARIANTS
     failures = 0
-    for name, knobs in [("per-tok", None)] + VARIANTS:
+    for name, knobs in [("per-tok", None)] + VARIANTS + TWO_PASS_VARIANTS:
         tag = "LONG_TILES" if knobs is None else " ".join(str(v).replace(" ", "") for v in knobs.values())
         for label, fn, consts, warps, stages in launches(name, knobs):
             try:

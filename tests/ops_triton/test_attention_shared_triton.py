@@ -22,12 +22,14 @@ def check(q, sources, sinks, **knobs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_t, h_block, d_parts", [(1, 16, 1), (2, 8, 2), (4, 8, 1), (4, 4, 2)])
-def test_mixed_requests(device, dtype, block_t, h_block, d_parts):
+@pytest.mark.parametrize("block_t, h_block, d_parts, q_regs", [(1, 16, 1, False), (2, 8, 2, True), (4, 8, 1, True),
+                                                               (4, 4, 2, False)])
+def test_mixed_requests(device, dtype, block_t, h_block, d_parts, q_regs):
     """Tokens of 3 requests in any order: every block's groups walk their own page rows; a
-    partial last token block (13 tokens); rows with no valid key get 0 (all weight on the sink)."""
+    partial last token block (13 tokens); rows with no valid key get 0 (all weight on the sink);
+    q's own channels in registers or shared memory."""
     q, sources, sinks = random_inputs(device, 13, 8, dtype)
-    check(q, sources, sinks, block_t=block_t, h_block=h_block, block_k=16, d_parts=d_parts)
+    check(q, sources, sinks, block_t=block_t, h_block=h_block, block_k=16, d_parts=d_parts, q_regs=q_regs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -72,9 +74,10 @@ def test_supports():
 @pytest.mark.parametrize("name", ["shared", "two_pass"])
 def test_dispatch_behind_switch(device, monkeypatch, name):
     """triton.attention.sparse_attention takes LONG_KERNEL's kernel for a long prefill only when
-    it is set (None by default), for PagedRows sources, and gives the reference's result."""
+    it is set ("shared" by default), for PagedRows sources, and gives the reference's result."""
     from dsv4.ops.triton import attention_two_pass as two_pass
-    assert triton_attention.LONG_KERNEL is None
+    assert triton_attention.LONG_KERNEL == "shared"
+    monkeypatch.setattr(triton_attention, "LONG_KERNEL", None)
     module, fn = {"shared": (shared, "shared_attention"), "two_pass": (two_pass, "two_pass_attention")}[name]
     calls = []
     kernel = getattr(module, fn)
@@ -82,7 +85,7 @@ def test_dispatch_behind_switch(device, monkeypatch, name):
     monkeypatch.setattr(triton_attention, "PREFILL_FROM", 4)
     monkeypatch.setattr(triton_attention, "LONG_FROM", 8)
     monkeypatch.setattr(triton_attention, "LONG_MIN_TOKENS", 4)
-    monkeypatch.setattr(shared, "SHARED_TILES", (2, 4, 16, 2, 4, 1))
+    monkeypatch.setattr(shared, "SHARED_TILES", (2, 4, 16, 2, 4, 1, True))
     monkeypatch.setattr(two_pass, "SCORE_TILES", (2, 8, 16, 16, 4, 1))
     monkeypatch.setattr(two_pass, "VALUE_TILES", (2, 8, 16, 2, 4, 1))
     q, sources, sinks = chunk_inputs(device, 12, 4, torch.bfloat16, 100)

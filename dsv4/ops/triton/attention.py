@@ -336,12 +336,14 @@ PREFILL_TILES, DECODE_TILES, PREFILL_FROM = (64, 64, 8, 2), (16, 32, 8, 2), 1024
 # 1.3 against 4.2 ms with the decode tile (`python -m benchmarks.kernels.attention --deep-hca
 # --deep-short`, H200)
 LONG_TILES, LONG_FROM, LONG_MIN_TOKENS = (32, 128, 4, 2), 2048, 256
-# Where LONG_TILES would run and every source is a PagedRows, another kernel may take the step:
-# "shared" (attention_shared.py: tokens x heads a program over the union of their ranges, the
-# output channels split) or "two_pass" (attention_two_pass.py: scores into a probability buffer,
-# then values). None (the per-token kernel) until `python -m benchmarks.kernels.attention
-# --variants` on the H200 says one is faster; each runs its module's default tiles.
-LONG_KERNEL: str | None = None
+# Where LONG_TILES would run (bf16 pools: packed FP8 ones keep this file's kernel) and every source
+# is a PagedRows, another kernel takes the step: "shared" (attention_shared.py: 2 tokens x 64 heads
+# a program over the union of their ranges, the output channels split, every dot a Hopper wgmma,
+# the keys by cp.async; 9.17 against 9.82 ms on the H200 before its key rows were read a step
+# ahead) or "two_pass" (attention_two_pass.py: scores into a probability buffer, then values; its
+# buffers are too large for the engine). None: this file's per-token kernel. Each runs its
+# module's default tiles; `python -m benchmarks.kernels.attention --variants` times them.
+LONG_KERNEL: str | None = "shared"
 MERGE_BLOCK_D = 64              # channels per program of the split merge (D = 512: 8 programs a head block)
 
 

@@ -28,11 +28,12 @@ import triton.language as tl
 from ..paged import PagedRows
 from .attention_rows import INTERPRETING, LOG2E, _block_rows
 
-# (block_t, h_block, block_k, d_parts, num_warps, num_stages): 2 tokens x 64 heads = 128 rows,
-# acc [128, 256] fp32, 32 keys a step (sm_90, Triton 3.6: 255 registers, no spills, 192 KB of
-# shared memory). A guess, unmeasured on the H200 when written: `python -m
-# benchmarks.kernels.attention --variants` times others.
-SHARED_TILES = (2, 64, 32, 2, 8, 2)
+# (block_t, h_block, block_k, d_parts, num_warps, num_stages, q_regs): 2 tokens x 64 heads = 128
+# rows, acc [128, 256] fp32, 32 keys a step, 3 stages of key blocks in flight (sm_90, Triton 3.6:
+# every dot a wgmma, the keys by cp.async; 255 registers, no spills, 224 KB of shared memory;
+# 9.17 ms on the H200 before the rows were read a step ahead). `python -m
+# benchmarks.kernels.attention --variants` times the others.
+SHARED_TILES = (2, 64, 32, 2, 8, 3, False)
 EMPTY = tl.constexpr(2**30)     # a group's range start when it has no row (an empty walk)
 
 
@@ -122,7 +123,7 @@ def _shared_attn_kernel(
         stride_kv0, stride_p0, pitch0, stride_kv1, stride_p1, pitch1,
         D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
         H_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, D_PARTS: tl.constexpr, TWO: tl.constexpr,
-        PER_PAGE0: tl.constexpr, PER_PAGE1: tl.constexpr, FP32_DOT: tl.constexpr):
+        PER_PAGE0: tl.constexpr, PER_PAGE1: tl.constexpr, FP32_DOT: tl.constexpr, Q_REGS: tl.constexpr):
     pid = tl.program_id(0)          # parts, then head blocks of one token block adjacent (L2 reuse)
     part = pid % D_PARTS
     t0, row_tok, heads, row_ok = _tile_rows(T, H, BLOCK_T, H_BLOCK, pid // D_PARTS)
@@ -136,6 +137,8 @@ def _shared_attn_kernel(
     q_b = tl.load(q_row + col_b[None, :], mask=row_ok[:, None] & cb_ok[None, :], other=0.0)
     if FP32_DOT:
         q_a, q_b = q_a.to(tl.float32), q_b.to(tl.float32)
+    if Q_REGS:      # times a runtime 1 (T >= 1 in every launch): no longer a load, so the scores'
+        q_a = q_a * (T > 0).to(q_a.dtype)   # wgmma reads q_a from registers, not shared memory
     sink = tl.load(sink_ptr + heads, mask=row_ok, other=0.0).to(tl.float32) * LOG2E
     m = sink                                                 # [M] running max (log2 units), >= sink
     l = tl.zeros([BLOCK_T * H_BLOCK], dtype=tl.float32)
@@ -178,20 +181,22 @@ def paged_args(kv: torch.Tensor, idx: PagedRows) -> tuple:
 def shared_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedRows]], sinks: torch.Tensor,
                      scale: float, *, block_t: int | None = None, h_block: int | None = None,
                      block_k: int | None = None, d_parts: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None) -> torch.Tensor:
+                     num_stages: int | None = None, q_regs: bool | None = None) -> torch.Tensor:
     """q [T, H, D]; sources [(kv [N, D], PagedRows)] (one or two); sinks [H] -> out [T, H, D]
     in q's dtype, as `dsv4.ops.attention.sparse_attention`. Keyword arguments are tile knobs
-    (None: SHARED_TILES'; fp32, checks only, runs 16-row tiles: 2 tokens x 8 heads, 16 keys).
+    (None: SHARED_TILES'; fp32, checks only, runs 16-row tiles: 2 tokens x 8 heads, 16 keys);
+    q_regs holds this program's q channels in registers (the scores' A operand) instead of
+    shared memory.
     No host sync (CUDA graphs)."""
     assert supports_shared(q, sources, sinks), "shared_attention (triton): unsupported inputs"
     T, H, D = q.shape
     out = torch.empty_like(q)
     if T == 0:
         return out
-    defaults = SHARED_TILES if q.dtype != torch.float32 else (2, 8, 16, 2, 4, 1)
-    block_t, h_block, block_k, d_parts, num_warps, num_stages = (
-        g if g is not None else d for g, d in zip((block_t, h_block, block_k, d_parts, num_warps, num_stages),
-                                                  defaults))
+    defaults = SHARED_TILES if q.dtype != torch.float32 else (2, 8, 16, 2, 4, 1, False)
+    block_t, h_block, block_k, d_parts, num_warps, num_stages, q_regs = (
+        g if g is not None else d for g, d in zip((block_t, h_block, block_k, d_parts, num_warps, num_stages,
+                                                   q_regs), defaults))
     assert d_parts in (1, 2) and D % d_parts == 0, "shared_attention: d_parts is 1 or 2 and divides D"
     assert block_k >= 16, "shared_attention: block_k >= 16"
     h_block = tile_heads(block_t, h_block, H)
@@ -208,6 +213,6 @@ def shared_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedRow
         kv0.stride(0), pages0.stride(0), idx0.pitch, kv1.stride(0), pages1.stride(0), idx1.pitch,
         D=D, DV=dv, BLOCK_DV=triton.next_power_of_2(dv), BLOCK_T=block_t, H_BLOCK=h_block, BLOCK_K=block_k,
         D_PARTS=d_parts, TWO=len(sources) == 2, PER_PAGE0=idx0.per_page, PER_PAGE1=idx1.per_page,
-        FP32_DOT=q.dtype == torch.float32 or INTERPRETING,
+        FP32_DOT=q.dtype == torch.float32 or INTERPRETING, Q_REGS=bool(q_regs),
         num_warps=num_warps, num_stages=num_stages)
     return out
