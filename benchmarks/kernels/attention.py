@@ -37,7 +37,7 @@ interpreter on the CPU (checks only: its times mean nothing; ~15 s).
 `python -m benchmarks.kernels.attention_sm90` prints each variant's sm_90 registers, spills and
 shared memory without a GPU.
 
-    python -m benchmarks.kernels.attention --deep-hca --variants     # ~1.5 minutes, 8 compiles included
+    python -m benchmarks.kernels.attention --deep-hca --variants     # ~1.5 minutes, 7 compiles included
     python -m benchmarks.kernels.attention --smoke
 
 A third table times paged sources (PagedRows, dsv4/ops/paged.py) against their dense form on
@@ -87,24 +87,22 @@ TUNE_CASES = [("decode", 1), ("decode", 64), ("prefill", 4096)]
 LAYERS, SWA_PAGE, HCA_PAGE, HCA_RATIO, DECODE_POS = 4, 128, 2, 128, 65536
 # `--deep-hca --variants` / `--variants`: (name, knobs) against the per-token kernel, sm_90 (Triton
 # 3.6) registers, bytes spilled a thread and shared memory in the comments (`attention_sm90`: every
-# dot a wgmma, keys by cp.async). 8 compiles, a few seconds each: the table takes about 1.5 minutes.
+# dot a wgmma, keys by cp.async). 7 compiles, a few seconds each: the table takes about 1.5 minutes.
 # "shared": tokens x heads a program over the union of their ranges, the output channels split in
-# d_parts (dsv4/ops/triton/attention_shared.py): (block_t, h_block, block_k, d_parts, warps, stages,
-# q_regs)
+# d_parts (dsv4/ops/triton/attention_shared.py): a SharedTiles (block_t, h_block, block_k, d_parts,
+# warps, stages, q_regs, lazy)
 # "2pass" (only with `--two-pass`: its buffers are too large for the engine): scores into a bf16
 # probability buffer, then values (attention_two_pass.py): pass 1 (block_t, h_block, block_n,
 # block_d, warps, stages), pass 2 (block_t, h_block, block_n, d_parts, warps, stages), tokens a pass
 VARIANT_FNS = {"shared": shared.shared_attention, "2pass": two_pass.two_pass_attention}
-VARIANTS = [("shared", dict(block_t=bt, h_block=hb, block_k=bk, d_parts=dp, num_warps=nw, num_stages=ns, q_regs=qr))
-            for bt, hb, bk, dp, nw, ns, qr in [
-                (2, 64, 32, 2, 8, 3, False),    # 255 regs, 0 B, 224 KB: M = 128 rows, acc [128, 256] (SHARED_TILES)
-                (2, 64, 32, 2, 8, 3, True),     # 255, 104 B, 224 KB: q's own channels in registers
-                (2, 64, 32, 2, 8, 2, False),    # 255, 24 B, 192 KB
-                (2, 64, 16, 2, 8, 4, False),    # 244, 0 B, 192 KB
-                (2, 64, 16, 2, 8, 6, False),    # 249, 0 B, 224 KB
-                (1, 64, 64, 1, 8, 2, False),    # 255, 424 B, 192 KB: M = 64 (one token), acc [64, 512]
-                (1, 64, 32, 1, 8, 4, False),    # 255, 136 B, 192 KB
-            ]]
+VARIANTS = [("shared", shared.SharedTiles(*tiles)._asdict()) for tiles in [
+    (2, 64, 32, 2, 8, 3, False, True),      # 255 regs, 16 B, 224 KB: M = 128 rows, acc [128, 256] (SHARED_TILES)
+    (2, 64, 32, 2, 8, 3, False, False),     # 255, 0 B, 224 KB: eager rescaling
+    (2, 64, 32, 2, 8, 3, True, True),       # q's own channels in registers
+    (2, 64, 16, 2, 8, 6, False, True),      # 16 keys a step, 5 blocks in flight
+    (1, 64, 64, 1, 8, 2, False, True),      # M = 64 (one token), acc [64, 512] over 2 warp groups
+    (1, 64, 32, 1, 8, 4, False, True),
+]]
 TWO_PASS_VARIANTS = [("2pass", dict(score_tiles=a, value_tiles=b, tokens_per_pass=n)) for a, b, n in [
     ((2, 64, 128, 64, 8, 3), (2, 64, 64, 2, 8, 3), 512),     # 255, 96 KB; 255, 81 KB (the defaults)
     ((1, 64, 128, 64, 4, 3), (2, 64, 32, 2, 8, 4), 512),     # 217, 72 KB (2 an SM); 255, 41 KB

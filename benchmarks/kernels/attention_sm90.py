@@ -80,7 +80,7 @@ def launches(name: str, knobs: dict) -> list[tuple[str, object, dict, int, int]]
         dv = D // k["d_parts"]
         return [("shared", shared._shared_attn_kernel, dict(
             D=D, DV=dv, BLOCK_DV=dv, BLOCK_T=k["block_t"], H_BLOCK=k["h_block"], BLOCK_K=k["block_k"],
-            D_PARTS=k["d_parts"], TWO=True, FP32_DOT=False, Q_REGS=k["q_regs"], **PAGES),
+            D_PARTS=k["d_parts"], TWO=True, FP32_DOT=False, Q_REGS=k["q_regs"], LAZY=k["lazy"], **PAGES),
                  k["num_warps"], k["num_stages"])]
     (bt, hb, bn, bd, nwa, nsa), (btb, hbb, bnb, dp, nwb, nsb) = knobs["score_tiles"], knobs["value_tiles"]
     return [("scores", two_pass._scores_kernel, dict(D=D, BLOCK_T=bt, H_BLOCK=hb, BLOCK_N=bn, BLOCK_D=bd,

@@ -22,14 +22,15 @@ def check(q, sources, sinks, **knobs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_t, h_block, d_parts, q_regs", [(1, 16, 1, False), (2, 8, 2, True), (4, 8, 1, True),
-                                                               (4, 4, 2, False)])
-def test_mixed_requests(device, dtype, block_t, h_block, d_parts, q_regs):
+@pytest.mark.parametrize("block_t, h_block, d_parts, q_regs, lazy", [
+    (1, 16, 1, False, True), (2, 8, 2, True, False), (4, 8, 1, True, True), (4, 4, 2, False, False)])
+def test_mixed_requests(device, dtype, block_t, h_block, d_parts, q_regs, lazy):
     """Tokens of 3 requests in any order: every block's groups walk their own page rows; a
     partial last token block (13 tokens); rows with no valid key get 0 (all weight on the sink);
-    q's own channels in registers or shared memory."""
+    q's own channels in registers or shared memory; lazy or eager rescaling."""
     q, sources, sinks = random_inputs(device, 13, 8, dtype)
-    check(q, sources, sinks, block_t=block_t, h_block=h_block, block_k=16, d_parts=d_parts, q_regs=q_regs)
+    check(q, sources, sinks, block_t=block_t, h_block=h_block, block_k=16, d_parts=d_parts, q_regs=q_regs,
+          lazy=lazy)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -62,6 +63,23 @@ def test_large_logits_and_sinks(device):
     check(30 * q, sources, sinks, block_t=2, h_block=8, d_parts=2)
 
 
+@pytest.mark.parametrize("lazy", [True, False])
+def test_rising_scores(device, lazy):
+    """Scores rising along the history walk, ~0.33 (log2 units) an entry over ~600 entries (~5 a
+    16-key block, 200 in all: past exp2's range without rescaling): the lazy walk keeps m behind
+    the max by less than SLACK = 8 for a block, then rescales; both give the reference's result."""
+    q, sources, sinks = chunk_inputs(device, 6, 4, torch.float32, 2400)
+    kv, idx = sources[1]
+    rows = idx.dense()[-1]                                      # the last token's entries, in item order
+    rows = rows[rows >= 0]
+    direction = torch.randn(D, generator=torch.Generator().manual_seed(1)).to(device)
+    kv = kv.clone()
+    kv[rows] = direction * torch.linspace(0.0, 1.0, len(rows), device=device)[:, None]
+    # q.k x scale x log2(e) from 0 to 200 along the entries
+    q = (direction * 200 / (direction @ direction) ** 0.5 / (D ** -0.5 * 1.4427)).expand_as(q).contiguous()
+    check(q, [sources[0], (kv, idx)], sinks, block_t=2, h_block=4, block_k=16, lazy=lazy)
+
+
 def test_supports():
     """Only PagedRows sources over pools of q's dtype and width."""
     q, sources, sinks = random_inputs("cpu", 5, 4, torch.float32)
@@ -85,7 +103,7 @@ def test_dispatch_behind_switch(device, monkeypatch, name):
     monkeypatch.setattr(triton_attention, "PREFILL_FROM", 4)
     monkeypatch.setattr(triton_attention, "LONG_FROM", 8)
     monkeypatch.setattr(triton_attention, "LONG_MIN_TOKENS", 4)
-    monkeypatch.setattr(shared, "SHARED_TILES", (2, 4, 16, 2, 4, 1, True))
+    monkeypatch.setattr(shared, "SHARED_TILES", shared.SharedTiles(2, 4, 16, 2, 4, 1, q_regs=True, lazy=False))
     monkeypatch.setattr(two_pass, "SCORE_TILES", (2, 8, 16, 16, 4, 1))
     monkeypatch.setattr(two_pass, "VALUE_TILES", (2, 8, 16, 2, 4, 1))
     q, sources, sinks = chunk_inputs(device, 12, 4, torch.bfloat16, 100)

@@ -18,8 +18,18 @@ the registers) and computes the full S = q k^T over all D channels itself (as it
 plus the other half's: 1.5x the FLOPs of one program). K = V: the same rows give both dots.
 The sink joins the denominator only (m starts at the sink: always finite; a row with no valid
 key gets 0). One program does every slot (no split: the programs are many at chunk sizes).
+With `lazy`, m moves (and acc, l are rescaled) only when some row's block max exceeds it by more
+than SLACK: otherwise p = exp2(s - m) <= 2^SLACK, exact in fp32 and bf16, and a step skips the
+[M, BLOCK_DV] multiply (a fifth of its instructions on sm_90).
+
+On sm_90 (Triton 3.6) every dot is a wgmma: q (loop-invariant) in shared memory, the key rows
+gathered into shared memory by cp.async, num_stages - 1 blocks in flight. The next block's pool
+rows are read from the page table one step ahead into registers: read inside the step, the page
+gather became a copy of its own that every step waited for with the keys (no pipelining).
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -28,20 +38,37 @@ import triton.language as tl
 from ..paged import PagedRows
 from .attention_rows import INTERPRETING, LOG2E, _block_rows
 
-# (block_t, h_block, block_k, d_parts, num_warps, num_stages, q_regs): 2 tokens x 64 heads = 128
-# rows, acc [128, 256] fp32, 32 keys a step, 3 stages of key blocks in flight (sm_90, Triton 3.6:
-# every dot a wgmma, the keys by cp.async; 255 registers, no spills, 224 KB of shared memory;
-# 9.17 ms on the H200 before the rows were read a step ahead). `python -m
-# benchmarks.kernels.attention --variants` times the others.
-SHARED_TILES = (2, 64, 32, 2, 8, 3, False)
+class SharedTiles(NamedTuple):
+    """A tile of the kernel: block_t tokens x h_block heads a program (the M rows of its dots),
+    block_k keys a step, the output channels in d_parts programs, num_warps, num_stages (key
+    blocks in flight); q_regs: this program's q channels in registers (the scores' A operand)
+    instead of shared memory; lazy: rescale acc only when a row's max rises past m + SLACK."""
+    block_t: int
+    h_block: int
+    block_k: int
+    d_parts: int
+    num_warps: int
+    num_stages: int
+    q_regs: bool
+    lazy: bool
+
+
+# 2 tokens x 64 heads = 128 rows, acc [128, 256] fp32, 32 keys a step, 3 stages (sm_90, Triton
+# 3.6: every dot a wgmma, the keys by cp.async; 255 registers, 16 B spilled outside the key loop,
+# 224 KB of shared memory; the eager-rescale form ran 9.17 ms on the H200 before the rows were
+# read a step ahead). `python -m benchmarks.kernels.attention --variants` times the others.
+SHARED_TILES = SharedTiles(2, 64, 32, 2, 8, 3, q_regs=False, lazy=True)
+# fp32 (checks only): 16-row tiles, 2 tokens x 8 heads, 16 keys
+CHECK_TILES = SharedTiles(2, 8, 16, 2, 4, 1, q_regs=False, lazy=True)
 EMPTY = tl.constexpr(2**30)     # a group's range start when it has no row (an empty walk)
+SLACK = tl.constexpr(8.0)       # lazy rescaling: a row's m trails its max by <= 8 (log2 units)
 
 
 @triton.jit
 def _walk(q_a, q_b, m, l, acc, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, t0, T, W, stride_kv,
           stride_p, pitch, qk_scale, row_tok, row_ok, col_a, col_b, ca_ok, cb_ok,
           BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, PER_PAGE: tl.constexpr, D_PARTS: tl.constexpr,
-          FP32_DOT: tl.constexpr):
+          FP32_DOT: tl.constexpr, LAZY: tl.constexpr):
     """One source's keys for the program's rows: q_a [M, BLOCK_DV] (the program's channels
     col_a), q_b (the other part's channels col_b; unused when D_PARTS = 1); running m, l [M]
     (log2 units) and acc [M, BLOCK_DV] fp32 -> (m, l, acc)."""
@@ -81,12 +108,24 @@ def _walk(q_a, q_b, m, l, acc, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, t0, T
             valid = (member[:, None] & key_ok[None, :] & (item[None, :] >= lo[:, None])
                      & (item[None, :] < end[:, None]))
             s = tl.where(valid, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])                                         # masked: 0
-            l = l * alpha + tl.sum(p, axis=1)
-            m = m_new
-            acc = acc * alpha[:, None] + tl.dot(p.to(k_a.dtype), k_a, input_precision=prec)
+            m_blk = tl.max(s, axis=1)
+            if LAZY:    # rescale only when some row's max rose past m + SLACK: else p <= 2^SLACK
+                if tl.max(m_blk - m, axis=0) > SLACK:
+                    m_new = tl.maximum(m, m_blk)
+                    alpha = tl.exp2(m - m_new)
+                    l = l * alpha
+                    acc = acc * alpha[:, None]
+                    m = m_new
+                p = tl.exp2(s - m[:, None])                                         # masked: 0
+                l = l + tl.sum(p, axis=1)
+                acc = tl.dot(p.to(k_a.dtype), k_a, acc=acc, input_precision=prec)
+            else:
+                m_new = tl.maximum(m, m_blk)
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new[:, None])                                     # masked: 0
+                l = l * alpha + tl.sum(p, axis=1)
+                m = m_new
+                acc = acc * alpha[:, None] + tl.dot(p.to(k_a.dtype), k_a, input_precision=prec)
             rows = rows_next
     return m, l, acc
 
@@ -123,7 +162,8 @@ def _shared_attn_kernel(
         stride_kv0, stride_p0, pitch0, stride_kv1, stride_p1, pitch1,
         D: tl.constexpr, DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_T: tl.constexpr,
         H_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, D_PARTS: tl.constexpr, TWO: tl.constexpr,
-        PER_PAGE0: tl.constexpr, PER_PAGE1: tl.constexpr, FP32_DOT: tl.constexpr, Q_REGS: tl.constexpr):
+        PER_PAGE0: tl.constexpr, PER_PAGE1: tl.constexpr, FP32_DOT: tl.constexpr, Q_REGS: tl.constexpr,
+        LAZY: tl.constexpr):
     pid = tl.program_id(0)          # parts, then head blocks of one token block adjacent (L2 reuse)
     part = pid % D_PARTS
     t0, row_tok, heads, row_ok = _tile_rows(T, H, BLOCK_T, H_BLOCK, pid // D_PARTS)
@@ -145,11 +185,11 @@ def _shared_attn_kernel(
     acc = tl.zeros([BLOCK_T * H_BLOCK, BLOCK_DV], dtype=tl.float32)
     m, l, acc = _walk(q_a, q_b, m, l, acc, kv0_ptr, pages0_ptr, req0_ptr, lo0_ptr, hi0_ptr, t0, T, W0,
                       stride_kv0, stride_p0, pitch0, qk_scale, row_tok, row_ok, col_a, col_b, ca_ok, cb_ok,
-                      BLOCK_T, BLOCK_K, PER_PAGE0, D_PARTS, FP32_DOT)
+                      BLOCK_T, BLOCK_K, PER_PAGE0, D_PARTS, FP32_DOT, LAZY)
     if TWO:
         m, l, acc = _walk(q_a, q_b, m, l, acc, kv1_ptr, pages1_ptr, req1_ptr, lo1_ptr, hi1_ptr, t0, T, W1,
                           stride_kv1, stride_p1, pitch1, qk_scale, row_tok, row_ok, col_a, col_b, ca_ok, cb_ok,
-                          BLOCK_T, BLOCK_K, PER_PAGE1, D_PARTS, FP32_DOT)
+                          BLOCK_T, BLOCK_K, PER_PAGE1, D_PARTS, FP32_DOT, LAZY)
     _store_rows(out_ptr, acc, m, l, sink, t0, row_tok, heads, row_ok, col_a, ca_ok, stride_ot, stride_oh)
 
 
@@ -179,24 +219,18 @@ def paged_args(kv: torch.Tensor, idx: PagedRows) -> tuple:
 
 
 def shared_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedRows]], sinks: torch.Tensor,
-                     scale: float, *, block_t: int | None = None, h_block: int | None = None,
-                     block_k: int | None = None, d_parts: int | None = None, num_warps: int | None = None,
-                     num_stages: int | None = None, q_regs: bool | None = None) -> torch.Tensor:
+                     scale: float, **knobs) -> torch.Tensor:
     """q [T, H, D]; sources [(kv [N, D], PagedRows)] (one or two); sinks [H] -> out [T, H, D]
-    in q's dtype, as `dsv4.ops.attention.sparse_attention`. Keyword arguments are tile knobs
-    (None: SHARED_TILES'; fp32, checks only, runs 16-row tiles: 2 tokens x 8 heads, 16 keys);
-    q_regs holds this program's q channels in registers (the scores' A operand) instead of
-    shared memory.
-    No host sync (CUDA graphs)."""
+    in q's dtype, as `dsv4.ops.attention.sparse_attention`. Keyword arguments: SharedTiles
+    fields overriding SHARED_TILES (CHECK_TILES for fp32). No host sync (CUDA graphs)."""
     assert supports_shared(q, sources, sinks), "shared_attention (triton): unsupported inputs"
     T, H, D = q.shape
     out = torch.empty_like(q)
     if T == 0:
         return out
-    defaults = SHARED_TILES if q.dtype != torch.float32 else (2, 8, 16, 2, 4, 1, False)
-    block_t, h_block, block_k, d_parts, num_warps, num_stages, q_regs = (
-        g if g is not None else d for g, d in zip((block_t, h_block, block_k, d_parts, num_warps, num_stages,
-                                                   q_regs), defaults))
+    tiles = (SHARED_TILES if q.dtype != torch.float32 else CHECK_TILES)._replace(
+        **{name: value for name, value in knobs.items() if value is not None})
+    block_t, h_block, block_k, d_parts, num_warps, num_stages, q_regs, lazy = tiles
     assert d_parts in (1, 2) and D % d_parts == 0, "shared_attention: d_parts is 1 or 2 and divides D"
     assert block_k >= 16, "shared_attention: block_k >= 16"
     h_block = tile_heads(block_t, h_block, H)
@@ -213,6 +247,6 @@ def shared_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedRow
         kv0.stride(0), pages0.stride(0), idx0.pitch, kv1.stride(0), pages1.stride(0), idx1.pitch,
         D=D, DV=dv, BLOCK_DV=triton.next_power_of_2(dv), BLOCK_T=block_t, H_BLOCK=h_block, BLOCK_K=block_k,
         D_PARTS=d_parts, TWO=len(sources) == 2, PER_PAGE0=idx0.per_page, PER_PAGE1=idx1.per_page,
-        FP32_DOT=q.dtype == torch.float32 or INTERPRETING, Q_REGS=bool(q_regs),
+        FP32_DOT=q.dtype == torch.float32 or INTERPRETING, Q_REGS=bool(q_regs), LAZY=bool(lazy),
         num_warps=num_warps, num_stages=num_stages)
     return out
