@@ -84,6 +84,7 @@ def _walk(q_a, q_b, m, l, acc, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, t0, T
     group = tl.min(tl.where(same, js[None, :], BLOCK_T), axis=1)                    # [M]
     for j in range(BLOCK_T):
         member = row_ok & (group == j)
+        span = tl.where(member, end - lo, 0).to(tl.uint32)      # a row's items: lo + [0, span)
         first = tl.min(tl.where(member, lo, EMPTY), axis=0)
         last = tl.max(tl.where(member, end, 0), axis=0)
         page_row = pages_ptr + tl.load(req_ptr + t0 + j, mask=t0 + j < T, other=0).to(tl.int64) * stride_p
@@ -105,10 +106,14 @@ def _walk(q_a, q_b, m, l, acc, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, t0, T
                 if FP32_DOT:
                     k_b = k_b.to(tl.float32)
                 s = tl.dot(q_b, tl.trans(k_b), acc=s, input_precision=prec)
-            valid = (member[:, None] & key_ok[None, :] & (item[None, :] >= lo[:, None])
-                     & (item[None, :] < end[:, None]))
-            s = tl.where(valid, s * qk_scale, float("-inf"))
-            m_blk = tl.max(s, axis=1)
+            # unsigned: an item below lo wraps past every span
+            valid = key_ok[None, :] & ((item[None, :] - lo[:, None]).to(tl.uint32) < span[:, None])
+            if LAZY:    # scores scaled inside exp2's argument (one fma a score); qk_scale > 0
+                s = tl.where(valid, s, float("-inf"))
+                m_blk = tl.max(s, axis=1) * qk_scale
+            else:
+                s = tl.where(valid, s * qk_scale, float("-inf"))
+                m_blk = tl.max(s, axis=1)
             if LAZY:    # rescale only when some row's max rose past m + SLACK: else p <= 2^SLACK
                 if tl.max(m_blk - m, axis=0) > SLACK:
                     m_new = tl.maximum(m, m_blk)
@@ -116,7 +121,7 @@ def _walk(q_a, q_b, m, l, acc, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, t0, T
                     l = l * alpha
                     acc = acc * alpha[:, None]
                     m = m_new
-                p = tl.exp2(s - m[:, None])                                         # masked: 0
+                p = tl.exp2(s * qk_scale - m[:, None])                              # masked: 0
                 l = l + tl.sum(p, axis=1)
                 acc = tl.dot(p.to(k_a.dtype), k_a, acc=acc, input_precision=prec)
             else:
@@ -233,6 +238,7 @@ def shared_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedRow
     block_t, h_block, block_k, d_parts, num_warps, num_stages, q_regs, lazy = tiles
     assert d_parts in (1, 2) and D % d_parts == 0, "shared_attention: d_parts is 1 or 2 and divides D"
     assert block_k >= 16, "shared_attention: block_k >= 16"
+    assert scale > 0, "shared_attention: scale > 0 (the block max of the raw scores is the scaled one's)"
     h_block = tile_heads(block_t, h_block, H)
     q = q if q.stride(2) == 1 else q.contiguous()
     kv0, pages0, req0, lo0, hi0 = paged_args(*sources[0])
