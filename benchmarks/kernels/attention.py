@@ -96,12 +96,14 @@ LAYERS, SWA_PAGE, HCA_PAGE, HCA_RATIO, DECODE_POS = 4, 128, 2, 128, 65536
 # block_d, warps, stages), pass 2 (block_t, h_block, block_n, d_parts, warps, stages), tokens a pass
 VARIANT_FNS = {"shared": shared.shared_attention, "2pass": two_pass.two_pass_attention}
 VARIANTS = [("shared", shared.SharedTiles(*tiles)._asdict()) for tiles in [
-    (2, 64, 32, 2, 8, 3, False, True),      # 255 regs, 16 B, 224 KB: M = 128 rows, acc [128, 256] (SHARED_TILES)
-    (2, 64, 32, 2, 8, 3, False, False),     # 255, 0 B, 224 KB: eager rescaling
-    (2, 64, 32, 2, 8, 3, True, True),       # q's own channels in registers
-    (2, 64, 16, 2, 8, 6, False, True),      # 16 keys a step, 5 blocks in flight
-    (1, 64, 64, 1, 8, 2, False, True),      # M = 64 (one token), acc [64, 512] over 2 warp groups
-    (1, 64, 32, 1, 8, 4, False, True),
+    (2, 64, 32, 2, 8, 3, False, True),      # 255 regs, 24 B (outside the loops), 224 KB: M = 128 rows,
+                                            # acc [128, 256] (SHARED_TILES)
+    (2, 64, 32, 2, 8, 3, False, False),     # 255, 8 B, 224 KB: eager rescaling (hca3's form, rows a step ahead)
+    (2, 64, 32, 2, 8, 3, True, True),       # 255, 144 B, 224 KB: q's own channels in registers
+    (2, 64, 16, 2, 8, 6, False, True),      # 246, 0 B, 224 KB: 16 keys a step, 5 blocks in flight
+    (1, 64, 64, 1, 8, 2, False, True),      # 255, 424 B, 193 KB: M = 64 (one token), acc [64, 512] over
+                                            # 2 warp groups (each computing the whole q k^T)
+    (1, 64, 32, 1, 8, 4, False, True),      # 255, 136 B, 193 KB
 ]]
 TWO_PASS_VARIANTS = [("2pass", dict(score_tiles=a, value_tiles=b, tokens_per_pass=n)) for a, b, n in [
     ((2, 64, 128, 64, 8, 3), (2, 64, 64, 2, 8, 3), 512),     # 255, 96 KB; 255, 81 KB (the defaults)

@@ -54,7 +54,7 @@ class SharedTiles(NamedTuple):
 
 
 # 2 tokens x 64 heads = 128 rows, acc [128, 256] fp32, 32 keys a step, 3 stages (sm_90, Triton
-# 3.6: every dot a wgmma, the keys by cp.async; 255 registers, 16 B spilled outside the key loop,
+# 3.6: every dot a wgmma, the keys by cp.async; 255 registers, 24 B spilled outside the key loops,
 # 224 KB of shared memory; the eager-rescale form ran 9.17 ms on the H200 before the rows were
 # read a step ahead). `python -m benchmarks.kernels.attention --variants` times the others.
 SHARED_TILES = SharedTiles(2, 64, 32, 2, 8, 3, q_regs=False, lazy=True)
