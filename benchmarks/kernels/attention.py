@@ -275,7 +275,8 @@ def candidates(q, sources, sinks, scale) -> list[tuple[str, str, object]]:
     then VARIANTS (and TWO_PASS_VARIANTS with --two-pass)."""
     tiles = tri._default_tiles(q, sum(i.width for _, i in sources), [kv for kv, _ in sources])
     per_token = dict(zip(("h_block", "block_k", "num_warps", "num_stages"), tiles))
-    rows = [("per-tok", str(tiles).replace(" ", ""), lambda: tri.sparse_attention(q, sources, sinks, scale, **per_token)),
+    rows = [("per-tok", str(tiles).replace(" ", ""),
+             lambda: tri.sparse_attention(q, sources, sinks, scale, **per_token)),
             ("default", f"LONG_KERNEL={tri.LONG_KERNEL}", lambda: tri.sparse_attention(q, sources, sinks, scale))]
     for name, knobs in VARIANTS + (TWO_PASS_VARIANTS if "--two-pass" in sys.argv[1:] else []):
         rows.append((name, " ".join(str(v).replace(" ", "") for v in knobs.values()),
