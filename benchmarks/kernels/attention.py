@@ -27,8 +27,7 @@ against the bf16 peak: the O(E / 128) attention term of a deep prefill chunk.
 
 With `--deep-hca --variants` (or `--variants`), instead: the same chunk, the per-token kernel's
 default tile (LONG_TILES) and the dispatch's default against every entry of VARIANTS, the
-long-list kernels that `LONG_KERNEL` in dsv4/ops/triton/attention.py can pick (attention_shared.py;
-attention_two_pass.py with `--two-pass`),
+long-list kernels that `LONG_KERNEL` in dsv4/ops/triton/attention.py can pick (attention_shared.py),
 each checked against the reference (max error printed) and timed; TFLOP/s count the model's
 FLOPs, not a variant's own. `--one-item` hands the history over as one-item pages, as the
 engine does (docs/architecture.md, "A step's addressing"). `--smoke` runs that table on a
@@ -63,7 +62,6 @@ from dsv4.ops.attention import sparse_attention as dispatch  # noqa: E402
 from dsv4.ops.paged import PagedRows  # noqa: E402
 from dsv4.ops.triton import attention as tri  # noqa: E402
 from dsv4.ops.triton import attention_shared as shared  # noqa: E402
-from dsv4.ops.triton import attention_two_pass as two_pass  # noqa: E402
 
 H, D, W, K = 64, 512, 128, 512
 HBM_BPS, PEAK_FLOPS = 4.2e12, 800e12
@@ -91,23 +89,16 @@ LAYERS, SWA_PAGE, HCA_PAGE, HCA_RATIO, DECODE_POS = 4, 128, 2, 128, 65536
 # "shared": tokens x heads a program over the union of their ranges, the output channels split in
 # d_parts (dsv4/ops/triton/attention_shared.py): a SharedTiles (block_t, h_block, block_k, d_parts,
 # warps, stages, q_regs, lazy)
-# "2pass" (only with `--two-pass`: its buffers are too large for the engine): scores into a bf16
-# probability buffer, then values (attention_two_pass.py): pass 1 (block_t, h_block, block_n,
-# block_d, warps, stages), pass 2 (block_t, h_block, block_n, d_parts, warps, stages), tokens a pass
-VARIANT_FNS = {"shared": shared.shared_attention, "2pass": two_pass.two_pass_attention}
+VARIANT_FNS = {"shared": shared.shared_attention}
 VARIANTS = [("shared", shared.SharedTiles(*tiles)._asdict()) for tiles in [
     (2, 64, 32, 2, 8, 3, False, True),      # 255 regs, 24 B (outside the loops), 224 KB: M = 128 rows,
-                                            # acc [128, 256] (SHARED_TILES)
-    (2, 64, 32, 2, 8, 3, False, False),     # 255, 8 B, 224 KB: eager rescaling (hca3's form, rows a step ahead)
+                                            # acc [128, 256], lazy rescaling
+    (2, 64, 32, 2, 8, 3, False, False),     # 255, 8 B, 224 KB: eager rescaling (SHARED_TILES)
     (2, 64, 32, 2, 8, 3, True, True),       # 255, 144 B, 224 KB: q's own channels in registers
     (2, 64, 16, 2, 8, 6, False, True),      # 246, 0 B, 224 KB: 16 keys a step, 5 blocks in flight
     (1, 64, 64, 1, 8, 2, False, True),      # 255, 424 B, 193 KB: M = 64 (one token), acc [64, 512] over
                                             # 2 warp groups (each computing the whole q k^T)
     (1, 64, 32, 1, 8, 4, False, True),      # 255, 136 B, 193 KB
-]]
-TWO_PASS_VARIANTS = [("2pass", dict(score_tiles=a, value_tiles=b, tokens_per_pass=n)) for a, b, n in [
-    ((2, 64, 128, 64, 8, 3), (2, 64, 64, 2, 8, 3), 512),     # 255, 96 KB; 255, 81 KB (the defaults)
-    ((1, 64, 128, 64, 4, 3), (2, 64, 32, 2, 8, 4), 512),     # 217, 72 KB (2 an SM); 255, 41 KB
 ]]
 
 
@@ -261,8 +252,6 @@ def variants_table(gen, scale, tokens: int, pos0: int, heads: int = H, dim: int 
             print(f"{name:>8} {label:>52} {ms:9.3f} {tfs:8.1f} {100 * tfs * 1e12 / PEAK_FLOPS:5.1f}% "
                   f"{base / ms:6.2f}x {err.max().item():8.2e}{'' if ok else '  MISMATCH'}", flush=True)
             failures += not ok
-            if DEVICE == "cuda" and name == "2pass":
-                print(f"{'':>8} {'':>52} {kernel_split(fn)}", flush=True)
         except Exception as e:     # a tile that does not fit (shared memory) is reported, not fatal
             print(f"{name:>8} {label:>52}  failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
             failures += knobs is None
@@ -272,30 +261,16 @@ def variants_table(gen, scale, tokens: int, pos0: int, heads: int = H, dim: int 
 def candidates(q, sources, sinks, scale) -> list[tuple[str, str, object]]:
     """(name, knobs label, call) of --variants: the per-token kernel at its default tile for these
     inputs (LONG_TILES at 900k), the dispatch's default (`LONG_KERNEL`'s kernel where it is set),
-    then VARIANTS (and TWO_PASS_VARIANTS with --two-pass)."""
+    then VARIANTS."""
     tiles = tri._default_tiles(q, sum(i.width for _, i in sources), [kv for kv, _ in sources])
     per_token = dict(zip(("h_block", "block_k", "num_warps", "num_stages"), tiles))
     rows = [("per-tok", str(tiles).replace(" ", ""),
              lambda: tri.sparse_attention(q, sources, sinks, scale, **per_token)),
             ("default", f"LONG_KERNEL={tri.LONG_KERNEL}", lambda: tri.sparse_attention(q, sources, sinks, scale))]
-    for name, knobs in VARIANTS + (TWO_PASS_VARIANTS if "--two-pass" in sys.argv[1:] else []):
+    for name, knobs in VARIANTS:
         rows.append((name, " ".join(str(v).replace(" ", "") for v in knobs.values()),
                      lambda k=knobs, f=VARIANT_FNS[name]: f(q, sources, sinks, scale, **k)))
     return rows
-
-
-def kernel_split(fn) -> str:
-    """Where one call's GPU time goes, by kernel (torch.profiler; the summed device time of
-    each Triton kernel, ms)."""
-    try:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        times = {e.key: getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-                 for e in prof.key_averages() if "kernel" in e.key}
-        return ", ".join(f"{k}: {v / 1e3:.3f} ms" for k, v in sorted(times.items()))
-    except Exception as e:  # noqa: BLE001 - a profile that fails does not stop the table
-        return f"(no profile: {type(e).__name__})"
 
 
 def reference(*args):

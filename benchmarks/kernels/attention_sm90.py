@@ -69,7 +69,6 @@ def launches(name: str, knobs: dict) -> list[tuple[str, object, dict, int, int]]
     """(label, kernel, constexprs, warps, stages) of one variant's kernels."""
     from dsv4.ops.triton import attention as tri
     from dsv4.ops.triton import attention_shared as shared
-    from dsv4.ops.triton import attention_two_pass as two_pass
     if name == "per-tok":
         hb, bk, nw, ns = tri.LONG_TILES
         return [("per-token", tri._sparse_attn_kernel, dict(
@@ -82,18 +81,13 @@ def launches(name: str, knobs: dict) -> list[tuple[str, object, dict, int, int]]
             D=D, DV=dv, BLOCK_DV=dv, BLOCK_T=k["block_t"], H_BLOCK=k["h_block"], BLOCK_K=k["block_k"],
             D_PARTS=k["d_parts"], TWO=True, FP32_DOT=False, Q_REGS=k["q_regs"], LAZY=k["lazy"], **PAGES),
                  k["num_warps"], k["num_stages"])]
-    (bt, hb, bn, bd, nwa, nsa), (btb, hbb, bnb, dp, nwb, nsb) = knobs["score_tiles"], knobs["value_tiles"]
-    return [("scores", two_pass._scores_kernel, dict(D=D, BLOCK_T=bt, H_BLOCK=hb, BLOCK_N=bn, BLOCK_D=bd,
-                                                     PER_PAGE=2, FP32_DOT=False), nwa, nsa),
-            ("values", two_pass._values_kernel, dict(
-                DV=D // dp, BLOCK_DV=D // dp, BLOCK_T=btb, H_BLOCK=hbb, BLOCK_N=bn, BLOCK_NB=bnb,
-                D_PARTS=dp, TWO=True, FP32_DOT=False, **PAGES), nwb, nsb)]
+    raise ValueError(f"unknown variant {name}")
 
 
 def main() -> int:
-    from benchmarks.kernels.attention import TWO_PASS_VARIANTS, VARIANTS
+    from benchmarks.kernels.attention import VARIANTS
     failures = 0
-    for name, knobs in [("per-tok", None)] + VARIANTS + TWO_PASS_VARIANTS:
+    for name, knobs in [("per-tok", None)] + VARIANTS:
         tag = "LONG_TILES" if knobs is None else " ".join(str(v).replace(" ", "") for v in knobs.values())
         for label, fn, consts, warps, stages in launches(name, knobs):
             try:

@@ -89,28 +89,23 @@ def test_supports():
     assert not shared.supports_shared(q, [(sources[0][0][:, :32], sources[0][1])], sinks)
 
 
-@pytest.mark.parametrize("name", ["shared", "two_pass"])
-def test_dispatch_behind_switch(device, monkeypatch, name):
+def test_dispatch_behind_switch(device, monkeypatch):
     """triton.attention.sparse_attention takes LONG_KERNEL's kernel for a long prefill only when
     it is set ("shared" by default), for PagedRows sources, and gives the reference's result."""
-    from dsv4.ops.triton import attention_two_pass as two_pass
     assert triton_attention.LONG_KERNEL == "shared"
     monkeypatch.setattr(triton_attention, "LONG_KERNEL", None)
-    module, fn = {"shared": (shared, "shared_attention"), "two_pass": (two_pass, "two_pass_attention")}[name]
     calls = []
-    kernel = getattr(module, fn)
-    monkeypatch.setattr(module, fn, lambda *a, **k: calls.append(k) or kernel(*a, **k))
+    kernel = shared.shared_attention
+    monkeypatch.setattr(shared, "shared_attention", lambda *a, **k: calls.append(k) or kernel(*a, **k))
     monkeypatch.setattr(triton_attention, "PREFILL_FROM", 4)
     monkeypatch.setattr(triton_attention, "LONG_FROM", 8)
     monkeypatch.setattr(triton_attention, "LONG_MIN_TOKENS", 4)
     monkeypatch.setattr(shared, "SHARED_TILES", shared.SharedTiles(2, 4, 16, 2, 4, 1, q_regs=True, lazy=False))
-    monkeypatch.setattr(two_pass, "SCORE_TILES", (2, 8, 16, 16, 4, 1))
-    monkeypatch.setattr(two_pass, "VALUE_TILES", (2, 8, 16, 2, 4, 1))
     q, sources, sinks = chunk_inputs(device, 12, 4, torch.bfloat16, 100)
     scale = D ** -0.5
     triton_attention.sparse_attention(q, sources, sinks, scale)
     assert not calls                                            # off
-    monkeypatch.setattr(triton_attention, "LONG_KERNEL", name)
+    monkeypatch.setattr(triton_attention, "LONG_KERNEL", "shared")
     out = triton_attention.sparse_attention(q, sources, sinks, scale)
     assert len(calls) == 1
     torch.testing.assert_close(out.float(), reference(q, sources, sinks, scale).float(), **TOL[torch.bfloat16])

@@ -340,9 +340,9 @@ LONG_TILES, LONG_FROM, LONG_MIN_TOKENS = (32, 128, 4, 2), 2048, 256
 # is a PagedRows, another kernel takes the step: "shared" (attention_shared.py: 2 tokens x 64 heads
 # a program over the union of their ranges, the output channels split, every dot a Hopper wgmma,
 # the keys by cp.async; 9.17 against 9.82 ms on the H200 before its key rows were read a step
-# ahead) or "two_pass" (attention_two_pass.py: scores into a probability buffer, then values; its
-# buffers are too large for the engine). None: this file's per-token kernel. Each runs its
-# module's default tiles; `python -m benchmarks.kernels.attention --variants` times them.
+# ahead; 7.24 against 9.54 ms with SHARED_TILES, call 2 of the twelfth session in
+# docs/benchmarks.md). None: this file's per-token kernel. `python -m benchmarks.kernels.attention
+# --variants` times both.
 LONG_KERNEL: str | None = "shared"
 MERGE_BLOCK_D = 64              # channels per program of the split merge (D = 512: 8 programs a head block)
 
@@ -360,12 +360,12 @@ def _default_tiles(q: torch.Tensor, slots: int, pools: list[torch.Tensor]) -> tu
 
 def _long_kernel(q: torch.Tensor, sources: list, sinks: torch.Tensor):
     """LONG_KERNEL's entry point where it takes these inputs in place of LONG_TILES, else None."""
-    from . import attention_shared, attention_two_pass
+    from . import attention_shared
     slots = sum(idx.width if isinstance(idx, PagedRows) else idx.shape[1] for _, idx in sources)
     if (_default_tiles(q, slots, [kv for kv, _ in sources]) != LONG_TILES
             or not attention_shared.supports_shared(q, sources, sinks)):
         return None
-    kernels = {"shared": attention_shared.shared_attention, "two_pass": attention_two_pass.two_pass_attention}
+    kernels = {"shared": attention_shared.shared_attention}
     assert LONG_KERNEL in kernels, f"LONG_KERNEL: one of {sorted(kernels)} or None"
     return kernels[LONG_KERNEL]
 

@@ -1,6 +1,5 @@
-"""What the sparse attention kernels share (dsv4/ops/triton/attention.py, attention_shared.py,
-attention_two_pass.py): the log2(e) constant, the interpreter's flag and a block of slots'
-pool rows from a dense index table or a page table (dsv4/ops/paged.py)."""
+"""What the sparse attention kernels share (dsv4/ops/triton/attention.py, attention_shared.py):
+the log2(e) constant, the interpreter's flag and a block of slots' pool rows from a dense index table or a page table (dsv4/ops/paged.py)."""
 from __future__ import annotations
 
 import os

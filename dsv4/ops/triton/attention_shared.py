@@ -55,9 +55,10 @@ class SharedTiles(NamedTuple):
 
 # 2 tokens x 64 heads = 128 rows, acc [128, 256] fp32, 32 keys a step, 3 stages (sm_90, Triton
 # 3.6: every dot a wgmma, the keys by cp.async; 255 registers, 24 B spilled outside the key loops,
-# 224 KB of shared memory; the eager-rescale form ran 9.17 ms on the H200 before the rows were
-# read a step ahead). `python -m benchmarks.kernels.attention --variants` times the others.
-SHARED_TILES = SharedTiles(2, 64, 32, 2, 8, 3, q_regs=False, lazy=True)
+# 224 KB of shared memory). Eager rescaling: 7.24 ms an HCA layer of the 2,048-token chunk at 900k
+# on the H200, against 7.85 ms lazy and 9.54 ms for the per-token kernel (docs/benchmarks.md,
+# twelfth session). `python -m benchmarks.kernels.attention --variants` times the others.
+SHARED_TILES = SharedTiles(2, 64, 32, 2, 8, 3, q_regs=False, lazy=False)
 # fp32 (checks only): 16-row tiles, 2 tokens x 8 heads, 16 keys
 CHECK_TILES = SharedTiles(2, 8, 16, 2, 4, 1, q_regs=False, lazy=True)
 EMPTY = tl.constexpr(2**30)     # a group's range start when it has no row (an empty walk)
