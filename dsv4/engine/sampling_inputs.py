@@ -36,6 +36,7 @@ class SamplingInputs:
         self._plain: SamplingBatch | None = None   # plain greedy rows, as many as seen at most (`_plain_rows`)
         self._bitmask_dev: torch.Tensor | None = None   # page-locked masks' device copy (`_device_bitmask`)
         self._rows_dev: torch.Tensor | None = None      # 0..n-1 on the device (`_device_rows`)
+        self._device_views: dict[tuple[str, int], torch.Tensor] = {}   # their first-n views (n <= the rows)
 
     def batch(self, reqs: list[Request], rows: list[int], masks=None
               ) -> tuple[SamplingBatch, torch.Tensor | None, torch.Tensor | None]:
@@ -108,17 +109,24 @@ class SamplingInputs:
 
     def _device_bitmask(self, bitmask: torch.Tensor) -> torch.Tensor:
         """bitmask [R, W] (page-locked) copied into the first R rows of the device buffer."""
-        if self._bitmask_dev is None or self._bitmask_dev.shape[0] < bitmask.shape[0]:
-            self._bitmask_dev = torch.empty(bitmask.shape, dtype=bitmask.dtype, device=self.h2d.device)
-        out = self._bitmask_dev[:bitmask.shape[0]]
+        n = bitmask.shape[0]
+        out = self._device_views.get(("bitmask", n))
+        if out is None:
+            if self._bitmask_dev is None or self._bitmask_dev.shape[0] < n:
+                self._bitmask_dev, self._device_views = torch.empty(bitmask.shape, dtype=bitmask.dtype,
+                                                                    device=self.h2d.device), {}
+            out = self._device_views[("bitmask", n)] = self._bitmask_dev[:n]
         out.copy_(bitmask, non_blocking=True)
         return out
 
     def _device_rows(self, n: int) -> torch.Tensor:
         """[n] long 0..n-1 on the device (a view of one kept from step to step)."""
-        if self._rows_dev is None or self._rows_dev.shape[0] < n:
-            self._rows_dev = torch.arange(n, device=self.h2d.device)
-        return self._rows_dev[:n]
+        out = self._device_views.get(("rows", n))
+        if out is None:
+            if self._rows_dev is None or self._rows_dev.shape[0] < n:
+                self._rows_dev = torch.arange(n, device=self.h2d.device)
+            out = self._device_views[("rows", n)] = self._rows_dev[:n]
+        return out
 
     @torch.inference_mode()
     def warmup(self, sampler: Sampler, device: torch.device | str) -> None:

@@ -104,6 +104,7 @@ class WorkerGrammars:
         finally:
             os.close(fd)
         self.buffer = torch.frombuffer(self._map, dtype=torch.int32).view(2, rows, self.width)
+        self.views: dict[tuple[int, int], torch.Tensor] = {}    # buffer[half, :n] by (half, n <= rows)
         self.all_rows = torch.arange(rows)
         self._rows = rows
         self._unlink.append(path)
@@ -284,8 +285,10 @@ class PendingRemote:
             return None
         rows, n = reply[1], reply[2]
         rows_t = owner.all_rows[:n] if rows is None else torch.tensor(rows, dtype=torch.long)
-        self.mask = GrammarMask(rows_t, owner.buffer[self.half, :n], rows is None, owner.keep,
-                                page_locked=owner._locked is not None)
+        bitmask = owner.views.get((self.half, n))
+        if bitmask is None:
+            bitmask = owner.views[(self.half, n)] = owner.buffer[self.half, :n]
+        self.mask = GrammarMask(rows_t, bitmask, rows is None, owner.keep, page_locked=owner._locked is not None)
         return self.mask
 
 
