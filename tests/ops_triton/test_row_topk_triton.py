@@ -8,6 +8,7 @@ import torch
 
 from dsv4.ops.stream_topk import EMPTY_KEY, MIN_CHOSEN_KEY, key_offsets, score_keys
 from dsv4.ops.triton import row_topk as rk
+from dsv4.ops.triton.row_topk_split import Split
 
 NEG_INF = float("-inf")
 CHUNK = 2048                # a small chunk: wider tiles take several launches
@@ -20,6 +21,9 @@ def small_chunks(monkeypatch):
 PIVOTS = [True, False]      # interpolated, bisected
 # (interpolated pivots, scores a step of stage 1's second read; 0: candidates from registers)
 VARIANTS = [(True, 512), (False, 0), (True, 0)]
+# split variants: launches of 2048 columns (4 blocks of 512, or 8 of 256 with a fallback of 1024 a launch)
+SPLITS = [Split(block=512, blocks=4, block_cap=64, filter_warps=4, select_warps=4),
+          Split(block=256, blocks=8, block_cap=32, filter_warps=2, select_warps=4, fallback_chunk=1024)]
 
 
 def reference(scores: torch.Tensor, k: int, first: int = 0) -> torch.Tensor:
@@ -31,14 +35,16 @@ def reference(scores: torch.Tensor, k: int, first: int = 0) -> torch.Tensor:
 
 
 def check_tiles(scores: torch.Tensor, k: int, device, widths: list[int], first: int = 0, interp: bool = True,
-                sub: int = rk.SUB) -> None:
+                sub: int = rk.SUB, split: Split | None = None) -> torch.Tensor | None:
     """Add scores tile by tile (widths), then compare the set (ascending offsets) and the
-    sorted offsets with the reference over the whole row."""
+    sorted offsets with the reference over the whole row -> for a split variant, the launches
+    per row whose fallback chose ([T] int32, summed over the tiles)."""
     running = rk.RowTopk(k)
-    e0 = 0
+    e0, fallbacks = 0, None
     for w in widths:
-        keys = rk.row_topk(scores[:, e0:e0 + w].to(device), k, first + e0, running.keys, chunk=CHUNK,
-                           interp=interp, sub=sub)
+        keys, fb = rk.row_topk_fallbacks(scores[:, e0:e0 + w].to(device), k, first + e0, running.keys, chunk=CHUNK,
+                                         interp=interp, sub=sub, split=split)
+        fallbacks = fb if fallbacks is None else fallbacks + fb
         running.keys = keys
         e0 += w
     assert e0 == scores.shape[1]
@@ -50,6 +56,7 @@ def check_tiles(scores: torch.Tensor, k: int, device, widths: list[int], first: 
     assert bool((offs[:, 1:] > offs[:, :-1])[chosen[:, 1:]].all())                      # ascending offsets
     assert torch.equal(rk.sorted_keys(got), want)
     assert torch.equal(running.offsets().cpu(), key_offsets(want))
+    return None if fallbacks is None else fallbacks.cpu()
 
 
 def ragged_rows(T: int, W: int, seed: int) -> torch.Tensor:
@@ -108,6 +115,56 @@ def test_scores_that_differ_in_the_low_bits(device):
     scores = bits.view(torch.float32).reshape(2, 1500)
     check_tiles(scores, 50, device, [1500])
     check_tiles(scores.round(decimals=3), 50, device, [700, 800], interp=False)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=Split.label)
+@pytest.mark.parametrize("T,W,k", [(3, 5000, 37), (4, 700, 64), (2, 40, 64)])
+def test_split_rows_of_different_lengths(T, W, k, split, device):
+    """The split variant on test_one_tile's rows: three launches of 2048 columns, blocks of
+    only -inf, rows shorter than k, one empty."""
+    check_tiles(ragged_rows(T, W, seed=T * W + k), k, device, [W], split=split)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=Split.label)
+def test_split_spread_top_k_needs_no_fallback(split, device):
+    """Random scores: a first tile cuts every block and the top k spread over them passes the
+    check; later tiles (a full set) keep few candidates a block. The select chooses every row."""
+    scores = torch.randn(3, 6000, generator=torch.Generator().manual_seed(3))
+    fallbacks = check_tiles(scores, 40, device, [2048, 1952, 2000], first=99, split=split)
+    assert fallbacks.sum() == 0
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=Split.label)
+def test_split_crowded_top_k_takes_the_fallback(split, device):
+    """Scores rising with the offset: the top k of each launch lie in its last block, more than
+    it keeps (k > block_cap), so every row of both launches is flagged and the fallback chooses.
+    A row of one score: its first launch too (ties: a cut past the run), not its second (a full
+    set at that score: no candidate). Same selection as the reference."""
+    T, W, k = 3, 4096, split.block_cap * 3 // 2
+    scores = torch.arange(W).float().repeat(T, 1) * 0.5 - 7
+    scores[1] = 2.0
+    fallbacks = check_tiles(scores, k, device, [2048, 2048], split=split)
+    assert fallbacks.tolist() == [2, 1, 2]
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=Split.label)
+@pytest.mark.parametrize("values", [3, 50])
+def test_split_exact_ties(values, split, device):
+    """test_exact_ties on the split variant: runs of ties longer than a block keeps (cut past
+    the run, flagged), ties split between the running set and the tile; and -inf tails."""
+    g = torch.Generator().manual_seed(values)
+    scores = torch.randint(-values, values, (4, 2500), generator=g).float() * 0.25
+    scores[1] = 7.0
+    scores[2, 1000:] = NEG_INF
+    fallbacks = check_tiles(scores, 40, device, [2500], split=split)
+    assert fallbacks[1] == 1 or split.block_cap >= 2048    # row 1: one run of 2048 ties per launch
+    check_tiles(scores, 40, device, [30, 1200, 1270], split=split)
+
+
+def test_split_bad_sizes(device):
+    for bad in (Split(block=300), Split(blocks=3), Split(block_cap=100), Split(fallback_chunk=100)):
+        with pytest.raises(ValueError, match="split"):
+            rk.row_topk(torch.randn(2, 8).to(device), 2, split=bad)
 
 
 def test_empty_shapes(device):
