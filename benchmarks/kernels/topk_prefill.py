@@ -17,8 +17,15 @@ one tile and as two tiles merged. Then times one tile merged into a full running
   row c/w/s/i/p   row_topk (dsv4/ops/triton/row_topk.py, a program per row, the merge in the
                   kernel): c columns a launch, w warps, s scores a step of stage 1's second
                   read (0: from registers), i interpolated (or bisected) pivots, p candidates
-and once per layer (not per tile) the row path's final sort of the set (sorted_keys). HBM
-floor: reading the tile once at 4.8 TB/s.
+  split BxN/C/wF,S[/fbX]  row_topk's split variant (dsv4/ops/triton/row_topk_split.py): filter
+                  programs of B scores, N of them a launch (B * N columns), C candidates a block
+                  keeps at most, F and S warps of the filter and select programs, fallback
+                  launches of X columns (default B * N)
+and once per layer (not per tile) the row path's final sort of the set (sorted_keys). Each row
+variant also times a first tile (into an empty set: the split variant cuts every block) and
+says on how many rows its fallback chose (split only; first tile / a tile into a full set, on
+the timed scores). A step at 900k: per layer a first tile, the other tiles into a full set and
+the sort. HBM floor: reading the tile once at 4.8 TB/s.
 """
 import os
 import sys
@@ -35,7 +42,8 @@ from dsv4.bench.timing import graph_ms  # noqa: E402
 from dsv4.ops.stream_topk import RunningTopk, key_offsets  # noqa: E402
 from dsv4.ops.triton.radix_topk import radix_topk  # noqa: E402
 from dsv4.ops.triton import row_topk as rt  # noqa: E402
-from dsv4.ops.triton.row_topk import row_topk, sorted_keys  # noqa: E402
+from dsv4.ops.triton.row_topk import row_topk_fallbacks, sorted_keys  # noqa: E402
+from dsv4.ops.triton.row_topk_split import Split  # noqa: E402
 from benchmarks.kernels import parse_smoke_args  # noqa: E402
 
 K = 512
@@ -43,22 +51,35 @@ T, WIDTHS = 2048, (32768, 65536)
 SMOKE_T, SMOKE_WIDTHS = 4, (3000, 20000)
 HBM_TBS = 4.8
 STEP_ENTRIES, CSA_LAYERS = 8 * 32768, 2     # a 2,048-token chunk at 900k: 8 tiles of 32,768 in each of 2 CSA layers
-# (chunk, num_warps, sub, interp, cap): row_topk's defaults first
-SWEEP = [(rt.CHUNK, rt.NUM_WARPS, rt.SUB, rt.INTERP, rt.capacity(K)),
-         (32768, 16, 4096, True, 1024), (32768, 32, 4096, True, 1024), (16384, 16, 4096, True, 1024),
-         (8192, 8, 4096, True, 1024), (8192, 4, 4096, True, 1024), (16384, 8, 4096, False, 1024),
-         (16384, 8, 4096, True, 2048), (16384, 8, 0, True, 1024)]
-SMOKE_SWEEP = [(8192, 4, 1024, True, 1024), (16384, 4, 0, False, 2048)]
+# (chunk, num_warps, sub, interp, cap) of a program per row, or a Split: row_topk's default first
+DEFAULT = rt.SPLIT or (rt.CHUNK, rt.NUM_WARPS, rt.SUB, rt.INTERP, rt.capacity(K))
+CANDIDATES = [(rt.CHUNK, rt.NUM_WARPS, rt.SUB, rt.INTERP, rt.capacity(K)), (32768, 16, 4096, True, 1024),
+              (16384, 8, 4096, True, 1024),
+              Split(), Split(block_cap=128), Split(block=2048, blocks=16, block_cap=128),
+              Split(block=2048, blocks=16, block_cap=128, filter_warps=2),
+              Split(block=8192, blocks=4, block_cap=512, filter_warps=8), Split(blocks=16), Split(select_warps=4),
+              Split(select_warps=16), Split(filter_warps=8), Split(fallback_chunk=8192)]
+SWEEP = [DEFAULT] + [v for v in CANDIDATES if v != DEFAULT]
+SMOKE_SWEEP = [(8192, 4, 1024, True, 1024), (16384, 4, 0, False, 2048),
+               Split(block=2048, blocks=4, block_cap=256, fallback_chunk=8192)]
 
 
 def label(variant) -> str:
+    if isinstance(variant, Split):
+        return variant.label()
     chunk, warps, sub, interp, cap = variant
     return f"row {chunk // 1024}k/{warps}/{sub}/{'i' if interp else 'b'}/{cap}"
 
 
-def run_rows(scores, variant, first=0, prev=None):
-    chunk, warps, sub, interp, cap = variant
-    return row_topk(scores, K, first, prev, chunk=chunk, num_warps=warps, interp=interp, cap=cap, sub=sub)
+def run_rows(scores, variant, first=0, prev=None, fallbacks=False):
+    """row_topk of one variant -> keys, or (keys, [T] fallback launches a row or None)."""
+    if isinstance(variant, Split):
+        out = row_topk_fallbacks(scores, K, first, prev, split=variant)
+    else:
+        chunk, warps, sub, interp, cap = variant
+        out = row_topk_fallbacks(scores, K, first, prev, chunk=chunk, num_warps=warps, interp=interp, cap=cap,
+                                 sub=sub, split=None)
+    return out if fallbacks else out[0]
 
 
 def check(device, gen, rows, widths, sweep) -> list[str]:
@@ -111,21 +132,29 @@ def main() -> int:
             running.keys.copy_(state)
             running.add(scores, W)
 
-        results = [("radix + merge", graph_ms(old, device, reps)), ("topk + merge", graph_ms(floor_torch, device, reps))]
-        for v in sweep:
-            results.append((label(v), graph_ms(lambda v=v: run_rows(scores, v, W, prev), device, reps)))
+        base = graph_ms(old, device, reps)
+        print(f"  {'radix + merge':24s} {base:9.4f} ms  {1:6.2f}x  {floor / base * 100:5.1f}% of HBM")
+        ms = graph_ms(floor_torch, device, reps)
+        print(f"  {'topk + merge':24s} {ms:9.4f} ms  {base / ms:6.2f}x  {floor / ms * 100:5.1f}% of HBM")
+        print(f"  {'':24s} {'full set':>12s} {'':7s} {'':12s} {'first tile':>12s}  fallback rows (first / full)")
         sort_ms = graph_ms(lambda: key_offsets(sorted_keys(prev)), device, reps)
-        base = results[0][1]
-        for n, ms in results:
-            print(f"  {n:24s} {ms:9.4f} ms  {base / ms:6.2f}x  {floor / ms * 100:5.1f}% of HBM")
-        print(f"  {'final sort (a layer)':24s} {sort_ms:9.4f} ms")
-        best[W] = (*min(results[2:], key=lambda r: r[1]), base, sort_ms)
-    print()
-    for W, (n, ms, base, sort_ms) in best.items():
         tiles = STEP_ENTRIES // W
-        print(f"best at [{rows}, {W}]: {n} {ms:.4f} ms; a step at 900k ({tiles} tiles x {CSA_LAYERS} layers): "
-              f"radix + merge {tiles * CSA_LAYERS * base:.2f} ms, {n} + sorts "
-              f"{CSA_LAYERS * (tiles * ms + sort_ms):.2f} ms")
+        for v in sweep:
+            ms = graph_ms(lambda v=v: run_rows(scores, v, W, prev), device, reps)
+            first_ms = graph_ms(lambda v=v: run_rows(scores, v), device, reps)
+            fb = [run_rows(scores, v, *a, fallbacks=True)[1] for a in ((0, None), (W, prev))]
+            fb = " / ".join("-" if f is None else str(int((f > 0).sum())) for f in fb)
+            step = CSA_LAYERS * (first_ms + (tiles - 1) * ms + sort_ms)
+            print(f"  {label(v):24s} {ms:9.4f} ms  {base / ms:6.2f}x  {floor / ms * 100:5.1f}% of HBM  "
+                  f"{first_ms:9.4f} ms  {fb}")
+            if W not in best or step < best[W][2]:
+                best[W] = (label(v), ms, step)
+        print(f"  {'final sort (a layer)':24s} {sort_ms:9.4f} ms")
+        print(f"  a step at 900k ({tiles} tiles x {CSA_LAYERS} layers): radix + merge {tiles * CSA_LAYERS * base:.2f} ms")
+    print()
+    for W, (n, ms, step) in best.items():
+        print(f"best at [{rows}, {W}]: {n} {ms:.4f} ms a tile into a full set; a step at 900k "
+              f"({STEP_ENTRIES // W} tiles x {CSA_LAYERS} layers, first tiles and sorts included) {step:.2f} ms")
     print(f"total {time.perf_counter() - t0:.1f} s")
     print("FAIL: row top-k differs from the reference" if errors else "OK: row top-k equals the reference")
     return 1 if errors else 0

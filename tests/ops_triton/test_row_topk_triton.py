@@ -24,6 +24,7 @@ VARIANTS = [(True, 512), (False, 0), (True, 0)]
 # split variants: launches of 2048 columns (4 blocks of 512, or 8 of 256 with a fallback of 1024 a launch)
 SPLITS = [Split(block=512, blocks=4, block_cap=64, filter_warps=4, select_warps=4),
           Split(block=256, blocks=8, block_cap=32, filter_warps=2, select_warps=4, fallback_chunk=1024)]
+NO_CUT = Split(block=512, blocks=4, block_cap=64, filter_warps=4, select_warps=4, cut_first=False)
 
 
 def reference(scores: torch.Tensor, k: int, first: int = 0) -> torch.Tensor:
@@ -159,6 +160,15 @@ def test_split_exact_ties(values, split, device):
     fallbacks = check_tiles(scores, 40, device, [2500], split=split)
     assert fallbacks[1] == 1 or split.block_cap >= 2048    # row 1: one run of 2048 ties per launch
     check_tiles(scores, 40, device, [30, 1200, 1270], split=split)
+
+
+def test_split_without_cuts_of_first_tiles(device):
+    """cut_first False: rows without a full set (a first tile, a row shorter than k so far) take
+    the fallback whole; once full, the select chooses (no fallback)."""
+    scores = ragged_rows(4, 4000, seed=11)
+    fallbacks = check_tiles(scores, 40, device, [2000, 2000], split=NO_CUT)
+    # rows 0-2 are full after their first launch, the last row is empty: flagged in both launches
+    assert fallbacks.tolist() == [1, 1, 1, 2]
 
 
 def test_split_bad_sizes(device):

@@ -39,14 +39,16 @@ class Split:
     """A split variant's sizes: blocks of `block` scores (a power of two) per filter program,
     `blocks` of them per select (a power of two; chunk = block * blocks columns a launch),
     `block_cap` candidates a block keeps at most (a power of two, KEEP = half of it at least
-    when cut), warps per program of each kernel, and the fallback's columns a launch (0: the
-    chunk; a power of two >= 128)."""
+    when cut), warps per program of each kernel, the fallback's columns a launch (0: the
+    chunk; a power of two >= 128), and whether rows without a full running set (a first tile)
+    cut their blocks (else the fallback takes them whole)."""
     block: int = 4096
     blocks: int = 8
     block_cap: int = 256
     filter_warps: int = 4
     select_warps: int = 8
     fallback_chunk: int = 0
+    cut_first: bool = True
 
     @property
     def chunk(self) -> int:
@@ -55,7 +57,7 @@ class Split:
     def label(self) -> str:
         return f"split {self.block // 1024 or self.block}{'k' if self.block >= 1024 else ''}x{self.blocks}/" \
                f"{self.block_cap}/w{self.filter_warps},{self.select_warps}" + \
-               (f"/fb{self.fallback_chunk}" if self.fallback_chunk else "")
+               (f"/fb{self.fallback_chunk}" if self.fallback_chunk else "") + ("" if self.cut_first else "/nocut")
 
     def validate(self) -> None:
         for name in ("block", "blocks", "block_cap", "filter_warps", "select_warps"):
@@ -82,15 +84,22 @@ def _threshold_kernel(prev_ptr, thr_ptr, k, KP: tl.constexpr):
 
 @triton.jit(do_not_specialize=("W", "stride_s", "first"))
 def _filter_kernel(scores_ptr, thr_ptr, cand_ptr, count_ptr, cut_ptr, W, stride_s, first, BLOCK: tl.constexpr,
-                   NBLK: tl.constexpr, CAP_B: tl.constexpr, KEEP: tl.constexpr, INTERP: tl.constexpr):
+                   NBLK: tl.constexpr, CAP_B: tl.constexpr, KEEP: tl.constexpr, INTERP: tl.constexpr,
+                   CUT_FIRST: tl.constexpr):
     # scores [T, W] of offsets first + [0, W); program (row, b) reads columns [b * BLOCK, +BLOCK)
     # and writes count[row, b] keys (ascending offsets) to cand[row, b, :CAP_B], and cut[row, b]:
     # the block's entries above thr[row] and under the cut are not in its slot (INT32_MIN: none).
+    # A row without a full set when not CUT_FIRST: no read, cut INT32_MAX (the fallback's row).
     row = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     offs = b * BLOCK + tl.arange(0, BLOCK)
-    s = _signed_scores(scores_ptr + row * stride_s, offs, W)
-    s = tl.where(s > tl.load(thr_ptr + row), s, INT32_MIN)                   # INT32_MIN: not a candidate
+    thr = tl.load(thr_ptr + row)
+    if CUT_FIRST:
+        skip = thr != thr                                                       # never
+    else:
+        skip = thr == INT32_MIN
+    s = _signed_scores(scores_ptr + row * stride_s, offs, tl.where(skip, 0, W))
+    s = tl.where(s > thr, s, INT32_MIN)                                       # INT32_MIN: not a candidate
     n = tl.sum((s > INT32_MIN).to(tl.int32), axis=0)
     cut = tl.full([], INT32_MIN, tl.int32)
     if n > CAP_B:       # narrow to KEEP <= count(s >= lo) <= CAP_B, or hi == lo + 1 (a run of ties at lo)
@@ -104,7 +113,7 @@ def _filter_kernel(scores_ptr, thr_ptr, cand_ptr, count_ptr, cut_ptr, W, stride_
     slot = (row * NBLK + b) * CAP_B
     tl.store(cand_ptr + slot + tl.cumsum(take.to(tl.int32), axis=0) - 1, _key(s, offs, first), mask=take)
     tl.store(count_ptr + row * NBLK + b, tl.sum(take.to(tl.int32), axis=0))
-    tl.store(cut_ptr + row * NBLK + b, cut)
+    tl.store(cut_ptr + row * NBLK + b, tl.where(skip, INT32_MAX, cut))
 
 
 @triton.jit(do_not_specialize=("k", "nblk"))
@@ -163,7 +172,7 @@ def split_launch(part: torch.Tensor, prev: torch.Tensor, k: int, first: int, spl
     cut = torch.empty((T, split.blocks), dtype=torch.int32, device=dev)
     _filter_kernel[(T, nblk)](part, thr, cand, count, cut, w, part.stride(0), first, BLOCK=split.block,
                               NBLK=split.blocks, CAP_B=split.block_cap, KEEP=max(1, split.block_cap // 2),
-                              INTERP=interp, num_warps=split.filter_warps)
+                              INTERP=interp, CUT_FIRST=split.cut_first, num_warps=split.filter_warps)
     out = torch.empty((T, k), dtype=torch.long, device=dev)
     flags = torch.empty(T, dtype=torch.int32, device=dev)
     _select_kernel[(T,)](prev, cand, count, cut, out, flags, k, nblk, KP=kp, NBLK=split.blocks,
