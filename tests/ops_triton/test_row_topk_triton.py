@@ -21,8 +21,9 @@ def small_chunks(monkeypatch):
 PIVOTS = [True, False]      # interpolated, bisected
 # (interpolated pivots, scores a step of stage 1's second read; 0: candidates from registers)
 VARIANTS = [(True, 512), (False, 0), (True, 0)]
-# split variants: launches of 2048 columns (4 blocks of 512, or 8 of 256 with a fallback of 1024 a launch)
-SPLITS = [Split(block=512, blocks=4, block_cap=64, filter_warps=4, select_warps=4),
+# split variants: launches of 2048 columns (4 blocks of 512, or 8 of 256 with a fallback of 1024 a
+# launch), the fallback's programs fewer than the rows (each loops over several)
+SPLITS = [Split(block=512, blocks=4, block_cap=64, filter_warps=4, select_warps=4, fallback_programs=2),
           Split(block=256, blocks=8, block_cap=32, filter_warps=2, select_warps=4, fallback_chunk=1024)]
 NO_CUT = Split(block=512, blocks=4, block_cap=64, filter_warps=4, select_warps=4, cut_first=False)
 
@@ -172,7 +173,8 @@ def test_split_without_cuts_of_first_tiles(device):
 
 
 def test_split_bad_sizes(device):
-    for bad in (Split(block=300), Split(blocks=3), Split(block_cap=100), Split(fallback_chunk=100)):
+    for bad in (Split(block=300), Split(blocks=3), Split(block_cap=100), Split(fallback_chunk=100),
+                Split(fallback_programs=0)):
         with pytest.raises(ValueError, match="split"):
             rk.row_topk(torch.randn(2, 8).to(device), 2, split=bad)
 

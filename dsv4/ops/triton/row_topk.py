@@ -49,18 +49,32 @@ SPLIT: Split | None = None
 
 # per-call sizes are not specialised: one compiled variant per chunk width
 @triton.jit(do_not_specialize=("W", "stride_s", "k", "first"))
-def _row_topk_kernel(scores_ptr, prev_ptr, cand_ptr, out_ptr, flag_ptr, W, stride_s, k, first, WP: tl.constexpr,
-                     KP: tl.constexpr, CAP: tl.constexpr, SUB: tl.constexpr, INTERP: tl.constexpr,
-                     FLAGGED: tl.constexpr):
+def _row_topk_kernel(scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, first, WP: tl.constexpr,
+                     KP: tl.constexpr, CAP: tl.constexpr, SUB: tl.constexpr, INTERP: tl.constexpr):
+    _row_topk_row(tl.program_id(0).to(tl.int64), scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, first,
+                  WP, KP, CAP, SUB, INTERP)
+
+
+@triton.jit(do_not_specialize=("T", "W", "stride_s", "k", "first"))
+def _row_topk_flagged_kernel(flag_ptr, T, scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, first,
+                             WP: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SUB: tl.constexpr,
+                             INTERP: tl.constexpr):
+    # _row_topk_kernel's rows with flag[row] != 0 (int32 [T]; the split variant's fallback), a
+    # few programs looping over the rows (the unflagged cost a load each)
+    for r in range(tl.program_id(0), T, tl.num_programs(0)):
+        row = r + tl.zeros([], tl.int64)
+        if tl.load(flag_ptr + row) != 0:
+            _row_topk_row(row, scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, first,
+                          WP, KP, CAP, SUB, INTERP)
+
+
+@triton.jit
+def _row_topk_row(row, scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, first, WP: tl.constexpr,
+                  KP: tl.constexpr, CAP: tl.constexpr, SUB: tl.constexpr, INTERP: tl.constexpr):
     # scores [T, W] (unit column stride) of offsets first + [0, W); prev/out [T, k] int64 keys
     # in ascending offset order, EMPTY_KEY after the last (prev's offsets are all below first);
     # cand [T, CAP] int64 scratch. Stage 1 narrows over the chunk and prev down to <= CAP
     # candidates, written to cand in offset order; stage 2 narrows over those to the k.
-    # FLAGGED: only rows with flag[row] != 0 (int32 [T]; the split variant's fallback).
-    row = tl.program_id(0).to(tl.int64)
-    if FLAGGED:
-        if tl.load(flag_ptr + row) == 0:
-            return
     offs = tl.arange(0, WP)
     s = _signed_scores(scores_ptr + row * stride_s, offs, W)                  # [WP]
     slots = tl.arange(0, KP)
@@ -176,7 +190,8 @@ def row_topk_fallbacks(scores: torch.Tensor, k: int, first_offset: int = 0, prev
         return _rows(scores, prev, k, first_offset, chunk, num_warps, interp, cap, sub), None
 
     def fallback(part, prev, out, flags, first):
-        _rows(part, prev, k, first, split.fallback_chunk or split.chunk, None, interp, cap, sub, out=out, flags=flags)
+        _rows(part, prev, k, first, split.fallback_chunk or split.chunk, None, interp, cap, sub, out=out, flags=flags,
+              programs=split.fallback_programs)
 
     fallbacks = torch.zeros(T, dtype=torch.int32, device=scores.device)
     for c0 in range(0, W, split.chunk):
@@ -185,10 +200,12 @@ def row_topk_fallbacks(scores: torch.Tensor, k: int, first_offset: int = 0, prev
     return prev, fallbacks
 
 
-def _rows(scores, prev, k, first, chunk, num_warps, interp, cap, sub, out=None, flags=None) -> torch.Tensor:
+def _rows(scores, prev, k, first, chunk, num_warps, interp, cap, sub, out=None, flags=None,
+          programs: int = 0) -> torch.Tensor:
     """row_topk by a program per row, launch after launch of chunk_width(W, chunk) columns
     (num_warps None: one a 2,048 scores of the width, 4 to 32); with flags [T] int32, only the
-    flagged rows, the last launch writing into out (the others' rows of out untouched)."""
+    flagged rows, by `programs` programs, the last launch writing into out (the others' rows of
+    out untouched)."""
     T, W = scores.shape
     wp, kp = chunk_width(W, chunk), triton.next_power_of_2(k)
     warps = num_warps or min(32, max(4, wp // 2048))
@@ -196,9 +213,12 @@ def _rows(scores, prev, k, first, chunk, num_warps, interp, cap, sub, out=None, 
     for c0 in range(0, W, wp):
         part = scores[:, c0:c0 + wp]
         dst = out if out is not None and c0 + wp >= W else torch.empty((T, k), dtype=torch.long, device=scores.device)
-        _row_topk_kernel[(T,)](part, prev, cand, dst, flags, part.shape[1], scores.stride(0), k, first + c0,
-                               WP=wp, KP=kp, CAP=cap, SUB=min(sub, wp), INTERP=interp,
-                               FLAGGED=flags is not None, num_warps=warps)
+        args = (part, prev, cand, dst, part.shape[1], scores.stride(0), k, first + c0)
+        meta = dict(WP=wp, KP=kp, CAP=cap, SUB=min(sub, wp), INTERP=interp, num_warps=warps)
+        if flags is None:
+            _row_topk_kernel[(T,)](*args, **meta)
+        else:
+            _row_topk_flagged_kernel[(min(T, programs),)](flags, T, *args, **meta)
         prev = dst
     return prev
 

@@ -41,7 +41,8 @@ class Split:
     `block_cap` candidates a block keeps at most (a power of two, KEEP = half of it at least
     when cut), warps per program of each kernel, the fallback's columns a launch (0: the
     chunk; a power of two >= 128), and whether rows without a full running set (a first tile)
-    cut their blocks (else the fallback takes them whole)."""
+    cut their blocks (else the fallback takes them whole); the fallback's programs (each loops
+    over rows; 264: two per SM of an H200)."""
     block: int = 4096
     blocks: int = 8
     block_cap: int = 256
@@ -49,6 +50,7 @@ class Split:
     select_warps: int = 8
     fallback_chunk: int = 0
     cut_first: bool = True
+    fallback_programs: int = 264
 
     @property
     def chunk(self) -> int:
@@ -66,6 +68,8 @@ class Split:
                 raise ValueError(f"row_topk: split.{name} must be a power of two, got {v}")
         if self.block < 16 or self.block_cap < 2:
             raise ValueError(f"row_topk: split.block must be >= 16 and block_cap >= 2, got {self}")
+        if self.fallback_programs < 1:
+            raise ValueError(f"row_topk: split.fallback_programs must be >= 1, got {self}")
         if self.fallback_chunk and (self.fallback_chunk & (self.fallback_chunk - 1) or self.fallback_chunk < 128):
             raise ValueError(f"row_topk: split.fallback_chunk must be 0 or a power of two >= 128, got {self}")
 
