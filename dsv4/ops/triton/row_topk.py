@@ -156,7 +156,7 @@ def row_topk(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Te
     two); cap: candidates of stage 2 (a power of two >= k, default capacity(k)); sub: see SUB;
     split: the split variant's sizes (dsv4/ops/triton/row_topk_split.py; chunk, num_warps and
     sub then apply to its fallback only: columns a launch from split.fallback_chunk)."""
-    return row_topk_fallbacks(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub, split)[0]
+    return _row_topk(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub, split)[0]
 
 
 def row_topk_fallbacks(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Tensor | None = None,
@@ -165,6 +165,14 @@ def row_topk_fallbacks(scores: torch.Tensor, k: int, first_offset: int = 0, prev
                        split: Split | None = SPLIT) -> tuple[torch.Tensor, torch.Tensor | None]:
     """row_topk, and for a split variant [T] int32: per row the launches whose fallback chose
     (None for a program per row)."""
+    keys, flags = _row_topk(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub, split)
+    if split is None:
+        return keys, None
+    return keys, torch.stack(flags).sum(0, dtype=torch.int32) if flags else torch.zeros_like(keys[:, 0], dtype=torch.int32)
+
+
+def _row_topk(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub, split):
+    """row_topk -> (keys, [the split variant's flags [T] int32 of each launch])."""
     T, W = scores.shape
     if scores.dtype != torch.float32 or (W > 1 and scores.stride(1) != 1):
         raise ValueError("row_topk: scores must be fp32 with unit column stride")
@@ -185,19 +193,19 @@ def row_topk_fallbacks(scores: torch.Tensor, k: int, first_offset: int = 0, prev
     if prev is None:        # the empty set
         prev = torch.full((T, k), EMPTY_KEY, dtype=torch.long, device=scores.device)
     if T == 0 or k == 0 or W == 0:
-        return prev, None if split is None else torch.zeros(T, dtype=torch.int32, device=scores.device)
+        return prev, []
     if split is None:
-        return _rows(scores, prev, k, first_offset, chunk, num_warps, interp, cap, sub), None
+        return _rows(scores, prev, k, first_offset, chunk, num_warps, interp, cap, sub), []
 
     def fallback(part, prev, out, flags, first):
         _rows(part, prev, k, first, split.fallback_chunk or split.chunk, None, interp, cap, sub, out=out, flags=flags,
               programs=split.fallback_programs)
 
-    fallbacks = torch.zeros(T, dtype=torch.int32, device=scores.device)
+    flags = []
     for c0 in range(0, W, split.chunk):
-        prev, flags = split_launch(scores[:, c0:c0 + split.chunk], prev, k, first_offset + c0, split, interp, fallback)
-        fallbacks += flags
-    return prev, fallbacks
+        prev, f = split_launch(scores[:, c0:c0 + split.chunk], prev, k, first_offset + c0, split, interp, fallback)
+        flags.append(f)
+    return prev, flags
 
 
 def _rows(scores, prev, k, first, chunk, num_warps, interp, cap, sub, out=None, flags=None,
