@@ -42,8 +42,9 @@ SUB = 4096                  # scores a step when stage 1 writes its candidates f
 # the narrowest program: a full chunk, so serving compiles one variant (a narrower tile's program
 # masks the rest: no reads, and a row of at most k valid scores needs no counts)
 MIN_CHUNK = CHUNK
-# the split variant (dsv4/ops/triton/row_topk_split.py: a filter of many programs a row, then a
-# select a row) when a Split, else a program per row; benchmarks/kernels/topk_prefill.py times both
+# RowTopk's (the indexer's) variant: the split one (dsv4/ops/triton/row_topk_split.py: a filter
+# of many programs a row, then a select a row) when a Split, else a program per row;
+# benchmarks/kernels/topk_prefill.py times both
 SPLIT: Split | None = None
 
 
@@ -148,21 +149,22 @@ def chunk_width(W: int, chunk: int) -> int:
 
 def row_topk(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Tensor | None = None,
              chunk: int = CHUNK, num_warps: int = NUM_WARPS, interp: bool = INTERP, cap: int | None = None,
-             sub: int = SUB, split: Split | None = SPLIT) -> torch.Tensor:
+             sub: int = SUB, split: Split | None = None) -> torch.Tensor:
     """scores [T, W] fp32 (unit column stride) of offsets first_offset + [0, W); prev [T, k]
     int64 keys of offsets below first_offset (a running set of this function) or None -> [T, k]
     int64: the top k keys of `score_keys(scores, first_offset)` and prev (dsv4/ops/stream_topk.py),
     in ascending offset order, EMPTY_KEY after the last. chunk: columns per launch (a power of
     two); cap: candidates of stage 2 (a power of two >= k, default capacity(k)); sub: see SUB;
     split: the split variant's sizes (dsv4/ops/triton/row_topk_split.py; chunk, num_warps and
-    sub then apply to its fallback only: columns a launch from split.fallback_chunk)."""
+    sub then apply to its fallback only: columns a launch from split.fallback_chunk), None a
+    program per row (RowTopk passes SPLIT)."""
     return _row_topk(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub, split)[0]
 
 
 def row_topk_fallbacks(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Tensor | None = None,
                        chunk: int = CHUNK, num_warps: int = NUM_WARPS, interp: bool = INTERP,
                        cap: int | None = None, sub: int = SUB,
-                       split: Split | None = SPLIT) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       split: Split | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """row_topk, and for a split variant [T] int32: per row the launches whose fallback chose
     (None for a program per row)."""
     keys, flags = _row_topk(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub, split)
@@ -247,7 +249,7 @@ class RowTopk:
 
     def add(self, scores: torch.Tensor, first_offset: int) -> None:
         """Merge scores [T, W] of offsets first_offset + [0, W), above every offset added so far."""
-        self.keys = row_topk(scores, self.k, first_offset, self.keys)
+        self.keys = row_topk(scores, self.k, first_offset, self.keys, split=SPLIT)
 
     def offsets(self) -> torch.Tensor:
         """[T, k] long: chosen offsets in (score desc, offset asc) order, -1 after the last."""
