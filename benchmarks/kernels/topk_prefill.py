@@ -42,7 +42,7 @@ from dsv4.bench.timing import graph_ms  # noqa: E402
 from dsv4.ops.stream_topk import RunningTopk, key_offsets  # noqa: E402
 from dsv4.ops.triton.radix_topk import radix_topk  # noqa: E402
 from dsv4.ops.triton import row_topk as rt  # noqa: E402
-from dsv4.ops.triton.row_topk import row_topk_fallbacks, sorted_keys  # noqa: E402
+from dsv4.ops.triton.row_topk import row_topk, row_topk_fallbacks, sorted_keys  # noqa: E402
 from dsv4.ops.triton.row_topk_split import Split  # noqa: E402
 from benchmarks.kernels import parse_smoke_args  # noqa: E402
 
@@ -58,7 +58,7 @@ CANDIDATES = [(rt.CHUNK, rt.NUM_WARPS, rt.SUB, rt.INTERP, rt.capacity(K)), (3276
               Split(), Split(block_cap=128), Split(block=2048, blocks=16, block_cap=128),
               Split(block=2048, blocks=16, block_cap=128, filter_warps=2),
               Split(block=8192, blocks=4, block_cap=512, filter_warps=8), Split(blocks=16), Split(select_warps=4),
-              Split(select_warps=16), Split(filter_warps=8), Split(fallback_chunk=8192)]
+              Split(select_warps=16), Split(filter_warps=8), Split(fallback_chunk=8192), Split(cut_first=False)]
 SWEEP = [DEFAULT] + [v for v in CANDIDATES if v != DEFAULT]
 SMOKE_SWEEP = [(8192, 4, 1024, True, 1024), (16384, 4, 0, False, 2048),
                Split(block=2048, blocks=4, block_cap=256, fallback_chunk=8192)]
@@ -74,12 +74,11 @@ def label(variant) -> str:
 def run_rows(scores, variant, first=0, prev=None, fallbacks=False):
     """row_topk of one variant -> keys, or (keys, [T] fallback launches a row or None)."""
     if isinstance(variant, Split):
-        out = row_topk_fallbacks(scores, K, first, prev, split=variant)
+        kw = dict(split=variant)
     else:
         chunk, warps, sub, interp, cap = variant
-        out = row_topk_fallbacks(scores, K, first, prev, chunk=chunk, num_warps=warps, interp=interp, cap=cap,
-                                 sub=sub, split=None)
-    return out if fallbacks else out[0]
+        kw = dict(chunk=chunk, num_warps=warps, interp=interp, cap=cap, sub=sub)
+    return row_topk_fallbacks(scores, K, first, prev, **kw) if fallbacks else row_topk(scores, K, first, prev, **kw)
 
 
 def check(device, gen, rows, widths, sweep) -> list[str]:
