@@ -22,9 +22,10 @@ one tile and as two tiles merged. Then times one tile merged into a full running
                   keeps at most, F and S warps of the filter and select programs, fallback
                   launches of X columns (default B * N)
 and once per layer (not per tile) the row path's final sort of the set (sorted_keys). Each row
-variant also times a first tile (into an empty set: the split variant cuts every block) and
-says on how many rows its fallback chose (split only; first tile / a tile into a full set, on
-the timed scores). A step at 900k: per layer a first tile, the other tiles into a full set and
+variant also times a first tile (into an empty set: the split variant cuts every block) and a
+rising tile (the scores plus a ramp along the row, into the same full set: the split variant's
+worst case, every block cut, the top k in the last ones, every row to its fallback), and says
+on how many rows its fallback chose (split only; first / full / rising). A step at 900k: per layer a first tile, the other tiles into a full set and
 the sort. HBM floor: reading the tile once at 4.8 TB/s.
 """
 import os
@@ -83,11 +84,14 @@ def run_rows(scores, variant, first=0, prev=None, fallbacks=False):
 
 def check(device, gen, rows, widths, sweep) -> list[str]:
     """Every variant on every width as one tile, and on the widest as two tiles of half of it
-    (one compiled variant each: every launch is a full chunk)."""
+    (one compiled variant each: every launch is a full chunk); on indexer-like scores, small
+    integers (ties) and rising ones (the split variant's fallback)."""
     errors = []
     for W in widths:
-        for ties in (False, True):
-            scores = make_scores(rows, W, device, gen, ties)
+        for kind in ("indexer", "ties", "rising"):
+            scores = make_scores(rows, W, device, gen, kind == "ties")
+            if kind == "rising":
+                scores += torch.linspace(0, 8, W, device=device)
             want_keys, want_offs = reference(scores, K)
             half = W // 2
             for v in sweep:
@@ -97,7 +101,7 @@ def check(device, gen, rows, widths, sweep) -> list[str]:
                     got.append(("two tiles", sorted_keys(two)))
                 for name, keys in got:
                     if not (torch.equal(keys, want_keys) and torch.equal(key_offsets(keys), want_offs)):
-                        errors.append(f"W={W} ties={ties} {label(v)} {name}: differs from the reference")
+                        errors.append(f"W={W} {kind} {label(v)} {name}: differs from the reference")
     return errors
 
 
@@ -135,17 +139,21 @@ def main() -> int:
         print(f"  {'radix + merge':24s} {base:9.4f} ms  {1:6.2f}x  {floor / base * 100:5.1f}% of HBM")
         ms = graph_ms(floor_torch, device, reps)
         print(f"  {'topk + merge':24s} {ms:9.4f} ms  {base / ms:6.2f}x  {floor / ms * 100:5.1f}% of HBM")
-        print(f"  {'':24s} {'full set':>12s} {'':7s} {'':12s} {'first tile':>12s}  fallback rows (first / full)")
+        rising = scores + torch.linspace(0, 8, W, device=device)
+        print(f"  {'':24s} {'full set':>12s} {'':7s} {'':12s} {'first tile':>12s} {'rising':>12s}  "
+              f"fallback rows (first / full / rising)")
         sort_ms = graph_ms(lambda: key_offsets(sorted_keys(prev)), device, reps)
         tiles = STEP_ENTRIES // W
         for v in sweep:
             ms = graph_ms(lambda v=v: run_rows(scores, v, W, prev), device, reps)
             first_ms = graph_ms(lambda v=v: run_rows(scores, v), device, reps)
-            fb = [run_rows(scores, v, *a, fallbacks=True)[1] for a in ((0, None), (W, prev))]
+            rising_ms = graph_ms(lambda v=v: run_rows(rising, v, W, prev), device, reps)
+            fb = [run_rows(x, v, *a, fallbacks=True)[1] for x, a in ((scores, (0, None)), (scores, (W, prev)),
+                                                                      (rising, (W, prev)))]
             fb = " / ".join("-" if f is None else str(int((f > 0).sum())) for f in fb)
             step = CSA_LAYERS * (first_ms + (tiles - 1) * ms + sort_ms)
             print(f"  {label(v):24s} {ms:9.4f} ms  {base / ms:6.2f}x  {floor / ms * 100:5.1f}% of HBM  "
-                  f"{first_ms:9.4f} ms  {fb}")
+                  f"{first_ms:9.4f} ms {rising_ms:9.4f} ms  {fb}")
             if W not in best or step < best[W][2]:
                 best[W] = (label(v), ms, step)
         print(f"  {'final sort (a layer)':24s} {sort_ms:9.4f} ms")
