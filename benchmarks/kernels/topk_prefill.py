@@ -54,12 +54,12 @@ HBM_TBS = 4.8
 STEP_ENTRIES, CSA_LAYERS = 8 * 32768, 2     # a 2,048-token chunk at 900k: 8 tiles of 32,768 in each of 2 CSA layers
 # (chunk, num_warps, sub, interp, cap) of a program per row, or a Split: row_topk's default first
 DEFAULT = rt.SPLIT or (rt.CHUNK, rt.NUM_WARPS, rt.SUB, rt.INTERP, rt.capacity(K))
-CANDIDATES = [(rt.CHUNK, rt.NUM_WARPS, rt.SUB, rt.INTERP, rt.capacity(K)), (32768, 16, 4096, True, 1024),
-              (16384, 8, 4096, True, 1024),
+# (the program per row's other sizes: benchmarks/results/2026-12-01-s9/topk_prefill.txt)
+CANDIDATES = [(rt.CHUNK, rt.NUM_WARPS, rt.SUB, rt.INTERP, rt.capacity(K)),
               Split(), Split(block_cap=128), Split(block=2048, blocks=16, block_cap=128),
               Split(block=2048, blocks=16, block_cap=128, filter_warps=2),
               Split(block=8192, blocks=4, block_cap=512, filter_warps=8), Split(blocks=16), Split(select_warps=4),
-              Split(select_warps=16), Split(filter_warps=8), Split(fallback_chunk=8192), Split(cut_first=False)]
+              Split(filter_warps=8), Split(cut_first=False)]
 SWEEP = [DEFAULT] + [v for v in CANDIDATES if v != DEFAULT]
 SMOKE_SWEEP = [(8192, 4, 1024, True, 1024), (16384, 4, 0, False, 2048),
                Split(block=2048, blocks=4, block_cap=256, fallback_chunk=8192)]
