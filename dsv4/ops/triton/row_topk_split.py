@@ -112,11 +112,12 @@ def _filter_kernel(scores_ptr, thr_ptr, cand_ptr, count_ptr, cut_ptr, W, stride_
         lo, hi, n_lo, n_hi = _narrow(s, s, lo, hi, n.to(tl.int64), tl.zeros([], tl.int64), KEEP, CAP_B,
                                      KEEP + (CAP_B - KEEP) // 2, False, INTERP)
         cut = tl.where(n_lo <= CAP_B, lo, hi).to(tl.int32)
+        n = tl.where(n_lo <= CAP_B, n_lo, n_hi).to(tl.int32)                 # count(s >= cut)
         s = tl.where(s >= cut, s, INT32_MIN)
     take = s > INT32_MIN
     slot = (row * NBLK + b) * CAP_B
     tl.store(cand_ptr + slot + tl.cumsum(take.to(tl.int32), axis=0) - 1, _key(s, offs, first), mask=take)
-    tl.store(count_ptr + row * NBLK + b, tl.sum(take.to(tl.int32), axis=0))
+    tl.store(count_ptr + row * NBLK + b, n)
     tl.store(cut_ptr + row * NBLK + b, tl.where(skip, INT32_MAX, cut))
 
 
