@@ -17,16 +17,18 @@ one tile and as two tiles merged. Then times one tile merged into a full running
   row c/w/s/i/p   row_topk (dsv4/ops/triton/row_topk.py, a program per row, the merge in the
                   kernel): c columns a launch, w warps, s scores a step of stage 1's second
                   read (0: from registers), i interpolated (or bisected) pivots, p candidates
-  split BxN/C/wF,S[/fbX]  row_topk's split variant (dsv4/ops/triton/row_topk_split.py): filter
-                  programs of B scores, N of them a launch (B * N columns), C candidates a block
-                  keeps at most, F and S warps of the filter and select programs, fallback
-                  launches of X columns (default B * N)
+  split BxN/C/wF,S[/fbX][/nocut]  row_topk's split variant (dsv4/ops/triton/row_topk_split.py):
+                  filter programs of B scores, N of them a launch (B * N columns), C candidates
+                  a block keeps at most, F and S warps of the filter and select programs,
+                  fallback launches of X columns (default B * N), nocut: a first tile's rows to
+                  the fallback whole
 and once per layer (not per tile) the row path's final sort of the set (sorted_keys). Each row
 variant also times a first tile (into an empty set: the split variant cuts every block) and a
 rising tile (the scores plus a ramp along the row, into the same full set: the split variant's
 worst case, every block cut, the top k in the last ones, every row to its fallback), and says
-on how many rows its fallback chose (split only; first / full / rising). A step at 900k: per layer a first tile, the other tiles into a full set and
-the sort. HBM floor: reading the tile once at 4.8 TB/s.
+on how many rows its fallback chose (split only; first / full / rising). A step at 900k: per
+layer a first tile, the other tiles into a full set and the sort. HBM floor: reading the tile
+once at 4.8 TB/s. The best variant's step sets row_topk.SPLIT (the indexer's row top-k).
 """
 import os
 import sys
@@ -157,7 +159,8 @@ def main() -> int:
             if W not in best or step < best[W][2]:
                 best[W] = (label(v), ms, step)
         print(f"  {'final sort (a layer)':24s} {sort_ms:9.4f} ms")
-        print(f"  a step at 900k ({tiles} tiles x {CSA_LAYERS} layers): radix + merge {tiles * CSA_LAYERS * base:.2f} ms")
+        print(f"  a step at 900k ({tiles} tiles x {CSA_LAYERS} layers): radix + merge "
+              f"{tiles * CSA_LAYERS * base:.2f} ms")
     print()
     for W, (n, ms, step) in best.items():
         print(f"best at [{rows}, {W}]: {n} {ms:.4f} ms a tile into a full set; a step at 900k "

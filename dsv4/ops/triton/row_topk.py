@@ -170,7 +170,9 @@ def row_topk_fallbacks(scores: torch.Tensor, k: int, first_offset: int = 0, prev
     keys, flags = _row_topk(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub, split)
     if split is None:
         return keys, None
-    return keys, torch.stack(flags).sum(0, dtype=torch.int32) if flags else torch.zeros_like(keys[:, 0], dtype=torch.int32)
+    if not flags:
+        return keys, torch.zeros(keys.shape[0], dtype=torch.int32, device=keys.device)
+    return keys, torch.stack(flags).sum(0, dtype=torch.int32)
 
 
 def _row_topk(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub, split):

@@ -88,10 +88,10 @@ def _threshold_kernel(prev_ptr, thr_ptr, k, KP: tl.constexpr):
 
 @triton.jit(do_not_specialize=("W", "stride_s", "first"))
 def _filter_kernel(scores_ptr, thr_ptr, cand_ptr, count_ptr, cut_ptr, W, stride_s, first, BLOCK: tl.constexpr,
-                   NBLK: tl.constexpr, CAP_B: tl.constexpr, KEEP: tl.constexpr, INTERP: tl.constexpr,
-                   CUT_FIRST: tl.constexpr):
-    # scores [T, W] of offsets first + [0, W); program (row, b) reads columns [b * BLOCK, +BLOCK)
-    # and writes count[row, b] keys (ascending offsets) to cand[row, b, :CAP_B], and cut[row, b]:
+                   CAP_B: tl.constexpr, KEEP: tl.constexpr, INTERP: tl.constexpr, CUT_FIRST: tl.constexpr):
+    # scores [T, W] of offsets first + [0, W); program (row, b) of (T, nblk) reads columns
+    # [b * BLOCK, +BLOCK) and writes count[row, b] keys (ascending offsets) to cand[row, b, :CAP_B]
+    # (cand [T, nblk, CAP_B], count and cut [T, nblk]), and cut[row, b]:
     # the block's entries above thr[row] and under the cut are not in its slot (INT32_MIN: none).
     # A row without a full set when not CUT_FIRST: no read, cut INT32_MAX (the fallback's row).
     row = tl.program_id(0).to(tl.int64)
@@ -115,17 +115,18 @@ def _filter_kernel(scores_ptr, thr_ptr, cand_ptr, count_ptr, cut_ptr, W, stride_
         n = tl.where(n_lo <= CAP_B, n_lo, n_hi).to(tl.int32)                 # count(s >= cut)
         s = tl.where(s >= cut, s, INT32_MIN)
     take = s > INT32_MIN
-    slot = (row * NBLK + b) * CAP_B
+    blk = row * tl.num_programs(1) + b
+    slot = blk * CAP_B
     tl.store(cand_ptr + slot + tl.cumsum(take.to(tl.int32), axis=0) - 1, _key(s, offs, first), mask=take)
-    tl.store(count_ptr + row * NBLK + b, n)
-    tl.store(cut_ptr + row * NBLK + b, tl.where(skip, INT32_MAX, cut))
+    tl.store(count_ptr + blk, n)
+    tl.store(cut_ptr + blk, tl.where(skip, INT32_MAX, cut))
 
 
 @triton.jit(do_not_specialize=("k", "nblk"))
 def _select_kernel(prev_ptr, cand_ptr, count_ptr, cut_ptr, out_ptr, flag_ptr, k, nblk, KP: tl.constexpr,
                    NBLK: tl.constexpr, CAP_B: tl.constexpr, INTERP: tl.constexpr):
     # prev/out [T, k] int64 keys in ascending offset order, EMPTY_KEY after the last (prev's
-    # offsets below the candidates'); the filter's nblk slots a row. out[row] = the top k of
+    # offsets below the candidates'); the filter's nblk <= NBLK slots a row. out[row] = the top k of
     # prev and the candidates, flag[row] = 0; or flag[row] = 1 and out[row] untouched when a
     # cut block could hold one of them.
     row = tl.program_id(0).to(tl.int64)
@@ -134,11 +135,11 @@ def _select_kernel(prev_ptr, cand_ptr, count_ptr, cut_ptr, out_ptr, flag_ptr, k,
     ps = (pk >> 32).to(tl.int32)                                              # EMPTY_KEY: INT32_MIN
     ci = tl.arange(0, NBLK * CAP_B)
     blk = ci // CAP_B
-    cnt = tl.load(count_ptr + row * NBLK + blk, mask=blk < nblk, other=0)
-    ck = tl.load(cand_ptr + row * NBLK * CAP_B + ci, mask=(ci % CAP_B) < cnt, other=EMPTY)
+    cnt = tl.load(count_ptr + row * nblk + blk, mask=blk < nblk, other=0)
+    ck = tl.load(cand_ptr + row * nblk * CAP_B + ci, mask=(ci % CAP_B) < cnt, other=EMPTY)
     cs = (ck >> 32).to(tl.int32)
     bi = tl.arange(0, NBLK)
-    max_cut = tl.max(tl.load(cut_ptr + row * NBLK + bi, mask=bi < nblk, other=INT32_MIN), axis=0)
+    max_cut = tl.max(tl.load(cut_ptr + row * nblk + bi, mask=bi < nblk, other=INT32_MIN), axis=0)
     # count(>= lo) = n_lo >= k > 0 = count(>= hi) (a full prev: lo is its least score, every
     # candidate above it), or n_lo <= k: every valid entry
     n_lo = (tl.sum((ps > INT32_MIN).to(tl.int32), axis=0) + tl.sum((cs > INT32_MIN).to(tl.int32), axis=0)).to(tl.int64)
@@ -172,11 +173,12 @@ def split_launch(part: torch.Tensor, prev: torch.Tensor, k: int, first: int, spl
     kp = triton.next_power_of_2(k)
     thr = torch.empty(T, dtype=torch.int32, device=dev)
     _threshold_kernel[(T,)](prev, thr, k, KP=kp, num_warps=4)
-    cand = torch.empty((T, split.blocks, split.block_cap), dtype=torch.long, device=dev)
-    count = torch.empty((T, split.blocks), dtype=torch.int32, device=dev)
-    cut = torch.empty((T, split.blocks), dtype=torch.int32, device=dev)
+    # the tile's bytes times 2 * block_cap / block at most
+    cand = torch.empty((T, nblk, split.block_cap), dtype=torch.long, device=dev)
+    count = torch.empty((T, nblk), dtype=torch.int32, device=dev)
+    cut = torch.empty((T, nblk), dtype=torch.int32, device=dev)
     _filter_kernel[(T, nblk)](part, thr, cand, count, cut, w, part.stride(0), first, BLOCK=split.block,
-                              NBLK=split.blocks, CAP_B=split.block_cap, KEEP=max(1, split.block_cap // 2),
+                              CAP_B=split.block_cap, KEEP=max(1, split.block_cap // 2),
                               INTERP=interp, CUT_FIRST=split.cut_first, num_warps=split.filter_warps)
     out = torch.empty((T, k), dtype=torch.long, device=dev)
     flags = torch.empty(T, dtype=torch.int32, device=dev)
