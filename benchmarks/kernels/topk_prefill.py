@@ -20,7 +20,7 @@ one tile and as two tiles merged. Then times one tile merged into a full running
   split BxN/C/wF,S[/fbX][/nocut]  row_topk's split variant (dsv4/ops/triton/row_topk_split.py):
                   filter programs of B scores, N of them a launch (B * N columns), C candidates
                   a block keeps at most, F and S warps of the filter and select programs,
-                  fallback launches of X columns (default B * N), nocut: a first tile's rows to
+                  fallback launches of X columns (default row_topk's CHUNK), nocut: a first tile's rows to
                   the fallback whole
 and once per layer (not per tile) the row path's final sort of the set (sorted_keys). Each row
 variant also times a first tile (into an empty set: the split variant cuts every block) and a
@@ -61,7 +61,7 @@ CANDIDATES = [(rt.CHUNK, rt.NUM_WARPS, rt.SUB, rt.INTERP, rt.capacity(K)),
               Split(), Split(block_cap=128), Split(block=2048, blocks=16, block_cap=128),
               Split(block=2048, blocks=16, block_cap=128, filter_warps=2),
               Split(block=8192, blocks=4, block_cap=512, filter_warps=8), Split(blocks=16), Split(select_warps=4),
-              Split(filter_warps=8), Split(cut_first=False)]
+              Split(filter_warps=8), Split(cut_first=False), Split(fallback_chunk=32768)]
 SWEEP = [DEFAULT] + [v for v in CANDIDATES if v != DEFAULT]
 SMOKE_SWEEP = [(8192, 4, 1024, True, 1024), (16384, 4, 0, False, 2048),
                Split(block=2048, blocks=4, block_cap=256, fallback_chunk=8192)]

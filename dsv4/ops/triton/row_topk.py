@@ -155,9 +155,9 @@ def row_topk(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Te
     int64: the top k keys of `score_keys(scores, first_offset)` and prev (dsv4/ops/stream_topk.py),
     in ascending offset order, EMPTY_KEY after the last. chunk: columns per launch (a power of
     two); cap: candidates of stage 2 (a power of two >= k, default capacity(k)); sub: see SUB;
-    split: the split variant's sizes (dsv4/ops/triton/row_topk_split.py; chunk, num_warps and
-    sub then apply to its fallback only: columns a launch from split.fallback_chunk), None a
-    program per row (RowTopk passes SPLIT)."""
+    split: the split variant's sizes (dsv4/ops/triton/row_topk_split.py; chunk, num_warps, cap
+    and sub then apply to its fallback only, unless split.fallback_chunk sets its columns a
+    launch), None a program per row (RowTopk passes SPLIT)."""
     return _row_topk(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub, split)[0]
 
 
@@ -202,7 +202,8 @@ def _row_topk(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub,
         return _rows(scores, prev, k, first_offset, chunk, num_warps, interp, cap, sub), []
 
     def fallback(part, prev, out, flags, first):
-        _rows(part, prev, k, first, split.fallback_chunk or split.chunk, None, interp, cap, sub, out=out, flags=flags,
+        fb_chunk, fb_warps = (split.fallback_chunk, None) if split.fallback_chunk else (chunk, num_warps)
+        _rows(part, prev, k, first, fb_chunk, fb_warps, interp, cap, sub, out=out, flags=flags,
               programs=split.fallback_programs)
 
     flags = []

@@ -39,8 +39,8 @@ class Split:
     """A split variant's sizes: blocks of `block` scores (a power of two) per filter program,
     `blocks` of them per select (a power of two; chunk = block * blocks columns a launch),
     `block_cap` candidates a block keeps at most (a power of two, KEEP = half of it at least
-    when cut), warps per program of each kernel, the fallback's columns a launch (0: the
-    chunk; a power of two >= 128), and whether rows without a full running set (a first tile)
+    when cut), warps per program of each kernel, the fallback's columns a launch (0: row_topk's
+    chunk and num_warps; else a power of two >= 128, a warp a 2,048 columns), and whether rows without a full running set (a first tile)
     cut their blocks (else the fallback takes them whole); the fallback's programs (each loops
     over rows; 264: two per SM of an H200)."""
     block: int = 4096
