@@ -23,6 +23,12 @@ the threshold by counting, with no histogram:
 The chosen entries are written as keys in ascending offset order (the running set first: its
 offsets are below the chunk's), so that order is the tie order of the next chunk, and
 EMPTY_KEY after them. `RowTopk.offsets` sorts the final set once (the reference's order).
+
+The split variant (`split=`, RowTopk's when SPLIT is set; dsv4/ops/triton/row_topk_split.py)
+reads a tile with many small programs a row (filter) and chooses with a small one a row (select:
+stage 2 above), with this kernel as its fallback for rows the filter could not bound
+(_row_topk_flagged_kernel); the same keys in the same order. The shared Triton helpers:
+dsv4/ops/triton/row_select.py.
 """
 import torch
 import triton
