@@ -14,8 +14,9 @@ of its bandwidth). Per launch of `Split.chunk` columns:
              row_topk's stage 2 (counts, ties by a cumulative sum) chooses k. Exact unless a
              block was cut and the choice is short of k or reaches below a cut (an entry under
              a cut could then belong): such rows are flagged and not written.
-  fallback   row_topk's kernel over the chunk for the flagged rows only (the others return at
-             once): the same selection, whatever the data.
+  fallback   row_topk's kernel over the chunk for the flagged rows only (a few programs loop
+             over the rows: an unflagged one costs a load): the same selection, whatever the
+             data.
 
 A full running set (every tile after a row's first k entries) bounds each block to a few
 candidates (k * BLOCK / entries so far on average): no block is cut. A first tile cuts every
@@ -40,9 +41,9 @@ class Split:
     `blocks` of them per select (a power of two; chunk = block * blocks columns a launch),
     `block_cap` candidates a block keeps at most (a power of two, KEEP = half of it at least
     when cut), warps per program of each kernel, the fallback's columns a launch (0: row_topk's
-    chunk and num_warps; else a power of two >= 128, a warp a 2,048 columns), and whether rows without a full running set (a first tile)
-    cut their blocks (else the fallback takes them whole); the fallback's programs (each loops
-    over rows; 264: two per SM of an H200)."""
+    chunk and num_warps; else a power of two >= 128, a warp a 2,048 columns), whether rows
+    without a full running set (a first tile) cut their blocks (else the fallback takes them
+    whole), and the fallback's programs (each loops over rows; 264: two per SM of an H200)."""
     block: int = 4096
     blocks: int = 8
     block_cap: int = 256
