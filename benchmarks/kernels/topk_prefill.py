@@ -60,6 +60,7 @@ DEFAULT = rt.SPLIT or (rt.CHUNK, rt.NUM_WARPS, rt.SUB, rt.INTERP, rt.capacity(K)
 CANDIDATES = [(rt.CHUNK, rt.NUM_WARPS, rt.SUB, rt.INTERP, rt.capacity(K)),
               Split(), Split(block_cap=128), Split(block=2048, blocks=16, block_cap=128),
               Split(block=2048, blocks=16, block_cap=128, filter_warps=2),
+              Split(block=1024, blocks=32, block_cap=64, filter_warps=2),
               Split(block=8192, blocks=4, block_cap=512, filter_warps=8), Split(blocks=16), Split(select_warps=4),
               Split(filter_warps=8), Split(cut_first=False), Split(fallback_chunk=32768)]
 SWEEP = [DEFAULT] + [v for v in CANDIDATES if v != DEFAULT]
