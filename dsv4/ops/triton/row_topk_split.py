@@ -20,8 +20,10 @@ of its bandwidth). Per launch of `Split.chunk` columns:
 
 A full running set (every tile after a row's first k entries) bounds each block to a few
 candidates (k * BLOCK / entries so far on average): no block is cut. A first tile cuts every
-block; its top k spread over the blocks (k / blocks each on average, KEEP = BLOCK_CAP / 2 kept)
-passes the check; rows whose top k crowd into one block take the fallback.
+block; its top k spread over the blocks (k / blocks each on average, KEEP = 3/4 of BLOCK_CAP
+kept at least: on benchmarks/kernels/topk_prefill.py's scores, [2048, 32768], k = 512 and
+blocks of 4096, no row's top k has more than 159 in one block) passes the check; rows whose
+top k crowd into one block take the fallback.
 """
 from dataclasses import dataclass
 
@@ -39,7 +41,7 @@ INT32_MAX = tl.constexpr(2147483647)
 class Split:
     """A split variant's sizes: blocks of `block` scores (a power of two) per filter program,
     `blocks` of them per select (a power of two; chunk = block * blocks columns a launch),
-    `block_cap` candidates a block keeps at most (a power of two, KEEP = half of it at least
+    `block_cap` candidates a block keeps at most (a power of two; at least keep(block_cap)
     when cut), warps per program of each kernel, the fallback's columns a launch (0: row_topk's
     chunk and num_warps; else a power of two >= 128, a warp a 2,048 columns), whether rows
     without a full running set (a first tile) cut their blocks (else the fallback takes them
@@ -73,6 +75,11 @@ class Split:
             raise ValueError(f"row_topk: split.fallback_programs must be >= 1, got {self}")
         if self.fallback_chunk and (self.fallback_chunk & (self.fallback_chunk - 1) or self.fallback_chunk < 128):
             raise ValueError(f"row_topk: split.fallback_chunk must be 0 or a power of two >= 128, got {self}")
+
+
+def keep(block_cap: int) -> int:
+    """Candidates a cut block keeps at least: 3/4 of its slot (the narrowing aims at 7/8)."""
+    return block_cap - block_cap // 4
 
 
 @triton.jit(do_not_specialize=("k",))
@@ -179,7 +186,7 @@ def split_launch(part: torch.Tensor, prev: torch.Tensor, k: int, first: int, spl
     count = torch.empty((T, nblk), dtype=torch.int32, device=dev)
     cut = torch.empty((T, nblk), dtype=torch.int32, device=dev)
     _filter_kernel[(T, nblk)](part, thr, cand, count, cut, w, part.stride(0), first, BLOCK=split.block,
-                              CAP_B=split.block_cap, KEEP=max(1, split.block_cap // 2),
+                              CAP_B=split.block_cap, KEEP=keep(split.block_cap),
                               INTERP=interp, CUT_FIRST=split.cut_first, num_warps=split.filter_warps)
     out = torch.empty((T, k), dtype=torch.long, device=dev)
     flags = torch.empty(T, dtype=torch.int32, device=dev)
