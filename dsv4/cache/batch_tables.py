@@ -6,8 +6,8 @@ rewritten only when its table changed (a C-level list comparison against the cop
 last write), so a decode step copies no table; any change — pages appended, shared pages swapped
 in by the prefix cache, SWA pages trimmed, a new request in the slot — is seen. `sync_rows`
 makes those comparisons for a whole step in C-level maps, calling Python only for the rows that
-changed (a few a step: a page boundary crossed, a new request). `build_step`
-then gathers the step's tables from the rows in a few vectorised operations (`rows_of`), the
+changed (a few a step: a page boundary crossed, a new request). `build_step` then gathers the
+step's tables from the rows in a few vectorised operations (`history_rows`, `swa_rows`), the
 same tables `_table` builds from the lists.
 """
 from __future__ import annotations

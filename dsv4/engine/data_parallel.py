@@ -249,6 +249,7 @@ class DPRunner:
     own and returns the whole step's logits in the order of the chunks."""
 
     graphs = None                   # no CUDA graphs under DP (parallel/expert_parallel.py: shapes change each step)
+    batch = None                    # no persistent batch (engine/slot_state.py): SeqChunks split by rank
 
     def __init__(self, local: ModelRunner, caches: DPCaches, comm: Comm):
         self.local, self.caches, self.comm = local, caches, comm

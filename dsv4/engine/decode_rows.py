@@ -1,11 +1,12 @@
-"""A step's rows gathered from the running requests with no Python pass per decode row
+"""A step's rows read from the persistent batch with no Python pass per decode row
 (docs/architecture.md, "Engine": the persistent batch).
 
 A decode row — one token at position num_computed, the request's last: known (its last output
 token), or sampled by the step in flight and still on the device (its `pending_row` there) —
-is a function of its request's fields and of its cache record (slot, page tables). `gather_rows`
-reads those of every row of a step at once through C-level maps (operator.attrgetter over the
-chunks, the requests and the cache's records by id) into arrays: no SeqChunk, no Python call
+is a function of its request's row of the persistent batch (engine/slot_state.py: position,
+lengths, last token, pending token and row, page tables, kept by slot between steps).
+`gather_rows` takes the step's rows (one C-level map over the chunks, `SlotState.step_slots`) and
+reads the rest by fancy indexing into arrays: no SeqChunk, no Python call and no attribute read
 per decode row. Any other chunk (a prefill chunk, k + 1 tokens to verify, a request with prompt
 logprobs or images) is made by `seq_chunk` as before. The page tables persist by slot
 (cache/batch_tables.py) and are rewritten only where they changed.
@@ -16,80 +17,61 @@ rows `pending_of` fills from the device (tests/engine/test_persistent_batch.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import compress, repeat
-from operator import attrgetter, is_, itemgetter, not_
+from itertools import repeat
+from operator import attrgetter, is_
 
 import numpy as np
 
 from ..cache.addressing import SeqChunk
 from ..cache.step_rows import StepRows
+from .slot_state import DECODE_FROM, LAST, NUM_TOKENS, PENDING, PENDING_ROW, POSITION, SlotState, StepSlots
 
-_REQUEST, _NUM_TOKENS, _NUM_LOGITS = attrgetter("request"), attrgetter("num_tokens"), attrgetter("num_logits")
-_COMPUTED, _OUTPUT, _ID, _IMAGES = (attrgetter("num_computed"), attrgetter("output_token_ids"),
-                                    attrgetter("request_id"), attrgetter("images"))
-_PROMPT = attrgetter("prompt_token_ids")
-_PENDING, _PENDING_ROW = attrgetter("num_pending"), attrgetter("pending_row")
-_PROMPT_LOGPROBS = attrgetter("params.prompt_logprobs")
-_SLOT, _PAGES, _SWA = attrgetter("slot"), attrgetter("pages"), attrgetter("swa_pages")
-_LAST = itemgetter(-1)
-# steps of fewer chunks take the SeqChunk path: the gather's ~25 us of numpy calls a step cost
-# more than a SeqChunk a chunk below ~30 chunks (CPU, c4 29 against 6 us; c256 240 against 630)
+_NUM_LOGITS = attrgetter("num_logits")
+# steps of fewer chunks take the SeqChunk path: the batch's fixed numpy calls a step (step inputs,
+# `launched`, `completed`) cost more than a SeqChunk a chunk below ~10-16 chunks (CPU, hot loop,
+# µs a request: c8 4.5 against 3.6; c16 3.3 against 4.2; c32 1.8 against 2.4; c256 0.58 against 3.1)
 GATHER_MIN_ROWS = 32
 
 
-def gather_rows(chunks: list, records: dict, seq_chunk: Callable[[object], SeqChunk]
-                ) -> tuple[StepRows, np.ndarray, np.ndarray] | None:
+def gather_rows(chunks: list, rows: StepSlots, batch: SlotState,
+                seq_chunk: Callable[[object], SeqChunk]) -> tuple[StepRows, np.ndarray, np.ndarray] | None:
     """(the step's rows, token rows still on the device [P], their rows in the step in flight's
     sampled tokens [P], by token row) for the scheduled chunks, or None when no chunk is a
-    decode row (a prefill step: the SeqChunk path). `records`: the cache manager's records by
-    request id; `seq_chunk`: the runner's SeqChunk of any other chunk."""
-    R = len(chunks)
-    reqs = list(map(_REQUEST, chunks))
-    n = np.fromiter(map(_NUM_TOKENS, chunks), np.int64, R)
-    starts = np.fromiter(map(_COMPUTED, reqs), np.int64, R)
-    pending = np.fromiter(map(_PENDING, reqs), np.int64, R)
-    outputs = list(map(_OUTPUT, reqs))
-    decode = _decode_rows(chunks, reqs, n, starts, pending, outputs)
+    decode row (a prefill step: the SeqChunk path). `rows`: the chunks' slots in `batch`
+    (`SlotState.step_slots`); `seq_chunk`: the runner's SeqChunk of any other chunk."""
+    R, slots, n = len(chunks), rows.slots, rows.lens
+    fields = batch.fields.take(slots, axis=1)            # [6, R] every field of the step's slots
+    starts, pending, num_tokens = fields[POSITION], fields[PENDING], fields[NUM_TOKENS]
+    # one token, the request's last, known or pending (past its prompt), not a verify chunk
+    decode = (n == 1) & (starts + 1 == num_tokens) & (num_tokens > fields[DECODE_FROM])
+    if not all(map(is_, map(_NUM_LOGITS, chunks), repeat(None))):
+        decode &= np.fromiter(map(is_, map(_NUM_LOGITS, chunks), repeat(None)), bool, R)
     if not decode.any():
         return None
-    if (pending[decode] > 1).any():
+    if pending.max() > 1 and (pending[decode] > 1).any():
         i = int(np.nonzero(decode & (pending > 1))[0][0])
-        raise RuntimeError(f"request {reqs[i].request_id}: tokens up to {starts[i] + 1} scheduled, "
+        raise RuntimeError(f"request {chunks[i].request.request_id}: tokens up to {starts[i] + 1} scheduled, "
                            f"{starts[i] + 1 - pending[i]} known and {pending[i]} pending")
-    held = list(map(records.__getitem__, map(_ID, reqs)))
-    rows = StepRows(slots=np.fromiter(map(_SLOT, held), np.int64, R), starts=starts, lens=n,
-                    logits=decode.astype(np.int64), token_ids=np.zeros(int(n.sum()), np.int64),
-                    page_tables=list(map(_PAGES, held)), swa_tables=list(map(_SWA, held)))
+    tables = list(map(batch.pages.__getitem__, rows.slot_list)), list(map(batch.swa.__getitem__, rows.slot_list))
+    on_device = pending > 0
+    if decode.all():                                    # a decode step: row i is token row i
+        dst = np.flatnonzero(on_device)
+        step = StepRows(slots, starts, n, np.ones(R, np.int64), np.where(on_device, 0, fields[LAST]), *tables)
+        return step, dst, fields[PENDING_ROW][dst]
+    step = StepRows(slots, starts, n, decode.astype(np.int64), np.zeros(int(n.sum()), np.int64), *tables)
     offs = np.cumsum(n) - n
-    on_device, known = decode & (pending > 0), decode & (pending == 0)
-    rows.token_ids[offs[known]] = np.fromiter(map(_LAST, compress(outputs, known.tolist())), np.int64)
-    dst = [offs[on_device]]
-    src = [np.fromiter(map(_PENDING_ROW, compress(reqs, on_device.tolist())), np.int64)]
+    on_device &= decode
+    known = decode & ~on_device
+    step.token_ids[offs[known]] = fields[LAST][known]
+    dst, src = [offs[on_device]], [fields[PENDING_ROW][on_device]]
     for i in np.nonzero(~decode)[0].tolist():           # prefill / verify chunks: as before
-        fill = _add_chunk(rows, i, int(offs[i]), chunks[i], seq_chunk(chunks[i]))
+        fill = _add_chunk(step, i, int(offs[i]), chunks[i], seq_chunk(chunks[i]))
         if fill is not None:
             dst.append(np.array([fill[0]]))
             src.append(np.array([fill[1]]))
     dst, src = np.concatenate(dst), np.concatenate(src)
     order = np.argsort(dst, kind="stable")
-    return rows, dst[order], src[order]
-
-
-def _decode_rows(chunks: list, reqs: list, n: np.ndarray, starts: np.ndarray, pending: np.ndarray,
-                 outputs: list[list[int]]) -> np.ndarray:
-    """[R] bool: the chunks that are decode rows: one token, the request's last (start + 1 ==
-    num_tokens), known from its outputs or pending, not a verify chunk, of a request with no
-    prompt logprobs and no images."""
-    R = len(chunks)
-    out_len = np.fromiter(map(len, outputs), np.int64, R)
-    num_tokens = np.fromiter(map(len, map(_PROMPT, reqs)), np.int64, R) + out_len + pending   # (Request.num_tokens)
-    decode = (n == 1) & (starts + 1 == num_tokens) & ((out_len > 0) | (pending > 0))
-    for items, getter in ((chunks, _NUM_LOGITS), (reqs, _PROMPT_LOGPROBS)):
-        if not all(map(is_, map(getter, items), repeat(None))):
-            decode &= np.fromiter(map(is_, map(getter, items), repeat(None)), bool, R)
-    if any(map(_IMAGES, reqs)):
-        decode &= np.fromiter(map(not_, map(_IMAGES, reqs)), bool, R)
-    return decode
+    return step, dst[order], src[order]
 
 
 def _add_chunk(rows: StepRows, i: int, row: int, chunk, seq: SeqChunk) -> tuple[int, int] | None:

@@ -2,7 +2,6 @@
 runner -> sampler). Bad requests raise ValueError at `add_request` and cost nothing else."""
 from __future__ import annotations
 
-
 import itertools
 import logging
 import os
@@ -26,6 +25,7 @@ from .request import Request, Status
 from .runner import ModelRunner, StepLogits
 from .sampler import Sampler, compute_prompt_logprobs, count_pending, make_generator
 from .sampling_inputs import SamplingInputs
+from .slot_state import SlotState
 from ..sampling_params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 from ..text.stop import StopChecker, StopResult
@@ -81,6 +81,8 @@ class LLMEngine:
                                       keep_hidden=spec is not None and spec.method != "dspark",
                                       keep_taps=spec is not None and spec.method == "dspark")
         self.cache.bind(self.runner.storage, TierOptions.from_config(config))
+        if self.workers is None and self.cfg.vision is None:      # the persistent batch (engine/slot_state.py)
+            self.runner.batch = SlotState(self.runner.storage.ring_slots)
         if self.workers is not None:
             self.workers.send_cache(self.layout, self.plan, self.runner.storage)
             if self.cfg.vision is not None:
@@ -128,9 +130,9 @@ class LLMEngine:
         (ModelRunner.warmup); returns and logs what ran and how long it took."""
         start = time.perf_counter()
         k = self.config.speculative_config.num_speculative_tokens if self.spec is not None else 0
+        self.sampling_inputs.warmup(self.sampler, self.config.device)     # (before the late-compile watch)
         done = self.runner.warmup(self.max_model_len, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                   (1, k + 1) if k else (1,))
-        self.sampling_inputs.warmup(self.sampler, self.config.device)
         done["seconds"] = time.perf_counter() - start
         log.info("warm-up: %d eager steps, %d CUDA-graph shapes in %.1f s", done["eager_steps"],
                  done["graph_shapes"], done["seconds"])
@@ -305,6 +307,8 @@ class LLMEngine:
             chunks[i].request.num_pending += 1
             chunks[i].request.pending_row = row
         self.scheduler.advance_step(chunks)
+        if step.slots is not None:                  # the persistent batch follows (engine/slot_state.py)
+            self.runner.batch.launched(step.slots, chunks, sampled, self.spec is not None)
         launched = StepInFlight(chunks, sampled, tokens, values, lps, sample_later=later)
         return launched
 
@@ -334,6 +338,8 @@ class LLMEngine:
                 outputs.append(out)
             if commit is not None and not req.is_finished:
                 commit(req)                 # a boundary whose last token was still pending at launch
+        if self.runner.batch is not None:
+            self.runner.batch.completed(chunks, step.sampled, tokens, self.spec is not None)
         return outputs
 
     def _sample(self, chunks: list[ScheduledChunk], idx: list[int], step: StepLogits, prev: torch.Tensor | None,

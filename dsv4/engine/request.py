@@ -32,9 +32,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     num_computed: int = 0                      # tokens whose KV (and compressor state) is written
-    slot: int | None = None                    # request state slot: its compressor ring rows
-    pages: list[int] = field(default_factory=list)       # logical 256-token page -> physical
-    swa_pages: list[int] = field(default_factory=list)   # logical 128-token SWA page -> physical or -1
+    batch_row: int = -1                        # its slot in the persistent batch (engine/slot_state.py; -1: none)
     generator: torch.Generator | None = None
     logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] = field(default_factory=list)

@@ -22,6 +22,7 @@ from .cuda_graphs import StepGraphs, scratch_chunk
 from .decode_rows import GATHER_MIN_ROWS, gather_rows, pending_of
 from .late_compiles import LateCompiles
 from .scheduler import ScheduledChunk
+from .slot_state import SlotState, StepSlots
 from .upload import HostToDevice, upload_tree
 
 
@@ -34,6 +35,8 @@ class StepLogits:
                                          # row, chunks in order (keep_hidden: what drafters read)
     taps: torch.Tensor | None = None     # [T, n_taps * hidden] the DSpark target layers' input
                                          # streams, hc-averaged, concatenated (keep_taps)
+    slots: StepSlots | None = None       # the chunks' rows of the persistent batch when the step
+                                         # was built from it (the engine then calls its `launched`)
 
 
 @dataclass
@@ -98,10 +101,12 @@ class ModelRunner:
         self.vision = VisionEncoder(model) if model.cfg.vision is not None else None
         self.workers = None     # rank 0 of a parallel run: engine/workers.py's Workers (same steps on every rank)
         self.late_compiles = LateCompiles()     # Triton compiles after the warm-up (installed by it on CUDA)
-        # decode rows gathered from the requests into arrays (engine/decode_rows.py) in steps of
-        # at least gather_min_rows chunks; else a SeqChunk per chunk (the same step; parallel
-        # runs and vision models always take it)
-        self.gather_decode_rows, self.gather_min_rows = True, GATHER_MIN_ROWS
+        # the persistent batch (engine/slot_state.py), set by an engine of one process that
+        # keeps it up to date (SlotState.launched / completed after every step): decode rows are
+        # read from it (engine/decode_rows.py) in steps of at least gather_min_rows chunks; else
+        # (None, smaller steps, vision models) a SeqChunk per chunk, the same step
+        self.batch: SlotState | None = None
+        self.gather_min_rows = GATHER_MIN_ROWS
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None = None,
@@ -110,31 +115,38 @@ class ModelRunner:
         token is still pending (Request.num_pending). `draft_fills`: token rows of drafts still
         on the device (speculative/device_drafts.py; one process only: speculation refuses
         parallel runs)."""
-        seqs, fill = self.step_inputs(chunks, prev_tokens)
+        seqs, fill, slots = self.step_inputs(chunks, prev_tokens)
         if draft_fills:
             fill = Fills([f for f in (fill, *draft_fills) if f is not None])
         if self.workers is not None:
             self.workers.send_step(seqs, fill, num_sampled=sum(c.completes for c in chunks))
-        return self.run_seqs(seqs, fill, self._images(chunks, seqs))
+        out = self.run_seqs(seqs, fill, self._images(chunks, seqs))
+        out.slots = slots
+        return out
 
     def step_inputs(self, chunks: list[ScheduledChunk], prev_tokens: torch.Tensor | None
-                    ) -> tuple[list[SeqChunk] | StepRows, PendingFill | None]:
-        """The step's sequences and the token rows still on the device: decode rows gathered
-        into StepRows (engine/decode_rows.py) when there are any, else a SeqChunk per chunk."""
-        gathered = None
-        if (self.gather_decode_rows and len(chunks) >= self.gather_min_rows and self.workers is None
-                and self.vision is None):
-            gathered = gather_rows(chunks, self.cache.seqs, self.seq_chunk)
+                    ) -> tuple[list[SeqChunk] | StepRows, PendingFill | None, StepSlots | None]:
+        """The step's sequences, the token rows still on the device, and the chunks' rows of the
+        persistent batch when it was used (else None): decode rows read from it into StepRows
+        (engine/decode_rows.py) when there are any, else a SeqChunk per chunk."""
+        batch = self.batch
+        if batch is None or len(chunks) < self.gather_min_rows or self.workers is not None or self.vision is not None:
+            if batch is not None:
+                batch.forget(chunks)        # their fields change this step without the batch following
+            seqs = [self.seq_chunk(c) for c in chunks]
+            return seqs, pending_fill(chunks, seqs, prev_tokens), None
+        rows = batch.step_slots(chunks, self.cache.seqs)
+        gathered = gather_rows(chunks, rows, batch, self.seq_chunk)
         if gathered is None:
             seqs = [self.seq_chunk(c) for c in chunks]
-            return seqs, pending_fill(chunks, seqs, prev_tokens)
-        rows, dst, src = gathered
+            return seqs, pending_fill(chunks, seqs, prev_tokens), rows
+        step, dst, src = gathered
         if not len(dst):
-            return rows, None
+            return step, None, rows
         if prev_tokens is None:
             raise RuntimeError(f"{len(dst)} scheduled tokens are pending with no step in flight")
-        in_order = bool((dst == np.arange(len(dst))).all() and (src == dst).all())
-        return rows, PendingFill(torch.from_numpy(dst), torch.from_numpy(src), prev_tokens, in_order)
+        in_order = bool(dst[-1] == len(dst) - 1 and (src == dst).all())    # (dst: distinct, ascending)
+        return step, PendingFill(torch.from_numpy(dst), torch.from_numpy(src), prev_tokens, in_order), rows
 
     @torch.inference_mode()
     def run_seqs(self, seqs: list[SeqChunk] | StepRows, fill: PendingFill | None = None,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4.ops.backend import use_triton
 from dsv4.sampling_params import SamplingParams
 from dsv4.structured.masks import GrammarMask, keep_bits
 
@@ -236,7 +237,12 @@ def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
     mask.bitmask [R, ceil(V / 32)] int32 (bit t % 32 of word t // 32 = token t allowed), ANDed
     with mask.keep [ceil(V / 32)] when set. One test of each bit against its selector ANDed with
     keep (`mask.keep_bits`, made once by the caller, else here) and one masked fill over the R
-    rows (in place, with no gather, when they are all B): three kernels."""
+    rows (in place, with no gather, when they are all B): three kernels. On CUDA with Triton: one
+    launch (ops/triton/grammar_mask.py)."""
+    if use_triton(logits) and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        from dsv4.ops.triton.grammar_mask import apply_grammar_mask as one_launch
+        one_launch(logits, mask.rows, mask.bitmask, mask.keep, mask.covers_all)
+        return
     select = mask.keep_bits if mask.keep_bits is not None else keep_bits(mask.keep, mask.bitmask.device)
     denied = ((mask.bitmask[:, :, None] & select) == 0).view(mask.bitmask.shape[0], -1)[:, :logits.shape[1]]
     if mask.covers_all and mask.bitmask.shape[0] == logits.shape[0]:

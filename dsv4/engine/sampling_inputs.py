@@ -18,9 +18,9 @@ import dataclasses
 import torch
 
 from ..sampling_params import SamplingParams
-from ..structured.masks import GrammarMask, keep_bits
+from ..structured.masks import GrammarMask, keep_bits, words
 from .request import Request
-from .sampler import Sampler, SamplingBatch, SamplingRow, count_pending, make_generator
+from .sampler import Sampler, SamplingBatch, SamplingRow, apply_grammar_mask, count_pending, make_generator
 from .upload import HostToDevice, upload_tree
 
 
@@ -113,3 +113,15 @@ class SamplingInputs:
                               torch.zeros(len(some), dtype=torch.long, device=device))
             out = sampler(torch.zeros(len(some), self.vocab_size, device=device), batch)
             [t.cpu() for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)]
+        self._warm_grammar_masks(device)
+
+    def _warm_grammar_masks(self, device) -> None:
+        """A grammar mask over every row and over some, with and without `keep` (the mask
+        kernel's variants: ops/triton/grammar_mask.py)."""
+        logits = torch.zeros(2, self.vocab_size, device=device)
+        full = torch.full((2, words(self.vocab_size)), -1, dtype=torch.int32, device=device)
+        for keep in (None, full[0]):
+            for rows in (torch.arange(2, device=device), torch.arange(1, device=device)):
+                apply_grammar_mask(logits, GrammarMask(rows, full[:len(rows)], len(rows) == 2, keep,
+                                                       keep_bits(keep, device) if keep is not None else None))
+        logits.cpu()

@@ -169,7 +169,7 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         self.cache.release(req)
         self.running.remove(req)
-        req.status, req.num_computed = Status.WAITING, 0
+        req.status, req.num_computed, req.batch_row = Status.WAITING, 0, -1     # (leaves the persistent batch)
         req.num_preemptions += 1
         self.waiting.appendleft(req)
 
@@ -182,7 +182,7 @@ class Scheduler:
         if status is Status.FINISHED and self.on_finish is not None:
             self.on_finish(req)
         self.cache.release(req)
-        req.status = status
+        req.status, req.batch_row = status, -1      # (leaves the persistent batch: engine/slot_state.py)
 
     def counts(self) -> tuple[int, int]:
         """(running, waiting) requests."""

@@ -67,9 +67,9 @@ def test_teacher_forced_decode_after_whole_prefill(tiny, h, forcer, sequence):
 @pytest.mark.parametrize("chunk", [1, 3, 37, 129])
 def test_teacher_forced_chunked_prefill(tiny, h, forcer, sequence, chunk):
     """A 300-token prompt prefilled in chunks of `chunk` tokens (every alignment the chunk size
-    produces), then 140 forced decode steps."""
-    prompt = 300
-    spec = h.Forced("chunked", sequence[:prompt], sequence[prompt:])
+    produces), then forced decode steps past the next C128 close (at 384) and 8 more."""
+    prompt, end = 300, 3 * HCA_RATIO + 8
+    spec = h.Forced("chunked", sequence[:prompt], sequence[prompt:end])
     run = forcer.run(tiny.engine(max_num_batched_tokens=chunk, max_num_seqs=2, num_pages=4), [spec])
     prefill = [(start, n) for step in run.steps for _, start, n in step if start < prompt]
     want = [(a, min(chunk, prompt - a)) for a in range(0, prompt, chunk)]

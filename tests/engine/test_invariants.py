@@ -44,7 +44,8 @@ def test_position_addressed_rollback(tiny, h, stepper, n, ratio):
     if n == 158:
         W = tiny.cfg.sliding_window
         assert (n - W + 1) // 128 < (n + S - W) // 128
-    tokens = tiny.tie_free_ids(n + 150, seed=11 + n)
+    close = next(p for p in range(n + S, n + S + HCA_RATIO) if (p + 1) % HCA_RATIO == 0)
+    tokens = tiny.tie_free_ids(close + 1 + 2 * S, seed=11 + n)   # decode steps up to the close and a little past
     assert any((p + 1) % HCA_RATIO == 0 for p in range(n + S, len(tokens))), "no C128 close after the rewind"
     wrong = [(t + 1 + i) % tiny.cfg.vocab_size for i, t in enumerate(tokens[n:n + S])]
     rest = [S] + [1] * (len(tokens) - n - S)     # the corrected draft, then decode steps

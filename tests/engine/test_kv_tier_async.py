@@ -54,21 +54,43 @@ def run(eng, prompts: dict[str, list[int]], max_tokens: dict[str, int], streams=
     raise AssertionError("the engine did not finish")
 
 
+FIRST_LENGTHS = {"long": 4, **{f"d{i}": 40 for i in range(4)}}
+AGAIN_LENGTHS = {"again": 8, **{f"d{i}": 30 for i in range(4)}}
+
+
+def first_prompts(tiny) -> dict[str, list[int]]:
+    """A long prompt (pages of 256, 512, 768 offloaded) and four short ones that decode beside it."""
+    return {"long": tiny.tie_free_ids(900, seed=611), **{f"d{i}": tiny.ids(60 + 7 * i, seed=620 + i) for i in range(4)}}
+
+
+def again_prompts(first: dict[str, list[int]], outputs: dict[str, list[int]]) -> dict[str, list[int]]:
+    """The long prompt's first 800 tokens again; the short ones continued with their answers."""
+    return {"again": first["long"][:800], **{rid: p + outputs[rid] for rid, p in first.items() if rid != "long"}}
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny) -> tuple[dict, dict]:
+    """A plain engine's (no prefix cache, no tiers) greedy tokens for both phases of
+    test_offload_and_restore_beside_decodes_never_wait, shared by its parameters."""
+    plain = tiny.engine(max_num_batched_tokens=256, max_num_seqs=6, num_pages=60, enable_prefix_caching=False)
+    prompts = first_prompts(tiny)
+    first = run(plain, prompts, FIRST_LENGTHS)
+    return first, run(plain, again_prompts(prompts, first), AGAIN_LENGTHS)
+
+
 @pytest.mark.parametrize("threaded", [False, True])
-def test_offload_and_restore_beside_decodes_never_wait(tiny, threaded):
+def test_offload_and_restore_beside_decodes_never_wait(tiny, plain_outputs, threaded):
     """`threaded`: the mover issues its copies from a thread of its own, as when serving."""
-    long = tiny.tie_free_ids(900, seed=611)
-    others = {f"d{i}": tiny.ids(60 + 7 * i, seed=620 + i) for i in range(4)}
+    prompts = first_prompts(tiny)
     eng = tiny.engine(max_num_batched_tokens=256, max_num_seqs=6, num_pages=60, host_cache_gb=0.02)
     streams = DeferredStreams(random.Random(3))
     tiers = eng.cache.tiers
     tiers.mover = Mover(streams, tiers.codec, make_executor(threaded, "test-mover"))
-    plain = tiny.engine(max_num_batched_tokens=256, max_num_seqs=6, num_pages=60, enable_prefix_caching=False)
+    plain_first, plain_again = plain_outputs
 
     # 1. the long prompt prefills (offloading 256, 512, 768) while the others decode
-    lengths = {"long": 4, **{rid: 40 for rid in others}}
-    first = run(eng, {"long": long, **others}, lengths, streams)
-    assert first == run(plain, {"long": long, **others}, lengths)
+    first = run(eng, prompts, FIRST_LENGTHS, streams)
+    assert first == plain_first
     assert tiers.stats.bytes["gpu_to_host"] > 0
     assert streams.waits == 0
 
@@ -86,10 +108,8 @@ def test_offload_and_restore_beside_decodes_never_wait(tiny, threaded):
     def watch(outputs):
         if tiers.loads:
             decoded_while_waiting.extend(t for o in outputs if o.request_id != "again" for t in o.new_token_ids)
-    lengths = {"again": 8, **{rid: 30 for rid in others}}
-    again = {"again": long[:800], **{rid: p + first[rid] for rid, p in others.items()}}
-    second = run(eng, again, lengths, streams, watch)
-    assert second == run(plain, again, lengths)
+    second = run(eng, again_prompts(prompts, first), AGAIN_LENGTHS, streams, watch)
+    assert second == plain_again
     assert tiers.stats.hit_tokens["host"] == 768
     assert decoded_while_waiting, "no step ran while the restore was in flight"
     assert streams.waits == 0, "the step's thread waited for a tier copy"

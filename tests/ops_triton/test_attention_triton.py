@@ -249,3 +249,18 @@ def test_packed_fp8_v4_rows_long_lists_split(device, dtype):
         outs.append(out)
     assert want.abs().max() > 0.1                                  # the scores are not all in the sink
     torch.testing.assert_close(outs[0].float(), outs[1].float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("T, slots, dtype, pool_dtype, expected", [
+    (255, 4096, torch.bfloat16, torch.bfloat16, "DECODE_TILES"),    # too few tokens for the long tile
+    (256, 4096, torch.bfloat16, torch.bfloat16, "LONG_TILES"),      # a short chunk deep in a prompt
+    (256, 1024, torch.bfloat16, torch.bfloat16, "DECODE_TILES"),    # short slot list, below PREFILL_FROM
+    (2048, 1024, torch.bfloat16, torch.bfloat16, "PREFILL_TILES"),
+    (2048, 4096, torch.bfloat16, torch.bfloat16, "LONG_TILES"),
+    (2048, 4096, torch.bfloat16, torch.uint8, "PREFILL_TILES"),     # packed FP8 rows keep the prefill tile
+    (2048, 4096, torch.float32, torch.float32, "DECODE_TILES"),     # fp32 (checks) always the decode tile
+])
+def test_default_tiles_by_step_and_slot_list(T, slots, dtype, pool_dtype, expected):
+    q = torch.empty(T, 1, 8, dtype=dtype)
+    tiles = triton_attention._default_tiles(q, slots, [torch.empty(1, 8, dtype=pool_dtype)])
+    assert tiles == getattr(triton_attention, expected)

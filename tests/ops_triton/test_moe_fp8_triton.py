@@ -79,8 +79,10 @@ def fp8_down_defaults(T, ks, tiles=None):
 BF16, FP32 = torch.bfloat16, torch.float32
 
 
-# k = 1..6 at T = 1 in both dtypes, at T = 3 in alternating dtypes (the interpreter is slow)
-@pytest.mark.parametrize("T,k,dtype", [(1, k, d) for k in range(1, 7) for d in (FP32, BF16)]
+# k = 1, 2 and 6 at T = 1 in both dtypes, k = 3..5 there and k = 1..6 at T = 3 in alternating
+# dtypes (the interpreter is slow; a k is one more pair through the same loops)
+@pytest.mark.parametrize("T,k,dtype", [(1, k, d) for k in (1, 2, 6) for d in (FP32, BF16)]
+                         + [(T, k, BF16 if (k + T) % 2 == 0 else FP32) for T, k in [(1, 3), (1, 4), (1, 5)]]
                          + [(3, k, BF16 if k % 2 == 0 else FP32) for k in range(1, 7)])
 def test_decode_fp8(device, dtype, T, k):
     x, weights, ids, w1, w2, w3, scales = make_inputs(device, T, k, dtype, seed=k)
@@ -91,20 +93,29 @@ def test_decode_fp8(device, dtype, T, k):
     assert_matches(got, moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales), dtype)
 
 
+# test_decode_fp8_shared_tiles: 2 tokens of 3 routed pairs + the shared one (k = 1..6 are
+# test_decode_fp8's); down split 3: 8 (expert, I-block) units (default tiles) in 3 + 3 + 2
+SHARED_T, SHARED_K, SHARED_SPLIT = 2, 3, 3
+
+
 @pytest.mark.parametrize("tiles,dtype,pow2", [("default", BF16, True), ("default", BF16, False),
                                               ("default", FP32, False), ("wide", BF16, False), ("wide", FP32, True),
                                               ("small", BF16, False)])
 def test_decode_fp8_shared_tiles(device, tiles, dtype, pow2):
     """The shared expert fused as one more pair, FP8 too; tiles within and across scale blocks;
-    non-power-of-two fp32 scales (rounded to x's dtype after the product, as at load)."""
-    x, weights, ids, w1, w2, w3, scales = make_inputs(device, 3, 6, dtype, pow2)
+    non-power-of-two fp32 scales (rounded to x's dtype after the product, as at load). Down split
+    SHARED_SPLIT (the default split, one (expert, I-block) unit per program here, is test_decode_fp8's):
+    each program sums several units, the shared pair among them, and the interpreter runs
+    fewer programs than the default's (up to 49 splits with the small tiles)."""
+    x, weights, ids, w1, w2, w3, scales = make_inputs(device, SHARED_T, SHARED_K, dtype, pow2)
     sw, ss = make_shared(device, pow2)
     got = triton_moe.routed_experts(x, weights, ids, w1, w2, w3, LIMIT, shared=sw, scales=scales,
-                                    shared_scales=ss, **DECODE_TILES[tiles])
+                                    shared_scales=ss, **DECODE_TILES[tiles], down_split=SHARED_SPLIT)
     d1, d2, d3 = dequantised((w1, w2, w3), scales, dtype)
     dsw = dequantised(sw, ss, dtype)
+    same_tiles = {**fp8_down_defaults(SHARED_T, SHARED_K + 1, DECODE_TILES[tiles]), "down_split": SHARED_SPLIT}
     assert_same_as_dequantised(got, triton_moe.routed_experts(x, weights, ids, d1, d2, d3, LIMIT, shared=dsw,
-                                                              **fp8_down_defaults(3, 7, DECODE_TILES[tiles])),
+                                                              **same_tiles),
                                pow2, dtype, device)
     want = (moe_ops.routed_experts_loop(x, weights, ids, w1, w2, w3, LIMIT, scales)
             + moe_ops.dense_swiglu(x, *sw, LIMIT, scales=ss))

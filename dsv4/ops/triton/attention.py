@@ -356,10 +356,12 @@ def _default_splits(q: torch.Tensor, programs: int, slot_blocks: int) -> int:
 # step takes it to 1.79 ms; for decode-size batches the candidates were within run-to-run
 # noise, so the register-checked default stays.
 PREFILL_TILES, DECODE_TILES, PREFILL_FROM = (64, 64, 8, 2), (16, 32, 8, 2), 1024
-# A prefill chunk over a long slot list (an HCA layer deep in a prompt: ~7k C128 entries at 900k)
-# takes 128 keys a step over 32 heads and 4 warps: 9.7 against 14.0 ms for a 2,048-token chunk at
-# 900k (`python -m benchmarks.kernels.attention --deep-hca`, H200)
-LONG_TILES, LONG_FROM = (32, 128, 4, 2), 2048
+# A step of LONG_MIN_TOKENS tokens or more over a long slot list (an HCA layer deep in a prompt:
+# ~7k C128 entries at 900k) takes 128 keys a step over 32 heads and 4 warps: a 2,048-token chunk
+# at 900k 9.7 against 14.0 ms with the prefill tile; 512 tokens 2.5 against 8.0 ms and 256 tokens
+# 1.3 against 4.2 ms with the decode tile (`python -m benchmarks.kernels.attention --deep-hca
+# --deep-short`, H200)
+LONG_TILES, LONG_FROM, LONG_MIN_TOKENS = (32, 128, 4, 2), 2048, 256
 MERGE_BLOCK_D = 64              # channels per program of the split merge (D = 512: 8 programs a head block)
 
 
@@ -367,11 +369,11 @@ def _default_tiles(q: torch.Tensor, slots: int, pools: list[torch.Tensor]) -> tu
     """(h_block, block_k, num_warps, num_stages) by step size and slot-list width. fp32 (checks
     only) keeps the decode tiles: the prefill tile's q and keys would need 273 KB of shared memory;
     packed FP8 pools keep the prefill tile (the long one is measured on model-dtype rows only)."""
-    if q.shape[0] < PREFILL_FROM or q.dtype == torch.float32:
+    if q.dtype == torch.float32 or q.shape[0] < LONG_MIN_TOKENS:
         return DECODE_TILES
     if slots >= LONG_FROM and all(kv.dtype == q.dtype for kv in pools):
         return LONG_TILES
-    return PREFILL_TILES
+    return DECODE_TILES if q.shape[0] < PREFILL_FROM else PREFILL_TILES
 
 
 def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor | PagedRows]],
