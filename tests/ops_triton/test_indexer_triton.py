@@ -218,8 +218,9 @@ def test_tiles_and_ties_are_the_reference(score_tile, topk, rows_min, device, mo
 def test_tiles_and_ties_with_the_split_row_topk(device, monkeypatch):
     """test_tiles_and_ties_are_the_reference with row_topk's split variant as the indexer's
     (dsv4/ops/triton/row_topk_split.py; blocks of 64, tiles of 48 entries merged into a running
-    set, the fallback on ties)."""
-    monkeypatch.setattr(row_topk, "SPLIT", Split(block=64, blocks=4, block_cap=8, filter_warps=1, select_warps=1))
+    set, ties beyond the small select's lanes: the big select)."""
+    monkeypatch.setattr(row_topk, "SPLIT", Split(block=64, blocks=4, filter_warps=1, select_warps=1, lanes=16,
+                                                 big_warps=1))
     test_tiles_and_ties_are_the_reference(40, 10, 1, device, monkeypatch)
 
 

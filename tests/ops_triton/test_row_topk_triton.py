@@ -21,11 +21,11 @@ def small_chunks(monkeypatch):
 PIVOTS = [True, False]      # interpolated, bisected
 # (interpolated pivots, scores a step of stage 1's second read; 0: candidates from registers)
 VARIANTS = [(True, 512), (False, 0), (True, 0)]
-# split variants: launches of 2048 columns (4 blocks of 512, or 8 of 256 with a fallback of 1024 a
-# launch), the fallback's programs fewer than the rows (each loops over several)
-SPLITS = [Split(block=512, blocks=4, block_cap=64, filter_warps=4, select_warps=4, fallback_programs=2),
-          Split(block=256, blocks=8, block_cap=32, filter_warps=2, select_warps=4, fallback_chunk=1024)]
-NO_CUT = Split(block=512, blocks=4, block_cap=64, filter_warps=4, select_warps=4, cut_first=False)
+# split variants: launches of 2048 columns (4 blocks of 512 with the edges first, or 8 of 256
+# without), a small select of a few lanes (more candidates: the big select)
+SPLITS = [Split(block=512, blocks=4, filter_warps=4, select_warps=4, lanes=128, big_warps=4),
+          Split(block=256, blocks=8, filter_warps=2, select_warps=4, lanes=64, big_warps=2, edges_first=False)]
+NO_EDGES = Split(block=512, blocks=4, filter_warps=4, select_warps=4, lanes=128, big_warps=4, edges_first=False)
 
 
 def reference(scores: torch.Tensor, k: int, first: int = 0) -> torch.Tensor:
@@ -40,13 +40,16 @@ def check_tiles(scores: torch.Tensor, k: int, device, widths: list[int], first: 
                 sub: int = rk.SUB, split: Split | None = None) -> torch.Tensor | None:
     """Add scores tile by tile (widths), then compare the set (ascending offsets) and the
     sorted offsets with the reference over the whole row -> for a split variant, the launches
-    per row whose fallback chose ([T] int32, summed over the tiles)."""
+    per row whose big select chose ([T] int32, summed over the tiles)."""
     running = rk.RowTopk(k)
-    e0, fallbacks = 0, None
+    e0, big = 0, None
     for w in widths:
-        keys, fb = rk.row_topk_fallbacks(scores[:, e0:e0 + w].to(device), k, first + e0, running.keys, chunk=CHUNK,
-                                         interp=interp, sub=sub, split=split)
-        fallbacks = fb if fallbacks is None else fallbacks + fb
+        part = scores[:, e0:e0 + w].to(device)
+        if split is None:
+            keys = rk.row_topk(part, k, first + e0, running.keys, chunk=CHUNK, interp=interp, sub=sub)
+        else:
+            keys, fb = rk.row_topk_big_selects(part, k, first + e0, running.keys, interp=interp, split=split)
+            big = fb if big is None else big + fb
         running.keys = keys
         e0 += w
     assert e0 == scores.shape[1]
@@ -58,7 +61,7 @@ def check_tiles(scores: torch.Tensor, k: int, device, widths: list[int], first: 
     assert bool((offs[:, 1:] > offs[:, :-1])[chosen[:, 1:]].all())                      # ascending offsets
     assert torch.equal(rk.sorted_keys(got), want)
     assert torch.equal(running.offsets().cpu(), key_offsets(want))
-    return None if fallbacks is None else fallbacks.cpu()
+    return None if big is None else big.cpu()
 
 
 def ragged_rows(T: int, W: int, seed: int) -> torch.Tensor:
@@ -127,53 +130,79 @@ def test_split_rows_of_different_lengths(T, W, k, split, device):
     check_tiles(ragged_rows(T, W, seed=T * W + k), k, device, [W], split=split)
 
 
-@pytest.mark.parametrize("split", SPLITS, ids=Split.label)
-def test_split_spread_top_k_needs_no_fallback(split, device):
-    """Random scores: a first tile cuts every block and the top k spread over them passes the
-    check; later tiles (a full set) keep few candidates a block. The select chooses every row."""
-    scores = torch.randn(3, 6000, generator=torch.Generator().manual_seed(3))
-    fallbacks = check_tiles(scores, 40, device, [2048, 1952, 2000], first=99, split=split)
-    assert fallbacks.sum() == 0
+def shaped_rows(shape: str, T: int, W: int, seed: int) -> torch.Tensor:
+    """[T, W] scores of one shape along the row: random; rising or falling with the offset (the
+    best at the newest / oldest entries, over noise); constant (every score ties); causal tails
+    (row t valid for its first 1 + t * t entries: early rows of a chunk, mostly -inf); clustered
+    (a few runs of high scores at random places)."""
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn(T, W, generator=g)
+    ramp = torch.linspace(0, 8, W)
+    if shape == "random":
+        return noise
+    if shape == "rising":
+        return noise + ramp
+    if shape == "falling":
+        return noise - ramp
+    if shape == "constant":
+        return torch.full((T, W), 1.25)
+    if shape == "causal":
+        lengths = 1 + torch.arange(T) ** 2
+        return noise.masked_fill(torch.arange(W)[None, :] >= lengths[:, None], NEG_INF)
+    assert shape == "clustered"
+    starts = torch.randint(0, W - 64, (T, 3), generator=g)
+    cols = torch.arange(W)[None, None, :]
+    inside = ((cols >= starts[..., None]) & (cols < starts[..., None] + 64)).any(1)
+    return noise + 6.0 * inside
+
+
+SHAPES = ["random", "rising", "falling", "constant", "causal", "clustered"]
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=Split.label)
-def test_split_crowded_top_k_takes_the_fallback(split, device):
-    """Scores rising with the offset: the top k of each launch lie in its last block, more than
-    it keeps (k > block_cap), so every row of both launches is flagged and the fallback chooses.
-    A row of one score: its first launch too (ties: a cut past the run), not its second (a full
-    set at that score: no candidate). Same selection as the reference."""
-    T, W, k = 3, 4096, split.block_cap * 3 // 2
-    scores = torch.arange(W).float().repeat(T, 1) * 0.5 - 7
-    scores[1] = 2.0
-    fallbacks = check_tiles(scores, k, device, [2048, 2048], split=split)
-    assert fallbacks.tolist() == [2, 1, 2]
+@pytest.mark.parametrize("shape", SHAPES)
+def test_split_score_shapes(shape, split, device):
+    """Every score shape as a first tile and merged into a full running set (three launches,
+    the last one narrower), the small and big selects as the candidates fall: the reference."""
+    check_tiles(shaped_rows(shape, 5, 6000, seed=len(shape)), 40, device, [2048, 1952, 2000], first=99, split=split)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_split_big_select_forced(shape, device):
+    """Lanes of 16: every row with more candidates is chosen by the big select (in its first
+    launch at least where it has more than 16 valid scores: each a candidate), the same selection."""
+    split = Split(block=256, blocks=8, filter_warps=2, select_warps=2, lanes=16, big_warps=2)
+    scores = shaped_rows(shape, 6, 4096, seed=7)
+    big = check_tiles(scores, 40, device, [2048, 2048], split=split)
+    assert bool((big[(scores[:, :2048] > NEG_INF).sum(1) > 16] >= 1).all())
+
+
+@pytest.mark.parametrize("shape", ["rising", "falling", "constant"])
+def test_split_edges_bound_the_other_blocks(shape, device):
+    """Scores rising, falling or tied along the row: the oldest and newest blocks' k-th keys
+    leave the other blocks no candidate, so the small select (128 lanes: the two edges' 40 each)
+    chooses every row; without the edges first each block keeps its best 40 (the big select)."""
+    scores = shaped_rows(shape, 3, 4096, seed=2)
+    if shape != "constant":
+        scores = torch.arange(4096).float().repeat(3, 1) * (0.5 if shape == "rising" else -0.5)
+    assert check_tiles(scores, 40, device, [2048, 2048], split=SPLITS[0]).tolist() == [0, 0, 0]
+    assert bool((check_tiles(scores, 40, device, [2048, 2048], split=NO_EDGES) >= 1).all())
 
 
 @pytest.mark.parametrize("values,split", [(3, SPLITS[1]), (50, SPLITS[0])], ids=["3", "50"])
 def test_split_exact_ties(values, split, device):
-    """test_exact_ties on the split variant: runs of ties longer than a block keeps (cut past
-    the run, flagged), ties split between the running set and the tile; and -inf tails."""
+    """test_exact_ties on the split variant: runs of ties longer than a block keeps (the first
+    in offset order kept), ties split between the running set and the tile; -inf tails."""
     g = torch.Generator().manual_seed(values)
     scores = torch.randint(-values, values, (4, 2500), generator=g).float() * 0.25
     scores[1] = 7.0
     scores[2, 1000:] = NEG_INF
-    fallbacks = check_tiles(scores, 40, device, [2500], split=split)
-    assert fallbacks[1] == 1 or split.block_cap >= 2048    # row 1: one run of 2048 ties per launch
+    check_tiles(scores, 40, device, [2500], split=split)
     check_tiles(scores, 40, device, [30, 1200, 1270], split=split)
 
 
-def test_split_without_cuts_of_first_tiles(device):
-    """cut_first False: rows without a full set (a first tile, a row shorter than k so far) take
-    the fallback whole; once full, the select chooses (no fallback)."""
-    scores = ragged_rows(4, 4000, seed=11)
-    fallbacks = check_tiles(scores, 40, device, [2000, 2000], split=NO_CUT)
-    # rows 0-2 are full after their first launch, the last row is empty: flagged in both launches
-    assert fallbacks.tolist() == [1, 1, 1, 2]
-
-
 def test_split_bad_sizes(device):
-    for bad in (Split(block=300), Split(blocks=3), Split(block_cap=100), Split(fallback_chunk=100),
-                Split(fallback_programs=0)):
+    for bad in (Split(block=300), Split(blocks=3), Split(lanes=100), Split(big_warps=0), Split(block=8)):
         with pytest.raises(ValueError, match="split"):
             rk.row_topk(torch.randn(2, 8).to(device), 2, split=bad)
 

@@ -26,8 +26,7 @@ EMPTY_KEY after them. `RowTopk.offsets` sorts the final set once (the reference'
 
 The split variant (`split=`, RowTopk's when SPLIT is set; dsv4/ops/triton/row_topk_split.py)
 reads a tile with many small programs a row (filter) and chooses with a small one a row (select:
-stage 2 above), with this kernel as its fallback for rows the filter could not bound
-(_row_topk_flagged_kernel); the same keys in the same order. The shared Triton helpers:
+stage 2 above); the same keys in the same order, for any scores. The shared Triton helpers:
 dsv4/ops/triton/row_select.py.
 """
 import torch
@@ -60,19 +59,6 @@ def _row_topk_kernel(scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, fi
                      KP: tl.constexpr, CAP: tl.constexpr, SUB: tl.constexpr, INTERP: tl.constexpr):
     _row_topk_row(tl.program_id(0).to(tl.int64), scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, first,
                   WP, KP, CAP, SUB, INTERP)
-
-
-@triton.jit(do_not_specialize=("T", "W", "stride_s", "k", "first"))
-def _row_topk_flagged_kernel(flag_ptr, T, scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, first,
-                             WP: tl.constexpr, KP: tl.constexpr, CAP: tl.constexpr, SUB: tl.constexpr,
-                             INTERP: tl.constexpr):
-    # _row_topk_kernel's rows with flag[row] != 0 (int32 [T]; the split variant's fallback), a
-    # few programs looping over the rows (the unflagged cost a load each)
-    for r in range(tl.program_id(0), T, tl.num_programs(0)):
-        row = r + tl.zeros([], tl.int64)
-        if tl.load(flag_ptr + row) != 0:
-            _row_topk_row(row, scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, first,
-                          WP, KP, CAP, SUB, INTERP)
 
 
 @triton.jit
@@ -162,20 +148,15 @@ def row_topk(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Te
     in ascending offset order, EMPTY_KEY after the last. chunk: columns per launch (a power of
     two); cap: candidates of stage 2 (a power of two >= k, default capacity(k)); sub: see SUB;
     split: the split variant's sizes (dsv4/ops/triton/row_topk_split.py; chunk, num_warps, cap
-    and sub then apply to its fallback only, unless split.fallback_chunk sets its columns a
-    launch), None a program per row (RowTopk passes SPLIT)."""
+    and sub do not apply to it), None a program per row (RowTopk passes SPLIT)."""
     return _row_topk(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub, split)[0]
 
 
-def row_topk_fallbacks(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Tensor | None = None,
-                       chunk: int = CHUNK, num_warps: int = NUM_WARPS, interp: bool = INTERP,
-                       cap: int | None = None, sub: int = SUB,
-                       split: Split | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """row_topk, and for a split variant [T] int32: per row the launches whose fallback chose
-    (None for a program per row)."""
-    keys, flags = _row_topk(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub, split)
-    if split is None:
-        return keys, None
+def row_topk_big_selects(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Tensor | None = None,
+                         interp: bool = INTERP, split: Split = Split()) -> tuple[torch.Tensor, torch.Tensor]:
+    """row_topk's split variant, and [T] int32: per row the launches whose big select chose
+    (more than split.lanes candidates)."""
+    keys, flags = _row_topk(scores, k, first_offset, prev, CHUNK, NUM_WARPS, interp, None, SUB, split)
     if not flags:
         return keys, torch.zeros(keys.shape[0], dtype=torch.int32, device=keys.device)
     return keys, torch.stack(flags).sum(0, dtype=torch.int32)
@@ -206,39 +187,24 @@ def _row_topk(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub,
         return prev, []
     if split is None:
         return _rows(scores, prev, k, first_offset, chunk, num_warps, interp, cap, sub), []
-
-    def fallback(part, prev, out, flags, first):
-        fb_chunk, fb_warps = (split.fallback_chunk, None) if split.fallback_chunk else (chunk, num_warps)
-        _rows(part, prev, k, first, fb_chunk, fb_warps, interp, cap, sub, out=out, flags=flags,
-              programs=split.fallback_programs)
-
     flags = []
     for c0 in range(0, W, split.chunk):
-        prev, f = split_launch(scores[:, c0:c0 + split.chunk], prev, k, first_offset + c0, split, interp, fallback)
+        prev, f = split_launch(scores[:, c0:c0 + split.chunk], prev, k, first_offset + c0, split, interp)
         flags.append(f)
     return prev, flags
 
 
-def _rows(scores, prev, k, first, chunk, num_warps, interp, cap, sub, out=None, flags=None,
-          programs: int = 0) -> torch.Tensor:
-    """row_topk by a program per row, launch after launch of chunk_width(W, chunk) columns
-    (num_warps None: one a 2,048 scores of the width, 4 to 32); with flags [T] int32, only the
-    flagged rows, by `programs` programs, the last launch writing into out (the others' rows of
-    out untouched)."""
+def _rows(scores, prev, k, first, chunk, num_warps, interp, cap, sub) -> torch.Tensor:
+    """row_topk by a program per row, launch after launch of chunk_width(W, chunk) columns."""
     T, W = scores.shape
     wp, kp = chunk_width(W, chunk), triton.next_power_of_2(k)
-    warps = num_warps or min(32, max(4, wp // 2048))
     cand = torch.empty((T, cap), dtype=torch.long, device=scores.device)
     for c0 in range(0, W, wp):
         part = scores[:, c0:c0 + wp]
-        dst = out if out is not None and c0 + wp >= W else torch.empty((T, k), dtype=torch.long, device=scores.device)
-        args = (part, prev, cand, dst, part.shape[1], scores.stride(0), k, first + c0)
-        meta = dict(WP=wp, KP=kp, CAP=cap, SUB=min(sub, wp), INTERP=interp, num_warps=warps)
-        if flags is None:
-            _row_topk_kernel[(T,)](*args, **meta)
-        else:
-            _row_topk_flagged_kernel[(min(T, programs),)](flags, T, *args, **meta)
-        prev = dst
+        out = torch.empty((T, k), dtype=torch.long, device=scores.device)
+        _row_topk_kernel[(T,)](part, prev, cand, out, part.shape[1], scores.stride(0), k, first + c0,
+                               WP=wp, KP=kp, CAP=cap, SUB=min(sub, wp), INTERP=interp, num_warps=num_warps)
+        prev = out
     return prev
 
 
