@@ -142,14 +142,15 @@ def _filter_kernel(scores_ptr, thr_ptr, bound_ptr, cand_ptr, count_ptr, W, strid
 
 
 @triton.jit
-def _select_row(row, prev_ptr, out_ptr, ck, k, KP: tl.constexpr, INTERP: tl.constexpr):
-    # prev/out [T, k] int64 keys in ascending offset order, EMPTY_KEY after the last; ck the
-    # row's candidates (offsets above prev's) in ascending offset order, EMPTY_KEY gaps
-    # anywhere. out[row] = the top k of prev and ck (row_topk's stage 2).
+def _select_row(row, prev_ptr, out_ptr, cand, idx, cmask, k, KP: tl.constexpr, INTERP: tl.constexpr):
+    # prev/out [T, k] int64 keys in ascending offset order, EMPTY_KEY after the last; the row's
+    # candidates (offsets above prev's) at cand + idx where cmask, in ascending offset order
+    # (gaps anywhere). out[row] = the top k of prev and them (row_topk's stage 2). The counts
+    # run on their scores (int32); the chosen keys are read again for the store.
     slots = tl.arange(0, KP)
     pk = tl.load(prev_ptr + row * k + slots, mask=slots < k, other=EMPTY)
     ps = (pk >> 32).to(tl.int32)                                              # EMPTY_KEY: INT32_MIN
-    cs = (ck >> 32).to(tl.int32)
+    cs = (tl.load(cand + idx, mask=cmask, other=EMPTY) >> 32).to(tl.int32)
     # count(>= lo) = n_lo, count(>= hi) = 0: every valid entry
     n_lo = (tl.sum((ps > INT32_MIN).to(tl.int32), axis=0) + tl.sum((cs > INT32_MIN).to(tl.int32), axis=0)).to(tl.int64)
     lo = tl.minimum(tl.min(tl.where(ps > INT32_MIN, ps, INT32_MAX), axis=0),
@@ -162,7 +163,7 @@ def _select_row(row, prev_ptr, out_ptr, ck, k, KP: tl.constexpr, INTERP: tl.cons
     n = n_p + tl.sum(take_c.to(tl.int32), axis=0)
     out = out_ptr + row * k
     tl.store(out + tl.cumsum(take_p.to(tl.int32), axis=0) - 1, pk, mask=take_p)
-    tl.store(out + n_p + tl.cumsum(take_c.to(tl.int32), axis=0) - 1, ck, mask=take_c)
+    tl.store(out + n_p + tl.cumsum(take_c.to(tl.int32), axis=0) - 1, tl.load(cand + idx, mask=take_c), mask=take_c)
     tl.store(out + slots, tl.full([KP], EMPTY, tl.int64), mask=(slots >= n) & (slots < k))
 
 
@@ -184,8 +185,8 @@ def _select_small_kernel(prev_ptr, cand_ptr, count_ptr, out_ptr, flag_ptr, k, nb
     small = total <= LANES
     tl.store(flag_ptr + row, (~small).to(tl.int32))
     if small:
-        ck = tl.load(cand_ptr + (row * nblk + blk) * SLOT + (ci - start), mask=ci < total, other=EMPTY)
-        _select_row(row, prev_ptr, out_ptr, ck, k, KP, INTERP)
+        _select_row(row, prev_ptr, out_ptr, cand_ptr + row * nblk * SLOT, blk * SLOT + ci - start, ci < total, k,
+                    KP, INTERP)
 
 
 @triton.jit(do_not_specialize=("k", "nblk"))
@@ -197,8 +198,7 @@ def _select_big_kernel(prev_ptr, cand_ptr, count_ptr, out_ptr, flag_ptr, k, nblk
         ci = tl.arange(0, NBLK * SLOT)
         blk = ci // SLOT
         cnt = tl.load(count_ptr + row * nblk + blk, mask=blk < nblk, other=0)
-        ck = tl.load(cand_ptr + row * nblk * SLOT + ci, mask=(ci % SLOT) < cnt, other=EMPTY)
-        _select_row(row, prev_ptr, out_ptr, ck, k, KP, INTERP)
+        _select_row(row, prev_ptr, out_ptr, cand_ptr + row * nblk * SLOT, ci, (ci % SLOT) < cnt, k, KP, INTERP)
 
 
 def split_launch(part: torch.Tensor, prev: torch.Tensor, k: int, first: int, split: Split,
