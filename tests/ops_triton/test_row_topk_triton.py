@@ -22,9 +22,11 @@ PIVOTS = [True, False]      # interpolated, bisected
 # (interpolated pivots, scores a step of stage 1's second read; 0: candidates from registers)
 VARIANTS = [(True, 512), (False, 0), (True, 0)]
 # split variants: launches of 2048 columns (4 blocks of 512 with the edges first, or 8 of 256
-# without), a small select of a few lanes (more candidates: the big select)
+# without, or 4 of 512 with slots of twice k's power of two), a small select of a few lanes (more
+# candidates: the big select)
 SPLITS = [Split(block=512, blocks=4, filter_warps=4, select_warps=4, lanes=128, big_warps=4),
-          Split(block=256, blocks=8, filter_warps=2, select_warps=4, lanes=64, big_warps=2, edges_first=False)]
+          Split(block=256, blocks=8, filter_warps=2, select_warps=4, lanes=64, big_warps=2, edges_first=False),
+          Split(block=512, blocks=4, filter_warps=4, select_warps=4, lanes=128, big_warps=4, slot_mult=2)]
 NO_EDGES = Split(block=512, blocks=4, filter_warps=4, select_warps=4, lanes=128, big_warps=4, edges_first=False)
 
 
@@ -202,7 +204,8 @@ def test_split_exact_ties(values, split, device):
 
 
 def test_split_bad_sizes(device):
-    for bad in (Split(block=300), Split(blocks=3), Split(lanes=100), Split(big_warps=0), Split(block=8)):
+    for bad in (Split(block=300), Split(blocks=3), Split(lanes=100), Split(big_warps=0), Split(block=8),
+                Split(slot_mult=3)):
         with pytest.raises(ValueError, match="split"):
             rk.row_topk(torch.randn(2, 8).to(device), 2, split=bad)
 

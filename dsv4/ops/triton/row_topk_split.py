@@ -8,7 +8,7 @@ of its bandwidth). Exact for any scores: no row ever needs row_topk's kernel. Pe
              EMPTY_KEY: a tile entry with a lower key is never chosen (k keys are above it).
   filter     (a program per row and block of BLOCK scores) keeps the block's entries with keys
              at or above the row's threshold, in offset order, in a slot of SLOT keys (the power
-             of two >= k, or BLOCK when smaller). When more remain it narrows (row_topk's
+             of two >= k times `slot_mult`, or BLOCK when smaller). When more remain it narrows (row_topk's
              counts, in registers) and keeps the block's best k at least (ties at the cut: the
              first in offset order): every entry of the row's top k in the block is kept.
              With `edges_first` the oldest and newest blocks go first (a launch of their own)
@@ -45,7 +45,9 @@ class Split:
     `blocks` of them a launch (a power of two; chunk = block * blocks columns), warps of the
     filter, small select and big select programs, the small select's candidates at most
     (`lanes`, a power of two), whether the oldest and newest blocks go first (their bounds
-    raise the other blocks' threshold)."""
+    raise the other blocks' threshold), a block's slot in powers of two >= k (`slot_mult`, a
+    power of two: 2 lets a first tile's blocks keep their ~k entries above the edges' bounds
+    without narrowing; the big select holds blocks * slot keys a row)."""
     block: int = 2048
     blocks: int = 16
     filter_warps: int = 2
@@ -53,6 +55,7 @@ class Split:
     lanes: int = 2048
     big_warps: int = 8
     edges_first: bool = True
+    slot_mult: int = 1
 
     @property
     def chunk(self) -> int:
@@ -61,10 +64,10 @@ class Split:
     def label(self) -> str:
         b = f"{self.block // 1024}k" if self.block >= 1024 else str(self.block)
         return f"split {b}x{self.blocks}/l{self.lanes}/w{self.filter_warps},{self.select_warps},{self.big_warps}" + \
-               ("/edges" if self.edges_first else "")
+               ("/edges" if self.edges_first else "") + (f"/s{self.slot_mult}" if self.slot_mult > 1 else "")
 
     def validate(self) -> None:
-        for name in ("block", "blocks", "filter_warps", "select_warps", "lanes", "big_warps"):
+        for name in ("block", "blocks", "filter_warps", "select_warps", "lanes", "big_warps", "slot_mult"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"row_topk: split.{name} must be a power of two, got {v}")
@@ -72,10 +75,10 @@ class Split:
             raise ValueError(f"row_topk: split.block and split.lanes must be >= 16, got {self}")
 
 
-def slot_size(block: int, k: int) -> int:
-    """Keys a block keeps at most: the power of two >= k (a block's best k at least), or the
-    whole block when smaller."""
-    return min(block, triton.next_power_of_2(k))
+def slot_size(block: int, k: int, mult: int = 1) -> int:
+    """Keys a block keeps at most: mult times the power of two >= k (a block's best k at
+    least), or the whole block when smaller."""
+    return min(block, triton.next_power_of_2(k) * mult)
 
 
 @triton.jit(do_not_specialize=("k",))
@@ -209,7 +212,7 @@ def split_launch(part: torch.Tensor, prev: torch.Tensor, k: int, first: int, spl
     T, w = part.shape
     dev = part.device
     nblk = triton.cdiv(w, split.block)
-    kp, slot = triton.next_power_of_2(k), slot_size(split.block, k)
+    kp, slot = triton.next_power_of_2(k), slot_size(split.block, k, split.slot_mult)
     thr = torch.empty(T, dtype=torch.long, device=dev)
     _threshold_kernel[(T,)](prev, thr, k, KP=kp, num_warps=4)
     cand = torch.empty((T, nblk, slot), dtype=torch.long, device=dev)
