@@ -135,13 +135,14 @@ def _filter_kernel(scores_ptr, thr_ptr, bound_ptr, cand_ptr, count_ptr, W, strid
             cut_off = tl.max(tl.where(tie & (rank < k - n_hi), offs, -1), axis=0)
             n = k
     take = (s > cut_s) | ((s == cut_s) & (offs <= cut_off))
-    blk = row * nblk + b
-    tl.store(cand_ptr + blk * SLOT + tl.cumsum(take.to(tl.int32), axis=0) - 1, _key(s, offs, first), mask=take)
-    tl.store(count_ptr + blk, n)
-    if BOUND_OUT:       # the least kept key: the least score, at its newest offset
+    if BOUND_OUT:       # the least kept key: the least score, at its newest offset (before the
+        # store: fewer registers live)
         least = tl.min(tl.where(take, s, INT32_MAX), axis=0)
         newest = tl.max(tl.where(take & (s == least), offs, -1), axis=0)
         tl.store(bound_ptr + row * 2 + j, tl.where(n >= k, _key(least, newest, first), EMPTY))
+    blk = row * nblk + b
+    tl.store(cand_ptr + blk * SLOT + tl.cumsum(take.to(tl.int32), axis=0) - 1, _key(s, offs, first), mask=take)
+    tl.store(count_ptr + blk, n)
 
 
 @triton.jit
