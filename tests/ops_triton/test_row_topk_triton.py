@@ -125,10 +125,11 @@ def test_scores_that_differ_in_the_low_bits(device):
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=Split.label)
-@pytest.mark.parametrize("T,W,k", [(3, 5000, 37), (4, 700, 64), (2, 40, 64)])
+@pytest.mark.parametrize("T,W,k", [(3, 5000, 37), (4, 700, 64), (2, 40, 64), (3, 2500, 300)])
 def test_split_rows_of_different_lengths(T, W, k, split, device):
-    """The split variant on test_one_tile's rows: three launches of 2048 columns, blocks of
-    only -inf, rows shorter than k, one empty."""
+    """The split variant on test_one_tile's rows: three launches of 2048 columns (or fewer
+    blocks: the edges alone), blocks of only -inf, rows shorter than k, one empty; k above a
+    block's size (a block keeps all its candidates, bounds none)."""
     check_tiles(ragged_rows(T, W, seed=T * W + k), k, device, [W], split=split)
 
 
