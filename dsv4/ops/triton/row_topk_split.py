@@ -141,7 +141,8 @@ def _filter_kernel(scores_ptr, thr_ptr, bound_ptr, cand_ptr, count_ptr, W, strid
         newest = tl.max(tl.where(take & (s == least), offs, -1), axis=0)
         tl.store(bound_ptr + row * 2 + j, tl.where(n >= k, _key(least, newest, first), EMPTY))
     blk = row * nblk + b
-    tl.store(cand_ptr + blk * SLOT + tl.cumsum(take.to(tl.int32), axis=0) - 1, _key(s, offs, first), mask=take)
+    if n > 0:           # (deep tiles: most blocks have no candidate)
+        tl.store(cand_ptr + blk * SLOT + tl.cumsum(take.to(tl.int32), axis=0) - 1, _key(s, offs, first), mask=take)
     tl.store(count_ptr + blk, n)
 
 
