@@ -57,17 +57,11 @@ SPLIT: Split | None = None
 @triton.jit(do_not_specialize=("W", "stride_s", "k", "first"))
 def _row_topk_kernel(scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, first, WP: tl.constexpr,
                      KP: tl.constexpr, CAP: tl.constexpr, SUB: tl.constexpr, INTERP: tl.constexpr):
-    _row_topk_row(tl.program_id(0).to(tl.int64), scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, first,
-                  WP, KP, CAP, SUB, INTERP)
-
-
-@triton.jit
-def _row_topk_row(row, scores_ptr, prev_ptr, cand_ptr, out_ptr, W, stride_s, k, first, WP: tl.constexpr,
-                  KP: tl.constexpr, CAP: tl.constexpr, SUB: tl.constexpr, INTERP: tl.constexpr):
     # scores [T, W] (unit column stride) of offsets first + [0, W); prev/out [T, k] int64 keys
     # in ascending offset order, EMPTY_KEY after the last (prev's offsets are all below first);
     # cand [T, CAP] int64 scratch. Stage 1 narrows over the chunk and prev down to <= CAP
     # candidates, written to cand in offset order; stage 2 narrows over those to the k.
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, WP)
     s = _signed_scores(scores_ptr + row * stride_s, offs, W)                  # [WP]
     slots = tl.arange(0, KP)
