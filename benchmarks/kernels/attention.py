@@ -25,6 +25,20 @@ against the bf16 peak: the O(E / 128) attention term of a deep prefill chunk.
     python -m benchmarks.kernels.attention --deep-hca     # ~1 minute
     python -m benchmarks.kernels.attention --deep-hca --deep-short   # + chunks of 256-1024 tokens
 
+With `--deep-hca --variants` (or `--variants`), instead: the same chunk, the per-token kernel's
+default tile (LONG_TILES) and the dispatch's default against every entry of VARIANTS, the
+long-list kernels that `LONG_KERNEL` in dsv4/ops/triton/attention.py can pick (attention_shared.py),
+each checked against the reference (max error printed) and timed; TFLOP/s count the model's
+FLOPs, not a variant's own. `--one-item` hands the history over as one-item pages, as the
+engine does (docs/architecture.md, "A step's addressing"). `--smoke` runs that table on a
+4-token chunk at position 20,000 (H = 64, D = 512: the variants' own tiles) in Triton's
+interpreter on the CPU (checks only: its times mean nothing; ~15 s).
+`python -m benchmarks.kernels.attention_sm90` prints each variant's sm_90 registers, spills and
+shared memory without a GPU.
+
+    python -m benchmarks.kernels.attention --deep-hca --variants     # ~1.5 minutes, 7 compiles included
+    python -m benchmarks.kernels.attention --smoke
+
 A third table times paged sources (PagedRows, dsv4/ops/paged.py) against their dense form on
 the same rows (bit-identical outputs required, and within tolerance of the reference): each
 case's window as a PagedRows over 128-position pages (a CSA layer: the C4 source stays the
@@ -32,15 +46,22 @@ dense top-k), and window plus a range of K compressed entries over 2-entry pages
 Token t sits at position 65536 + 37 t (decode, request t) or PREFILL_START + t (prefill, one
 request); pages are shuffled and LAYERS layers' pages interleave (pitch = LAYERS x page).
 """
+import os
 import sys
+import time
 
-import torch
+SMOKE = "--smoke" in sys.argv
+if SMOKE:
+    os.environ["TRITON_INTERPRET"] = "1"        # before triton is imported
 
-from dsv4.bench.timing import median_ms
-from dsv4.ops import backend
-from dsv4.ops.attention import sparse_attention as dispatch
-from dsv4.ops.paged import PagedRows
-from dsv4.ops.triton import attention as tri
+import torch  # noqa: E402
+
+from dsv4.bench.timing import median_ms  # noqa: E402
+from dsv4.ops import backend  # noqa: E402
+from dsv4.ops.attention import sparse_attention as dispatch  # noqa: E402
+from dsv4.ops.paged import PagedRows  # noqa: E402
+from dsv4.ops.triton import attention as tri  # noqa: E402
+from dsv4.ops.triton import attention_shared as shared  # noqa: E402
 
 H, D, W, K = 64, 512, 128, 512
 HBM_BPS, PEAK_FLOPS = 4.2e12, 800e12
@@ -62,6 +83,23 @@ DEEP_SHORT_T = (256, 512, 1024)
 DEEP_SHORT_SCAN = [(16, 32, 8, 2, None), (32, 128, 4, 2, None), (32, 128, 4, 2, 1), (32, 128, 8, 2, None)]
 TUNE_CASES = [("decode", 1), ("decode", 64), ("prefill", 4096)]
 LAYERS, SWA_PAGE, HCA_PAGE, HCA_RATIO, DECODE_POS = 4, 128, 2, 128, 65536
+# `--deep-hca --variants` / `--variants`: (name, knobs) against the per-token kernel, sm_90 (Triton
+# 3.6) registers, bytes spilled a thread and shared memory in the comments (`attention_sm90`: every
+# dot a wgmma, keys by cp.async). 7 compiles, a few seconds each: the table takes about 1.5 minutes.
+# "shared": tokens x heads a program over the union of their ranges, the output channels split in
+# d_parts (dsv4/ops/triton/attention_shared.py): a SharedTiles (block_t, h_block, block_k, d_parts,
+# warps, stages, q_regs, lazy)
+VARIANT_FNS = {"shared": shared.shared_attention}
+VARIANTS = [("shared", shared.SharedTiles(*tiles)._asdict()) for tiles in [
+    (2, 64, 32, 2, 8, 3, False, True),      # 255 regs, 24 B (outside the loops), 224 KB: M = 128 rows,
+                                            # acc [128, 256], lazy rescaling
+    (2, 64, 32, 2, 8, 3, False, False),     # 255, 8 B, 224 KB: eager rescaling (SHARED_TILES)
+    (2, 64, 32, 2, 8, 3, True, True),       # 255, 144 B, 224 KB: q's own channels in registers
+    (2, 64, 16, 2, 8, 6, False, True),      # 246, 0 B, 224 KB: 16 keys a step, 5 blocks in flight
+    (1, 64, 64, 1, 8, 2, False, True),      # 255, 424 B, 193 KB: M = 64 (one token), acc [64, 512] over
+                                            # 2 warp groups (each computing the whole q k^T)
+    (1, 64, 32, 1, 8, 4, False, True),      # 255, 136 B, 193 KB
+]]
 
 
 def make_case(kind, T, gen):
@@ -138,23 +176,30 @@ def paged_table(gen, scale) -> int:
     return failures
 
 
-def deep_hca_table(gen, scale, tokens: int = DEEP_T, scan: list = DEEP_SCAN) -> int:
-    """Time an HCA layer's attention for a chunk of `tokens` deep in a prompt over tile shapes
-    (the default, the short-list prefill tile, then `scan`); -> failures."""
+def deep_case(gen, tokens: int, pos0: int, heads: int = H, dim: int = D):
+    """One request's chunk of `tokens` at positions pos0 + t of an HCA layer: q, [(SWA pool,
+    window over 128-position pages), (C128 pool, entries e < (p + 1) // 128 over 2-entry pages)],
+    sinks, model FLOPs, C128 entries at its end."""
     t = torch.arange(tokens, device=DEVICE)
-    pos, req = DEEP_POS + t, torch.zeros_like(t)
+    pos, req = pos0 + t, torch.zeros_like(t)
     window, n_swa = paged_rows(req, pos - W + 1, pos + 1, SWA_PAGE, W, gen)
     closed = (pos + 1) // HCA_RATIO
     width = int(closed.max())
     history, n_hca = paged_rows(req, torch.zeros_like(closed), closed, HCA_PAGE, width, gen)
 
     def rows(n):
-        return torch.randn(n, D, generator=gen, device=DEVICE).to(torch.bfloat16)
-    q = torch.randn(tokens, H, D, generator=gen, device=DEVICE).to(torch.bfloat16)
-    sinks = torch.randn(H, generator=gen, device=DEVICE)
-    sources = [(rows(n_swa), window), (rows(n_hca), history)]
+        return torch.randn(n, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
+    q = torch.randn(tokens, heads, dim, generator=gen, device=DEVICE).to(torch.bfloat16)
+    sinks = torch.randn(heads, generator=gen, device=DEVICE)
+    flops = 4 * heads * dim * (W * tokens + float(closed.sum()))
+    return q, [(rows(n_swa), window), (rows(n_hca), history)], sinks, flops, width
+
+
+def deep_hca_table(gen, scale, tokens: int = DEEP_T, scan: list = DEEP_SCAN) -> int:
+    """Time an HCA layer's attention for a chunk of `tokens` deep in a prompt over tile shapes
+    (the default, the short-list prefill tile, then `scan`); -> failures."""
+    q, sources, sinks, flops, width = deep_case(gen, tokens, DEEP_POS)
     want = reference(q, sources, sinks, scale).float()
-    flops = 4 * H * D * (W * tokens + float(closed.sum()))
     print(f"\nHCA layer, chunk of {tokens} at position {DEEP_POS} ({width} C128 entries at its end): "
           f"{flops / 1e12:.2f} TFLOP")
     print(f"{'h_block':>7} {'block_k':>7} {'warps':>5} {'stages':>6} {'ms':>9} {'TFLOP/s':>8} {'%peak':>6}")
@@ -175,18 +220,81 @@ def deep_hca_table(gen, scale, tokens: int = DEEP_T, scan: list = DEEP_SCAN) -> 
     return failures
 
 
+def time_ms(fn, reps: int) -> float:
+    """CUDA: median of CUDA events; CPU (--smoke): one call's wall time (meaningless, run only)."""
+    if DEVICE == "cuda":
+        return median_ms(fn, reps=reps)
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def variants_table(gen, scale, tokens: int, pos0: int, heads: int = H, dim: int = D) -> int:
+    """--variants: the per-token kernel's default tile (LONG_TILES at 900k) against every
+    variant of VARIANTS on the deep chunk, each checked against the reference; -> failures."""
+    q, sources, sinks, flops, width = deep_case(gen, tokens, pos0, heads, dim)
+    if "--one-item" in sys.argv[1:]:
+        sources[1] = (sources[1][0], sources[1][1].one_item_pages())
+    want = reference(q, sources, sinks, scale).float()
+    print(f"\nHCA layer, chunk of {tokens} at position {pos0} ({width} C128 entries at its end"
+          f"{', one-item pages' if '--one-item' in sys.argv[1:] else ''}): "
+          f"{flops / 1e12:.3g} TFLOP; variants against the per-token kernel's default tile")
+    print(f"{'variant':>8} {'knobs':>52} {'ms':>9} {'TFLOP/s':>8} {'%peak':>6} {'speedup':>7} {'max err':>8}")
+    failures, base = 0, None
+    for name, label, fn in candidates(q, sources, sinks, scale):
+        try:
+            out = fn().float()
+            err = (out - want).abs()
+            ok = bool((err <= TOL + TOL * want.abs()).all())
+            ms = time_ms(fn, reps=10)
+            base = base or ms
+            tfs = flops / ms / 1e9
+            print(f"{name:>8} {label:>52} {ms:9.3f} {tfs:8.1f} {100 * tfs * 1e12 / PEAK_FLOPS:5.1f}% "
+                  f"{base / ms:6.2f}x {err.max().item():8.2e}{'' if ok else '  MISMATCH'}", flush=True)
+            failures += not ok
+        except Exception as e:     # a tile that does not fit (shared memory) is reported, not fatal
+            print(f"{name:>8} {label:>52}  failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
+            failures += knobs is None
+    return failures
+
+
+def candidates(q, sources, sinks, scale) -> list[tuple[str, str, object]]:
+    """(name, knobs label, call) of --variants: the per-token kernel at its default tile for these
+    inputs (LONG_TILES at 900k), the dispatch's default (`LONG_KERNEL`'s kernel where it is set),
+    then VARIANTS."""
+    tiles = tri._default_tiles(q, sum(i.width for _, i in sources), [kv for kv, _ in sources])
+    per_token = dict(zip(("h_block", "block_k", "num_warps", "num_stages"), tiles))
+    rows = [("per-tok", str(tiles).replace(" ", ""),
+             lambda: tri.sparse_attention(q, sources, sinks, scale, **per_token)),
+            ("default", f"LONG_KERNEL={tri.LONG_KERNEL}", lambda: tri.sparse_attention(q, sources, sinks, scale))]
+    for name, knobs in VARIANTS:
+        rows.append((name, " ".join(str(v).replace(" ", "") for v in knobs.values()),
+                     lambda k=knobs, f=VARIANT_FNS[name]: f(q, sources, sinks, scale, **k)))
+    return rows
+
+
 def reference(*args):
     with backend.forced("reference"):
         return dispatch(*args)
 
 
 def main() -> int:
+    global DEVICE
+    if SMOKE:                   # the variants' V4 tiles on a 4-token chunk in Triton's interpreter (checks)
+        DEVICE = "cpu"
+        failures = variants_table(torch.Generator().manual_seed(0), D ** -0.5, 4, 20000)
+        print("OK" if not failures else f"{failures} FAILED")
+        return 1 if failures else 0
     if not torch.cuda.is_available():
         print("needs CUDA")
         return 1
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     scale = D ** -0.5
     failures = 0
+    if "--variants" in sys.argv[1:]:
+        failures = variants_table(gen, scale, DEEP_T, DEEP_POS)
+        print("OK" if not failures else f"{failures} FAILED")
+        return 1 if failures else 0
     if "--deep-hca" in sys.argv[1:]:
         failures = deep_hca_table(gen, scale)
         for tokens in DEEP_SHORT_T if "--deep-short" in sys.argv[1:] else ():

@@ -17,6 +17,7 @@ from ..cache.sizing import memory_report, plan_cache, prefix_caching
 from ..cache.tiers import TierOptions
 from ..config import ConfigError, EngineConfig
 from .context_limit import context_limit
+from .grammar_steps import GrammarSteps
 from .outputs import RequestOutput
 from .inflight import HostCopy, PromptLogprobRows, StepInFlight
 from ..model.vision.engine_checks import check_images
@@ -35,7 +36,7 @@ log = logging.getLogger("dsv4.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class LLMEngine:
+class LLMEngine(GrammarSteps):
     def __init__(self, model_dir: str, config: EngineConfig = EngineConfig(), model=None, tokenizer=None):
         from ..model.weights import load_model
         from ..ops.backend import set_backend
@@ -361,76 +362,6 @@ class LLMEngine:
         logits = step.logits[:len(rows)] if rows_t is None else step.logits[rows_t]
         out = self.sampler(logits, batch)
         return out.token_ids, HostCopy([out.token_ids, out.logprobs, out.top_ids, out.top_logprobs])
-
-    # ---- structured outputs (dsv4/structured/) -------------------------------------------
-    def _grammars(self):
-        if self.grammars is None:
-            if self.config.grammar_process:
-                from ..structured.remote import WorkerGrammars
-                self.grammars = WorkerGrammars(self.tokenizer, self.cfg.vocab_size, self.eos_token_id,
-                                               self.config.max_num_seqs * self.config.data_parallel_size)
-            else:
-                from ..structured.registry import Grammars
-                self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, self.eos_token_id)
-        return self.grammars
-
-    def _fail_grammar_requests(self) -> list:
-        """The grammar worker is gone (`grammars.error`): abort every constrained request, each
-        recorded in `failed` with the reason, before any of its tokens sampled without a mask is
-        appended; -> their last outputs (finished, "abort")."""
-        why = self.grammars.error
-        outputs = []
-        for rid in [rid for rid in self.requests if self.grammars.get(rid) is not None]:
-            req = self.requests[rid]
-            self.abort(rid)
-            self.failed.append((rid, why))
-            out = self.make_output(req, [])
-            if out is not None:
-                outputs.append(out)
-        return outputs
-
-    def take_failed(self) -> list[tuple[str, str]]:
-        failed, self.failed = self.failed, []
-        return failed
-
-    @torch.inference_mode()
-    def _start_masks(self, chunks: list[ScheduledChunk], idx: list[int]):
-        """The grammar masks of sampling rows `idx` (structured/masks.PendingMask), or None."""
-        if not self.grammars:
-            return None
-        return self.grammars.step_masks([chunks[i].request.request_id for i in idx])
-
-    def _advance_grammars(self, step: StepInFlight, tokens: list[int], following: StepInFlight | None) -> None:
-        """Advance the matchers by the step's tokens, in row order (before `_append` runs). When
-        `following` samples after the masks, they take them in one xgrammar batch call (one row
-        per request in a non-speculative step) and its masks start filling right after; else
-        one token at a time. Rows past a request's finishing token (speculative rows) may be
-        taken too: its matcher is dropped when it finishes."""
-        taken, get = [], self.grammars.get
-        for row, i in enumerate(step.sampled):
-            req = step.chunks[i].request
-            grammar = None if req.is_finished else get(req.request_id)
-            if grammar is not None:         # (a RequestGrammar, or a slot in the grammar worker)
-                taken.append((grammar, tokens[row]))
-        if following is not None and following.sample_later is not None:
-            following.masks = self.grammars.step_masks(
-                [following.chunks[i].request.request_id for i in following.sampled], taken)
-            return
-        self.grammars.accept(taken)
-
-    def _grammar_waits(self, chunks: list[ScheduledChunk], idx: list[int]) -> bool:
-        """Whether a row to sample is under a grammar while its last token is still on the
-        device: its mask needs that token, so sampling waits for the previous step's read-back
-        (the forward already runs on the GPU meanwhile)."""
-        return bool(self.grammars) and any(
-            chunks[i].request.num_pending and self.grammars.get(chunks[i].request.request_id) is not None
-            for i in idx)
-
-    def _verify_grammar_mask(self, chunks: list[tuple[Request, list[int]]]):
-        """The verify rows' masks (per chunk, its request and drafts), or None."""
-        if not self.grammars:
-            return None
-        return self.grammars.verify_masks([(r.request_id, d) for r, d in chunks])
 
     def _prompt_logprobs(self, req: Request, c: ScheduledChunk, step: StepLogits, i: int):
         start, n_prompt = req.num_computed, len(req.prompt_token_ids)

@@ -240,7 +240,10 @@ def eager_warmup_steps(scratch: Scratch, max_model_len: int, max_num_seqs: int,
     (tokens, pairs, top-k width); from ODD_FROM on, a prefill of n - 1 tokens too: Triton
     specialises integer arguments by divisibility by 16, and a real prompt's token count and
     entry widths are rarely multiples of it (a row top-k compiled for the first such prompt on
-    an H200 otherwise). Every page and slot is the scratch one."""
+    an H200 otherwise). From ODD_FROM on, where a chunk of n fits twice in max_model_len, a
+    prefill chunk of n tokens ending there too (a long prompt's last chunk: the long-list kernels
+    of deep steps, ops/triton/attention.py `LONG_KERNEL`, and the indexer's tiles). Every page and
+    slot is the scratch one."""
     top = max(1, min(max_num_batched_tokens, max_model_len - 1))
     budget = max(1, min(max_num_batched_tokens, top * max_num_seqs))
     sizes = sorted({budget, *(1 << i for i in range(budget.bit_length()) if 1 << i < budget)})
@@ -253,6 +256,8 @@ def eager_warmup_steps(scratch: Scratch, max_model_len: int, max_num_seqs: int,
         steps.append(prefill(n))
         if n >= ODD_FROM:
             steps.append(prefill(n - 1))
+            if n <= top and 2 * n <= max_model_len:
+                steps.append([scratch_chunk(scratch, max_model_len - n, n)])
         d = min(n // 2, max_num_seqs - -(-n // top))
         if d > 0 and max_model_len > 1:
             steps.append([scratch_chunk(scratch, max_model_len - 1, 1)] * d + prefill(n - d))

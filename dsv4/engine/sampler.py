@@ -251,6 +251,13 @@ def apply_grammar_mask(logits: torch.Tensor, mask: GrammarMask) -> None:
         logits[mask.rows] = logits[mask.rows].masked_fill(denied, NEG_INF)
 
 
+def copy_takes_mask(logits: torch.Tensor, mask: GrammarMask) -> bool:
+    """Whether the sampler's fp32 copy of `logits` takes `mask` in the same launch
+    (ops/triton/grammar_mask.py `masked_copy`): Triton on CUDA, every row masked in order."""
+    return (use_triton(logits) and mask.covers_all and mask.bitmask.shape[0] == logits.shape[0]
+            and logits.stride(1) == 1)
+
+
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] long
@@ -282,14 +289,19 @@ class Sampler:
         whenever anything is applied; the input is never written): what greedy rows take the
         argmax of."""
         written = batch.banned is not None or batch.bias is not None or batch.grammar is not None
-        logits = logits.to(torch.float32, copy=written)   # never written otherwise
+        grammar = batch.grammar
+        if grammar is not None and copy_takes_mask(logits, grammar):   # the copy and the mask in one launch:
+            from dsv4.ops.triton.grammar_mask import masked_copy   # -inf first is the same as -inf after
+            logits, grammar = masked_copy(logits, grammar.bitmask, grammar.keep), None  # a bias or a ban
+        else:
+            logits = logits.to(torch.float32, copy=written)   # never written otherwise
         if batch.bias is not None:
             rows, tokens, biases = batch.bias
             logits.index_put_((rows, tokens), biases, accumulate=True)
         if batch.banned is not None:
             logits[batch.banned] = NEG_INF          # a scalar fill: no host-to-device copy
-        if batch.grammar is not None:
-            apply_grammar_mask(logits, batch.grammar)
+        if grammar is not None:
+            apply_grammar_mask(logits, grammar)
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
         return logits

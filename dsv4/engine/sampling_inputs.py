@@ -20,7 +20,8 @@ import torch
 from ..sampling_params import SamplingParams
 from ..structured.masks import GrammarMask, keep_bits, words
 from .request import Request
-from .sampler import Sampler, SamplingBatch, SamplingRow, apply_grammar_mask, count_pending, make_generator
+from .sampler import (Sampler, SamplingBatch, SamplingRow, apply_grammar_mask, copy_takes_mask, count_pending,
+                      make_generator)
 from .upload import HostToDevice, upload_tree
 
 
@@ -33,6 +34,8 @@ class SamplingInputs:
         self.builds = 0                           # batches built so far (how often reuse failed)
         self._keep: tuple[torch.Tensor, ...] | None = None   # a mask's `keep`: (host, device, its keep_bits)
         self._plain: SamplingBatch | None = None   # plain greedy rows, as many as seen at most (`_plain_rows`)
+        self._bitmask_dev: torch.Tensor | None = None   # page-locked masks' device copy (`_device_bitmask`)
+        self._rows_dev: torch.Tensor | None = None      # 0..n-1 on the device (`_device_rows`)
 
     def batch(self, reqs: list[Request], rows: list[int], masks=None
               ) -> tuple[SamplingBatch, torch.Tensor | None, torch.Tensor | None]:
@@ -82,16 +85,40 @@ class SamplingInputs:
         return dataclasses.replace(full, is_greedy=full.is_greedy[:n], temperature=full.temperature[:n])
 
     def _upload_mask(self, mask: GrammarMask, rows: list[int] | None) -> tuple[GrammarMask, torch.Tensor | None]:
-        """The mask on the device in one transfer, with `rows` (None: none to send); its `keep`
-        row, the same tensor from step to step, goes up once, with its bit selectors
-        (masks.keep_bits) made there once."""
-        sent = self.h2d.upload([mask.rows, mask.bitmask] + ([] if rows is None else [torch.tensor(rows)]))
+        """The mask on the device, with `rows` (None: none to send), in one packed transfer; or,
+        when its bitmask lies in page-locked memory (the grammar worker's buffer, on a GPU),
+        the bitmask copied as it is into a device buffer kept between steps (no packing: the
+        copy is queued before the step's sampling, which reads it, so the next step's copy
+        cannot overwrite it early) and only the small rest packed. Its `keep` row, the same
+        tensor from step to step, goes up once, with its bit selectors (masks.keep_bits) made
+        there once."""
+        direct = mask.page_locked
+        packed = ([] if direct and mask.covers_all else [mask.rows]) + ([] if direct else [mask.bitmask])
+        packed += [] if rows is None else [torch.tensor(rows)]
+        sent = self.h2d.upload(packed) if packed else []
+        n = mask.bitmask.shape[0]
+        mask_rows = self._device_rows(n) if direct and mask.covers_all else sent.pop(0)
+        bitmask = self._device_bitmask(mask.bitmask) if direct else sent.pop(0)
         keep = mask.keep
         if keep is not None and (self._keep is None or self._keep[0] is not keep):
             on_device = self.h2d.upload([keep])[0]
             self._keep = (keep, on_device, keep_bits(on_device, on_device.device))
         keep, bits = self._keep[1:] if keep is not None else (None, None)
-        return GrammarMask(sent[0], sent[1], mask.covers_all, keep, bits), None if rows is None else sent[2]
+        return GrammarMask(mask_rows, bitmask, mask.covers_all, keep, bits), None if rows is None else sent.pop(0)
+
+    def _device_bitmask(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """bitmask [R, W] (page-locked) copied into the first R rows of the device buffer."""
+        if self._bitmask_dev is None or self._bitmask_dev.shape[0] < bitmask.shape[0]:
+            self._bitmask_dev = torch.empty(bitmask.shape, dtype=bitmask.dtype, device=self.h2d.device)
+        out = self._bitmask_dev[:bitmask.shape[0]]
+        out.copy_(bitmask, non_blocking=True)
+        return out
+
+    def _device_rows(self, n: int) -> torch.Tensor:
+        """[n] long 0..n-1 on the device (a view of one kept from step to step)."""
+        if self._rows_dev is None or self._rows_dev.shape[0] < n:
+            self._rows_dev = torch.arange(n, device=self.h2d.device)
+        return self._rows_dev[:n]
 
     @torch.inference_mode()
     def warmup(self, sampler: Sampler, device: torch.device | str) -> None:
@@ -116,12 +143,16 @@ class SamplingInputs:
         self._warm_grammar_masks(device)
 
     def _warm_grammar_masks(self, device) -> None:
-        """A grammar mask over every row and over some, with and without `keep` (the mask
-        kernel's variants: ops/triton/grammar_mask.py)."""
+        """A grammar mask over every row and over some, with and without `keep`, in place and
+        taken with the sampler's copy (the mask kernels' variants: ops/triton/grammar_mask.py)."""
         logits = torch.zeros(2, self.vocab_size, device=device)
         full = torch.full((2, words(self.vocab_size)), -1, dtype=torch.int32, device=device)
         for keep in (None, full[0]):
             for rows in (torch.arange(2, device=device), torch.arange(1, device=device)):
-                apply_grammar_mask(logits, GrammarMask(rows, full[:len(rows)], len(rows) == 2, keep,
-                                                       keep_bits(keep, device) if keep is not None else None))
+                mask = GrammarMask(rows, full[:len(rows)], len(rows) == 2, keep,
+                                   keep_bits(keep, device) if keep is not None else None)
+                apply_grammar_mask(logits, mask)
+                if copy_takes_mask(logits, mask):
+                    from ..ops.triton.grammar_mask import masked_copy
+                    masked_copy(logits, mask.bitmask, mask.keep)
         logits.cpu()

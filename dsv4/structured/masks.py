@@ -43,6 +43,7 @@ class GrammarMask:
     covers_all: bool = False  # rows == 0..R-1 are every row of the batch: masked in place
     keep: torch.Tensor | None = None   # [ceil(V / 32)] int32 ANDed into every row (special tokens)
     keep_bits: torch.Tensor | None = None   # [ceil(V / 32), 32] int32 `keep_bits(keep)` (made once, on the device)
+    page_locked: bool = False  # bitmask lies in page-locked host memory: copied to the GPU as it is
 
 
 def bit_selectors(device) -> torch.Tensor:

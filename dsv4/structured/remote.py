@@ -47,12 +47,15 @@ class GrammarWorkerError(RuntimeError):
 
 class WorkerGrammars:
     def __init__(self, tokenizer, vocab_size: int, eos_token_id: int, rows: int, fill_threads: int | None = None,
-                 in_thread: bool = False):
+                 in_thread: bool = False, page_lock: bool = False):
         """rows: the sampling rows of a step the buffer holds at first (grown when a step has
         more); fill_threads: the worker's fill threads (None: masks.FILL_THREADS; 0: none, its
         fills inline); in_thread: the worker's loop on a thread of this process instead
-        (benchmarks/structured_output.py compares the two: the thread shares this GIL)."""
-        self.in_thread = in_thread
+        (benchmarks/structured_output.py compares the two: the thread shares this GIL);
+        page_lock: register the buffer with CUDA (a GPU engine), so a step's mask crosses to the
+        device in one asynchronous copy straight from it, with no packing."""
+        self.in_thread, self.page_lock = in_thread, page_lock and torch.cuda.is_available()
+        self._locked: int | None = None           # the buffer's address while registered with CUDA
         if tokenizer is None:
             raise ValueError("structured outputs need the checkpoint's tokenizer (tokenizer.json)")
         hf = tokenizer._hf if hasattr(tokenizer, "_hf") else tokenizer
@@ -93,6 +96,7 @@ class WorkerGrammars:
         self._map_buffer(self._rows)
 
     def _map_buffer(self, rows: int) -> None:
+        self._unlock()
         fd, path = tempfile.mkstemp(prefix="dsv4-grammar-masks-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         try:
             os.ftruncate(fd, 2 * rows * self.width * 4)
@@ -104,6 +108,20 @@ class WorkerGrammars:
         self._rows = rows
         self._unlink.append(path)
         self._send(("buffer", path, rows))
+        if self.page_lock:
+            cudart = torch.cuda.cudart()
+            if cudart.cudaHostRegister(self.buffer.data_ptr(), self.buffer.nbytes, 0) == cudart.cudaError.success:
+                self._locked = self.buffer.data_ptr()       # (else the masks take the packed upload)
+
+    def _unlock(self) -> None:
+        """Unregister the buffer (before it is unmapped), once the copies from it are done.
+        A step's mask is read by the copy the step's sampling queued: the step after next (when
+        the worker refills that half) comes after that copy on the stream, so only a regrow or
+        a close needs this wait."""
+        if self._locked is not None:
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(self._locked)
+            self._locked = None
 
     def _remove_files(self) -> None:
         """Unlink the buffer files sent: the worker has mapped them once it replies after."""
@@ -156,6 +174,7 @@ class WorkerGrammars:
             self.process.kill()
             self.process.join()
         self._remove_files()
+        self._unlock()
         _remove(self._tokenizer_file)       # (a worker that died before reading it)
         if self.error is None:
             self.error = "closed"
@@ -265,7 +284,8 @@ class PendingRemote:
             return None
         rows, n = reply[1], reply[2]
         rows_t = owner.all_rows[:n] if rows is None else torch.tensor(rows, dtype=torch.long)
-        self.mask = GrammarMask(rows_t, owner.buffer[self.half, :n], rows is None, owner.keep)
+        self.mask = GrammarMask(rows_t, owner.buffer[self.half, :n], rows is None, owner.keep,
+                                page_locked=owner._locked is not None)
         return self.mask
 
 

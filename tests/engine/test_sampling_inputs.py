@@ -167,3 +167,29 @@ def test_plain_greedy_requests_replace_one_another_without_a_rebuild():
         assert not other.plain_greedy
         batch, _, _ = si.batch([a, other], [0, 1])
         assert si.builds == builds + 1 and batch.is_greedy.tolist() == [True, other.params.is_greedy]
+
+
+@pytest.mark.parametrize("covers_all", [True, False])
+@pytest.mark.parametrize("logit_rows", [[0, 1, 2], [0, 1, 3]])
+def test_page_locked_mask_goes_up_as_it_is_and_equals_the_packed_one(covers_all, logit_rows):
+    """A mask in page-locked memory (the grammar worker's registered buffer) crosses without
+    packing, into a device buffer kept between steps: the same rows, bitmask and logits rows as
+    the packed upload, and a later, smaller mask reuses the buffer without touching its rows."""
+    reqs = [_req("a", temperature=0), _req("b", temperature=0.7, seed=1), _req("c", temperature=0)]
+    rows = torch.arange(3) if covers_all else torch.tensor([0, 2])
+    bitmask = torch.randint(-2 ** 31, 2 ** 31 - 1, (len(rows), 2), dtype=torch.int32)
+    packed, locked = _inputs(), _inputs()
+    for si in (packed, locked):
+        si.batch(reqs, logit_rows)              # built: the masked steps below reuse it, as decode steps do
+    masks = [GrammarMask(rows, bitmask, covers_all, page_locked=p) for p in (False, True)]
+    (want, want_rows, _), (got, got_rows, _) = (si.batch(reqs, logit_rows, Filled(m))
+                                                for si, m in zip((packed, locked), masks))
+    assert packed.builds == locked.builds == 1
+    assert torch.equal(got.grammar.bitmask, want.grammar.bitmask) and torch.equal(got.grammar.rows, rows)
+    assert got.grammar.covers_all == covers_all and got.grammar.bitmask.data_ptr() != bitmask.data_ptr()
+    assert (got_rows is None) == (want_rows is None) and (got_rows is None or got_rows.tolist() == logit_rows)
+    buffer = got.grammar.bitmask.data_ptr()
+    smaller = GrammarMask(rows[:1], bitmask[:1] ^ 1, False, page_locked=True)
+    again, _, _ = locked.batch(reqs, logit_rows, Filled(smaller))
+    assert again.grammar.bitmask.data_ptr() == buffer and torch.equal(again.grammar.bitmask, bitmask[:1] ^ 1)
+    assert again.grammar.rows.tolist() == [0]

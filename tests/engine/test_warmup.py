@@ -79,7 +79,8 @@ def test_warmup_runs_every_shape_and_leaves_tokens_unchanged(tiny, h, one_thread
 
 def test_eager_warmup_steps_cover_every_power_of_two_size():
     """Each size 1, 2, 4, ... and the budget gets a prefill step (from ODD_FROM, one of a token
-    less too) and (room permitting) a mixed one with decode rows at the furthest position; a budget past max_model_len takes several
+    less too, and one chunk ending at max_model_len where it fits twice) and (room permitting) a
+    mixed one with decode rows at the furthest position; a budget past max_model_len takes several
     chunks; no step exceeds the budget, max_num_seqs or max_model_len."""
     scratch = Scratch(7, 5, 3)
     for max_len, seqs, budget in ((600, 6, 64), (2048, 256, 8192), (100, 2, 1000), (2, 1, 1)):
@@ -93,7 +94,11 @@ def test_eager_warmup_steps_cover_every_power_of_two_size():
             assert len(step) <= seqs
             assert all(c.start + len(c.token_ids) <= max_len and c.slot == 3 for c in step)
             assert all(set(c.page_table) == {7} and set(c.swa_table) == {5} for c in step)
-        mixed = [step for step in steps if any(c.start > 0 for c in step)]
+        deep = [step[0] for step in steps if len(step) == 1 and step[0].start > 0 and len(step[0].token_ids) > 1]
+        assert sorted(len(c.token_ids) for c in deep) == sorted(n for n in want if n >= ODD_FROM and n & (n - 1) == 0
+                                                                   and n <= min(budget, max_len - 1) and 2 * n <= max_len)
+        assert all(c.start + len(c.token_ids) == max_len for c in deep)
+        mixed = [step for step in steps if any(c.start > 0 and len(c.token_ids) == 1 for c in step)]
         for step in mixed:
             decode = [c for c in step if c.start > 0]
             assert all(c.start == max_len - 1 and len(c.token_ids) == 1 for c in decode)

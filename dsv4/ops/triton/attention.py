@@ -35,7 +35,6 @@ a packed key costs the plain key's dots plus one dequantisation, on the same gri
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -43,33 +42,8 @@ import triton.language as tl
 
 from ..kv_fp8 import entry_bytes
 from ..paged import PagedRows
+from .attention_rows import INTERPRETING, LOG2E, _block_rows
 from .fp8_words import bf16_words_to, fp8_words_to, ue8m0_to
-
-LOG2E = tl.constexpr(1.4426950408889634)
-# Triton's interpreter multiplies the raw uint16 bits in a bf16 tl.dot: upcast there (tests only)
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _block_rows(idx_ptr, start, hi, base, pitch, BLOCK_K: tl.constexpr, PAGED: tl.constexpr,
-                PER_PAGE: tl.constexpr):
-    """Pool rows [BLOCK_K] int64 of slots [start, start + BLOCK_K) of one source (-1: unused).
-    Dense: idx_ptr points at the token's index row. Paged: at its request's page-table row;
-    slot k is item base + k, on row page[(base + k) // PER_PAGE] * pitch + (base + k) % PER_PAGE
-    (the caller bounds hi by the range's length)."""
-    slots = start + tl.arange(0, BLOCK_K)
-    if PAGED:   # rows in int32 (fewer registers): 2^31 pool rows would not fit in GPU memory
-        e = base + slots                                                        # items
-        if PER_PAGE >= BLOCK_K:     # the block spans at most two pages: two scalar loads
-            p0 = (base + start) // PER_PAGE
-            page0 = tl.load(idx_ptr + p0).to(tl.int32)
-            page1 = tl.load(idx_ptr + p0 + 1, mask=(p0 + 1) * PER_PAGE < base + hi, other=-1).to(tl.int32)
-            page = tl.where(e // PER_PAGE == p0, page0, page1)
-        else:
-            page = tl.load(idx_ptr + e // PER_PAGE, mask=slots < hi, other=-1).to(tl.int32)
-        return tl.where(slots < hi, page * pitch + e % PER_PAGE, -1).to(tl.int64)
-    return tl.load(idx_ptr + slots, mask=slots < hi, other=-1).to(tl.int64)
-
 
 @triton.jit
 def _softmax_step(s, valid, m, l):
@@ -362,6 +336,14 @@ PREFILL_TILES, DECODE_TILES, PREFILL_FROM = (64, 64, 8, 2), (16, 32, 8, 2), 1024
 # 1.3 against 4.2 ms with the decode tile (`python -m benchmarks.kernels.attention --deep-hca
 # --deep-short`, H200)
 LONG_TILES, LONG_FROM, LONG_MIN_TOKENS = (32, 128, 4, 2), 2048, 256
+# Where LONG_TILES would run (bf16 pools: packed FP8 ones keep this file's kernel) and every source
+# is a PagedRows, another kernel takes the step: "shared" (attention_shared.py: 2 tokens x 64 heads
+# a program over the union of their ranges, the output channels split, every dot a Hopper wgmma,
+# the keys by cp.async; 9.17 against 9.82 ms on the H200 before its key rows were read a step
+# ahead; 7.24 against 9.54 ms with SHARED_TILES, call 2 of the twelfth session in
+# docs/benchmarks.md). None: this file's per-token kernel. `python -m benchmarks.kernels.attention
+# --variants` times both.
+LONG_KERNEL: str | None = "shared"
 MERGE_BLOCK_D = 64              # channels per program of the split merge (D = 512: 8 programs a head block)
 
 
@@ -376,6 +358,18 @@ def _default_tiles(q: torch.Tensor, slots: int, pools: list[torch.Tensor]) -> tu
     return DECODE_TILES if q.shape[0] < PREFILL_FROM else PREFILL_TILES
 
 
+def _long_kernel(q: torch.Tensor, sources: list, sinks: torch.Tensor):
+    """LONG_KERNEL's entry point where it takes these inputs in place of LONG_TILES, else None."""
+    from . import attention_shared
+    slots = sum(idx.width if isinstance(idx, PagedRows) else idx.shape[1] for _, idx in sources)
+    if (_default_tiles(q, slots, [kv for kv, _ in sources]) != LONG_TILES
+            or not attention_shared.supports_shared(q, sources, sinks)):
+        return None
+    kernels = {"shared": attention_shared.shared_attention}
+    assert LONG_KERNEL in kernels, f"LONG_KERNEL: one of {sorted(kernels)} or None"
+    return kernels[LONG_KERNEL]
+
+
 def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor | PagedRows]],
                      sinks: torch.Tensor, scale: float, *, rope_dims: int = 0, h_block: int | None = None,
                      block_k: int | None = None,
@@ -388,6 +382,10 @@ def sparse_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
     Defaults (D = 512, bf16, sm_90, Triton 3.9 ahead-of-time): 103 registers, no spills, 50 KB
     of shared memory; the keys go through cp.async. benchmarks/kernels/attention.py times others."""
     assert supports(q, sources, sinks, rope_dims), "sparse_attention (triton): unsupported inputs, use the reference"
+    if LONG_KERNEL is not None and all(k is None for k in (h_block, block_k, num_splits, num_warps, num_stages)):
+        long_kernel = _long_kernel(q, sources, sinks)
+        if long_kernel is not None:
+            return long_kernel(q, sources, sinks, scale)
     T, H, D = q.shape
     out = torch.empty_like(q)
     if T == 0:
