@@ -25,7 +25,8 @@ CUDA graph of 10 calls), into the full set ("full") and as a first tile ("first"
                   filter programs of B scores, N of them a launch, a small select of L lanes,
                   F, S and G warps of the filter, small and big select programs, the oldest and
                   newest blocks first (their k-th keys bound the other blocks), /sM: slots of M
-                  times k (the big select holds N of them a row)
+                  times k (the big select holds N of them a row), /fr: a first tile by the
+                  program per row (its "first" columns: the row kernel's)
 and says per split variant on how many rows the big select chose (full / first, per shape).
 `radix + merge` is what the indexer ran before row_topk (random scores). The verdict line
 compares each split variant with the program per row: the speedup on random scores (target 2x)
@@ -59,7 +60,7 @@ SHAPES = ("random", "rising", "falling", "constant", "causal", "clustered")
 MAIN = (rt.CHUNK, rt.NUM_WARPS, rt.SUB, rt.INTERP, rt.capacity(K))     # a program per row (main's)
 SWEEP = [MAIN, Split(), Split(lanes=1024), Split(edges_first=False), Split(filter_warps=4),
          Split(block=4096, blocks=8, filter_warps=4), Split(block=4096, blocks=8, filter_warps=4, slot_mult=2),
-         Split(select_warps=4), Split(big_warps=16)]
+         Split(select_warps=4), Split(big_warps=16), Split(first_rows=True)]
 SMOKE_SWEEP = [(1024, 4, 256, True, 128), Split(block=256, blocks=4, filter_warps=2, select_warps=2, lanes=128,
                                                 big_warps=2)]
 

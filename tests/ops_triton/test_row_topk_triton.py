@@ -180,6 +180,19 @@ def test_split_big_select_forced(shape, device):
     assert bool((big[(scores[:, :2048] > NEG_INF).sum(1) > 16] >= 1).all())
 
 
+def test_split_first_tile_by_rows(device):
+    """first_rows: a first tile (no running set) takes a program per row (no big select even
+    with lanes of 16), the next tiles the split kernels (the big select for a crowded row)."""
+    split = Split(block=256, blocks=8, filter_warps=2, select_warps=2, lanes=16, big_warps=2, first_rows=True)
+    scores = shaped_rows("rising", 3, 4096, seed=5)
+    keys, big = rk.row_topk_big_selects(scores[:, :2048].to(device), 40, 0, None, split=split)
+    assert big.tolist() == [0, 0, 0]
+    assert torch.equal(rk.sorted_keys(keys).cpu(), reference(scores[:, :2048], 40))
+    keys, big = rk.row_topk_big_selects(scores[:, 2048:].to(device), 40, 2048, keys, split=split)
+    assert big.tolist() == [1, 1, 1]
+    assert torch.equal(rk.sorted_keys(keys).cpu(), reference(scores, 40))
+
+
 @pytest.mark.parametrize("shape", ["rising", "falling", "constant"])
 def test_split_edges_bound_the_other_blocks(shape, device):
     """Scores rising, falling or tied along the row: the oldest and newest blocks' k-th keys

@@ -175,6 +175,8 @@ def _row_topk(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub,
     cap = cap or capacity(k)
     if cap < kp or cap & (cap - 1):
         raise ValueError(f"row_topk: cap must be a power of two >= {kp}, got {cap}")
+    if split is not None and split.first_rows and prev is None:    # a first tile: a program per row
+        split = None
     if prev is None:        # the empty set
         prev = torch.full((T, k), EMPTY_KEY, dtype=torch.long, device=scores.device)
     if T == 0 or k == 0 or W == 0:

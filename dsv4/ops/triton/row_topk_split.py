@@ -47,7 +47,9 @@ class Split:
     (`lanes`, a power of two), whether the oldest and newest blocks go first (their bounds
     raise the other blocks' threshold), a block's slot in powers of two >= k (`slot_mult`, a
     power of two: 2 lets a first tile's blocks keep their ~k entries above the edges' bounds
-    without narrowing; the big select holds blocks * slot keys a row)."""
+    without narrowing; the big select holds blocks * slot keys a row), whether a first tile
+    (no running set: row_topk's prev None, known on the host) takes a program per row instead
+    (row_topk's kernel: every block of a first tile has candidates)."""
     block: int = 2048
     blocks: int = 16
     filter_warps: int = 2
@@ -56,6 +58,7 @@ class Split:
     big_warps: int = 8
     edges_first: bool = True
     slot_mult: int = 1
+    first_rows: bool = False
 
     @property
     def chunk(self) -> int:
@@ -64,7 +67,8 @@ class Split:
     def label(self) -> str:
         b = f"{self.block // 1024}k" if self.block >= 1024 else str(self.block)
         return f"split {b}x{self.blocks}/l{self.lanes}/w{self.filter_warps},{self.select_warps},{self.big_warps}" + \
-               ("/edges" if self.edges_first else "") + (f"/s{self.slot_mult}" if self.slot_mult > 1 else "")
+               ("/edges" if self.edges_first else "") + (f"/s{self.slot_mult}" if self.slot_mult > 1 else "") + \
+               ("/fr" if self.first_rows else "")
 
     def validate(self) -> None:
         for name in ("block", "blocks", "filter_warps", "select_warps", "lanes", "big_warps", "slot_mult"):
