@@ -8,9 +8,9 @@ of its bandwidth). Exact for any scores: no row ever needs row_topk's kernel. Pe
              EMPTY_KEY: a tile entry with a lower key is never chosen (k keys are above it).
   filter     (a program per row and block of BLOCK scores) keeps the block's entries with keys
              at or above the row's threshold, in offset order, in a slot of SLOT keys (the power
-             of two >= k times `slot_mult`, or BLOCK when smaller). When more remain it narrows (row_topk's
-             counts, in registers) and keeps the block's best k at least (ties at the cut: the
-             first in offset order): every entry of the row's top k in the block is kept.
+             of two >= k times `slot_mult`, or BLOCK when smaller). When more remain it narrows
+             (row_topk's counts, in registers) and keeps the block's best k at least (ties at the
+             cut: the first in offset order): every entry of the row's top k in the block is kept.
              With `edges_first` the oldest and newest blocks go first (a launch of their own)
              and keep exactly their best k: a block's k-th key bounds the row's k-th key from
              below, so the other blocks filter at the highest of those bounds and the running
@@ -23,7 +23,7 @@ of its bandwidth). Exact for any scores: no row ever needs row_topk's kernel. Pe
              returns at once for an unflagged row) chooses it instead.
 
 Every branch is taken on the device (no host sync: CUDA graphs); the launches depend only on
-the shapes. Scratch: [T, blocks, SLOT] int64 keys (a tile of [2048, 32768], k = 512, blocks of
+the shapes (and, with `first_rows`, on whether a running set exists). Scratch: [T, blocks, SLOT] int64 keys (a tile of [2048, 32768], k = 512, blocks of
 2048: 128 MiB), of which a row writes only its candidates.
 """
 from dataclasses import dataclass
