@@ -22,7 +22,8 @@ CUDA graph of 10 calls), into the full set ("full") and as a first tile ("first"
                   columns a launch, w warps, s scores a step of stage 1's second read, i
                   interpolated pivots, p candidates
   split BxN/lL/wF,S,G[/edges]  row_topk's split variant (dsv4/ops/triton/row_topk_split.py):
-                  filter programs of B scores, N of them a launch, a small select of L lanes,
+                  filter programs of B scores, N of them a launch, a small select of L lanes
+                  (L,M: then one of M lanes for the rows with more),
                   F, S and G warps of the filter, small and big select programs, the oldest and
                   newest blocks first (their k-th keys bound the other blocks), /sM: slots of M
                   times k (the big select holds N of them a row), /fr: a first tile by the
@@ -59,11 +60,12 @@ HBM_TBS = 4.8
 NOISE = 1.03        # a ratio to the row kernel up to this: the same time within the timings' noise
 SHAPES = ("random", "rising", "falling", "constant", "causal", "clustered")
 MAIN = (rt.CHUNK, rt.NUM_WARPS, rt.SUB, rt.INTERP, rt.capacity(K))     # a program per row (main's)
-SWEEP = [MAIN, Split(), Split(lanes=1024), Split(edges_first=False), Split(filter_warps=4),
-         Split(block=4096, blocks=8, filter_warps=4), Split(block=4096, blocks=8, filter_warps=4, slot_mult=2),
-         Split(select_warps=4), Split(big_warps=16), Split(first_rows=True)]
-SMOKE_SWEEP = [(1024, 4, 256, True, 128), Split(block=256, blocks=4, filter_warps=2, select_warps=2, lanes=128,
-                                                big_warps=2)]
+SWEEP = [MAIN, Split(), Split(lanes=1024), Split(lanes=512, mid_lanes=2048), Split(edges_first=False),
+         Split(filter_warps=4), Split(block=4096, blocks=8, filter_warps=4),
+         Split(block=4096, blocks=8, filter_warps=4, slot_mult=2), Split(select_warps=4), Split(big_warps=16),
+         Split(first_rows=True)]
+SMOKE_SWEEP = [(1024, 4, 256, True, 128), Split(block=256, blocks=4, filter_warps=2, select_warps=2, lanes=64,
+                                                big_warps=2, mid_lanes=128)]
 
 
 def label(variant) -> str:

@@ -23,10 +23,11 @@ PIVOTS = [True, False]      # interpolated, bisected
 VARIANTS = [(True, 512), (False, 0), (True, 0)]
 # split variants: launches of 2048 columns (4 blocks of 512 with the edges first, or 8 of 256
 # without, or 4 of 512 with slots of twice k's power of two), a small select of a few lanes (more
-# candidates: the big select)
+# candidates: the big select; or first a select of 128 lanes)
 SPLITS = [Split(block=512, blocks=4, filter_warps=4, select_warps=4, lanes=128, big_warps=4),
           Split(block=256, blocks=8, filter_warps=2, select_warps=4, lanes=64, big_warps=2, edges_first=False),
-          Split(block=512, blocks=4, filter_warps=4, select_warps=4, lanes=128, big_warps=4, slot_mult=2)]
+          Split(block=512, blocks=4, filter_warps=4, select_warps=4, lanes=128, big_warps=4, slot_mult=2),
+          Split(block=256, blocks=8, filter_warps=2, select_warps=2, lanes=32, big_warps=2, mid_lanes=128)]
 NO_EDGES = Split(block=512, blocks=4, filter_warps=4, select_warps=4, lanes=128, big_warps=4, edges_first=False)
 
 
@@ -180,6 +181,19 @@ def test_split_big_select_forced(shape, device):
     assert bool((big[(scores[:, :2048] > NEG_INF).sum(1) > 16] >= 1).all())
 
 
+def test_split_mid_select(device):
+    """mid_lanes: rows beyond the small select's 16 lanes and within 64 (causal rows of 17 and
+    26 valid scores) are chosen by the second select, not the big one; 80 candidates (the edges
+    of a rising row) still go to the big select."""
+    mid = Split(block=256, blocks=8, filter_warps=2, select_warps=2, lanes=16, big_warps=2, mid_lanes=64)
+    no_mid = Split(block=256, blocks=8, filter_warps=2, select_warps=2, lanes=16, big_warps=2)
+    causal = shaped_rows("causal", 6, 2048, seed=3)
+    assert check_tiles(causal, 40, device, [2048], split=mid).tolist() == [0] * 6
+    assert check_tiles(causal, 40, device, [2048], split=no_mid).tolist() == [0, 0, 0, 0, 1, 1]
+    rising = torch.arange(2048).float().repeat(2, 1)
+    assert check_tiles(rising, 40, device, [2048], split=mid).tolist() == [1, 1]
+
+
 def test_split_first_tile_by_rows(device):
     """first_rows: a first tile (no running set) takes a program per row (no big select even
     with lanes of 16), the next tiles the split kernels (the big select for a crowded row)."""
@@ -219,7 +233,7 @@ def test_split_exact_ties(values, split, device):
 
 def test_split_bad_sizes(device):
     for bad in (Split(block=300), Split(blocks=3), Split(lanes=100), Split(big_warps=0), Split(block=8),
-                Split(slot_mult=3)):
+                Split(slot_mult=3), Split(mid_lanes=1024), Split(mid_lanes=3000)):
         with pytest.raises(ValueError, match="split"):
             rk.row_topk(torch.randn(2, 8).to(device), 2, split=bad)
 

@@ -19,12 +19,14 @@ of its bandwidth). Exact for any scores: no row ever needs row_topk's kernel. Pe
   select     (a program per row) the running set and the slots' candidates, in offset order:
              row_topk's stage 2 (counts, ties by a cumulative sum) chooses k. The small select
              gathers at most LANES candidates (the slots compacted in registers); a row with
-             more is flagged and the big select (every slot's lanes, a program per row that
-             returns at once for an unflagged row) chooses it instead.
+             more is flagged and a wider one (`mid_lanes`, if set) or the big select (every
+             slot's lanes) chooses it instead, each a program per row that returns at once for
+             a row it does not take.
 
 Every branch is taken on the device (no host sync: CUDA graphs); the launches depend only on
-the shapes (and, with `first_rows`, on whether a running set exists). Scratch: [T, blocks, SLOT] int64 keys (a tile of [2048, 32768], k = 512, blocks of
-2048: 128 MiB), of which a row writes only its candidates.
+the shapes (and, with `first_rows`, on whether a running set exists). Scratch: [T, blocks,
+SLOT] int64 keys (a tile of [2048, 32768], k = 512, blocks of 2048: 128 MiB), of which a row
+writes only its candidates.
 """
 from dataclasses import dataclass
 
@@ -44,7 +46,8 @@ class Split:
     """A split variant's sizes: blocks of `block` scores (a power of two) per filter program,
     `blocks` of them a launch (a power of two; chunk = block * blocks columns), warps of the
     filter, small select and big select programs, the small select's candidates at most
-    (`lanes`, a power of two), whether the oldest and newest blocks go first (their bounds
+    (`lanes`, a power of two) and a second one's for the rows with more (`mid_lanes`, 0: none,
+    else a larger power of two), whether the oldest and newest blocks go first (their bounds
     raise the other blocks' threshold), a block's slot in powers of two >= k (`slot_mult`, a
     power of two: 2 lets a first tile's blocks keep their ~k entries above the edges' bounds
     without narrowing; the big select holds blocks * slot keys a row), whether a first tile
@@ -58,6 +61,7 @@ class Split:
     big_warps: int = 8
     edges_first: bool = True
     slot_mult: int = 1
+    mid_lanes: int = 0
     first_rows: bool = False
 
     @property
@@ -66,7 +70,8 @@ class Split:
 
     def label(self) -> str:
         b = f"{self.block // 1024}k" if self.block >= 1024 else str(self.block)
-        return f"split {b}x{self.blocks}/l{self.lanes}/w{self.filter_warps},{self.select_warps},{self.big_warps}" + \
+        lanes = f"{self.lanes},{self.mid_lanes}" if self.mid_lanes else f"{self.lanes}"
+        return f"split {b}x{self.blocks}/l{lanes}/w{self.filter_warps},{self.select_warps},{self.big_warps}" + \
                ("/edges" if self.edges_first else "") + (f"/s{self.slot_mult}" if self.slot_mult > 1 else "") + \
                ("/fr" if self.first_rows else "")
 
@@ -75,6 +80,8 @@ class Split:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"row_topk: split.{name} must be a power of two, got {v}")
+        if self.mid_lanes and (self.mid_lanes & (self.mid_lanes - 1) or self.mid_lanes <= self.lanes):
+            raise ValueError(f"row_topk: split.mid_lanes must be 0 or a power of two above lanes, got {self}")
         if self.block < 16 or self.lanes < 16:
             raise ValueError(f"row_topk: split.block and split.lanes must be >= 16, got {self}")
 
@@ -178,10 +185,25 @@ def _select_row(row, prev_ptr, out_ptr, cand, idx, cmask, k, KP: tl.constexpr, I
 
 @triton.jit(do_not_specialize=("k", "nblk"))
 def _select_small_kernel(prev_ptr, cand_ptr, count_ptr, out_ptr, flag_ptr, k, nblk, KP: tl.constexpr,
-                         NBLK: tl.constexpr, SLOT: tl.constexpr, LANES: tl.constexpr, INTERP: tl.constexpr):
-    # the filter's nblk <= NBLK slots a row, compacted into LANES lanes (lane i: the block whose
-    # counts' running sum passes i); a row with more candidates: flag[row] = 1, out[row] untouched.
+                         NBLK: tl.constexpr, SLOT: tl.constexpr, LANES: tl.constexpr, INTERP: tl.constexpr,
+                         FLAGGED: tl.constexpr):
+    # the filter's nblk <= NBLK slots a row, compacted into LANES lanes; a row with more
+    # candidates: flag[row] = 1, out[row] untouched (else flag[row] = 0). FLAGGED: only the rows
+    # a smaller launch flagged.
     row = tl.program_id(0).to(tl.int64)
+    if FLAGGED:
+        if tl.load(flag_ptr + row) != 0:
+            _select_compact(row, prev_ptr, cand_ptr, count_ptr, out_ptr, flag_ptr, k, nblk, KP, NBLK, SLOT, LANES,
+                            INTERP)
+    else:
+        _select_compact(row, prev_ptr, cand_ptr, count_ptr, out_ptr, flag_ptr, k, nblk, KP, NBLK, SLOT, LANES,
+                        INTERP)
+
+
+@triton.jit
+def _select_compact(row, prev_ptr, cand_ptr, count_ptr, out_ptr, flag_ptr, k, nblk, KP: tl.constexpr,
+                    NBLK: tl.constexpr, SLOT: tl.constexpr, LANES: tl.constexpr, INTERP: tl.constexpr):
+    # lane i: the block whose counts' running sum passes i, at i less the sum before it
     ci = tl.arange(0, LANES)
     blk = tl.zeros([LANES], tl.int32)
     start = tl.zeros([LANES], tl.int32)         # the lane's block's first lane
@@ -236,7 +258,8 @@ def split_launch(part: torch.Tensor, prev: torch.Tensor, k: int, first: int, spl
     out = torch.empty((T, k), dtype=torch.long, device=dev)
     flags = torch.empty(T, dtype=torch.int32, device=dev)
     sel = (prev, cand, count, out, flags, k, nblk)
-    _select_small_kernel[(T,)](*sel, KP=kp, NBLK=split.blocks, SLOT=slot, LANES=split.lanes, INTERP=interp,
-                               num_warps=split.select_warps)
+    for lanes in (split.lanes, split.mid_lanes)[:1 + (split.mid_lanes > 0)]:
+        _select_small_kernel[(T,)](*sel, KP=kp, NBLK=split.blocks, SLOT=slot, LANES=lanes, INTERP=interp,
+                                   FLAGGED=lanes != split.lanes, num_warps=split.select_warps)
     _select_big_kernel[(T,)](*sel, KP=kp, NBLK=split.blocks, SLOT=slot, INTERP=interp, num_warps=split.big_warps)
     return out, flags
