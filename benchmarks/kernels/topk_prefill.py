@@ -62,8 +62,7 @@ SHAPES = ("random", "rising", "falling", "constant", "causal", "clustered")
 MAIN = (rt.CHUNK, rt.NUM_WARPS, rt.SUB, rt.INTERP, rt.capacity(K))     # a program per row (main's)
 SWEEP = [MAIN, Split(), Split(lanes=1024), Split(lanes=512, mid_lanes=2048), Split(edges_first=False),
          Split(filter_warps=4), Split(block=4096, blocks=8, filter_warps=4),
-         Split(block=4096, blocks=8, filter_warps=4, slot_mult=2), Split(select_warps=4), Split(big_warps=16),
-         Split(first_rows=True)]
+         Split(block=4096, blocks=8, filter_warps=4, slot_mult=2), Split(select_warps=4), Split(first_rows=True)]
 SMOKE_SWEEP = [(1024, 4, 256, True, 128), Split(block=256, blocks=4, filter_warps=2, select_warps=2, lanes=64,
                                                 big_warps=2, mid_lanes=128)]
 
