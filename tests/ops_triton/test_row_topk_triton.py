@@ -2,7 +2,10 @@
 definition: torch.topk over stream_topk's int64 keys of every tile so far (score desc, ties to
 the lower offset, -inf never chosen), bit for bit. Rows with exact ties (also ties split between
 the running set and a new tile, and more ties than k), -inf tails, rows with fewer than k finite
-scores, empty rows, several chunks per tile, several tiles, bisected and interpolated pivots."""
+scores, empty rows, several chunks per tile, several tiles, bisected and interpolated pivots.
+The split variant (dsv4/ops/triton/row_topk_split.py) likewise, and on scores of every shape
+(random, rising, falling, constant, causal tails, clustered), its small, second and big selects
+each forced, the edges' bounds and a first tile by a program per row."""
 import pytest
 import torch
 
