@@ -14,6 +14,9 @@ the plain ones at the offsets before the tile):
   constant   every score 100.0 (all tie, every one above the set)
   causal     row t valid for its first t * W / (2T) entries (a chunk's early rows: mostly -inf)
   clustered  plus 6.0 on three runs of 256 entries a row at random places
+  deep       (into a full set only) the plain scores into the set of the elementwise maximum of
+             six such tiles (about a seventh of k candidates a row: a tile deep in a long
+             context, as the step at 900k has them)
 Checks first (exit 1 on a difference): every variant on every shape, as a first tile and
 merged into the running set, bit for bit against the definition (torch.topk over stream_topk's
 int64 keys: score desc, ties to the lower offset). Then times each, per call (the replay of a
@@ -57,6 +60,7 @@ K = 64 if SMOKE else 512
 T, W = 2048, 32768
 SMOKE_T, SMOKE_W = 4, 2048
 HBM_TBS = 4.8
+DEEP_TILES = 6      # the deep set: of the elementwise maximum of this many tiles
 NOISE = 1.03        # a ratio to the row kernel up to this: the same time within the timings' noise
 SHAPES = ("random", "rising", "falling", "constant", "causal", "clustered")
 MAIN = (rt.CHUNK, rt.NUM_WARPS, rt.SUB, rt.INTERP, rt.capacity(K))     # a program per row (main's)
@@ -113,17 +117,19 @@ def reference(scores: torch.Tensor) -> torch.Tensor:
     return torch.where(keys >= MIN_CHOSEN_KEY, keys, EMPTY_KEY)
 
 
-def check(plain, prev, tiles, sweep) -> list[str]:
+def check(plain, prev, tiles, deep, deep_prev, sweep) -> list[str]:
     """Every variant on every shape, as a first tile and merged into prev (the set of plain at
-    offsets [0, W): the tile at [W, 2W)), against the reference."""
+    offsets [0, W): the tile at [W, 2W)), and plain merged into deep_prev (the set of deep),
+    against the reference."""
     errors = []
     width = plain.shape[1]
-    for shape, tile in tiles.items():
+    cases = [(shape, tile, plain, prev) for shape, tile in tiles.items()] + [("deep", plain, deep, deep_prev)]
+    for shape, tile, before, before_set in cases:
         want_first = reference(tile)
-        want_merged = reference(torch.cat([plain, tile], dim=1))
+        want_merged = reference(torch.cat([before, tile], dim=1))
         for v in sweep:
             for name, keys, want in (("first tile", run_rows(tile, v), want_first),
-                                     ("merged", run_rows(tile, v, width, prev), want_merged)):
+                                     ("merged", run_rows(tile, v, width, before_set), want_merged)):
                 keys = sorted_keys(keys)
                 if not (torch.equal(keys, want) and torch.equal(key_offsets(keys), key_offsets(want))):
                     errors.append(f"{shape} {label(v)} {name}: differs from the reference")
@@ -131,18 +137,20 @@ def check(plain, prev, tiles, sweep) -> list[str]:
 
 
 def verdict(times: dict, row: str) -> list[str]:
-    """Per split variant: its speedup over the program per row (label row) on random scores
-    into a full set and the worst ratio (split / row) over every shape and both columns."""
+    """Per split variant: its speedup over the program per row (label row) on random and deep
+    scores into a full set and the worst ratio (split / row) over every shape and column."""
     base = times[row]
     lines = []
     for name, t in times.items():
         if name == row:
             continue
         speedup = base[("random", "full")] / t[("random", "full")]
+        deep = base[("deep", "full")] / t[("deep", "full")]
         worst = max(t[c] / base[c] for c in t)
         at = max(t, key=lambda c: t[c] / base[c])
         ok = "no" if speedup < 2 or worst > NOISE else "OK" if worst <= 1 else "OK within timing noise"
-        lines.append(f"  {name:34s} random {speedup:5.2f}x  worst {worst:5.2f} of row ({at[0]}, {at[1]})  {ok}")
+        lines.append(f"  {name:34s} random {speedup:5.2f}x  deep {deep:5.2f}x  worst {worst:5.2f} of row "
+                     f"({at[0]}, {at[1]})  {ok}")
     return lines
 
 
@@ -157,7 +165,9 @@ def main() -> int:
     plain = make_scores(rows, 2 * width, device, gen)[:, :width].contiguous()    # every entry valid (no tail)
     prev = row_topk(plain, K)                           # the set of the tiles before: offsets [0, W)
     tiles = {shape: shaped(shape, plain, gen) for shape in SHAPES}
-    errors = check(plain, prev, tiles, sweep)
+    deep = torch.stack([make_scores(rows, 2 * width, device, gen)[:, :width] for _ in range(DEEP_TILES)]).amax(0)
+    deep_prev = row_topk(deep, K)
+    errors = check(plain, prev, tiles, deep, deep_prev, sweep)
     for e in errors:
         print(f"  MISMATCH {e}")
     print(f"checked {len(sweep)} variants x {len(SHAPES)} shapes in {time.perf_counter() - t0:.1f} s "
@@ -173,20 +183,24 @@ def main() -> int:
         running.merge(radix_topk(plain, K, width)[0])
 
     print(f"  {'radix + merge (random, full)':34s} {graph_ms(radix_merge, device, reps):8.4f} ms")
-    print(f"  {'':34s} " + " ".join(f"{s:>17s}" for s in SHAPES))
-    print(f"  {'':34s} " + " ".join(f"{'full':>8s} {'first':>8s}" for _ in SHAPES))
+    print(f"  {'':34s} " + " ".join(f"{s:>17s}" for s in SHAPES) + f" {'deep':>8s}")
+    print(f"  {'':34s} " + " ".join(f"{'full':>8s} {'first':>8s}" for _ in SHAPES) + f" {'full':>8s}")
     times = {}
     for v in sweep:
         t = {}
         for shape, tile in tiles.items():
             t[(shape, "full")] = graph_ms(lambda v=v, x=tile: run_rows(x, v, width, prev), device, reps)
             t[(shape, "first")] = graph_ms(lambda v=v, x=tile: run_rows(x, v), device, reps)
+        t[("deep", "full")] = graph_ms(lambda v=v: run_rows(plain, v, width, deep_prev), device, reps)
         times[label(v)] = t
-        print(f"  {label(v):34s} " + " ".join(f"{t[(s, 'full')]:8.4f} {t[(s, 'first')]:8.4f}" for s in SHAPES))
+        print(f"  {label(v):34s} " + " ".join(f"{t[(s, 'full')]:8.4f} {t[(s, 'first')]:8.4f}" for s in SHAPES) +
+              f" {t[('deep', 'full')]:8.4f}")
         if isinstance(v, Split):
             big = [f"{int((run_rows(x, v, width, prev, big=True)[1] > 0).sum())}/"
                    f"{int((run_rows(x, v, big=True)[1] > 0).sum())}" for x in tiles.values()]
-            print(f"  {'  big select rows (full/first)':34s} " + " ".join(f"{b:>17s}" for b in big))
+            deep_big = int((run_rows(plain, v, width, deep_prev, big=True)[1] > 0).sum())
+            print(f"  {'  big select rows (full/first)':34s} " + " ".join(f"{b:>17s}" for b in big) +
+                  f" {deep_big:>8d}")
     print("\nsplit vs the program per row (target: random >= 2x, worst <= 1):")
     for line in verdict(times, label(sweep[0])):
         print(line)
