@@ -13,6 +13,7 @@ from dsv4.ops import indexer as ref
 from dsv4.ops.paged import PagedRows
 from dsv4.ops.triton import indexer as tri
 from dsv4.ops.triton import row_topk
+from dsv4.ops.triton.row_topk_split import Split
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "ops"))
 from paged_inputs import random_paged  # noqa: E402
@@ -212,6 +213,15 @@ def test_tiles_and_ties_are_the_reference(score_tile, topk, rows_min, device, mo
         want_rows, want_offsets = ref.indexer_topk_offsets(q, weights, keys, cpu, topk)
     assert torch.equal(offsets.cpu(), want_offsets) and torch.equal(rows.cpu(), want_rows)
     assert tri.tile_width(23, topk, 16) % 16 == 0 and tri.tile_width(23, topk) >= topk
+
+
+def test_tiles_and_ties_with_the_split_row_topk(device, monkeypatch):
+    """test_tiles_and_ties_are_the_reference with row_topk's split variant as the indexer's
+    (dsv4/ops/triton/row_topk_split.py; blocks of 64, tiles of 48 entries merged into a running
+    set, ties beyond the small select's lanes: the big select)."""
+    monkeypatch.setattr(row_topk, "SPLIT", Split(block=64, blocks=4, filter_warps=1, select_warps=1, lanes=16,
+                                                 big_warps=1))
+    test_tiles_and_ties_are_the_reference(40, 10, 1, device, monkeypatch)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -23,13 +23,19 @@ the threshold by counting, with no histogram:
 The chosen entries are written as keys in ascending offset order (the running set first: its
 offsets are below the chunk's), so that order is the tie order of the next chunk, and
 EMPTY_KEY after them. `RowTopk.offsets` sorts the final set once (the reference's order).
+
+The split variant (`split=`, RowTopk's when SPLIT is set; dsv4/ops/triton/row_topk_split.py)
+reads a tile with many small programs a row (filter) and chooses with a small one a row (select:
+stage 2 above); the same keys in the same order, for any scores. The shared Triton helpers:
+dsv4/ops/triton/row_select.py.
 """
 import torch
 import triton
 import triton.language as tl
 
 from ..stream_topk import EMPTY_KEY, key_offsets
-from .radix_topk import _order_keys
+from .row_select import INT32_MIN, _chosen, _key, _narrow, _signed_scores
+from .row_topk_split import Split, split_launch
 
 # scores per program (registers: CHUNK / (32 * num_warps) int32 a thread). 8k over 4 warps: the
 # fastest of benchmarks/kernels/topk_prefill.py's sweep on an H200 at [2048, 32k] and [2048, 64k]
@@ -41,70 +47,10 @@ SUB = 4096                  # scores a step when stage 1 writes its candidates f
 # the narrowest program: a full chunk, so serving compiles one variant (a narrower tile's program
 # masks the rest: no reads, and a row of at most k valid scores needs no counts)
 MIN_CHUNK = CHUNK
-INT32_MIN = tl.constexpr(-2147483648)
-NEG_INF_S = tl.constexpr(-2139095041)   # s of -inf (0xFF800000 -> 0x807FFFFF); valid entries are above
-
-
-@triton.jit
-def _signed_scores(row_ptr, offs, W):
-    """Scores [offs] of a row (-inf past W) -> int32 s: stream_topk's key high word (signed
-    order = the scores' order, -0.0 as 0.0); -inf and below -> INT32_MIN."""
-    s = (_order_keys(tl.load(row_ptr + offs, mask=offs < W, other=float("-inf"))) ^ 0x80000000).to(tl.int32, bitcast=True)
-    return tl.where(s > NEG_INF_S, s, INT32_MIN)
-
-
-@triton.jit
-def _key(s, offs, first):
-    """stream_topk's int64 key of s at offsets first + offs."""
-    return s.to(tl.int64) * 4294967296 + (4294967295 - (offs.to(tl.int64) + first))
-
-
-@triton.jit
-def _count_at_least(a, b, mid, HAS_B: tl.constexpr):
-    """Entries of a (and b) with s >= mid (int64 scalar)."""
-    m = mid.to(tl.int32)
-    n = tl.sum((a >= m).to(tl.int32), axis=0).to(tl.int64)
-    if HAS_B:
-        n += tl.sum((b >= m).to(tl.int32), axis=0).to(tl.int64)
-    return n
-
-
-@triton.jit
-def _narrow(a, b, lo, hi, n_lo, n_hi, k, stop, aim, HAS_B: tl.constexpr, INTERP: tl.constexpr):
-    """Narrow lo < hi (count(>= lo) = n_lo >= k > n_hi = count(>= hi), over a and b) until
-    n_lo <= stop or hi == lo + 1; an interpolated pivot aims at a count of `aim`."""
-    bisect = tl.zeros([], tl.int1)
-    while (n_lo > stop) & (hi - lo > 1):
-        half = lo + (hi - lo) // 2
-        if INTERP:      # where the counts, linear between lo and hi, reach aim (n_lo > aim >= k > n_hi);
-            # fp32 (no int64 division): any pivot strictly inside is correct
-            frac = (n_lo - aim).to(tl.float32) / (n_lo - n_hi).to(tl.float32)
-            guess = lo + ((hi - lo).to(tl.float32) * frac).to(tl.int64)
-            mid = tl.where(bisect, half, tl.minimum(tl.maximum(guess, lo + 1), hi - 1))
-        else:
-            mid = half
-        c = _count_at_least(a, b, mid, HAS_B)
-        before = hi - lo
-        up = c >= k
-        lo, n_lo = tl.where(up, mid, lo), tl.where(up, c, n_lo)
-        hi, n_hi = tl.where(up, hi, mid), tl.where(up, n_hi, c)
-        bisect = 2 * (hi - lo) > before
-    return lo, hi, n_lo, n_hi
-
-
-@triton.jit
-def _chosen(a, lo, n_lo, n_hi, k, ties_before):
-    """Entries of a to keep after _narrow: every one >= lo when n_lo <= k, else (hi == lo + 1)
-    those above lo and the first k - n_hi ties at lo in block order, after ties_before ties."""
-    lo32 = lo.to(tl.int32)
-    take = a > lo32
-    tie = a == lo32
-    if n_lo <= k:
-        take = take | tie
-    else:
-        rank = ties_before + tl.cumsum(tie.to(tl.int32), axis=0) - 1
-        take = take | (tie & (rank < k - n_hi))
-    return take
+# RowTopk's (the indexer's) variant: the split one (dsv4/ops/triton/row_topk_split.py: a filter
+# of many programs a row, then a select a row) when a Split, else a program per row;
+# benchmarks/kernels/topk_prefill.py times both
+SPLIT: Split | None = None
 
 
 # per-call sizes are not specialised: one compiled variant per chunk width
@@ -189,12 +135,29 @@ def chunk_width(W: int, chunk: int) -> int:
 
 def row_topk(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Tensor | None = None,
              chunk: int = CHUNK, num_warps: int = NUM_WARPS, interp: bool = INTERP, cap: int | None = None,
-             sub: int = SUB) -> torch.Tensor:
+             sub: int = SUB, split: Split | None = None) -> torch.Tensor:
     """scores [T, W] fp32 (unit column stride) of offsets first_offset + [0, W); prev [T, k]
     int64 keys of offsets below first_offset (a running set of this function) or None -> [T, k]
     int64: the top k keys of `score_keys(scores, first_offset)` and prev (dsv4/ops/stream_topk.py),
     in ascending offset order, EMPTY_KEY after the last. chunk: columns per launch (a power of
-    two); cap: candidates of stage 2 (a power of two >= k, default capacity(k)); sub: see SUB."""
+    two); cap: candidates of stage 2 (a power of two >= k, default capacity(k)); sub: see SUB;
+    split: the split variant's sizes (dsv4/ops/triton/row_topk_split.py; chunk, num_warps, cap
+    and sub do not apply to it), None a program per row (RowTopk passes SPLIT)."""
+    return _row_topk(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub, split)[0]
+
+
+def row_topk_big_selects(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Tensor | None = None,
+                         interp: bool = INTERP, split: Split = Split()) -> tuple[torch.Tensor, torch.Tensor]:
+    """row_topk's split variant, and [T] int32: per row the launches whose big select chose
+    (more than split.lanes candidates)."""
+    keys, flags = _row_topk(scores, k, first_offset, prev, CHUNK, NUM_WARPS, interp, None, SUB, split)
+    if not flags:
+        return keys, torch.zeros(keys.shape[0], dtype=torch.int32, device=keys.device)
+    return keys, torch.stack(flags).sum(0, dtype=torch.int32)
+
+
+def _row_topk(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub, split):
+    """row_topk -> (keys, [the split variant's flags [T] int32 of each launch])."""
     T, W = scores.shape
     if scores.dtype != torch.float32 or (W > 1 and scores.stride(1) != 1):
         raise ValueError("row_topk: scores must be fp32 with unit column stride")
@@ -206,19 +169,36 @@ def row_topk(scores: torch.Tensor, k: int, first_offset: int = 0, prev: torch.Te
         raise ValueError(f"row_topk: sub must be 0 or a power of two, got {sub}")
     if prev is not None and (prev.shape != (T, k) or prev.dtype != torch.long):
         raise ValueError(f"row_topk: prev must be int64 [{T}, {k}], got {prev.dtype} {tuple(prev.shape)}")
-    if prev is None:        # the empty set
-        prev = torch.full((T, k), EMPTY_KEY, dtype=torch.long, device=scores.device)
-    if T == 0 or k == 0 or W == 0:
-        return prev
-    wp, kp = chunk_width(W, chunk), triton.next_power_of_2(k)
+    if split is not None:
+        split.validate()
+    kp = triton.next_power_of_2(k)
     cap = cap or capacity(k)
     if cap < kp or cap & (cap - 1):
         raise ValueError(f"row_topk: cap must be a power of two >= {kp}, got {cap}")
+    if split is not None and split.first_rows and prev is None:    # a first tile: a program per row
+        split = None
+    if prev is None:        # the empty set
+        prev = torch.full((T, k), EMPTY_KEY, dtype=torch.long, device=scores.device)
+    if T == 0 or k == 0 or W == 0:
+        return prev, []
+    if split is None:
+        return _rows(scores, prev, k, first_offset, chunk, num_warps, interp, cap, sub), []
+    flags = []
+    for c0 in range(0, W, split.chunk):
+        prev, f = split_launch(scores[:, c0:c0 + split.chunk], prev, k, first_offset + c0, split, interp)
+        flags.append(f)
+    return prev, flags
+
+
+def _rows(scores, prev, k, first, chunk, num_warps, interp, cap, sub) -> torch.Tensor:
+    """row_topk by a program per row, launch after launch of chunk_width(W, chunk) columns."""
+    T, W = scores.shape
+    wp, kp = chunk_width(W, chunk), triton.next_power_of_2(k)
     cand = torch.empty((T, cap), dtype=torch.long, device=scores.device)
     for c0 in range(0, W, wp):
         part = scores[:, c0:c0 + wp]
         out = torch.empty((T, k), dtype=torch.long, device=scores.device)
-        _row_topk_kernel[(T,)](part, prev, cand, out, part.shape[1], scores.stride(0), k, first_offset + c0,
+        _row_topk_kernel[(T,)](part, prev, cand, out, part.shape[1], scores.stride(0), k, first + c0,
                                WP=wp, KP=kp, CAP=cap, SUB=min(sub, wp), INTERP=interp, num_warps=num_warps)
         prev = out
     return prev
@@ -240,7 +220,7 @@ class RowTopk:
 
     def add(self, scores: torch.Tensor, first_offset: int) -> None:
         """Merge scores [T, W] of offsets first_offset + [0, W), above every offset added so far."""
-        self.keys = row_topk(scores, self.k, first_offset, self.keys)
+        self.keys = row_topk(scores, self.k, first_offset, self.keys, split=SPLIT)
 
     def offsets(self) -> torch.Tensor:
         """[T, k] long: chosen offsets in (score desc, offset asc) order, -1 after the last."""
