@@ -49,8 +49,10 @@ SUB = 4096                  # scores a step when stage 1 writes its candidates f
 MIN_CHUNK = CHUNK
 # RowTopk's (the indexer's) variant: the split one (dsv4/ops/triton/row_topk_split.py: a filter
 # of many programs a row, then a select a row) when a Split, else a program per row;
-# benchmarks/kernels/topk_prefill.py times both
-SPLIT: Split | None = None
+# benchmarks/kernels/topk_prefill.py times both. On the H200 (docs/benchmarks.md, twelfth
+# session) this Split takes a 900k chunk's top-k in 4.66 ms against 7.03 (random tiles 1.89x,
+# deep 1.70x) and no shape's tile slower than the program per row (its first tiles are one).
+SPLIT: Split | None = Split(first_rows=True)
 
 
 # per-call sizes are not specialised: one compiled variant per chunk width
