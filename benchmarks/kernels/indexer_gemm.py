@@ -208,7 +208,7 @@ def main() -> int:
     shape = TINY if args.smoke else FULL
     if args.smoke:          # several tiles a step, as at 900k
         tri.SCORE_TILE = shape["T"] * 32
-        isc.GEMM_TILES = GemmTiles(*shape["sweep"][0])
+        isc.GEMM_TILES = isc.GEMM_TILES_FP8 = GemmTiles(*shape["sweep"][0])
     gen = torch.Generator(device=device).manual_seed(0)
     name = "CPU (Triton interpreter)" if args.smoke else torch.cuda.get_device_name()
     print(f"indexer scores of a prefill chunk, tiled vs per token; {name}")

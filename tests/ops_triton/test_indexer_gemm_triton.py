@@ -162,6 +162,7 @@ def test_selection(kind, score_tile, rows_min, device, monkeypatch):
     rows exactly (score desc, ties to the lower offset)."""
     monkeypatch.setattr(isc, "GEMM_MIN_TOKENS", 1)
     monkeypatch.setattr(isc, "GEMM_TILES", TILES)
+    monkeypatch.setattr(isc, "GEMM_TILES_FP8", TILES)
     monkeypatch.setattr(tri, "SCORE_TILE", score_tile)
     monkeypatch.setattr(tri, "ROWS_MIN", rows_min)
     monkeypatch.setattr(row_topk, "MIN_CHUNK", 128)      # short tiles: narrow programs (fast to interpret)
@@ -209,6 +210,7 @@ def test_dispatch_by_tokens(device, monkeypatch):
 
     monkeypatch.setattr(isc, "_scores_gemm_kernel", Spy())
     monkeypatch.setattr(isc, "GEMM_TILES", TILES)
+    monkeypatch.setattr(isc, "GEMM_TILES_FP8", TILES)
     monkeypatch.setattr(isc, "GEMM_MIN_TOKENS", 20)
     cand, n = chunks([(0, 80, 20)])
     q, weights, keys = (v.to(device) for v in inputs(20, n, 4, "int-fp32"))

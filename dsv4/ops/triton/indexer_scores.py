@@ -46,9 +46,9 @@ NUM_WARPS = 4
 @dataclass(frozen=True)
 class GemmTiles:
     """Launch shape of the tiled kernel (benchmarks/kernels/indexer_gemm.py sweeps them)."""
-    # defaults: the best of the H200 sweep (`python -m benchmarks.kernels.indexer_gemm`), 1.86 ms a
-    # 32,768-entry tile of a 2,048-token chunk at 900k (59.8% of the bf16 peak; per token 6.60 ms),
-    # FP8 keys 1.97 ms (per token 8.31)
+    # defaults: GEMM_TILES_FP8's (below for model-dtype keys), the best of the H200 sweep for FP8 keys
+    # (`python -m benchmarks.kernels.indexer_gemm`): 1.96 ms a 32,768-entry tile of a 2,048-token
+    # chunk at 900k (per token 8.56 ms)
     block_t: int = 64       # tokens per program (>= 16: tl.dot)
     block_e: int = 128      # candidates per program (>= 16)
     num_warps: int = 4
@@ -56,7 +56,11 @@ class GemmTiles:
     maxnreg: int | None = None     # registers a thread (128 at 8 warps: two programs an SM); None: ptxas's choice
 
 
-GEMM_TILES = GemmTiles()
+# model-dtype keys: 1.93 ms a tile against 2.02 for GemmTiles() (57.6% of the bf16 peak; the same
+# order in two calls of the twelfth session, docs/benchmarks.md); packed FP8 keys: GemmTiles(),
+# 1.96 ms against 2.04 for this one
+GEMM_TILES = GemmTiles(num_stages=2, maxnreg=168)
+GEMM_TILES_FP8 = GemmTiles()
 GEMM_MIN_TOKENS = 256   # steps of at least this many tokens take the tiled kernel (decode: per token)
 
 
@@ -257,13 +261,14 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, c
     [N, Di + 4]), cand [T, E] (-1 = absent) or a PagedRows of width E -> [T, e1 - e0] fp32: the
     scores of candidates [e0, e1) (all E by default). tiles: the tiled kernel's launch shape,
     None for the per-token kernel (block_e candidates a program), "auto": GEMM_TILES from
-    GEMM_MIN_TOKENS tokens on, else None (a function of T only: CUDA-graph safe)."""
+    GEMM_MIN_TOKENS tokens on (GEMM_TILES_FP8 for packed keys), else None (a function of T only:
+    CUDA-graph safe)."""
     T, Hi, Di = q.shape
     packed = keys.dtype == torch.uint8          # FP8 keys [N, Di + 4] (dsv4/ops/kv_fp8.py)
     if packed and not _words_ok(keys, Di):
         raise ValueError("indexer_scores: packed FP8 keys need Di % 4 == 0 and 4-byte aligned contiguous rows")
     if tiles == "auto":
-        tiles = GEMM_TILES if T >= GEMM_MIN_TOKENS else None
+        tiles = (GEMM_TILES_FP8 if packed else GEMM_TILES) if T >= GEMM_MIN_TOKENS else None
     e1 = index_width(cand) if e1 is None else e1
     scores = torch.empty((T, e1 - e0), dtype=torch.float32, device=q.device)
     if T == 0 or e1 <= e0:
