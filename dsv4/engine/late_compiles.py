@@ -54,8 +54,10 @@ class LateCompiles:
         skip it, so this returns what a chained hook returns."""
         name = f"{fn.module}.{fn.name}"
         self.kernels[name] = self.kernels.get(name, 0) + 1
-        log.warning("Triton compiles %s after the warm-up (%d late compiles so far): %s", name, self.count,
-                    " ".join(str(repr).split()))      # (one line: the argument types span several)
+        # and the key: the arguments' (type, specialisation) pairs in order, and the options (Triton
+        # 3.6's repr drops the argument types)
+        log.warning("Triton compiles %s after the warm-up (%d late compiles so far): %s; key %s", name, self.count,
+                    " ".join(str(repr).split()), " ".join(str(key).split()))
         if self._previous is not None:
             return self._previous(key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup,
                                   already_compiled=already_compiled)

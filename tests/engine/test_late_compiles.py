@@ -37,6 +37,7 @@ def test_counts_logs_chains_and_restores(caplog, monkeypatch, triton):
     assert late.kernels == {"dsv4.ops.triton.x._a_kernel": 2, "dsv4.ops.triton.x._b_kernel": 1}
     assert late.count == 3 and seen == ["_a_kernel-key", "_b_kernel-key", "_a_kernel-key"]
     assert "BLOCK: constexpr = 64" in caplog.text and "3 late compiles" in caplog.text
+    assert "key _b_kernel-key" in caplog.text                 # the specialisation, which 3.6's repr drops
     late.uninstall()
     assert runtime.jit_cache_hook is previous and not late.watching
 
