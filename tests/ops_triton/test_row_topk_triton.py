@@ -262,3 +262,24 @@ def test_bad_input(device):
         rk.row_topk(torch.randn(2, 8).to(device), 20, cap=16)
     with pytest.raises(ValueError, match="prev"):
         rk.row_topk(torch.randn(2, 8).to(device), 2, prev=torch.zeros(2, 3, dtype=torch.long).to(device))
+
+
+def test_a_small_k_takes_the_min_kp_variant(device, monkeypatch):
+    """k below MIN_KP (a step of many short prompts) launches the program compiled for MIN_KP
+    (the one the warm-up's shortest row-top-k prefill compiles), with the reference's keys."""
+    launched = []
+    kernel = rk._row_topk_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append((kw["KP"], kw["CAP"]))
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(rk, "_row_topk_kernel", Spy())
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(3, 100, generator=g)
+    for k in (1, 3, rk.MIN_KP):
+        assert torch.equal(rk.sorted_keys(rk.row_topk(scores.to(device), k)).cpu(), reference(scores, k))
+    assert set(launched) == {(rk.MIN_KP, rk.capacity(rk.MIN_KP))}

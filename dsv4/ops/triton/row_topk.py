@@ -47,6 +47,11 @@ SUB = 4096                  # scores a step when stage 1 writes its candidates f
 # the narrowest program: a full chunk, so serving compiles one variant (a narrower tile's program
 # masks the rest: no reads, and a row of at most k valid scores needs no counts)
 MIN_CHUNK = CHUNK
+# the least k a program per row is compiled for (its KP, and CAP = capacity(MIN_KP)): a step of
+# many short prompts (ROWS_MIN tokens or more, each prompt's C4 entries, so k = min(topk, width),
+# fewer than that) takes this variant, which the warm-up's 256-token prefill from position 0 (64
+# entries) compiles, instead of compiling one for each power of two below it while serving
+MIN_KP = 64
 # RowTopk's (the indexer's) variant: the split one (dsv4/ops/triton/row_topk_split.py: a filter
 # of many programs a row, then a select a row) when a Split, else a program per row;
 # benchmarks/kernels/topk_prefill.py times both. On the H200 (docs/benchmarks.md, twelfth
@@ -174,7 +179,7 @@ def _row_topk(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub,
     if split is not None:
         split.validate()
     kp = triton.next_power_of_2(k)
-    cap = cap or capacity(k)
+    cap = cap or capacity(max(k, MIN_KP))
     if cap < kp or cap & (cap - 1):
         raise ValueError(f"row_topk: cap must be a power of two >= {kp}, got {cap}")
     if split is not None and split.first_rows and prev is None:    # a first tile: a program per row
@@ -195,7 +200,7 @@ def _row_topk(scores, k, first_offset, prev, chunk, num_warps, interp, cap, sub,
 def _rows(scores, prev, k, first, chunk, num_warps, interp, cap, sub) -> torch.Tensor:
     """row_topk by a program per row, launch after launch of chunk_width(W, chunk) columns."""
     T, W = scores.shape
-    wp, kp = chunk_width(W, chunk), triton.next_power_of_2(k)
+    wp, kp = chunk_width(W, chunk), min(max(triton.next_power_of_2(k), MIN_KP), cap)
     cand = torch.empty((T, cap), dtype=torch.long, device=scores.device)
     for c0 in range(0, W, wp):
         part = scores[:, c0:c0 + wp]
