@@ -165,6 +165,7 @@ def decode_case(model, device, dtype, kv, n, tokens, batch: int = 1) -> dict:
     out = {"batch": batch, "step_ms": step * 1e3, "tok_per_s": batch / step, "bound_ms": bound * 1e3,
            "of_roofline": bound / step, "peak_gb": peak_gb(device),
            "cache_tokens": eng.plan.max_tokens, "cache_mib": eng.runner.storage.nbytes() / 2**20}
+    eng.close()     # (its late-compile watcher off: the next engine's warm-up is not late)
     del eng
     return out
 
@@ -184,6 +185,7 @@ def prefill_case(model, device, dtype, kv, n, chunk) -> dict:
     s = time.perf_counter() - t
     assert req.output_token_ids, "the prefill produced no token"
     out = {"s": s, "tok_per_s": n / s, "peak_gb": peak_gb(device)}
+    eng.close()     # (its late-compile watcher off: the next engine's warm-up is not late)
     del eng
     return out
 
@@ -212,6 +214,7 @@ def chunk_case(model, device, dtype, kv, start, tokens) -> dict:
         assert req.output_token_ids and not eng.has_unfinished(), "the chunk was not one step"
     term = bound_seconds(indexer_cost(model.cfg, tokens, start, kv_precision(dtype, kv)))
     out = {"start": start, "tokens": tokens, "ms": s * 1e3, "indexer_bound_ms": term * 1e3, "peak_gb": peak_gb(device)}
+    eng.close()     # (its late-compile watcher off: the next engine's warm-up is not late)
     del eng
     return out
 

@@ -254,6 +254,7 @@ class DPRunner:
     def __init__(self, local: ModelRunner, caches: DPCaches, comm: Comm):
         self.local, self.caches, self.comm = local, caches, comm
         self.storage, self.h2d, self.model = local.storage, local.h2d, local.model
+        self.late_compiles = local.late_compiles     # (installed by the local runner's warm-up)
         self.workers = None             # engine/workers.py's Workers, set by the engine
 
     @torch.inference_mode()

@@ -149,11 +149,13 @@ class LLMEngine(GrammarSteps):
                              self.config.data_parallel_size) + "\n" + plan
 
     def close(self) -> None:
-        """Stop the other ranks of a parallel run (nothing to do for one process)."""
+        """Stop the other ranks of a parallel run (nothing to do for one process), the grammar
+        worker, and the late-compile watcher (another engine's warm-up in this process is not late)."""
         if self.workers is not None:
             self.workers.shutdown()
         if self.grammars is not None:
             self.grammars.close()
+        self.runner.late_compiles.uninstall()
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

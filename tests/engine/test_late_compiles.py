@@ -47,3 +47,14 @@ def test_cpu_warmup_does_not_watch(tiny, one_thread):
     eng = tiny.engine(max_num_batched_tokens=8, max_num_seqs=2, num_pages=8, max_model_len=64)
     eng.warmup()
     assert not eng.runner.late_compiles.watching
+
+
+def test_close_takes_the_watcher_off(tiny, one_thread, triton, monkeypatch):
+    """An engine's close uninstalls its watcher: another engine's warm-up in the same process
+    (a benchmark's next case) is not counted late."""
+    runtime = triton.knobs.runtime
+    monkeypatch.setattr(runtime, "jit_cache_hook", None)
+    eng = tiny.engine(max_num_batched_tokens=8, max_num_seqs=2, num_pages=8, max_model_len=64)
+    assert eng.runner.late_compiles.install() and runtime.jit_cache_hook == eng.runner.late_compiles.hook
+    eng.close()
+    assert runtime.jit_cache_hook is None and not eng.runner.late_compiles.watching
