@@ -34,7 +34,7 @@ def _params(fn: dict):
     parts = []
     for key, prop in props.items():
         try:
-            one = _param(key, {**prop, **defs} if isinstance(prop, dict) else prop)
+            one = g.compile_check(_param(key, {**prop, **defs} if isinstance(prop, dict) else prop))
         except Exception as e:      # GrammarError, or xgrammar's own error types
             raise g.GrammarError(f"tools: function {fn['name']!r}, parameter {key!r}: "
                                  f"{g.clean_error(e)}") from None

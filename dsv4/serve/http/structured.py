@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from ...sampling_params import StructuredOutputs
-from ...structured.grammars import GrammarError, build
+from ...structured.grammars import GrammarError, build_checked
 from .errors import bad_request
 
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -47,7 +47,7 @@ def check(spec: StructuredOutputs, field: str) -> None:
     """Compile the grammar once; a bad one is a 400 naming the field and the problem."""
     try:
         spec.validate()
-        build(spec)
+        build_checked(spec)
     except GrammarError as e:
         raise bad_request(f"{field}: {e}", field) from None
     except ValueError as e:
