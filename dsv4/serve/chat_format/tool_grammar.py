@@ -29,7 +29,8 @@ def forced_call_grammar(tools: list[dict], named: str | None) -> str:
 def _params(fn: dict):
     schema = fn.get("parameters") or {}
     props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    required = set(r for r in schema.get("required") or () if isinstance(r, str))
+    listed = schema.get("required")
+    required = {r for r in listed if isinstance(r, str)} if isinstance(listed, list) else set()
     defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
     parts = []
     for key, prop in props.items():
