@@ -9,7 +9,10 @@ wrapped. What must hold for every case (docs/architecture.md, "Serving"):
 * an accepted stream ends with `[DONE]` and carries no error event;
 * a well-formed greedy request sent again and again meanwhile gets the tokens it gets alone;
 * the server is up afterwards.
-Deterministic (`SEED`); valid bodies ask for 2 tokens, so the file runs in ~15 s on one core."""
+A second test gives the tools of a chat request random schema-like trees (keywords holding
+values of any kind) while the scripted engine core (server_fixtures.py) writes tool calls, which
+the output parser types by those schemas: no answer may be a 5xx.
+Deterministic (`SEED`); valid bodies ask for 2 tokens, so the file runs in ~25 s on one core."""
 import json
 import random
 import threading
@@ -179,3 +182,38 @@ def test_hostile_bodies_get_4xx_and_touch_nobody(http, victim_http):
     assert statuses.get(200, 0) > 10 and statuses.get(400, 0) > CASES // 2, statuses
     assert texts and all(text == alone for text in texts), (alone, [t for t in texts if t != alone][:3])
     assert http.get("/health").status_code == 200
+
+
+# ---- tool schemas against the calls a model writes (the scripted engine core) ------------------
+KEYWORDS = ["type", "anyOf", "oneOf", "allOf", "enum", "const", "items", "properties", "required", "$ref", "$defs",
+            "minLength", "maxLength", "pattern", "default"]
+TYPE_NAMES = ["string", "integer", "number", "boolean", "array", "object", "null", "int", "weird"]
+
+
+def random_schema(rng: random.Random, depth: int = 0):
+    """A JSON-schema-like tree whose keywords hold any kind of value."""
+    if depth > 3 or rng.random() < 0.2:
+        return rng.choice(VALUES + TYPE_NAMES)
+    schema = {}
+    for key in rng.sample(KEYWORDS, rng.randint(1, 3)):
+        pick = rng.random()
+        schema[key] = (rng.choice(TYPE_NAMES) if key == "type" and pick < 0.5
+                       else rng.choice(VALUES) if pick < 0.65
+                       else [random_schema(rng, depth + 1) for _ in range(rng.randint(0, 3))] if pick < 0.85
+                       else {"city": random_schema(rng, depth + 1)})
+    return schema
+
+
+def test_odd_tool_schemas_never_break_the_parsing_of_a_call(fake_server):
+    import httpx
+    rng = random.Random(SEED)
+    with httpx.Client(base_url=fake_server.base_url, trust_env=False, timeout=30) as http:
+        for _ in range(100):
+            props = {"city": random_schema(rng), "days": random_schema(rng)}
+            tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+                "type": "object", "properties": props, "required": rng.choice([["city"], 5, "city", [None]])}}}]
+            script = rng.choice(["tool", "typed_tool", "wrapped_tool", "cut_tool"])
+            raw = json.dumps({"messages": [{"role": "user", "content": f"[[{script}]]"}], "tools": tools,
+                              "stream": rng.random() < 0.5}).encode()
+            r = http.post(CHAT, content=raw, headers={"Content-Type": "application/json"})
+            check_answer(r, raw)
