@@ -13,7 +13,7 @@ from ...structured.grammars import GrammarError, build_checked
 from .errors import bad_request
 
 # The longest constraint (schema, regex, grammar or choices, in characters) a request may give:
-# compiling grows faster than its size (20,000 choices: ~3 s; 100,000: over a minute), and
+# compiling grows faster than its size (20,000 choices: ~3 s; 100,000: about a minute), and
 # every step of the batch waits for the masks of a constraint being compiled.
 MAX_CONSTRAINT_CHARS = 64 * 1024
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
