@@ -17,6 +17,12 @@ MAX_LOGPROBS = 20
 # logit_bias: at most this many tokens, each biased by a value in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX].
 MAX_LOGIT_BIAS_TOKENS = 1024
 LOGIT_BIAS_MAX = 100.0
+# Most stop strings a request may give: every one is searched for after every token, in the API
+# process's event loop (text/stop_watch.py), so 100,000 of them stalled every other stream.
+MAX_STOP_STRINGS = 64
+# Most stop_token_ids: the sampler lists them for every step of a request below min_tokens
+# (a million of them stalled every step of the batch by ~1 s).
+MAX_STOP_TOKEN_IDS = 1024
 # The sampler works in float32: a nonzero value must stay a normal float32 number.
 F32_MAX, F32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -128,11 +134,15 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(self, name, low=0, high=MAX_LOGPROBS)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop: every stop string must be a non-empty str, got {s!r}")
             if not _is_utf8(s):
                 raise ValueError(f"stop: {_show(s)} is not valid Unicode (a lone surrogate)")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} token ids, got {len(self.stop_token_ids)}")
         for t in self.stop_token_ids:
             if not _is_int(t) or not 0 <= t < vocab_size:
                 raise ValueError(f"stop_token_ids: {_show(t)} is not a token id in [0, {vocab_size})")

@@ -42,7 +42,11 @@ class GrammarCache:
             self.hits += 1
             return compiled
         self.misses += 1
-        compiled = self.compiler.compile_grammar(grammars.build(spec))
+        grammar = grammars.build(spec)
+        try:
+            compiled = self.compiler.compile_grammar(grammar)
+        except Exception as e:      # noqa: BLE001 - some bad grammars fail only here (grammars.compile_check)
+            raise grammars.GrammarError(grammars.clean_error(e)) from None
         self._entries[key] = compiled
         if len(self._entries) > self.capacity:
             self._entries.popitem(last=False)

@@ -16,7 +16,7 @@ UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentSchemas", "depend
                         "patternProperties", "propertyNames", "unevaluatedProperties",
                         "unevaluatedItems", "contains", "uniqueItems", "multipleOf")
 MAX_SCHEMA_DEPTH = 32          # nesting of a schema (and of $ref chains) we accept
-_CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+_CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is false:\s*)?")
 
 
 class GrammarError(ValueError):
@@ -46,6 +46,28 @@ def build(spec: StructuredOutputs):
         raise
     except Exception as e:      # xgrammar's errors (RuntimeError, its own types) all mean a bad constraint
         raise GrammarError(f"{_FIELD[kind]}: {clean_error(e)}") from None
+
+
+def build_checked(spec: StructuredOutputs):
+    """`build`, then `compile_check`ed."""
+    grammar = build(spec)
+    kind = spec.kinds()[0] if spec.kinds() else "json"
+    try:
+        compile_check(grammar)
+    except Exception as e:      # noqa: BLE001 - as in build: any xgrammar error means a bad constraint
+        raise GrammarError(f"{_FIELD[kind]}: {clean_error(e)}") from None
+    return grammar
+
+
+def compile_check(grammar):
+    """`grammar`, after compiling it against a one-token vocabulary (~0.1 ms for a small grammar):
+    xgrammar checks some grammars only when it compiles them (`"minLength": -5` is a negative
+    repetition bound), and such a grammar must fail its own request, never the engine's grammar
+    worker (whose failure ends every constrained request in flight: remote.py). Raises
+    xgrammar's error."""
+    xgr = _xgr()
+    xgr.GrammarCompiler(xgr.TokenizerInfo(["a"]), max_threads=1, cache_enabled=False).compile_grammar(grammar)
+    return grammar
 
 
 _FIELD = {"json": "json_schema", "json_object": "response_format", "regex": "regex", "choice": "choice",

@@ -6,7 +6,7 @@ while the worker accepts and fills the rows into a shared buffer, and reads the 
 count; usually waiting already) right before the upload.
 
 A request's handle (`get`) is its slot number in the worker. A constraint is checked here
-(`grammars.build`, tokenizer-free, once per constraint: an LRU of keys) so `add` still raises
+(`grammars.build_checked`, tokenizer-free, once per constraint: an LRU of keys) so `add` still raises
 for a bad one; the worker compiles it against the vocabulary. The shared buffer is
 [2, rows, W] int32 in a /dev/shm file (unlinked once the worker has mapped it), a half per
 step in turn, so a mask read for step k is not overwritten by step k+1's fill.
@@ -66,7 +66,7 @@ class WorkerGrammars:
         self.end_row = only_token(eos_token_id, vocab_size)
         self._slots: dict[str, int] = {}          # request id -> its slot in the worker
         self._next_slot = 0
-        self._checked: OrderedDict[tuple, None] = OrderedDict()    # constraints grammars.build accepted
+        self._checked: OrderedDict[tuple, None] = OrderedDict()    # constraints grammars.build_checked accepted
         self._rows = rows
         self._last_ids, self._last_slots = None, []    # the last step's rows and their slots (until an add or drop)
         self.error: str | None = None             # why the worker is gone (None: running)
@@ -200,7 +200,7 @@ class WorkerGrammars:
         if key in self._checked:
             self._checked.move_to_end(key)
             return
-        grammars.build(spec)
+        grammars.build_checked(spec)
         self._checked[key] = None
         if len(self._checked) > CACHE_ENTRIES:
             self._checked.popitem(last=False)

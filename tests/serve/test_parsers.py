@@ -228,3 +228,16 @@ def test_attribute_variants(text, calls):
     msg = both(text + EOS, thinking=False)
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.tool_calls] == calls
     assert msg.content == ""
+
+
+@pytest.mark.parametrize("schema", [{"type": "array"}, {"anyOf": 5}, {"oneOf": "ab"}], ids=str)
+def test_a_value_too_deep_to_parse_stays_text_and_odd_schemas_type_nothing(schema):
+    """Output a constraint can force: a parameter nested deeper than `json` parses (it was a
+    RecursionError 500 after the whole generation); a request's schema whose anyOf is no list
+    (a TypeError 500 once the model wrote a call)."""
+    deep = "[" * 5000 + "]" * 5000
+    text = BLOCK.replace('"true">Paris', f'"false">{deep}') + EOS
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": schema, "days": schema}}}}]
+    whole = parse_completion(text, thinking=False, tools=tools, id_factory=ids())
+    assert json.loads(whole.tool_calls[0]["function"]["arguments"]) == {"city": deep, "days": 3}

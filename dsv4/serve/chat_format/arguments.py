@@ -95,7 +95,7 @@ class ArgumentWriter:
     def _write_body(self, body: str) -> None:
         try:
             args = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):      # (RecursionError: JSON nested too deeply to parse)
             args = None
         if not isinstance(args, dict):
             logger.info("tool call %s: invoke body is not a JSON object; dropped: %r", self.tool, body[:80])

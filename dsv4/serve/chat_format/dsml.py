@@ -82,11 +82,23 @@ def tool_call_arguments(arguments: Any) -> dict:
     if isinstance(arguments, str):
         try:
             parsed = json.loads(arguments)
+        except RecursionError:
+            raise ValueError("tool call arguments nest too deeply to parse") from None
         except ValueError:
             return {"arguments": arguments}
         if isinstance(parsed, dict):
+            _check_unicode(parsed)
             return parsed
     raise ValueError(f"tool call arguments must be a JSON object, got {arguments!r}")
+
+
+def _check_unicode(parsed: dict) -> None:
+    """JSON's `\\ud800` escapes decode to lone surrogates, which no prompt can carry."""
+    try:
+        to_json(parsed).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"tool call arguments contain a lone UTF-16 surrogate at character {e.start} "
+                         f"of their JSON; strings must be valid Unicode") from None
 
 
 def render_tool_calls(tool_calls: list[dict]) -> str:

@@ -37,7 +37,7 @@ def declared_types(schema: Any) -> frozenset[str] | None:
         return frozenset(type_of(v) for v in schema["enum"]) or None
     if "const" in schema:
         return frozenset([type_of(schema["const"])])
-    members = [m for key in ("anyOf", "oneOf", "allOf") for m in schema.get(key) or []]
+    members = [m for key in ("anyOf", "oneOf", "allOf") if isinstance(schema.get(key), list) for m in schema[key]]
     if members:
         union = [declared_types(m) for m in members]
         return None if any(u is None for u in union) else frozenset().union(*union)
@@ -75,7 +75,7 @@ def convert_text(text: str, is_string: bool | None, schema: Any, where: str) -> 
         return text
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):      # (RecursionError: JSON nested too deeply to parse)
         if is_string is False:
             logger.info("tool call %s: %r is not JSON; kept as a string", where, text[:80])
         return conform(text, types, where)
@@ -112,7 +112,7 @@ def _to(kind: str, value: Any) -> Any:
         return None
     try:
         parsed = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):      # (RecursionError: JSON nested too deeply to parse)
         return _NO
     if fits(parsed, frozenset([kind])):
         return parsed

@@ -29,12 +29,13 @@ def forced_call_grammar(tools: list[dict], named: str | None) -> str:
 def _params(fn: dict):
     schema = fn.get("parameters") or {}
     props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    required = set(r for r in schema.get("required") or () if isinstance(r, str))
+    listed = schema.get("required")
+    required = {r for r in listed if isinstance(r, str)} if isinstance(listed, list) else set()
     defs = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
     parts = []
     for key, prop in props.items():
         try:
-            one = _param(key, {**prop, **defs} if isinstance(prop, dict) else prop)
+            one = g.compile_check(_param(key, {**prop, **defs} if isinstance(prop, dict) else prop))
         except Exception as e:      # GrammarError, or xgrammar's own error types
             raise g.GrammarError(f"tools: function {fn['name']!r}, parameter {key!r}: "
                                  f"{g.clean_error(e)}") from None

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from ...sampling_params import SamplingParams
+from ...sampling_params import MAX_LOGPROBS, SamplingParams
 from ..client import NotEncodable
 from .chat_prompt import MAX_N, per_choice
 from .errors import bad_request
@@ -146,6 +146,9 @@ def _check_request(req: CompletionRequest) -> bool:
         raise bad_request("suffix: not supported (this server has no fill-in-the-middle mode)", "suffix")
     if req.n > MAX_N:
         raise bad_request(f"n: at most {MAX_N} choices per request, got {req.n}", "n")
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"prompt_logprobs: must be in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs}",
+                          "prompt_logprobs")
     if req.max_tokens == 0 and not req.echo:
         raise bad_request("max_tokens: must be >= 1 (0 only with echo, to score the prompt)", "max_tokens")
     return req.max_tokens == 0
