@@ -7,7 +7,8 @@ abort, async scheduling, greedy and seeded sampling -- and every request that fi
 give the tokens (and finish reason) it gives alone on a plain engine.
 
 Seeded sampling under speculative decoding draws other uniforms (docs/speculative.md): those
-requests run to disturb the others but are not compared. `FUZZ_SEEDS=0-300` (a range or a
+requests are compared with a run alone on a plain engine with the same MTP drafter (with
+scripted drafts, not compared). `FUZZ_SEEDS=0-300` (a range or a
 comma list) runs other seeds than the committed ones, to hunt.
 """
 from __future__ import annotations
@@ -108,7 +109,8 @@ def draw_case(seed: int, h, vocab: int) -> Draw:
         engine["speculative_config"] = {"method": "mtp", "num_speculative_tokens": rng.randint(1, 3)}
     abort = None
     if len(reqs) > 1 and rng.random() < 0.3:
-        abort = (rng.choice(reqs).rid, rng.randint(0, 20))
+        victim = rng.choice(reqs)
+        abort = (victim.rid, victim.arrival + rng.randint(0, 20))
     d = Draw(engine, reqs, abort, spec and rng.random() < 0.7, rng.choice([2, 3, 5]))
     if engine["enable_prefix_caching"] and rng.random() < (0.9 if "host_cache_gb" in engine else 0.3):
         d.reset_at = rng.randint(0, 40)
@@ -118,17 +120,17 @@ def draw_case(seed: int, h, vocab: int) -> Draw:
 
 
 class Plain:
-    """Each request alone on a plain engine (no prefix cache, no async, no speculation, one
-    big budget), memoised by prompt and parameters."""
+    """Each request alone on a plain engine (no prefix cache, no async, no speculation unless
+    `spec` is given, one big budget), memoised by prompt and parameters."""
 
-    def __init__(self, tiny, h, kv_cache_dtype: str = "auto"):
-        self.tiny, self.h, self.kv, self.done = tiny, h, kv_cache_dtype, {}
+    def __init__(self, tiny, h, kv_cache_dtype: str = "auto", spec: dict | None = None):
+        self.tiny, self.h, self.kv, self.spec, self.done = tiny, h, kv_cache_dtype, spec, {}
 
     def run(self, prompt: list[int], params: SamplingParams):
         key = (tuple(prompt), repr(params))
         if key not in self.done:
             eng = self.tiny.engine(max_num_batched_tokens=2048, max_num_seqs=1, num_pages=4, kv_cache_dtype=self.kv,
-                                   enable_prefix_caching=False, async_scheduling="off")
+                                   enable_prefix_caching=False, async_scheduling="off", speculative_config=self.spec)
             self.done[key] = self.h.drive(eng, [self.h.Req("solo", prompt, params)])["solo"]
         return self.done[key]
 
@@ -175,13 +177,18 @@ def run_case(seed: int, tiny, h) -> dict:
         eng.spec.proposer = ScriptedDrafts(truth, d.wrong_every, tiny.cfg.vocab_size)
     reset = lambda eng, step: step == d.reset_at and eng.reset_prefix_cache()   # noqa: E731
     got = h.drive(eng, d.reqs, check=True, abort_at=d.abort, on_step=reset)
-    spec = "speculative_config" in d.engine
+    spec = d.engine.get("speculative_config")
+    # seeded sampling draws other uniforms with drafts (docs/speculative.md): compared with the
+    # request alone on a plain engine with the same drafter (scripted drafts: not compared)
+    spec_plain = Plain(tiny, h, d.engine.get("kv_cache_dtype", "auto"), spec) if spec and not d.scripted else None
     for r in d.reqs:
         if d.abort is not None and r.rid == d.abort[0]:
             continue
-        if spec and not r.params.is_greedy:
-            continue               # other draws under speculation (docs/speculative.md)
         a, b = got[r.rid], want[r.rid]
+        if spec and not r.params.is_greedy:
+            if spec_plain is None:
+                continue
+            b = spec_plain.run(r.prompt, r.params)
         if (a.token_ids, a.finish_reason, a.stop_reason) == (b.token_ids, b.finish_reason, b.stop_reason):
             continue
         i = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
