@@ -179,8 +179,10 @@ def run_case(seed: int, tiny, h) -> dict:
     got = h.drive(eng, d.reqs, check=True, abort_at=d.abort, on_step=reset)
     spec = d.engine.get("speculative_config")
     # seeded sampling draws other uniforms with drafts (docs/speculative.md): compared with the
-    # request alone on a plain engine with the same drafter (scripted drafts: not compared)
-    spec_plain = Plain(tiny, h, d.engine.get("kv_cache_dtype", "auto"), spec) if spec and not d.scripted else None
+    # request alone on a plain engine with the same drafter where no step can verify fewer
+    # drafts than alone (scripted drafts, or a budget or cache that can cut drafts: not compared)
+    spec_plain = (Plain(tiny, h, d.engine.get("kv_cache_dtype", "auto"), spec)
+                  if spec and not d.scripted and drafts_never_cut(d) else None)
     for r in d.reqs:
         if d.abort is not None and r.rid == d.abort[0]:
             continue
@@ -196,6 +198,14 @@ def run_case(seed: int, tiny, h) -> dict:
             f"seed {seed}: {r.rid} (prompt {len(r.prompt)}, {r.params}) under {d.engine}, "
             f"abort {d.abort}, reset {d.reset_at}, scripted {d.scripted}:\n got {a.token_ids}\nwant {b.token_ids}")
     return got
+
+
+def drafts_never_cut(d: Draw) -> bool:
+    """Every decode gets its k drafts: the budget holds k + 1 tokens of every sequence, the
+    pages every request at once (no short chain, no preemption)."""
+    k = d.engine["speculative_config"]["num_speculative_tokens"]
+    pages = sum(-(-(len(r.prompt) + r.params.max_tokens + k) // PAGE) for r in d.reqs)
+    return d.engine["max_num_batched_tokens"] >= (k + 1) * d.engine["max_num_seqs"] and d.engine["num_pages"] >= pages
 
 
 def near_tie(tiny, h, r, before: list[int], pair: tuple[int, int]) -> bool:
