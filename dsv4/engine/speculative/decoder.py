@@ -24,6 +24,7 @@ import dataclasses
 
 import torch
 
+from ...cache.layout import PAGE_TOKENS
 from ..inflight import HostCopy
 from ..request import Request
 from ..runner import StepLogits
@@ -229,10 +230,13 @@ class SpeculativeDecoder:
         start, end = req.num_computed, req.num_computed + c.num_tokens
         emitted_now = len(emitted) - c.num_rejected if emitted is not None else 1
         room = req.params.max_tokens - len(req.output_token_ids) - emitted_now   # tokens still to come
-        # DSpark: every position (a prefix-cache checkpoint then holds the drafter's window keys too)
-        lo = start if self.dspark else max(start, known - self.window)
-        if (room <= 1 and not self.dspark) or lo >= end:
-            return None                             # no more drafts, or nothing a draft's window reads
+        # DSpark: every position (a prefix-cache checkpoint then holds the drafter's window keys too);
+        # MTP: the positions this request's later drafts read, and the window before the page
+        # boundary a checkpoint of this chunk may pack (another request resumes from it)
+        own = max(start, known - self.window) if room > 1 else end
+        lo = start if self.dspark else min(own, self._checkpoint_window(start, end))
+        if lo >= end:
+            return None                             # nothing a draft's window reads
         n_known = max(0, min(end, known - 1) - lo)  # positions t whose x_{t+1} was known before the step
         tokens = req.known_tokens(lo + 1, n_known) + (emitted[:end - lo - n_known] if emitted else [])
         anchor_pos, k = -1, 0
@@ -242,6 +246,13 @@ class SpeculativeDecoder:
         held = self.cache.seq(req)
         return DraftWork(req, held.slot, held.pages, held.swa_pages, lo, tokens, hidden_row + lo - start,
                          anchor=anchor_pos - lo if emitted is not None else -1, num_drafts=k)
+
+    def _checkpoint_window(self, start: int, end: int) -> int:
+        """The first position of chunk [start, end) inside the window [L - W, L) of the last page
+        boundary L whose window it reaches (the boundary a prefix-cache checkpoint packs the SWA
+        layers, the MTP ones included, before: docs/architecture.md, "Cache"); `end` if none."""
+        L = (end - 1 + self.window) // PAGE_TOKENS * PAGE_TOKENS
+        return max(start, L - self.window) if self.cache.prefix is not None and L > start else end
 
     def _reserve_chain(self, req: Request, k: int, anchor_pos: int, end: int) -> int:
         """Reserve the chain's positions (anchor_pos + 1 .. anchor_pos + k - 1); fewer drafts when
