@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from dsv4.sampling_params import SamplingParams
+from scripted_drafts import ScriptedProposer     # (tests/engine/scripted_drafts.py)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -135,27 +136,6 @@ class Plain:
         return self.done[key]
 
 
-class ScriptedDrafts:
-    """Drafts position p from the request's plain sequence, made wrong where (rid, p) hashes
-    to 0 mod `every` (and past its end): accepted runs of every length on a random model."""
-
-    def __init__(self, truth: dict[str, list[int]], every: int, vocab: int):
-        self.truth, self.every, self.vocab = truth, every, vocab
-
-    def propose(self, works, hidden, batch_of):
-        out = []
-        for w in works:
-            if w.num_drafts == 0:
-                continue
-            seq, first = self.truth[w.request.request_id], w.start + w.anchor + 2
-            drafts = []
-            for p in range(first, first + w.num_drafts):
-                ok = p < len(seq) and zlib.crc32(f"{w.request.request_id}@{p}".encode()) % self.every != 0
-                drafts.append(seq[p] if ok else (seq[p] + 1 if p < len(seq) else 0) % self.vocab)
-            out.append((torch.tensor(drafts), None))
-        return out
-
-
 def add_stops(d: Draw, plain: Plain) -> None:
     """A drawn request stops on a token its plain run emits (the same for its n copies)."""
     for prefix in d.stop_prefixes:
@@ -174,7 +154,9 @@ def run_case(seed: int, tiny, h) -> dict:
     eng = tiny.engine(**d.engine)
     if d.scripted:
         truth = {r.rid: r.prompt + want[r.rid].token_ids for r in d.reqs}
-        eng.spec.proposer = ScriptedDrafts(truth, d.wrong_every, tiny.cfg.vocab_size)
+        every = d.wrong_every     # wrong where (rid, p) hashes to 0 mod every: runs of every length
+        eng.spec.proposer = ScriptedProposer(
+            truth, lambda rid, p: zlib.crc32(f"{rid}@{p}".encode()) % every == 0, tiny.cfg.vocab_size)
     reset = lambda eng, step: step == d.reset_at and eng.reset_prefix_cache()   # noqa: E731
     got = h.drive(eng, d.reqs, check=True, abort_at=d.abort, on_step=reset)
     spec = d.engine.get("speculative_config")

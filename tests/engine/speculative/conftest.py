@@ -1,9 +1,8 @@
 """Helpers of the speculative-decoding tests.
 
 * `sp.Req`, `sp.drive`, `sp.assert_same_outputs`: tests/engine/conftest.py's, for these tests.
-* `ScriptedProposer`: replaces the MTP drafter with drafts read from known continuations
-  (wrong where a rule says so), so that accepted runs of every length happen on a random tiny
-  model whose own MTP block almost never guesses right.
+* `ScriptedProposer` (tests/engine/scripted_drafts.py): replaces the MTP drafter with drafts
+  read from known continuations (wrong where a rule says so).
 * `CharTokenizer`: a tokenizer whose text is one letter per token, for stop strings.
 """
 from __future__ import annotations
@@ -11,30 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
-import torch
-
-
-class ScriptedProposer:
-    """Drafts the token at position p from `truth[rid][p]` (the request's whole sequence of a
-    plain run), replaced by the next token id where `wrong(rid, p)` (and past the truth's end)."""
-
-    def __init__(self, truth: dict[str, list[int]], wrong, vocab: int):
-        self.truth, self.wrong, self.vocab = truth, wrong, vocab
-        self.calls = 0
-
-    def propose(self, works, hidden, batch_of):
-        self.calls += 1
-        out = []
-        for w in works:
-            if w.num_drafts == 0:
-                continue
-            seq, first = self.truth[w.request.request_id], w.start + w.anchor + 2
-            drafts = []
-            for p in range(first, first + w.num_drafts):
-                t = seq[p] if p < len(seq) else 0
-                drafts.append((t + 1) % self.vocab if p >= len(seq) or self.wrong(w.request.request_id, p) else t)
-            out.append((torch.tensor(drafts), None))
-        return out
+from scripted_drafts import ScriptedProposer     # (tests/engine/scripted_drafts.py)
 
 
 class CharTokenizer:
