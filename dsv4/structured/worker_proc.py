@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import traceback
 from multiprocessing.connection import Connection
 
@@ -64,6 +65,7 @@ class Worker:
         from .masks import MaskFiller
         from .registry import Grammars
         self.commands, self.replies, self.notices = commands, replies, notices
+        self._notice_lock = threading.Lock()    # notices come from this loop (cached) and the compile thread
         self.grammars = Grammars(Tokenizer.from_str(tokenizer_json), vocab_size, eos_token_id)
         self.grammars.notify = self._notify         # (called on the compile thread)
         self.grammars.masks = MaskFiller(vocab_size, self.grammars.keep, threads=fill_threads or None)
@@ -99,7 +101,8 @@ class Worker:
 
     def _notify(self, slot: int, error: str | None) -> None:
         try:
-            self.notices.send(("compiled", slot, error))
+            with self._notice_lock:
+                self.notices.send(("compiled", slot, error))
         except (OSError, ValueError):       # the engine is gone (the loop ends at its next receive)
             pass
 
