@@ -8,6 +8,8 @@ called by the owner between steps, makes its matcher; a constraint up to
 `grammars.CHECK_AT_ADD_CHARS` is checked at `add` first, so a bad one still raises there."""
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..sampling_params import StructuredOutputs
@@ -30,10 +32,13 @@ class Grammars:
         self.end_row, self.eos_token_id = only_token(eos_token_id, vocab_size), eos_token_id
         self.masks = MaskFiller(vocab_size, self.keep)      # decode steps' masks
         self._requests: dict[str, RequestGrammar] = {}
-        self._compiling: dict[object, StructuredOutputs] = {}    # handle -> its constraint, on the compile thread
+        # handle -> (its constraint, its ticket: a handle added again after a drop is not the old compile's)
+        self._compiling: dict[object, tuple[StructuredOutputs, int]] = {}
+        self._tickets = itertools.count()
         self._checks = CheckedSpecs(CACHE_ENTRIES)
         self._thread: CompileThread | None = None     # started by the first background compile
-        self.notify = None          # passed to the compile thread (the grammar worker's notices)
+        self.notify = None          # notify(handle, error | None) on the compile thread, once a result is
+        #                             queued (the grammar worker's notices)
         self.error: str | None = None       # (never set here: remote.WorkerGrammars's worker death)
 
     def add(self, request_id, spec: StructuredOutputs, background: bool = False) -> RequestGrammar | None:
@@ -46,9 +51,10 @@ class Grammars:
             if spec_chars(spec) <= CHECK_AT_ADD_CHARS:
                 self._checks.check(spec)
             if self._thread is None:
-                self._thread = CompileThread(self._compile, self.notify)
-            self._compiling[request_id] = spec
-            self._thread.submit(request_id, spec)
+                self._thread = CompileThread(self._compile, self._notify)
+            ticket = next(self._tickets)
+            self._compiling[request_id] = (spec, ticket)
+            self._thread.submit((request_id, ticket), spec)
             return None
         return self._matcher(request_id, spec, compiled)
 
@@ -60,6 +66,10 @@ class Grammars:
         except CompileFailed as e:
             raise e.named(spec) from None
 
+    def _notify(self, handle: tuple, error: str | None) -> None:
+        if self.notify is not None:
+            self.notify(handle[0], error)
+
     def _matcher(self, request_id, spec: StructuredOutputs, compiled) -> RequestGrammar:
         grammar = RequestGrammar(compiled, self.think_end_id, spec.after_think, self.end_row, self.eos_token_id)
         self._requests[request_id] = grammar
@@ -69,10 +79,11 @@ class Grammars:
         """The background compiles finished since the last call, each request's matcher made
         (error None) or its GrammarError; requests dropped meanwhile are left out. Never waits."""
         done = []
-        for request_id, compiled, error in self._thread.take() if self._thread is not None else ():
-            spec = self._compiling.pop(request_id, None)
-            if spec is None:
+        for (request_id, ticket), compiled, error in self._thread.take() if self._thread is not None else ():
+            spec, current = self._compiling.get(request_id, (None, -1))
+            if current != ticket:
                 continue
+            del self._compiling[request_id]
             if error is None:
                 self._matcher(request_id, spec, compiled)
             done.append((request_id, error))

@@ -148,3 +148,18 @@ def test_a_constraint_its_compile_refuses_fails_alone(demo_engines, h, mode):
         assert tokens[f"plain-{i}"] == alone[f"ref-{i}"].token_ids
     assert eng.tokenizer.decode(tokens["good"], skip_special_tokens=True) in ("yes", "no")
     assert len(eng.grammars) == 0 and eng.cache.available_pages() == eng.plan.num_pages
+
+
+def test_an_id_added_again_after_an_abort_gets_its_own_grammar(eng, h, held, registry):
+    """The old compile, coming back after its request was aborted and its id reused for another
+    constraint, is not taken for the new one."""
+    started, release = held
+    ps = prompts(eng, 1)
+    eng.add_request("r", ps[0], constrained_params())
+    assert started.wait(120)
+    eng.abort("r")
+    other = StructuredOutputs(choice=["yes", "no"])
+    eng.add_request("r", ps[0], SamplingParams(max_tokens=8, structured=other))
+    release.set()
+    assert h.drive(eng)["r"].text in ("yes", "no")
+    assert len(eng.grammars) == 0
