@@ -87,10 +87,10 @@ class EngineCore:
         except Exception:  # noqa: BLE001
             log.exception("engine step failed; running its requests one by one")
             outs = self._isolate()
-        for rid, why in self.engine.take_failed():      # ended by the engine itself (grammar worker gone)
-            self._sent.pop(rid, None)
+        for rid, why in self.engine.take_failed():      # ended by the engine itself (grammar worker gone,
+            self._sent.pop(rid, None)                   # or a constraint its compile refused: a ValueError)
             self._aborted.add(rid)
-            self._failures.append(RequestFailed(rid, 500, why))
+            self._failures.append(RequestFailed(rid, 400 if isinstance(why, ValueError) else 500, str(why)))
         if self._aborted:
             outs = [o for o in outs if o.request_id not in self._aborted]
             self._aborted.clear()

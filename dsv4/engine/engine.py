@@ -17,7 +17,7 @@ from ..cache.sizing import memory_report, plan_cache, prefix_caching
 from ..cache.tiers import TierOptions
 from ..config import ConfigError, EngineConfig
 from .context_limit import context_limit
-from .grammar_steps import GrammarSteps
+from .grammar_steps import COMPILE_WAIT_S, GrammarSteps
 from .outputs import RequestOutput
 from .inflight import HostCopy, PromptLogprobRows, StepInFlight
 from ..model.vision.engine_checks import check_images
@@ -119,9 +119,11 @@ class LLMEngine(GrammarSteps):
         self._carried: list[RequestOutput] = []           # outputs of a step read after a failure
         self.grammars = None        # structured registry.Grammars or remote.WorkerGrammars, made on the first
         #                             constrained request
-        # requests the engine ended on its own with an error (the grammar worker's death): (id, why),
-        # reported by the engine core as failures (`take_failed`)
-        self.failed: list[tuple[str, str]] = []
+        self._compiling: dict[str, Request] = {}     # requests whose grammar compiles in the background
+        # requests the engine ended on its own with an error: (id, why), reported by the engine core
+        # as failures (`take_failed`): the grammar worker's death (a str: 500), or a constraint its
+        # background compile refused (a grammars.GrammarError, a ValueError: 400)
+        self.failed: list[tuple[str, str | ValueError]] = []
         log.info(self.memory_report())
         if torch.device(config.device).type == "cuda":
             self.warmup()
@@ -163,12 +165,16 @@ class LLMEngine(GrammarSteps):
         """images: the prompt's image blocks (docs/vision.md), checked against the model."""
         self._validate(request_id, prompt_token_ids, params)
         check_images(self.cfg, images, len(prompt_token_ids))
-        if params.structured is not None:       # a bad grammar raises here and costs nothing else
-            self._grammars().add(request_id, params.structured)
+        compiling = False       # a bad grammar raises here (or fails from its compile) and costs nothing else
+        if params.structured is not None:
+            compiling = self._grammars().add(request_id, params.structured, background=True) is None
         req = Request(request_id, list(prompt_token_ids), params, arrival=next(self._arrivals),
                       generator=make_generator(params.seed, self.config.device),
                       images=tuple(sorted(images, key=lambda s: s.start)))
         self.requests[request_id] = req
+        if compiling:           # not scheduled until its grammar is made (_settle_compiles)
+            req.grammar_pending = True
+            self._compiling[request_id] = req
         self._stops[request_id] = StopChecker(params, self.eos_token_id, len(prompt_token_ids), self.max_model_len)
         if params.stop and self.check_stop_strings and self.tokenizer is not None:
             self._watches[request_id] = StopStringWatch(self.tokenizer, prompt_token_ids, params)
@@ -209,7 +215,8 @@ class LLMEngine(GrammarSteps):
             req.finish_reason = "abort"
         self._stops.pop(request_id, None)
         if self.grammars is not None:
-            self.grammars.drop(request_id)
+            self.grammars.drop(request_id)      # (a compile in flight: its result is dropped)
+            self._compiling.pop(request_id, None)
         self._watches.pop(request_id, None)
 
     def reset_prefix_cache(self) -> int:
@@ -230,13 +237,18 @@ class LLMEngine(GrammarSteps):
         """Schedule and launch a step; return the outputs of the step that finished. With
         async scheduling that is the previous step, read while this one runs."""
         outputs, self._carried = self._carried, []
+        if self._compiling:
+            outputs += self._settle_compiles()
         if self._inflight is not None and self._must_wait():
             return outputs + self._drain()
         chunks = self.scheduler.schedule()
         if not chunks:
             drained = self._drain()
             if not drained and not outputs:
-                self.cache.wait_for_tiers()     # e.g. a restore in flight: wait for it, don't spin
+                if self._compiling:             # only compiles to wait for (bounded: new requests may come)
+                    self.grammars.wait_compiled(COMPILE_WAIT_S)
+                else:
+                    self.cache.wait_for_tiers()     # e.g. a restore in flight: wait for it, don't spin
             return outputs + drained
         try:
             launched = self._launch(chunks)     # (the step in flight samples inside if its forward reads its tokens)

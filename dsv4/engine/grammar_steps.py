@@ -1,9 +1,10 @@
 """The engine's side of structured outputs (docs/architecture.md, "Structured outputs"): the
-grammars' registry made on the first constrained request, the matchers advanced by each step's
+grammars' registry made on the first constrained request, the background compiles taken
+between steps (a request is scheduled once its grammar is made), the matchers advanced by each step's
 tokens, the next step's masks started, the verify rows' masks, and the constrained requests
 failed when the grammar worker is gone. A mixin of `LLMEngine` (engine.py), whose state it
 uses: `grammars`, `config`, `cfg`, `tokenizer`, `eos_token_id`, `runner`, `requests`, `failed`,
-and its `abort` and `make_output`."""
+`_compiling`, and its `abort` and `make_output`."""
 from __future__ import annotations
 
 import torch
@@ -11,6 +12,10 @@ import torch
 from .inflight import StepInFlight
 from .request import Request
 from .scheduler import ScheduledChunk
+
+# How long a step with nothing to schedule but compiling requests waits for a compile to finish
+# before returning (so the caller takes new requests meanwhile)
+COMPILE_WAIT_S = 0.01
 
 
 class GrammarSteps:
@@ -25,6 +30,28 @@ class GrammarSteps:
                 from ..structured.registry import Grammars
                 self.grammars = Grammars(self.tokenizer, self.cfg.vocab_size, self.eos_token_id)
         return self.grammars
+
+    def _settle_compiles(self) -> list:
+        """Take the finished background compiles: a request whose grammar is made may be
+        scheduled from now on; one whose constraint was refused is aborted and recorded in
+        `failed` with the GrammarError (-> its last output, finished, "abort"). Then, if the
+        grammar worker is gone, fail every constrained request (those compiling too)."""
+        outputs = []
+        for rid, error in self.grammars.compiled():
+            req = self._compiling.pop(rid, None)
+            if req is None:
+                continue
+            if error is None:
+                req.grammar_pending = False
+                continue
+            self.abort(rid)
+            self.failed.append((rid, error))
+            out = self.make_output(req, [])
+            if out is not None:
+                outputs.append(out)
+        if self.grammars.error is not None:
+            outputs += self._fail_grammar_requests()
+        return outputs
 
     def _fail_grammar_requests(self) -> list:
         """The grammar worker is gone (`grammars.error`): abort every constrained request, each

@@ -45,6 +45,7 @@ class Request:
     pending_row: int = -1                      # the latest one's row in its step's sampled tokens
     spec_token_ids: list[int] = field(default_factory=list)  # drafts the next decode step verifies
     images: tuple[ImageSpan, ...] = ()         # image blocks of the prompt, by position (docs/vision.md)
+    grammar_pending: bool = False              # its constraint still compiles: the scheduler leaves it waiting
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -14,6 +14,10 @@ With a prefix cache (docs/architecture.md, "Cache"):
   * a waiting request whose prompt another running request is still prefilling waits for it
     (n > 1 and parallel copies of one prompt then share its pages and checkpoint);
   * a waiting request whose deeper prefix the host / disk tiers are restoring waits for it.
+
+A request whose grammar still compiles (`Request.grammar_pending`, docs/architecture.md,
+"Structured outputs") is passed over until the engine has its grammar: left waiting, or, run
+at once by a disaggregated import (disagg/handoff.py), given no chunk.
 """
 from __future__ import annotations
 
@@ -83,8 +87,8 @@ class Scheduler:
         used = 0                    # tokens of `chunks` (kept as a sum: O(1) a request)
         for i, req in enumerate(order):
             budget = self.max_tokens - used
-            if budget <= 0 or req.status is not running:            # < 0: an image block ran over
-                continue
+            if budget <= 0 or req.status is not running or req.grammar_pending:   # < 0: an image block ran over
+                continue            # (pending: a disaggregated import runs its request at once)
             # tokens left: a preemption earlier in this loop only touches its victim (no longer RUNNING)
             left = 1 if i < num_decoding else req.num_remaining
             drafts = len(req.spec_token_ids) if left == 1 else 0     # decoding: RUNNING, one token left
@@ -100,7 +104,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_seqs:
             req = self.waiting[i]
-            if self._waits_for_twin(req) or self.cache.waits_for_tiers(req):
+            if req.grammar_pending or self._waits_for_twin(req) or self.cache.waits_for_tiers(req):
                 i += 1
                 continue
             n = self._admit(req, budget)

@@ -2,9 +2,12 @@
 
 `TokenizerInfo` is built once from the checkpoint's tokenizer (byte-level BPE) with EOS as the
 only stop token: a matcher whose grammar is complete allows EOS alone, so a finished
-constraint ends the request."""
+constraint ends the request. `get` may run on the registry's compile thread
+(compile_thread.py) while the owner's thread calls `lookup`: the entries are touched under a
+lock, never held while compiling."""
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 from ..sampling_params import StructuredOutputs
@@ -31,25 +34,34 @@ class GrammarCache:
         self.compiler = xgrammar.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.vocab_size, self.capacity = vocab_size, capacity
         self._entries: OrderedDict[tuple, object] = OrderedDict()
+        self._lock = threading.Lock()
         self.hits = self.misses = 0
+
+    def lookup(self, spec: StructuredOutputs):
+        """The CompiledGrammar of `spec` if cached (counted as a hit), else None; never compiles."""
+        key = spec.key()
+        with self._lock:
+            compiled = self._entries.get(key)
+            if compiled is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+            return compiled
 
     def get(self, spec: StructuredOutputs):
         """The CompiledGrammar of `spec`; raises grammars.GrammarError for a bad one."""
-        key = spec.key()
-        compiled = self._entries.get(key)
+        compiled = self.lookup(spec)
         if compiled is not None:
-            self._entries.move_to_end(key)
-            self.hits += 1
             return compiled
         self.misses += 1
         grammar = grammars.build(spec)
         try:
             compiled = self.compiler.compile_grammar(grammar)
         except Exception as e:      # noqa: BLE001 - some bad grammars fail only here (grammars.compile_check)
-            raise grammars.GrammarError(grammars.clean_error(e)) from None
-        self._entries[key] = compiled
-        if len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+            raise grammars.CompileFailed(grammars.clean_error(e)) from None
+        with self._lock:
+            self._entries[spec.key()] = compiled
+            if len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
         return compiled
 
     def __len__(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 
 from ..sampling_params import StructuredOutputs
 
@@ -21,6 +22,19 @@ _CPP_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*(Check failed: \(.*?\) is fa
 
 class GrammarError(ValueError):
     """A constraint that cannot be compiled; the message names the field and the problem."""
+
+
+class CompileFailed(GrammarError):
+    """xgrammar refused a built grammar when compiling it (compiler.GrammarCache: the message
+    names the problem alone; `named` adds the field, as `build_checked` words it)."""
+
+    def named(self, spec: StructuredOutputs) -> GrammarError:
+        return GrammarError(f"{field_of(spec)}: {self}")
+
+
+def field_of(spec: StructuredOutputs) -> str:
+    """The request field a constraint came from (the start of its errors)."""
+    return _FIELD[spec.kinds()[0] if spec.kinds() else "json"]
 
 
 def _xgr():
@@ -68,6 +82,36 @@ def compile_check(grammar):
     xgr = _xgr()
     xgr.GrammarCompiler(xgr.TokenizerInfo(["a"]), max_threads=1, cache_enabled=False).compile_grammar(grammar)
     return grammar
+
+
+# A constraint up to this many characters is built and checked when its request is added (a
+# few ms at most), so a bad one raises there; a larger one is checked by its compile, off the
+# step path, and fails its request from there (docs/architecture.md, "Structured outputs").
+CHECK_AT_ADD_CHARS = 4096
+
+
+def spec_chars(spec: StructuredOutputs) -> int:
+    """The constraint's size in characters (its text, or its choices)."""
+    return sum(len(t) for t in (spec.json, spec.regex, spec.grammar) if t) + sum(len(c) + 1 for c in spec.choice or ())
+
+
+class CheckedSpecs:
+    """`build_checked` once per constraint: an LRU of the keys it accepted."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._keys: OrderedDict[tuple, None] = OrderedDict()
+
+    def check(self, spec: StructuredOutputs) -> None:
+        """Raises GrammarError for a bad constraint."""
+        key = spec.key()
+        if key in self._keys:
+            self._keys.move_to_end(key)
+            return
+        build_checked(spec)
+        self._keys[key] = None
+        if len(self._keys) > self.capacity:
+            self._keys.popitem(last=False)
 
 
 _FIELD = {"json": "json_schema", "json_object": "response_format", "regex": "regex", "choice": "choice",

@@ -7,7 +7,10 @@ count; usually waiting already) right before the upload.
 
 A request's handle (`get`) is its slot number in the worker. A constraint is checked here
 (`grammars.build_checked`, tokenizer-free, once per constraint: an LRU of keys) so `add` still raises
-for a bad one; the worker compiles it against the vocabulary. The shared buffer is
+for a bad one; the worker compiles it against the vocabulary. With `add(background=True)` (the
+engine's) the worker compiles it on its compile thread, a constraint over
+`grammars.CHECK_AT_ADD_CHARS` checked there too, and posts a notice on a third pipe when done;
+`compiled()` reads the notices between steps (the request is not scheduled before its one). The shared buffer is
 [2, rows, W] int32 in a /dev/shm file (unlinked once the worker has mapped it), a half per
 step in turn, so a mask read for step k is not overwritten by step k+1's fill.
 
@@ -25,19 +28,20 @@ import os
 import select
 import tempfile
 import threading
-from collections import OrderedDict
+import time
 
 import torch
 
 from ..sampling_params import StructuredOutputs
-from . import grammars
 from .compiler import CACHE_ENTRIES
+from .grammars import CHECK_AT_ADD_CHARS, CheckedSpecs, GrammarError, spec_chars
 from .masks import GrammarMask, words
 from .registry import only_token, special_token_filter
 
 _UNREAD = object()
-# How long a reply may take before the worker counts as hung (killed, its requests failed): a
-# step's reply waits for the compiles of the constraints added before it (large schemas: seconds).
+# How long a reply, or a background compile's notice, may take before the worker counts as hung
+# (killed, its requests failed): a sync `add`'s compile holds the replies after it (large
+# schemas: seconds).
 REPLY_TIMEOUT_S = 60.0
 
 
@@ -66,7 +70,8 @@ class WorkerGrammars:
         self.end_row = only_token(eos_token_id, vocab_size)
         self._slots: dict[str, int] = {}          # request id -> its slot in the worker
         self._next_slot = 0
-        self._checked: OrderedDict[tuple, None] = OrderedDict()    # constraints grammars.build_checked accepted
+        self._checks = CheckedSpecs(CACHE_ENTRIES)
+        self._compiling: dict[int, tuple[str, float]] = {}    # slot -> (request id, when added), compiling
         self._rows = rows
         self._last_ids, self._last_slots = None, []    # the last step's rows and their slots (until an add or drop)
         self.error: str | None = None             # why the worker is gone (None: running)
@@ -79,18 +84,23 @@ class WorkerGrammars:
         ctx = multiprocessing.get_context("spawn")
         commands_in, self._commands = ctx.Pipe(duplex=False)
         self._replies, replies_out = ctx.Pipe(duplex=False)
+        self._notices, notices_out = ctx.Pipe(duplex=False)     # ("compiled", slot, error), from its compile thread
         start = _WorkerThread if self.in_thread else ctx.Process
         fd, self._tokenizer_file = tempfile.mkstemp(prefix="dsv4-grammar-tokenizer-", suffix=".json")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(self._tokenizer_json)       # (the worker removes it once read)
         self.process = start(target=worker_proc.serve, name="dsv4-grammar-worker", daemon=True,
-                             args=(commands_in, replies_out, self._tokenizer_file, *self._worker_args))
+                             args=(commands_in, replies_out, notices_out, self._tokenizer_file, *self._worker_args))
         self.process.start()
         self._ready = select.poll()             # (Connection.poll builds a selector a call: ~10 µs)
         self._ready.register(self._replies.fileno(), select.POLLIN)
+        self._noticed = select.poll()
+        self._noticed.register(self._notices.fileno(), select.POLLIN)
         if not self.in_thread:
             commands_in.close()         # (only the worker holds these ends: its death is an EOF here)
             replies_out.close()
+            notices_out.close()
+        self._compiling = {}
         self.error, self.pending, self._half = None, None, 0
         self._unlink: list[str] = []     # buffer files the worker may not have mapped yet
         self._map_buffer(self._rows)
@@ -181,29 +191,51 @@ class WorkerGrammars:
             self.error = "closed"
 
     # ---- requests ----------------------------------------------------------------------
-    def add(self, request_id: str, spec: StructuredOutputs) -> int:
-        """Raises grammars.GrammarError (a ValueError naming the problem) for a bad constraint,
+    def add(self, request_id: str, spec: StructuredOutputs, background: bool = False) -> int | None:
+        """The request's slot; None while it compiles in the background (until `compiled()`
+        names it). Raises grammars.GrammarError (a ValueError naming the problem) for a bad
+        constraint (in the background: one over CHECK_AT_ADD_CHARS fails from `compiled()`),
         GrammarWorkerError while constrained requests of a dead worker remain."""
-        self._check(spec)
+        if not background or spec_chars(spec) <= CHECK_AT_ADD_CHARS:
+            self._checks.check(spec)
         if self.error is not None:
             if self._slots:
                 raise GrammarWorkerError(self.error)
             self._start()
         slot, self._next_slot = self._next_slot, self._next_slot + 1
-        self._send(("add", slot, spec))
+        self._send(("add", slot, spec, background))
         self._slots[request_id] = slot
         self._last_ids = None
+        if background:
+            self._compiling[slot] = (request_id, time.monotonic())
+            return None
         return slot
 
-    def _check(self, spec: StructuredOutputs) -> None:
-        key = spec.key()
-        if key in self._checked:
-            self._checked.move_to_end(key)
-            return
-        grammars.build_checked(spec)
-        self._checked[key] = None
-        if len(self._checked) > CACHE_ENTRIES:
-            self._checked.popitem(last=False)
+    def compiled(self) -> list[tuple[str, GrammarError | None]]:
+        """The background compiles the worker has finished since the last call (never waits):
+        (request id, None) or (request id, its GrammarError); dropped requests left out. The
+        worker's death is kept in `error` (the engine fails the requests then)."""
+        done = []
+        while self._compiling and self.error is None and self._noticed.poll(0):
+            try:
+                _, slot, error = self._notices.recv()
+            except (EOFError, OSError) as e:
+                self._died(e)
+                break
+            request_id, _ = self._compiling.pop(slot, (None, 0.0))
+            if request_id is not None:
+                done.append((request_id, None if error is None else GrammarError(error)))
+        if self._compiling and self.error is None:      # (dicts keep insertion order: the oldest first)
+            if time.monotonic() - next(iter(self._compiling.values()))[1] > REPLY_TIMEOUT_S:
+                self.process.kill()
+                self._died(None, f"the grammar worker process did not answer within {REPLY_TIMEOUT_S:g} s "
+                                 f"(killed)")
+        return done
+
+    def wait_compiled(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for a notice (or the worker's death)."""
+        if self._compiling and self.error is None:
+            self._noticed.poll(timeout * 1000)      # (a hang-up, the worker gone, counts)
 
     def get(self, request_id: str) -> int | None:
         return self._slots.get(request_id)
@@ -212,6 +244,7 @@ class WorkerGrammars:
         slot = self._slots.pop(request_id, None)
         self._last_ids = None
         if slot is not None:
+            self._compiling.pop(slot, None)
             self._send(("drop", slot))
 
     def __len__(self) -> int:

@@ -5,7 +5,10 @@ requests) and does every per-step grammar call, so the engine's main thread only
 Commands come in order on one pipe (`Connection.send`, small pickled tuples); replies go back
 on another, one per command that asks for one (`step`, `verify`, `ping`):
 
-    ("add", slot, spec)                       compile (cached by constraint), a new matcher
+    ("add", slot, spec, background)           compile (cached by constraint), a new matcher; in the
+                                              background: on the compile thread, which then
+                                              posts ("compiled", slot, error | None) on the
+                                              notice pipe (a cached one at once, from here)
     ("drop", slot)
     ("accept", slots, tokens)                 in order, one token at a time (no reply)
     ("step", pairs, row_slots, half)          accept the (slot, token) pairs (a slot at most
@@ -18,6 +21,9 @@ on another, one per command that asks for one (`step`, `verify`, `ping`):
     ("ping",)                                 -> ("pong",)
     ("stop",)
 
+The matchers of finished background compiles are made before each command is run: the engine
+names a slot in a step only after its notice, sent once the result was queued here.
+
 A command that raises is answered, at the next reply due, by ("error", text) in that reply's
 place (the command asking for it still runs: the accepts of a step are state). The process
 ends on "stop" or when the engine's end of the pipe closes (the engine gone)."""
@@ -26,12 +32,13 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import traceback
 from multiprocessing.connection import Connection
 
 
-def serve(commands: Connection, replies: Connection, tokenizer_path: str, vocab_size: int, eos_token_id: int,
-          fill_threads: int | None, in_thread: bool = False) -> None:
+def serve(commands: Connection, replies: Connection, notices: Connection, tokenizer_path: str, vocab_size: int,
+          eos_token_id: int, fill_threads: int | None, in_thread: bool = False) -> None:
     """The process's entry (multiprocessing spawn). tokenizer_path: the tokenizer's JSON in a
     file this removes once read (a large argument would hold the engine's `start` until this
     process has started). Ends the process at once when done (nothing of its own to clean up:
@@ -43,7 +50,7 @@ def serve(commands: Connection, replies: Connection, tokenizer_path: str, vocab_
     with open(tokenizer_path, encoding="utf-8") as f:
         tokenizer_json = f.read()
     os.unlink(tokenizer_path)
-    Worker(commands, replies, tokenizer_json, vocab_size, eos_token_id, fill_threads).loop()
+    Worker(commands, replies, tokenizer_json, vocab_size, eos_token_id, fill_threads, notices).loop()
     if not in_thread:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -52,13 +59,15 @@ def serve(commands: Connection, replies: Connection, tokenizer_path: str, vocab_
 
 class Worker:
     def __init__(self, commands: Connection, replies: Connection, tokenizer_json: str, vocab_size: int,
-                 eos_token_id: int, fill_threads: int | None):
+                 eos_token_id: int, fill_threads: int | None, notices: Connection | None = None):
         from tokenizers import Tokenizer
 
         from .masks import MaskFiller
         from .registry import Grammars
-        self.commands, self.replies = commands, replies
+        self.commands, self.replies, self.notices = commands, replies, notices
+        self._notice_lock = threading.Lock()    # notices come from this loop (cached) and the compile thread
         self.grammars = Grammars(Tokenizer.from_str(tokenizer_json), vocab_size, eos_token_id)
+        self.grammars.notify = self._notify         # (called on the compile thread)
         self.grammars.masks = MaskFiller(vocab_size, self.grammars.keep, threads=fill_threads or None)
         if fill_threads == 0:       # every fill inline, on this process's main thread
             self.grammars.masks.thread_min_rows = 1 << 30
@@ -75,6 +84,7 @@ class Worker:
             if command[0] == "stop":
                 return
             try:
+                self.grammars.compiled()        # the matchers of finished background compiles
                 reply = getattr(self, "_" + command[0])(*command[1:])
             except Exception as e:  # noqa: BLE001 - told to the engine (which ends this process)
                 traceback.print_exc()
@@ -85,8 +95,16 @@ class Worker:
                     reply, self.error = ("error", self.error), None
                 self.replies.send(reply)
 
-    def _add(self, slot: int, spec) -> None:
-        self.grammars.add(slot, spec)
+    def _add(self, slot: int, spec, background: bool = False) -> None:
+        if self.grammars.add(slot, spec, background) is not None and background:
+            self._notify(slot, None)        # (cached: ready now)
+
+    def _notify(self, slot: int, error: str | None) -> None:
+        try:
+            with self._notice_lock:
+                self.notices.send(("compiled", slot, error))
+        except (OSError, ValueError):       # the engine is gone (the loop ends at its next receive)
+            pass
 
     def _drop(self, slot: int) -> None:
         self.grammars.drop(slot)
