@@ -45,7 +45,6 @@ def _xgr():
 def build(spec: StructuredOutputs):
     """The xgrammar Grammar of a constraint; raises GrammarError naming the problem."""
     xgr = _xgr()
-    kind = spec.kinds()[0] if spec.kinds() else "json"
     try:
         if spec.json_object:
             return xgr.Grammar.from_json_schema(json.dumps({"type": "object"}), any_whitespace=False)
@@ -59,17 +58,16 @@ def build(spec: StructuredOutputs):
     except GrammarError:
         raise
     except Exception as e:      # xgrammar's errors (RuntimeError, its own types) all mean a bad constraint
-        raise GrammarError(f"{_FIELD[kind]}: {clean_error(e)}") from None
+        raise GrammarError(f"{field_of(spec)}: {clean_error(e)}") from None
 
 
 def build_checked(spec: StructuredOutputs):
     """`build`, then `compile_check`ed."""
     grammar = build(spec)
-    kind = spec.kinds()[0] if spec.kinds() else "json"
     try:
         compile_check(grammar)
     except Exception as e:      # noqa: BLE001 - as in build: any xgrammar error means a bad constraint
-        raise GrammarError(f"{_FIELD[kind]}: {clean_error(e)}") from None
+        raise GrammarError(f"{field_of(spec)}: {clean_error(e)}") from None
     return grammar
 
 

@@ -41,14 +41,16 @@ class Grammars:
         #                             queued (the grammar worker's notices)
         self.error: str | None = None       # (never set here: remote.WorkerGrammars's worker death)
 
-    def add(self, request_id, spec: StructuredOutputs, background: bool = False) -> RequestGrammar | None:
+    def add(self, request_id, spec: StructuredOutputs, background: bool = False,
+            checked: bool = False) -> RequestGrammar | None:
         """The request's matcher; None while its constraint compiles on the compile thread
         (`background`, not cached). Raises grammars.GrammarError (a ValueError naming the
         problem) for a bad constraint (in the background: one over CHECK_AT_ADD_CHARS fails
-        from `compiled()` instead)."""
+        from `compiled()` instead). checked: the caller has checked it already (the grammar
+        worker: the engine's WorkerGrammars.add did), so it is not checked again here."""
         compiled = self.cache.lookup(spec) if background else self.cache.get(spec)
         if compiled is None:
-            if spec_chars(spec) <= CHECK_AT_ADD_CHARS:
+            if not checked and spec_chars(spec) <= CHECK_AT_ADD_CHARS:
                 self._checks.check(spec)
             if self._thread is None:
                 self._thread = CompileThread(self._compile, self._notify)

@@ -96,7 +96,8 @@ class Worker:
                 self.replies.send(reply)
 
     def _add(self, slot: int, spec, background: bool = False) -> None:
-        if self.grammars.add(slot, spec, background) is not None and background:
+        # (checked by the engine's WorkerGrammars.add: not again on this loop, which answers the steps)
+        if self.grammars.add(slot, spec, background, checked=True) is not None and background:
             self._notify(slot, None)        # (cached: ready now)
 
     def _notify(self, slot: int, error: str | None) -> None:
