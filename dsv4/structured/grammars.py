@@ -89,8 +89,8 @@ CHECK_AT_ADD_CHARS = 4096
 
 
 def spec_chars(spec: StructuredOutputs) -> int:
-    """The constraint's size in characters (its text, or its choices)."""
-    return sum(len(t) for t in (spec.json, spec.regex, spec.grammar) if t) + sum(len(c) + 1 for c in spec.choice or ())
+    """The constraint's size in characters (its text, or its choices' summed)."""
+    return sum(len(t) for t in (spec.json, spec.regex, spec.grammar) if t) + sum(map(len, spec.choice or ()))
 
 
 class CheckedSpecs:

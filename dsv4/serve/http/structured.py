@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from ...sampling_params import StructuredOutputs
-from ...structured.grammars import GrammarError, build_checked
+from ...structured.grammars import GrammarError, build_checked, spec_chars
 from .errors import bad_request
 
 # The longest constraint (schema, regex, grammar or choices, in characters) a request may give:
@@ -42,7 +42,7 @@ def request_constraint(req, response_format: dict | None, thinking: bool) -> Str
         raise bad_request(f"{found[1][0]}: only one output constraint per request (also given: {found[0][0]})",
                           found[1][0])
     field, spec = found[0]
-    size = sum(len(getattr(spec, k) or "") for k in ("json", "regex", "grammar")) + sum(map(len, spec.choice or ()))
+    size = spec_chars(spec)
     if size > MAX_CONSTRAINT_CHARS:
         raise bad_request(f"{field}: the constraint is {size} characters long; this server compiles at most "
                           f"{MAX_CONSTRAINT_CHARS}", field)
