@@ -1,0 +1,76 @@
+"""The head-loop variants of the indexer's tiled scores kernel (dsv4/ops/triton/indexer_scores_heads.py)
+against the tiled and per-token kernels and the torch reference: q by pointers or TMA boxes,
+tokens- or keys-major dots, the warp-specialised loop (the interpreter runs it as a plain loop);
+prefill chunks, blocks mixing requests or windows (token by token), causal tails, padding."""
+import pytest
+import torch
+from test_indexer_gemm_triton import CASES, chunks, inputs
+from test_indexer_triton import assert_scores_close, reference_scores
+
+from dsv4.ops.paged import PagedRows
+from dsv4.ops.triton import indexer_scores as isc
+from dsv4.ops.triton.indexer_scores_heads import HeadLoopTiles, indexer_scores_heads
+
+VARIANTS = {
+    "pointers": HeadLoopTiles(16, 16, 4, 2),
+    "q tma": HeadLoopTiles(16, 16, 4, 2, q_tma=True),
+    "keys-major": HeadLoopTiles(16, 32, 4, 2, keys_major=True),
+    "q tma, warp specialised": HeadLoopTiles(16, 16, 4, 2, q_tma=True, warp_specialize=True),
+}
+
+
+def on(device, cand):
+    return PagedRows(*(v.to(device) for v in (cand.pages, cand.req, cand.lo, cand.hi)), cand.per_page, cand.pitch,
+                     cand.width)
+
+
+@pytest.mark.parametrize("kind", ["int-bf16", "rand-bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variant_scores(variant, case, kind, device):
+    """Bit for bit the per-token kernel's scores where every sum is exact, within fp32 summation
+    order otherwise; -inf at the reference's places; tiles of e0 > 0 too."""
+    tiles = VARIANTS[variant]
+    spans, pad, window, width = CASES[case]
+    cand, n = chunks(spans, pad, window, seed=len(case), width=width)
+    cand = on(device, cand)
+    T = cand.num_tokens
+    q, weights, keys = (v.to(device) for v in inputs(T, n, 4, kind, seed=T, Di=32 if kind.startswith("rand") else 16))
+    got = indexer_scores_heads(q, weights, keys, cand, tiles, weight_scale=0.5).cpu()
+    old = isc.indexer_scores(q, weights, keys, cand, block_e=16, weight_scale=0.5, tiles=None).cpu()
+    want = reference_scores(q.cpu(), weights.cpu() * 0.5, keys.cpu(), cand.dense().cpu())
+    assert got.shape == (T, cand.width)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    if kind.startswith("int"):
+        assert torch.equal(got, old) and torch.equal(got, want)
+    else:
+        assert_scores_close(got, want)
+    e0 = cand.width // 2
+    part = indexer_scores_heads(q, weights, keys, cand, tiles, weight_scale=0.5, e0=e0, e1=cand.width).cpu()
+    assert_scores_close(part, got[:, e0:])
+
+
+@pytest.mark.parametrize("variant", ["pointers", "q tma"])
+def test_v4_shapes(variant, device):
+    """V4-Flash's indexer (Hi = 64, Di = 128, C4 pages of 64 entries) at a 900k-like launch
+    shape (64 x 128 blocks): a chunk's scores are the reference's up to fp32 summation order."""
+    tiles = HeadLoopTiles(**{**VARIANTS[variant].__dict__, "block_t": 64, "block_e": 128})
+    T, E = 69, 135
+    cand, n = chunks([(0, 4 * E - T, T)])
+    q, weights, keys = (v.to(device) for v in inputs(T, n, 64, "rand-bf16", Di=128))
+    got = indexer_scores_heads(q, weights, keys, on(device, cand), tiles).cpu()
+    assert_scores_close(got, reference_scores(q.cpu(), weights.cpu(), keys.cpu(), cand.dense().cpu()))
+    assert torch.isfinite(got[-1]).all() and not torch.isfinite(got[0]).all()
+
+
+def test_other_inputs_take_the_tiled_kernel(device):
+    """Packed FP8 keys and dense candidates: indexer_scores' tiled kernel, the same scores."""
+    cand, n = chunks([(0, 60, 20)])
+    q, weights, keys = (v.to(device) for v in inputs(20, n, 4, "rand-fp8"))
+    cand = on(device, cand)
+    want = isc.indexer_scores(q, weights, keys, cand, tiles=isc.GEMM_TILES)
+    assert torch.equal(indexer_scores_heads(q, weights, keys, cand, VARIANTS["q tma"]), want)
+    q, weights, keys = (v.to(device) for v in inputs(20, n, 4, "int-bf16"))
+    dense = cand.dense()
+    assert torch.equal(indexer_scores_heads(q, weights, keys, dense, VARIANTS["pointers"]),
+                       isc.indexer_scores(q, weights, keys, dense, tiles=isc.GEMM_TILES))
