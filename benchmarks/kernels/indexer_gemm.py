@@ -4,6 +4,7 @@ block of tokens, a tensor-core dot per head) against the per-token kernel
 
     python -m benchmarks.kernels.indexer_gemm            # H200; about a minute (--budget-s)
     python -m benchmarks.kernels.indexer_gemm --smoke    # CPU, Triton's interpreter, tiny shapes
+    python -m benchmarks.kernels.indexer_gemm --variants # H200: only the head-loop variants (below)
 
 The case: one request's chunk of T = 2048 tokens at positions START .. START + 2047 (START =
 4E - T = 899,072: the chunk at ~900k), candidates its C4 entries as a PagedRows (64-entry
@@ -21,7 +22,10 @@ each (BLOCK_T, BLOCK_E, num_warps, num_stages) of SWEEP on bf16 keys, while the 
 within --budget-s (compiles count), then the best few on FP8 keys; prints a table with TFLOP/s
 (2 T W Hi Di per tile of W entries) and % of 989 TFLOP/s (H200 bf16 dense), the best config,
 and the whole step's scores (E / W tiles) at the best config against the per-token kernel.
-Last, for GEMM_MIN_TOKENS, one tile at smaller T at the best config: the chunk's last T tokens,
+With --variants, only this: one bf16 tile by each head-loop variant of VARIANTS
+(dsv4/ops/triton/indexer_scores_heads.py) beside the current kernel (GEMM_TILES): ms, % of peak,
+and the max abs error against the current kernel's scores (relative to the largest; -inf at the
+same places), exit 1 where one is off by more than 1e-5 relative. Last, for GEMM_MIN_TOKENS, one tile at smaller T at the best config: the chunk's last T tokens,
 and T decode tokens of T requests (blocks that never share their rows: the fallback's cost).
 """
 import os
@@ -40,6 +44,7 @@ from dsv4.ops.paged import PagedRows  # noqa: E402
 from dsv4.ops.triton import indexer as tri  # noqa: E402
 from dsv4.ops.triton import indexer_scores as isc  # noqa: E402
 from dsv4.ops.triton.indexer_scores import GemmTiles  # noqa: E402
+from dsv4.ops.triton.indexer_scores_heads import HeadLoopTiles, indexer_scores_heads  # noqa: E402
 from benchmarks.kernels import parse_smoke_args  # noqa: E402
 
 PEAK_FLOPS = 989e12
@@ -50,6 +55,21 @@ TIE_GAP = 1e-5
 SWEEP = [(64, 128, 8, 2), (64, 256, 8, 2), (32, 256, 8, 2), (64, 128, 8, 2, 128), (64, 128, 8, 3),
          (32, 128, 4, 2), (32, 256, 8, 2, 128), (64, 128, 4, 2), (64, 256, 8, 3), (128, 128, 8, 2),
          (32, 128, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (32, 256, 4, 2)]
+# head-loop variants (label: tiles; offline sm_90 compile figures in the commit that added them)
+VARIANTS = {
+    "pointers 64x128 w4 s2 r168 (GEMM_TILES' loop)": HeadLoopTiles(64, 128, 4, 2, 168),
+    "q tma 64x128 w4 s2 r168": HeadLoopTiles(64, 128, 4, 2, 168, q_tma=True),
+    "q tma 64x128 w4 s3 r168": HeadLoopTiles(64, 128, 4, 3, 168, q_tma=True),
+    "q tma 64x128 w4 s3": HeadLoopTiles(64, 128, 4, 3, q_tma=True),
+    "q tma 64x128 w4 s4 r168": HeadLoopTiles(64, 128, 4, 4, 168, q_tma=True),
+    "keys-major q tma 128x128 w8 s2": HeadLoopTiles(128, 128, 8, 2, q_tma=True, keys_major=True),
+    "keys-major q tma 128x128 w8 s3": HeadLoopTiles(128, 128, 8, 3, q_tma=True, keys_major=True),
+    "keys-major q tma 64x256 w16 s2": HeadLoopTiles(64, 256, 16, 2, q_tma=True, keys_major=True),
+    "keys-major q tma 64x128 w4 s2 r168": HeadLoopTiles(64, 128, 4, 2, 168, q_tma=True, keys_major=True),
+    "keys-major pointers 128x128 w8 s3": HeadLoopTiles(128, 128, 8, 3, keys_major=True),
+}
+TINY_VARIANTS = {"pointers 16x16": HeadLoopTiles(16, 16, 4, 2), "q tma 16x32": HeadLoopTiles(16, 32, 4, 2, q_tma=True),
+                 "keys-major 32x16": HeadLoopTiles(32, 16, 4, 2, keys_major=True)}
 FULL = dict(T=2048, E=225280, Hi=64, Di=128, topk=512, sweep=SWEEP, fp8_best=3, reps=10,
             thresholds=[32, 64, 128, 256, 512, 1024, 2048])
 TINY = dict(T=40, E=300, Hi=4, Di=32, topk=16, sweep=[(16, 16, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2, 128)],
@@ -202,10 +222,58 @@ def threshold(shape, tiles, device, gen):
     print(f"  tiled faster on both from T = {faster[0] if faster else 'never (in this range)'}")
 
 
+def run_variants(shape, device, gen, variants) -> list[str]:
+    """One bf16 tile by each head-loop variant beside GEMM_TILES (module docstring) -> failures."""
+    T, E, Hi, Di, topk, reps = (shape[k] for k in ("T", "E", "Hi", "Di", "topk", "reps"))
+    q, weights, keys, cand = make_case(T, E, Hi, Di, False, device, gen)
+    width = min(tri.tile_width(T, topk), cand.width)
+    flops = 2 * T * width * Hi * Di
+    spans = [(0, width), (cand.width - width, cand.width)]     # timed: the first; checked: both (the last: causal tail)
+
+    def scores(tiles, e0, e1):
+        if isinstance(tiles, HeadLoopTiles):
+            return indexer_scores_heads(q, weights, keys, cand, tiles, weight_scale=Hi ** -0.5, e0=e0, e1=e1)
+        return isc.indexer_scores(q, weights, keys, cand, weight_scale=Hi ** -0.5, e0=e0, e1=e1, tiles=tiles)
+
+    bases = [scores(isc.GEMM_TILES, e0, e1) for e0, e1 in spans]
+    print(f"\nhead-loop variants, bf16 keys: T={T} Hi={Hi} Di={Di}, a tile of {width} entries (the step's first "
+          f"timed; max err over the first and the last, relative to the largest score)")
+    print(f"  {'variant':<52} {'ms/tile':>8} {'TFLOP/s':>8} {'%peak':>6} {'max err':>9}")
+    errors = []
+    rows = [(f"current GemmTiles{tuple(vars(isc.GEMM_TILES).values())}", isc.GEMM_TILES), *variants.items()]
+    for label, tiles in rows:
+        try:
+            errs, same_inf = [], True
+            for (e0, e1), base in zip(spans, bases):
+                got, finite = scores(tiles, e0, e1), torch.isfinite(base)
+                same_inf &= torch.equal(torch.isfinite(got), finite)
+                errs.append((got - base)[finite].abs().max().item() / base[finite].abs().max().item())
+            ms = time_ms(lambda: scores(tiles, *spans[0]), device, reps)
+        except Exception as e:  # noqa: BLE001 (a compile or launch the device refuses)
+            print(f"  {label:<52} {type(e).__name__}: {str(e)[:300]}")
+            errors.append(f"{label}: {type(e).__name__}")
+            continue
+        tfs = flops / ms / 1e9
+        print(f"  {label:<52} {ms:8.3f} {tfs:8.1f} {100 * tfs * 1e12 / PEAK_FLOPS:6.1f} {max(errs):9.2g}"
+              f"{'' if same_inf else ' (-inf elsewhere)'}", flush=True)
+        if not same_inf or max(errs) > 1e-5:
+            errors.append(f"{label}: off by {max(errs):.3g} relative (same -inf: {same_inf})")
+    return errors
+
+
 def main() -> int:
-    args, device = parse_smoke_args(__doc__, "CPU, Triton's interpreter, tiny shapes", lambda p: p.add_argument(
-        "--budget-s", type=float, default=35.0, help="seconds for the bf16 sweep (compiles included)"))
+    def flags(p):
+        p.add_argument("--budget-s", type=float, default=35.0, help="seconds for the bf16 sweep (compiles included)")
+        p.add_argument("--variants", action="store_true", help="only the head-loop variants beside GEMM_TILES")
+    args, device = parse_smoke_args(__doc__, "CPU, Triton's interpreter, tiny shapes", flags)
     shape = TINY if args.smoke else FULL
+    if args.variants:
+        errors = run_variants(shape, device, torch.Generator(device=device).manual_seed(0),
+                              TINY_VARIANTS if args.smoke else VARIANTS)
+        for e in errors:
+            print(f"  MISMATCH {e}")
+        print("FAIL: a variant disagrees with GEMM_TILES' scores" if errors else "OK: every variant agrees")
+        return 1 if errors else 0
     if args.smoke:          # several tiles a step, as at 900k
         tri.SCORE_TILE = shape["T"] * 32
         isc.GEMM_TILES = isc.GEMM_TILES_FP8 = GemmTiles(*shape["sweep"][0])

@@ -64,6 +64,8 @@ def _scores_heads_kernel(q_ptr, q_desc, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_p
             if FP32_DOT:        # fp32 or the interpreter: exact fp32 products (no tf32)
                 k = k.to(tl.float32)
             kt = tl.trans(k)                                                  # [DI_P, BLOCK_E]
+            if KEYS_MAJOR:      # keys not straight from a load: the dot's A operand stays in registers
+                k = tl.where((rows >= 0)[:, None], k, 0.0)
             # Rows past T read token T - 1 (pointers) or zeros (TMA): stored nowhere.
             t_in = tl.minimum(offs_t, T - 1).to(tl.int64)
             q_rows = q_ptr + t_in[:, None] * stride_qt + tl.arange(0, DI_P)[None, :] * stride_qd
