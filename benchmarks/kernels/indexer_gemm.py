@@ -23,7 +23,8 @@ within --budget-s (compiles count), then the best few on FP8 keys; prints a tabl
 (2 T W Hi Di per tile of W entries) and % of 989 TFLOP/s (H200 bf16 dense), the best config,
 and the whole step's scores (E / W tiles) at the best config against the per-token kernel.
 With --variants, only this: one bf16 tile by each head-loop variant of VARIANTS
-(dsv4/ops/triton/indexer_scores_heads.py) beside the current kernel (GEMM_TILES): ms, % of peak,
+(dsv4/ops/triton/indexer_scores_heads.py, and the Gluon kernel of indexer_scores_wgmma.py on the
+GPU) beside the current kernel (GEMM_TILES): ms, % of peak,
 and the max abs error against the current kernel's scores (relative to the largest; -inf at the
 same places), exit 1 where one is off by more than 1e-5 relative. Last, for GEMM_MIN_TOKENS, one tile at smaller T at the best config: the chunk's last T tokens,
 and T decode tokens of T requests (blocks that never share their rows: the fallback's cost).
@@ -67,6 +68,11 @@ VARIANTS = {
     "keys-major q tma 64x256 w16 s2": HeadLoopTiles(64, 256, 16, 2, q_tma=True, keys_major=True),
     "keys-major q tma 64x128 w4 s2 r168": HeadLoopTiles(64, 128, 4, 2, 168, q_tma=True, keys_major=True),
     "keys-major pointers 128x128 w8 s3": HeadLoopTiles(128, 128, 8, 3, keys_major=True),
+    # Gluon wgmma kernel (indexer_scores_wgmma.py; sm_90 only): (stages, head_round)
+    "gluon wgmma 64x128 w4 s3 round2": (3, 2),
+    "gluon wgmma 64x128 w4 s2 round2": (2, 2),
+    "gluon wgmma 64x128 w4 s4 round2": (4, 2),
+    "gluon wgmma 64x128 w4 s3 round4 (spills)": (3, 4),
 }
 TINY_VARIANTS = {"pointers 16x16": HeadLoopTiles(16, 16, 4, 2), "q tma 16x32": HeadLoopTiles(16, 32, 4, 2, q_tma=True),
                  "keys-major 32x16": HeadLoopTiles(32, 16, 4, 2, keys_major=True)}
@@ -231,6 +237,10 @@ def run_variants(shape, device, gen, variants) -> list[str]:
     spans = [(0, width), (cand.width - width, cand.width)]     # timed: the first; checked: both (the last: causal tail)
 
     def scores(tiles, e0, e1):
+        if isinstance(tiles, tuple):        # the Gluon kernel: imported here (Triton's interpreter lacks Gluon)
+            from dsv4.ops.triton.indexer_scores_wgmma import indexer_scores_wgmma
+            return indexer_scores_wgmma(q, weights, keys, cand, weight_scale=Hi ** -0.5, e0=e0, e1=e1,
+                                        stages=tiles[0], head_round=tiles[1])
         if isinstance(tiles, HeadLoopTiles):
             return indexer_scores_heads(q, weights, keys, cand, tiles, weight_scale=Hi ** -0.5, e0=e0, e1=e1)
         return isc.indexer_scores(q, weights, keys, cand, weight_scale=Hi ** -0.5, e0=e0, e1=e1, tiles=tiles)

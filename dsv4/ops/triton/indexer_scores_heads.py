@@ -37,6 +37,21 @@ class HeadLoopTiles:
     keys_major: bool = False    # keys as the dot's A operand (module docstring)
 
 
+@triton.jit
+def wgmma_block(req_ptr, lo_ptr, hi_ptr, offs_t, t_ok, eb0, PER_PAGE: tl.constexpr):
+    """Whether indexer_scores_wgmma's Gluon kernel scores the block of tokens offs_t from
+    candidate eb0 on (the same choice as its _block_choice): the tokens share (req, lo), some
+    column is within the widest range, and lo + eb0 starts a page."""
+    req = tl.load(req_ptr + offs_t, mask=t_ok, other=0)
+    lo = tl.load(lo_ptr + offs_t, mask=t_ok, other=0).to(tl.int32)
+    span = tl.where(t_ok, tl.load(hi_ptr + offs_t, mask=t_ok, other=0).to(tl.int32) - lo, 0)
+    active = span > 0
+    req0 = tl.max(tl.where(active, req, -1), axis=0)
+    lo0 = tl.max(tl.where(active, lo, -1), axis=0)
+    shared = tl.sum((active & ((req != req0) | (lo != lo0))).to(tl.int32), axis=0) == 0
+    return shared & (tl.max(span, axis=0) > eb0) & ((lo0 + eb0) % PER_PAGE == 0)
+
+
 # per-step sizes are not specialised: one compiled variant for every step shape
 @triton.jit(do_not_specialize=("T", "E0", "E", "n_eblk", "pitch", "stride_ct", "stride_ce", "stride_ot"))
 def _scores_heads_kernel(q_ptr, q_desc, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, out_ptr,
@@ -45,14 +60,18 @@ def _scores_heads_kernel(q_ptr, q_desc, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_p
                          stride_kn, stride_kd, stride_ct, stride_ce, stride_ot,
                          HI_P: tl.constexpr, DI_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                          FP32_DOT: tl.constexpr, PER_PAGE: tl.constexpr, Q_TMA: tl.constexpr,
-                         WARP_SPEC: tl.constexpr, KEYS_MAJOR: tl.constexpr):
+                         WARP_SPEC: tl.constexpr, KEYS_MAJOR: tl.constexpr, SKIP_WGMMA: tl.constexpr):
     # One program = tokens [t0, t0 + BLOCK_T) x candidates [e0, e0 + BLOCK_E) of the tile
     # [E0, E), written to columns e0 - E0 of out; Di == DI_P (a power of two >= 16).
+    # SKIP_WGMMA: blocks the Gluon kernel scores (wgmma_block) are left as they are.
     pid = tl.program_id(0)
     t0 = (pid // n_eblk) * BLOCK_T
     offs_t = t0 + tl.arange(0, BLOCK_T)                                       # [BLOCK_T]
     offs_e = E0 + (pid % n_eblk) * BLOCK_E + tl.arange(0, BLOCK_E)            # [BLOCK_E]
     t_ok, e_ok = offs_t < T, offs_e < E
+    if SKIP_WGMMA:
+        if wgmma_block(req_ptr, lo_ptr, hi_ptr, offs_t, t_ok, E0 + (pid % n_eblk) * BLOCK_E, PER_PAGE):
+            return
     rows, shared = _block_rows(cand_ptr, req_ptr, lo_ptr, hi_ptr, offs_t.to(tl.int64), offs_e, t_ok, e_ok, pitch,
                                stride_ct, stride_ce, True, PER_PAGE)
     if shared:
@@ -109,17 +128,21 @@ def _scores_heads_kernel(q_ptr, q_desc, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_p
 
 def indexer_scores_heads(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: PagedRows,
                          tiles: HeadLoopTiles, weight_scale: float = 1.0, e0: int = 0,
-                         e1: int | None = None) -> torch.Tensor:
+                         e1: int | None = None, out: torch.Tensor | None = None,
+                         skip_wgmma: bool = False) -> torch.Tensor:
     """indexer_scores(q, weights, keys, cand, weight_scale=, e0=, e1=) by `_scores_heads_kernel`
-    at `tiles`: [T, e1 - e0] fp32. Dense cand, packed FP8 keys, keys of another dtype than q or
-    Di not a power of two >= 16 take indexer_scores' tiled kernel (GEMM_TILES)."""
+    at `tiles`: [T, e1 - e0] fp32 (into `out` when given). Dense cand, packed FP8 keys, keys of
+    another dtype than q or Di not a power of two >= 16 take indexer_scores' tiled kernel
+    (GEMM_TILES). skip_wgmma: the blocks indexer_scores_wgmma's Gluon kernel scores are left
+    (indexer_scores_wgmma.py; cand.per_page must be its page)."""
     import os
     T, Hi, Di = q.shape
     e1 = index_width(cand) if e1 is None else e1
     if (not isinstance(cand, PagedRows) or keys.dtype != q.dtype or Di < 16 or Di & (Di - 1)
             or (tiles.q_tma and (q.stride(2) != 1 or q.stride(1) != Di))):
+        assert out is None and not skip_wgmma, "indexer_scores_heads: out= and skip_wgmma= need the kernel's inputs"
         return indexer_scores(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=e1, tiles=GEMM_TILES)
-    scores = torch.empty((T, e1 - e0), dtype=torch.float32, device=q.device)
+    scores = torch.empty((T, e1 - e0), dtype=torch.float32, device=q.device) if out is None else out
     if T == 0 or e1 <= e0:
         return scores
     req, lo, hi = cand.req.contiguous(), cand.lo.contiguous(), cand.hi.contiguous()
@@ -134,6 +157,6 @@ def indexer_scores_heads(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
         weights.stride(1), keys.stride(0), keys.stride(1), table.stride(0), table.stride(1), scores.stride(0),
         HI_P=max(16, triton.next_power_of_2(Hi)), DI_P=Di, BLOCK_T=tiles.block_t, BLOCK_E=tiles.block_e,
         FP32_DOT=fp32_dot, PER_PAGE=cand.per_page, Q_TMA=tiles.q_tma, WARP_SPEC=tiles.warp_specialize,
-        KEYS_MAJOR=tiles.keys_major, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        KEYS_MAJOR=tiles.keys_major, SKIP_WGMMA=skip_wgmma, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **({} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}))
     return scores
