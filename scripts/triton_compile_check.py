@@ -33,7 +33,11 @@ def record(out_path: str, pytest_args: list[str]) -> int:
     seen: dict[str, dict] = {}
     run = InterpretedFunction.run
 
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     def describe(value):
+        if isinstance(value, TensorDescriptor):     # a host TMA descriptor: its dtype and block
+            return {"desc": f"{TYPES[str(value.base.dtype)]}{list(value.block_shape)}"}
         if isinstance(value, torch.Tensor):
             return {"ptr": TYPES[str(value.dtype)]}
         if isinstance(value, bool):
@@ -91,6 +95,8 @@ def compile_all(in_path: str) -> int:
                 sig[name], constexprs[name] = "constexpr", value
             elif "ptr" in d:
                 sig[name] = "*" + d["ptr"]
+            elif "desc" in d:
+                sig[name] = f"tensordesc<{d['desc']}>"
             elif "int" in d:
                 sig[name] = "i64" if abs(d["int"]) >= 2**31 else "i32"
             else:

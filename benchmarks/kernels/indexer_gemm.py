@@ -22,12 +22,14 @@ each (BLOCK_T, BLOCK_E, num_warps, num_stages) of SWEEP on bf16 keys, while the 
 within --budget-s (compiles count), then the best few on FP8 keys; prints a table with TFLOP/s
 (2 T W Hi Di per tile of W entries) and % of 989 TFLOP/s (H200 bf16 dense), the best config,
 and the whole step's scores (E / W tiles) at the best config against the per-token kernel.
+Last, for GEMM_MIN_TOKENS, one tile at smaller T at the best config: the chunk's last T tokens,
+and T decode tokens of T requests (blocks that never share their rows: the fallback's cost).
+
 With --variants, only this: one bf16 tile by each head-loop variant of VARIANTS
 (dsv4/ops/triton/indexer_scores_heads.py, and the Gluon kernel of indexer_scores_wgmma.py on the
-GPU) beside the current kernel (GEMM_TILES): ms, % of peak,
-and the max abs error against the current kernel's scores (relative to the largest; -inf at the
-same places), exit 1 where one is off by more than 1e-5 relative. Last, for GEMM_MIN_TOKENS, one tile at smaller T at the best config: the chunk's last T tokens,
-and T decode tokens of T requests (blocks that never share their rows: the fallback's cost).
+GPU) beside the current kernel (GEMM_TILES): ms, % of peak, and the max abs error against the
+current kernel's scores (relative to the largest; -inf at the same places), exit 1 where one is
+off by more than 1e-5 relative.
 """
 import os
 import sys

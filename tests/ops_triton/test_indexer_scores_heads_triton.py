@@ -1,7 +1,7 @@
 """The head-loop variants of the indexer's tiled scores kernel (dsv4/ops/triton/indexer_scores_heads.py)
 against the tiled and per-token kernels and the torch reference: q by pointers or TMA boxes,
-tokens- or keys-major dots, the warp-specialised loop (the interpreter runs it as a plain loop);
-prefill chunks, blocks mixing requests or windows (token by token), causal tails, padding."""
+tokens- or keys-major dots, the blocks left to the Gluon kernel (skip_wgmma); prefill chunks,
+blocks mixing requests or windows (token by token), causal tails, padding."""
 import pytest
 import torch
 from test_indexer_gemm_triton import CASES, chunks, inputs
@@ -15,7 +15,6 @@ VARIANTS = {
     "pointers": HeadLoopTiles(16, 16, 4, 2),
     "q tma": HeadLoopTiles(16, 16, 4, 2, q_tma=True),
     "keys-major": HeadLoopTiles(16, 32, 4, 2, keys_major=True),
-    "q tma, warp specialised": HeadLoopTiles(16, 16, 4, 2, q_tma=True, warp_specialize=True),
 }
 
 

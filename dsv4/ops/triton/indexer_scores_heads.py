@@ -10,8 +10,9 @@ candidates, the key tile [BLOCK_E, Di] loaded once, then per head h:
     tokens-major (default): dots = q_h [BLOCK_T, Di] @ k^T [Di, BLOCK_E]; acc += ReLU(dots) * w_h[:, None]
     keys-major:             dots = k [BLOCK_E, Di] @ q_h^T [Di, BLOCK_T]; acc += ReLU(dots) * w_h[None, :]
 
-q_h is read by pointers or as one TMA box of q viewed as [T, Hi * Di] (q_tma); the head loop may be
-warp specialised (a producer of q's loads beside the warps of the dots: tl.range's warp_specialize).
+q_h is read by pointers or as one TMA box of q viewed as [T, Hi * Di] (q_tma). (tl.range's
+warp_specialize is not offered: Triton 3.6 leaves a loop inside the block's ifs unspecialised for
+sm_90, and a top-level one needs TMA for every load, keys included.)
 """
 from dataclasses import dataclass
 
@@ -33,7 +34,6 @@ class HeadLoopTiles:
     num_stages: int = 2
     maxnreg: int | None = None  # registers a thread; None: ptxas's choice
     q_tma: bool = False         # q_h as a TMA box (needs q[t] contiguous: stride(1) == Di, stride(2) == 1)
-    warp_specialize: bool = False
     keys_major: bool = False    # keys as the dot's A operand (module docstring)
 
 
@@ -60,7 +60,7 @@ def _scores_heads_kernel(q_ptr, q_desc, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_p
                          stride_kn, stride_kd, stride_ct, stride_ce, stride_ot,
                          HI_P: tl.constexpr, DI_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                          FP32_DOT: tl.constexpr, PER_PAGE: tl.constexpr, Q_TMA: tl.constexpr,
-                         WARP_SPEC: tl.constexpr, KEYS_MAJOR: tl.constexpr, SKIP_WGMMA: tl.constexpr):
+                         KEYS_MAJOR: tl.constexpr, SKIP_WGMMA: tl.constexpr):
     # One program = tokens [t0, t0 + BLOCK_T) x candidates [e0, e0 + BLOCK_E) of the tile
     # [E0, E), written to columns e0 - E0 of out; Di == DI_P (a power of two >= 16).
     # SKIP_WGMMA: blocks the Gluon kernel scores (wgmma_block) are left as they are.
@@ -93,7 +93,7 @@ def _scores_heads_kernel(q_ptr, q_desc, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_p
                 acc = tl.zeros([BLOCK_E, BLOCK_T], tl.float32)
             else:
                 acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
-            for h in tl.range(0, HI, warp_specialize=WARP_SPEC):
+            for h in range(0, HI):
                 if Q_TMA:
                     q = q_desc.load([t0, h * DI])                              # [BLOCK_T, DI_P]
                 else:
@@ -156,7 +156,7 @@ def indexer_scores_heads(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
         Di ** -0.5 * weight_scale, cand.pitch, q.stride(0), q.stride(1), q.stride(2), weights.stride(0),
         weights.stride(1), keys.stride(0), keys.stride(1), table.stride(0), table.stride(1), scores.stride(0),
         HI_P=max(16, triton.next_power_of_2(Hi)), DI_P=Di, BLOCK_T=tiles.block_t, BLOCK_E=tiles.block_e,
-        FP32_DOT=fp32_dot, PER_PAGE=cand.per_page, Q_TMA=tiles.q_tma, WARP_SPEC=tiles.warp_specialize,
+        FP32_DOT=fp32_dot, PER_PAGE=cand.per_page, Q_TMA=tiles.q_tma,
         KEYS_MAJOR=tiles.keys_major, SKIP_WGMMA=skip_wgmma, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **({} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}))
     return scores

@@ -169,8 +169,8 @@ def wgmma_ok(q: torch.Tensor, keys: torch.Tensor, cand, head_round: int) -> bool
     of one dtype, Di 64, 128 or 256, heads a multiple of head_round (even), q[t] contiguous,
     key rows 16-byte aligned."""
     T, Hi, Di = q.shape
-    return (isinstance(cand, PagedRows) and head_round % 2 == 0 and Hi % head_round == 0 and cand.per_page == KEY_PAGE and q.dtype in (torch.bfloat16, torch.float16)
-            and keys.dtype == q.dtype and Di in (64, 128, 256) and Hi >= 4 and q.stride(2) == 1
+    return (isinstance(cand, PagedRows) and head_round % 2 == 0 and Hi % head_round == 0
+            and cand.per_page == KEY_PAGE and q.dtype in (torch.bfloat16, torch.float16) and keys.dtype == q.dtype and Di in (64, 128, 256) and Hi >= 4 and q.stride(2) == 1
             and q.stride(1) == Di and (q.stride(0) * 2) % 16 == 0 and keys.stride(1) == 1
             and (keys.stride(0) * 2) % 16 == 0 and q.data_ptr() % 16 == 0 and keys.data_ptr() % 16 == 0)
 
