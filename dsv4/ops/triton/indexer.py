@@ -33,6 +33,9 @@ ROWS_BLOCK = 1024   # chosen positions per program of the paged rows kernel (top
 # needs O(T * k) more); a decode step of T <= 256 tokens at 1M context (262,144 C4 entries) is one tile
 SCORE_TILE = 1 << 26
 ROWS_MIN = 256      # rows from which a program per row (row_topk) fills an H200's 132 SMs twice
+# a prefill chunk's tiles of scores: None, indexer_scores' tiled Triton kernel (GEMM_TILES);
+# "wgmma", the Gluon one where it takes the inputs (dsv4/ops/triton/indexer_scores_wgmma.py)
+TILED_SCORES: str | None = None
 
 
 # per-step sizes are not specialised: one compiled variant for every step shape
@@ -81,8 +84,7 @@ def _topk_offsets(q, weights, keys, cand, k, weight_scale) -> torch.Tensor:
     if T >= ROWS_MIN:
         rows = RowTopk(k)
         for e0 in range(0, E, width):
-            scores = indexer_scores(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=min(e0 + width, E))
-            rows.add(scores, e0)
+            rows.add(_tile_scores(q, weights, keys, cand, weight_scale, e0, min(e0 + width, E)), e0)
         return rows.offsets()
     if E <= width:      # one tile (every decode step up to SCORE_TILE / T entries)
         return radix_topk(indexer_scores(q, weights, keys, cand, weight_scale=weight_scale), k)[1]
@@ -91,6 +93,16 @@ def _topk_offsets(q, weights, keys, cand, k, weight_scale) -> torch.Tensor:
         scores = indexer_scores(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=min(e0 + width, E))
         running.merge(radix_topk(scores, k, e0)[0])
     return running.offsets()
+
+
+def _tile_scores(q, weights, keys, cand, weight_scale, e0, e1) -> torch.Tensor:
+    """The scores [T, e1 - e0] of a prefill chunk's tile, by TILED_SCORES' kernel."""
+    if TILED_SCORES == "wgmma" and isinstance(cand, PagedRows):
+        from . import indexer_scores_wgmma as gluon_scores         # Gluon: imported where it runs
+        if gluon_scores.wgmma_ok(q, keys, cand, head_round=2):
+            return gluon_scores.indexer_scores_wgmma(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=e1)
+    assert TILED_SCORES in (None, "wgmma"), "TILED_SCORES: None or 'wgmma'"
+    return indexer_scores(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=e1)
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor | PagedRows,
