@@ -17,8 +17,8 @@ built once. Decode: batch 1 at a synthetic context of N tokens (bench/offline.py
 and async scheduling on, the mean step over --decode-tokens. Prefill: one request of N random
 tokens in 16k-token chunks (eager fast path), time to its first token. Chunk: one 2,048-token
 prefill chunk (the last of its prompt: one step, eager) at position 0 and at ~900k (the cache
-"holds" the 900k tokens before it, synthetic as for decode), each after a warm-up chunk at the
-same position; printed with their ratio and the ratio less the indexer's O(E) roofline term
+"holds" the 900k tokens before it, synthetic as for decode), each the median of --chunk-repeats
+runs (3) after a warm-up chunk at the same position; printed with their ratio and the ratio less the indexer's O(E) roofline term
 (dsv4/bench/roofline.py indexer_cost: the later chunk's scoring of ~225k C4 entries per token,
 which the chunk at 0 does not have). Peak memory:
 torch.cuda.max_memory_allocated over each case (weights included).
@@ -46,6 +46,7 @@ import dataclasses
 import gc
 import json
 import os
+import statistics
 import time
 
 import torch
@@ -190,16 +191,18 @@ def prefill_case(model, device, dtype, kv, n, chunk) -> dict:
     return out
 
 
-def chunk_case(model, device, dtype, kv, start, tokens) -> dict:
+def chunk_case(model, device, dtype, kv, start, tokens, repeats: int = 1) -> dict:
     """One `tokens`-token prefill chunk at position `start` (the cache "holds" the tokens
     before it, synthetic as for decode: bench/offline.py), after a warm-up chunk at the same
-    position: its time, and the indexer's O(E) roofline term (indexer_cost) in it."""
+    position: its time (the median of `repeats` runs, each a new request), and the indexer's
+    O(E) roofline term (indexer_cost) in it."""
     reset_peak(device)
     eng = engine(SPEC if device != "cpu" else "random:tiny", model, device, dtype, kv, max_num_seqs=1,
                  max_num_batched_tokens=tokens, num_pages=(start + tokens) // 256 + 4, max_model_len=start + tokens + 8,
                  async_scheduling="off", enforce_eager=True)
     gen = torch.Generator().manual_seed(start)
-    for tag in ("warm", "run"):
+    runs = []
+    for tag in ["warm"] + [f"run{i}" for i in range(repeats)]:
         ids = torch.randint(100, model.cfg.vocab_size, (start + tokens,), generator=gen).tolist()
         req = eng.add_request(f"chunk-{tag}", ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
         req.num_computed = start                   # the cache "holds" the tokens before the chunk
@@ -210,10 +213,12 @@ def chunk_case(model, device, dtype, kv, start, tokens) -> dict:
         t = time.perf_counter()
         eng.step()                                 # the chunk, then its first token
         sync(device)
-        s = time.perf_counter() - t
+        runs.append(time.perf_counter() - t)
         assert req.output_token_ids and not eng.has_unfinished(), "the chunk was not one step"
+    s = statistics.median(runs[1:])
     term = bound_seconds(indexer_cost(model.cfg, tokens, start, kv_precision(dtype, kv)))
-    out = {"start": start, "tokens": tokens, "ms": s * 1e3, "indexer_bound_ms": term * 1e3, "peak_gb": peak_gb(device)}
+    out = {"start": start, "tokens": tokens, "ms": s * 1e3, "runs_ms": [round(r * 1e3, 2) for r in runs[1:]],
+           "indexer_bound_ms": term * 1e3, "peak_gb": peak_gb(device)}
     eng.close()     # (its late-compile watcher off: the next engine's warm-up is not late)
     del eng
     return out
@@ -254,7 +259,7 @@ def run(args) -> dict:
         elif kind == "batch":
             r = decode_case(model, device, dtype, kv, n, sizes["decode_tokens"], sizes["batch"])
         elif kind == "chunk":
-            r = chunk_case(model, device, dtype, kv, n, sizes["chunk_tokens"])
+            r = chunk_case(model, device, dtype, kv, n, sizes["chunk_tokens"], args.chunk_repeats)
         else:
             r = prefill_case(model, device, dtype, kv, n, sizes["chunk"])
         results["cases"][f"{kind} {n} {kv}"] = r
@@ -358,6 +363,7 @@ def main() -> int:
     p.add_argument("--contexts", default="", help="comma-separated batch-1 decode contexts (default: 4k .. 1M)")
     p.add_argument("--decode-tokens", type=int, default=0,
                    help="tokens a decode case generates (its mean step is over all but the first; default 256)")
+    p.add_argument("--chunk-repeats", type=int, default=3, help="chunk cases: the median of this many runs")
     p.add_argument("--kv", default="auto,fp8", help="comma-separated KV dtypes to time: auto, fp8 (default: both)")
     args = p.parse_args()
     args.cases = tuple(k.strip() for k in args.cases.split(",") if k.strip())

@@ -1,0 +1,51 @@
+"""The deep-chunk target with each long-list attention kernel, in one process (one machine, one
+model load): the 2,048-token chunk at position 0 once, then the chunk at ~900k once per kernel
+named (dsv4/ops/triton/attention.py LONG_KERNEL: "shared", "wide", ... or "none" for the
+per-token kernel), each the median of --repeats runs after a warm-up (benchmarks/long_context.py
+chunk_case), with the ratio less the indexer's O(E) roofline term (target <= 1.5).
+
+    python -m benchmarks.chunk_kernels [--kernels shared,wide] [--repeats 3] [--smoke]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks import long_context as lc
+from dsv4.model.weights import load_model
+from dsv4.ops.triton import attention as triton_attention
+
+
+def net_ratio(deep: dict, first: dict) -> float:
+    """(deep chunk - its O(E) term) / (chunk at 0 - its term)."""
+    return (deep["ms"] - deep["indexer_bound_ms"]) / (first["ms"] - first["indexer_bound_ms"])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--kernels", default="shared,wide", help="comma-separated LONG_KERNEL values ('none': None)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a 64-token chunk at 4096")
+    args = p.parse_args()
+    device, dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
+    sizes = lc.SMOKE if args.smoke else lc.GPU
+    first, deep = sizes["chunk_at"]
+    tokens = sizes["chunk_tokens"]
+    model = load_model("random:tiny" if args.smoke else lc.SPEC, device, getattr(torch, dtype))
+    at0 = lc.chunk_case(model, device, dtype, "auto", first, tokens, args.repeats)
+    lc.log(f"chunk at {first}: {at0}")
+    lines = [f"| kernel | at {deep} | at {first} | ratio | less the O(E) term ({lc.TARGET_CHUNK_900K_VS_0}) | runs |",
+             "|---|---|---|---|---|---|"]
+    for name in args.kernels.split(","):
+        triton_attention.LONG_KERNEL = None if name == "none" else name
+        r = lc.chunk_case(model, device, dtype, "auto", deep, tokens, args.repeats)
+        lc.log(f"chunk at {deep}, LONG_KERNEL {name}: {r}")
+        lines.append(f"| {name} | {r['ms']:.1f} ms | {at0['ms']:.1f} ms | {r['ms'] / at0['ms']:.2f}x | "
+                     f"{net_ratio(r, at0):.2f}x | {r['runs_ms']} / {at0['runs_ms']} |")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
