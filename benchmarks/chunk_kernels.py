@@ -1,7 +1,7 @@
 """The deep-chunk target with each long-list attention kernel, in one process (one machine, one
 model load): the 2,048-token chunk at position 0 once, then the chunk at ~900k once per kernel
 named (dsv4/ops/triton/attention.py LONG_KERNEL: "shared", "wide", ... or "none" for the
-per-token kernel), each the median of --repeats runs after a warm-up (benchmarks/long_context.py
+per-token kernel; "wide/wgmma": also dsv4/ops/triton/indexer.py TILED_SCORES = "wgmma"), each the median of --repeats runs after a warm-up (benchmarks/long_context.py
 chunk_case), with the ratio less the indexer's O(E) roofline term (target <= 1.5).
 
     python -m benchmarks.chunk_kernels [--kernels shared,wide] [--repeats 3] [--smoke]
@@ -15,6 +15,7 @@ import torch
 from benchmarks import long_context as lc
 from dsv4.model.weights import load_model
 from dsv4.ops.triton import attention as triton_attention
+from dsv4.ops.triton import indexer as triton_indexer
 
 
 def net_ratio(deep: dict, first: dict) -> float:
@@ -38,7 +39,9 @@ def main() -> int:
     lines = [f"| kernel | at {deep} | at {first} | ratio | less the O(E) term ({lc.TARGET_CHUNK_900K_VS_0}) | runs |",
              "|---|---|---|---|---|---|"]
     for name in args.kernels.split(","):
-        triton_attention.LONG_KERNEL = None if name == "none" else name
+        attention, _, scores = name.partition("/")
+        triton_attention.LONG_KERNEL = None if attention == "none" else attention
+        triton_indexer.TILED_SCORES = scores or None
         r = lc.chunk_case(model, device, dtype, "auto", deep, tokens, args.repeats)
         lc.log(f"chunk at {deep}, LONG_KERNEL {name}: {r}")
         lines.append(f"| {name} | {r['ms']:.1f} ms | {at0['ms']:.1f} ms | {r['ms'] / at0['ms']:.2f}x | "
