@@ -112,3 +112,23 @@ def test_rest_of_wgmma_blocks(case, device):
     assert torch.isnan(out[mask]).all() and not torch.isnan(out[~mask]).any()
     assert torch.equal(out[~mask], want[~mask])
     assert (~mask).any() and (mask.any() or case == "windows")
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_default_dispatch(aligned, device):
+    """indexer.py's TILED_SCORES "heads" (the default) scores a prefill tile by this kernel where it
+    takes q (TMA: 16-byte aligned rows), else by indexer_scores: the same scores either way; q
+    one element off a 16-byte boundary takes the fallback, and heads_ok says so."""
+    from dsv4.ops.triton import indexer as triton_indexer
+    from dsv4.ops.triton.indexer_scores_heads import HEAD_TILES, heads_ok
+    assert triton_indexer.TILED_SCORES == "heads"
+    T, E = 40, 70
+    cand, n = chunks([(0, 4 * E - T, T)])
+    cand = on(device, cand)
+    q, weights, keys = (v.to(device) for v in inputs(T, n, 4, "int-bf16", Di=16))
+    if not aligned:     # the same values in a view that starts one element past an aligned base
+        q = torch.cat([q.new_zeros(1), q.flatten()])[1:].view(q.shape)
+    assert heads_ok(q, keys, cand, HEAD_TILES) == aligned
+    got = triton_indexer._tile_scores(q, weights, keys, cand, 0.5, 8, E).cpu()
+    want = isc.indexer_scores(q, weights, keys, cand, weight_scale=0.5, e0=8, e1=E, tiles=isc.GEMM_TILES).cpu()
+    assert torch.equal(got, want)

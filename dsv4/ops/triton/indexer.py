@@ -25,6 +25,7 @@ import triton.language as tl
 from ..paged import PagedRows, index_width
 from ..stream_topk import RunningTopk
 from .indexer_scores import BLOCK_E, indexer_scores
+from .indexer_scores_heads import HEAD_TILES, heads_ok, indexer_scores_heads
 from .radix_topk import radix_topk
 from .row_topk import RowTopk
 
@@ -33,9 +34,12 @@ ROWS_BLOCK = 1024   # chosen positions per program of the paged rows kernel (top
 # needs O(T * k) more); a decode step of T <= 256 tokens at 1M context (262,144 C4 entries) is one tile
 SCORE_TILE = 1 << 26
 ROWS_MIN = 256      # rows from which a program per row (row_topk) fills an H200's 132 SMs twice
-# a prefill chunk's tiles of scores: None, indexer_scores' tiled Triton kernel (GEMM_TILES);
-# "wgmma", the Gluon one where it takes the inputs (dsv4/ops/triton/indexer_scores_wgmma.py)
-TILED_SCORES: str | None = None
+# a prefill chunk's tiles of scores: "heads", the head-loop kernel at HEAD_TILES (q by TMA boxes,
+# dsv4/ops/triton/indexer_scores_heads.py; 1.74 against 2.08 ms a 32,768-entry tile of a 2,048-token
+# chunk at 900k for GEMM_TILES, docs/benchmarks.md); None, indexer_scores' tiled kernel
+# (GEMM_TILES); "wgmma", the Gluon one (indexer_scores_wgmma.py: 1.87 ms). Each where it takes the
+# inputs (model-dtype keys, paged candidates), else indexer_scores' own choice.
+TILED_SCORES: str | None = "heads"
 
 
 # per-step sizes are not specialised: one compiled variant for every step shape
@@ -97,11 +101,13 @@ def _topk_offsets(q, weights, keys, cand, k, weight_scale) -> torch.Tensor:
 
 def _tile_scores(q, weights, keys, cand, weight_scale, e0, e1) -> torch.Tensor:
     """The scores [T, e1 - e0] of a prefill chunk's tile, by TILED_SCORES' kernel."""
+    assert TILED_SCORES in (None, "heads", "wgmma"), "TILED_SCORES: None, 'heads' or 'wgmma'"
+    if TILED_SCORES == "heads" and heads_ok(q, keys, cand, HEAD_TILES):
+        return indexer_scores_heads(q, weights, keys, cand, HEAD_TILES, weight_scale=weight_scale, e0=e0, e1=e1)
     if TILED_SCORES == "wgmma" and isinstance(cand, PagedRows):
         from . import indexer_scores_wgmma as gluon_scores         # Gluon: imported where it runs
         if gluon_scores.wgmma_ok(q, keys, cand, head_round=2):
             return gluon_scores.indexer_scores_wgmma(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=e1)
-    assert TILED_SCORES in (None, "wgmma"), "TILED_SCORES: None or 'wgmma'"
     return indexer_scores(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=e1)
 
 

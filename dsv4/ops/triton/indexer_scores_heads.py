@@ -1,6 +1,8 @@
-"""Variants of the lightning indexer's tiled scores kernel (dsv4/ops/triton/indexer_scores.py,
-`_scores_gemm_kernel`) that differ only in the loop over the index heads, for measuring on the
-GPU (benchmarks/kernels/indexer_gemm.py); indexer_scores' GEMM_TILES stays the default.
+"""The lightning indexer's tiled scores kernel for a prefill chunk's paged candidates
+(dsv4/ops/triton/indexer.py TILED_SCORES "heads", at HEAD_TILES), and variants of its loop over
+the index heads for measuring (benchmarks/kernels/indexer_gemm.py --variants); the scores of
+indexer_scores' `_scores_gemm_kernel` (dsv4/ops/triton/indexer_scores.py), the same up to fp32
+rounding (the same sums in the same order: bit for bit in every measured tile).
 
 Same contract: paged candidates (a PagedRows), the causal limit per token, the -1 tail, the
 per-token fallback when a block's tokens do not share their rows. Model-dtype keys only (packed
@@ -35,6 +37,22 @@ class HeadLoopTiles:
     maxnreg: int | None = None  # registers a thread; None: ptxas's choice
     q_tma: bool = False         # q_h as a TMA box (needs q[t] contiguous: stride(1) == Di, stride(2) == 1)
     keys_major: bool = False    # keys as the dot's A operand (module docstring)
+
+
+# the default tile: q_h a TMA box, 3 stages, ptxas's registers: 1.74 ms a 32,768-entry tile of a
+# 2,048-token chunk at 900k against 2.08 for GEMM_TILES and 1.89 for this loop by pointers at 168
+# registers (H100, benchmarks/kernels/indexer_gemm.py --variants, docs/benchmarks.md)
+HEAD_TILES = HeadLoopTiles(64, 128, 4, 3, q_tma=True)
+
+
+def heads_ok(q: torch.Tensor, keys: torch.Tensor, cand, tiles: HeadLoopTiles) -> bool:
+    """Inputs the kernel takes at `tiles`: paged candidates, keys of q's dtype, Di a power of two
+    >= 16, and for q by TMA q[t] contiguous ([T, Hi * Di] rows) with 16-byte aligned rows."""
+    Di = q.shape[2]
+    tma_ok = (q.stride(2) == 1 and q.stride(1) == Di and q.data_ptr() % 16 == 0
+              and (q.stride(0) * q.element_size()) % 16 == 0)
+    return (isinstance(cand, PagedRows) and keys.dtype == q.dtype and Di >= 16 and Di & (Di - 1) == 0
+            and (not tiles.q_tma or tma_ok))
 
 
 @triton.jit
@@ -138,8 +156,7 @@ def indexer_scores_heads(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
     import os
     T, Hi, Di = q.shape
     e1 = index_width(cand) if e1 is None else e1
-    if (not isinstance(cand, PagedRows) or keys.dtype != q.dtype or Di < 16 or Di & (Di - 1)
-            or (tiles.q_tma and (q.stride(2) != 1 or q.stride(1) != Di))):
+    if not heads_ok(q, keys, cand, tiles):
         assert out is None and not skip_wgmma, "indexer_scores_heads: out= and skip_wgmma= need the kernel's inputs"
         return indexer_scores(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=e1, tiles=GEMM_TILES)
     scores = torch.empty((T, e1 - e0), dtype=torch.float32, device=q.device) if out is None else out
