@@ -1,10 +1,11 @@
-"""The deep-chunk target with each long-list attention kernel, in one process (one machine, one
-model load): the 2,048-token chunk at position 0 once, then the chunk at ~900k once per kernel
-named (dsv4/ops/triton/attention.py LONG_KERNEL: "shared", "wide", ... or "none" for the
-per-token kernel; "wide/wgmma": also dsv4/ops/triton/indexer.py TILED_SCORES = "wgmma"), each the median of --repeats runs after a warm-up (benchmarks/long_context.py
+"""The deep-chunk target with each long-list attention and indexer scores kernel, in one process
+(one machine, one model load): the 2,048-token chunk at position 0 once, then the chunk at ~900k
+once per pair named: "attention/scores", attention dsv4/ops/triton/attention.py's LONG_KERNEL
+("shared", or "none" for the per-token kernel), scores dsv4/ops/triton/indexer.py's TILED_SCORES
+("heads", "wgmma"; none named: None, indexer_scores' GEMM_TILES kernel), each the median of --repeats runs after a warm-up (benchmarks/long_context.py
 chunk_case), with the ratio less the indexer's O(E) roofline term (target <= 1.5).
 
-    python -m benchmarks.chunk_kernels [--kernels shared,wide] [--repeats 3] [--smoke]
+    python -m benchmarks.chunk_kernels [--kernels shared,shared/heads] [--repeats 3] [--smoke]
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def net_ratio(deep: dict, first: dict) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--kernels", default="shared,wide", help="comma-separated LONG_KERNEL values ('none': None)")
+    p.add_argument("--kernels", default="shared,shared/heads",
+                   help="comma-separated LONG_KERNEL[/TILED_SCORES] values ('none': None)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a 64-token chunk at 4096")
     args = p.parse_args()
