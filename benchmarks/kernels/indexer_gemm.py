@@ -26,8 +26,7 @@ Last, for GEMM_MIN_TOKENS, one tile at smaller T at the best config: the chunk's
 and T decode tokens of T requests (blocks that never share their rows: the fallback's cost).
 
 With --variants, only this: one bf16 tile by each head-loop variant of VARIANTS
-(dsv4/ops/triton/indexer_scores_heads.py, and the Gluon kernel of indexer_scores_wgmma.py on the
-GPU) beside the current kernel (GEMM_TILES): ms, % of peak, and the max abs error against the
+(dsv4/ops/triton/indexer_scores_heads.py) beside indexer_scores' tiled kernel (GEMM_TILES): ms, % of peak, and the max abs error against the
 current kernel's scores (relative to the largest; -inf at the same places), exit 1 where one is
 off by more than 1e-5 relative.
 """
@@ -60,7 +59,8 @@ SWEEP = [(64, 128, 8, 2), (64, 256, 8, 2), (32, 256, 8, 2), (64, 128, 8, 2, 128)
          (32, 128, 4, 3), (64, 128, 4, 3), (128, 128, 8, 3), (32, 256, 4, 2)]
 # head-loop variants (label: tiles; offline sm_90 compile figures in the commit that added them).
 # Measured before (H100, docs/benchmarks.md fourteenth session) and left out: keys-major dots
-# (3.2-5.9 ms a tile), q by TMA at 168 registers with 3 or 4 stages (2.05, 2.07), Gluon round 4 (3.18)
+# (3.2-5.9 ms a tile), q by TMA at 168 registers with 3 or 4 stages (2.05, 2.07), the Gluon kernel
+# (branch idxws: the previous head's epilogue under the next head's dot, 1.87-1.94 ms)
 VARIANTS = {
     "pointers 64x128 w4 s2 r168 (GEMM_TILES' loop)": HeadLoopTiles(64, 128, 4, 2, 168),
     "pointers 64x128 w4 s3": HeadLoopTiles(64, 128, 4, 3),
@@ -71,12 +71,8 @@ VARIANTS = {
     "q tma 64x128 w4 s3 r232": HeadLoopTiles(64, 128, 4, 3, 232, q_tma=True),
     "q tma 128x128 w8 s3": HeadLoopTiles(128, 128, 8, 3, q_tma=True),
     "q tma 64x256 w8 s3": HeadLoopTiles(64, 256, 8, 3, q_tma=True),
-    # Gluon wgmma kernel (indexer_scores_wgmma.py; sm_90 only): (stages, head_round)
-    "gluon wgmma 64x128 w4 s3 round2": (3, 2),
-    "gluon wgmma 64x128 w4 s4 round2": (4, 2),
 }
-TINY_VARIANTS = {"pointers 16x16": HeadLoopTiles(16, 16, 4, 2), "q tma 16x32": HeadLoopTiles(16, 32, 4, 2, q_tma=True),
-                 "keys-major 32x16": HeadLoopTiles(32, 16, 4, 2, keys_major=True)}
+TINY_VARIANTS = {"pointers 16x16": HeadLoopTiles(16, 16, 4, 2), "q tma 16x32": HeadLoopTiles(16, 32, 4, 2, q_tma=True)}
 FULL = dict(T=2048, E=225280, Hi=64, Di=128, topk=512, sweep=SWEEP, fp8_best=3, reps=10,
             thresholds=[32, 64, 128, 256, 512, 1024, 2048])
 TINY = dict(T=40, E=300, Hi=4, Di=32, topk=16, sweep=[(16, 16, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2, 128)],
@@ -238,10 +234,6 @@ def run_variants(shape, device, gen, variants) -> list[str]:
     spans = [(0, width), (cand.width - width, cand.width)]     # timed: the first; checked: both (the last: causal tail)
 
     def scores(tiles, e0, e1):
-        if isinstance(tiles, tuple):        # the Gluon kernel: imported here (Triton's interpreter lacks Gluon)
-            from dsv4.ops.triton.indexer_scores_wgmma import indexer_scores_wgmma
-            return indexer_scores_wgmma(q, weights, keys, cand, weight_scale=Hi ** -0.5, e0=e0, e1=e1,
-                                        stages=tiles[0], head_round=tiles[1])
         if isinstance(tiles, HeadLoopTiles):
             return indexer_scores_heads(q, weights, keys, cand, tiles, weight_scale=Hi ** -0.5, e0=e0, e1=e1)
         return isc.indexer_scores(q, weights, keys, cand, weight_scale=Hi ** -0.5, e0=e0, e1=e1, tiles=tiles)

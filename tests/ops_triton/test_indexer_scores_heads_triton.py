@@ -1,7 +1,7 @@
-"""The head-loop variants of the indexer's tiled scores kernel (dsv4/ops/triton/indexer_scores_heads.py)
-against the tiled and per-token kernels and the torch reference: q by pointers or TMA boxes,
-tokens- or keys-major dots, the blocks left to the Gluon kernel (skip_wgmma); prefill chunks,
-blocks mixing requests or windows (token by token), causal tails, padding."""
+"""The head-loop kernel of the indexer's tiled scores (dsv4/ops/triton/indexer_scores_heads.py)
+against the tiled and per-token kernels and the torch reference: q by pointers or TMA boxes;
+prefill chunks, blocks mixing requests or windows (token by token), causal tails, padding; the
+default dispatch (dsv4/ops/triton/indexer.py TILED_SCORES)."""
 import pytest
 import torch
 from test_indexer_gemm_triton import CASES, chunks, inputs
@@ -14,7 +14,6 @@ from dsv4.ops.triton.indexer_scores_heads import HeadLoopTiles, indexer_scores_h
 VARIANTS = {
     "pointers": HeadLoopTiles(16, 16, 4, 2),
     "q tma": HeadLoopTiles(16, 16, 4, 2, q_tma=True),
-    "keys-major": HeadLoopTiles(16, 32, 4, 2, keys_major=True),
 }
 
 
@@ -73,45 +72,6 @@ def test_other_inputs_take_the_tiled_kernel(device):
     dense = cand.dense()
     assert torch.equal(indexer_scores_heads(q, weights, keys, dense, VARIANTS["pointers"]),
                        isc.indexer_scores(q, weights, keys, dense, tiles=isc.GEMM_TILES))
-
-
-def wgmma_blocks(cand: PagedRows, block_t: int, block_e: int) -> torch.Tensor:
-    """[token blocks, candidate blocks] bool: the blocks indexer_scores_wgmma's Gluon kernel
-    scores (its tokens share (req, lo), a column within the widest range, lo + e0 on a page)."""
-    T, width = cand.num_tokens, cand.width
-    out = torch.zeros(-(-T // block_t), -(-width // block_e), dtype=torch.bool)
-    for tb in range(out.shape[0]):
-        req, lo, hi = (v[tb * block_t:(tb + 1) * block_t].cpu() for v in (cand.req, cand.lo, cand.hi))
-        active = hi - lo > 0
-        pairs = set(zip(req[active].tolist(), lo[active].tolist()))
-        if len(pairs) != 1:
-            continue
-        lo0 = next(iter(pairs))[1]
-        widest = int((hi - lo)[active].max())
-        for eb in range(out.shape[1]):
-            out[tb, eb] = widest > eb * block_e and (lo0 + eb * block_e) % cand.per_page == 0
-    return out
-
-
-@pytest.mark.parametrize("case", ["one chunk deep", "two requests", "padded bucket", "windows"])
-def test_rest_of_wgmma_blocks(case, device):
-    """The second launch of indexer_scores_wgmma (skip_wgmma) leaves exactly the blocks the
-    Gluon kernel scores and scores every other one as the tiled kernel does."""
-    spans, pad, window, width = CASES[case]
-    cand, n = chunks(spans, pad, window, seed=len(case), width=width)
-    cand = on(device, cand)
-    T = cand.num_tokens
-    q, weights, keys = (v.to(device) for v in inputs(T, n, 4, "int-bf16", seed=T))
-    tiles = VARIANTS["pointers"]
-    want = indexer_scores_heads(q, weights, keys, cand, tiles, weight_scale=0.5).cpu()
-    out = torch.full((T, cand.width), float("nan"), device=device)
-    indexer_scores_heads(q, weights, keys, cand, tiles, weight_scale=0.5, out=out, skip_wgmma=True)
-    skipped = wgmma_blocks(cand, tiles.block_t, tiles.block_e)
-    mask = skipped.repeat_interleave(tiles.block_t, 0)[:T].repeat_interleave(tiles.block_e, 1)[:, :cand.width]
-    out = out.cpu()
-    assert torch.isnan(out[mask]).all() and not torch.isnan(out[~mask]).any()
-    assert torch.equal(out[~mask], want[~mask])
-    assert (~mask).any() and (mask.any() or case == "windows")
 
 
 @pytest.mark.parametrize("aligned", [True, False])

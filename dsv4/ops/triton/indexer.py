@@ -37,8 +37,8 @@ ROWS_MIN = 256      # rows from which a program per row (row_topk) fills an H200
 # a prefill chunk's tiles of scores: "heads", the head-loop kernel at HEAD_TILES (q by TMA boxes,
 # dsv4/ops/triton/indexer_scores_heads.py; 1.74 against 2.08 ms a 32,768-entry tile of a 2,048-token
 # chunk at 900k for GEMM_TILES, docs/benchmarks.md); None, indexer_scores' tiled kernel
-# (GEMM_TILES); "wgmma", the Gluon one (indexer_scores_wgmma.py: 1.87 ms). Each where it takes the
-# inputs (model-dtype keys, paged candidates), else indexer_scores' own choice.
+# (GEMM_TILES). "heads" where it takes the inputs (model-dtype keys, paged candidates), else
+# indexer_scores' own choice.
 TILED_SCORES: str | None = "heads"
 
 
@@ -101,13 +101,9 @@ def _topk_offsets(q, weights, keys, cand, k, weight_scale) -> torch.Tensor:
 
 def _tile_scores(q, weights, keys, cand, weight_scale, e0, e1) -> torch.Tensor:
     """The scores [T, e1 - e0] of a prefill chunk's tile, by TILED_SCORES' kernel."""
-    assert TILED_SCORES in (None, "heads", "wgmma"), "TILED_SCORES: None, 'heads' or 'wgmma'"
+    assert TILED_SCORES in (None, "heads"), "TILED_SCORES: None or 'heads'"
     if TILED_SCORES == "heads" and heads_ok(q, keys, cand, HEAD_TILES):
         return indexer_scores_heads(q, weights, keys, cand, HEAD_TILES, weight_scale=weight_scale, e0=e0, e1=e1)
-    if TILED_SCORES == "wgmma" and isinstance(cand, PagedRows):
-        from . import indexer_scores_wgmma as gluon_scores         # Gluon: imported where it runs
-        if gluon_scores.wgmma_ok(q, keys, cand, head_round=2):
-            return gluon_scores.indexer_scores_wgmma(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=e1)
     return indexer_scores(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=e1)
 
 

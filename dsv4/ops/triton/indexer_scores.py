@@ -190,6 +190,23 @@ def _block_valid(cand_ptr, lo_ptr, hi_ptr, offs_t, offs_e, t_ok, e_ok, rows, str
     return valid
 
 
+@triton.jit
+def _tokens_one_by_one(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, out_ptr, t0, T, offs_e, e_ok, E0, E,
+                       HI, DI, scale, pitch, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kn, stride_kd,
+                       stride_ct, stride_ce, stride_ot, HI_P: tl.constexpr, DI_P: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_E: tl.constexpr, FP32_DOT: tl.constexpr, PAGED: tl.constexpr, PER_PAGE: tl.constexpr,
+                       PACKED: tl.constexpr):
+    """A tiled block whose tokens do not share their rows: tokens [t0, t0 + BLOCK_T) (< T)
+    scored one by one by the per-token code, stored at columns offs_e - E0 of out."""
+    for i in range(0, BLOCK_T):
+        t = (t0 + i).to(tl.int64)
+        if t < T:
+            s = _token_scores(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, t, offs_e, E, HI, DI, scale,
+                              pitch, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kn, stride_kd,
+                              stride_ct, stride_ce, HI_P, DI_P, BLOCK_E, FP32_DOT, PAGED, PER_PAGE, PACKED)
+            tl.store(out_ptr + t * stride_ot + (offs_e - E0), s, mask=e_ok)
+
+
 # per-step sizes are not specialised: one compiled variant for every step shape
 @triton.jit(do_not_specialize=("T", "E0", "E", "n_eblk", "pitch", "stride_ct", "stride_ce", "stride_ot"))
 def _scores_gemm_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, out_ptr,
@@ -244,14 +261,10 @@ def _scores_gemm_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_pt
         tl.store(out_ptr + offs_t[:, None] * stride_ot + (offs_e - E0)[None, :], scores,
                  mask=t_ok[:, None] & e_ok[None, :])
     else:                   # tokens of different rows (requests, windows): one by one
-        for i in range(0, BLOCK_T):
-            t = t0 + i
-            if t < T:
-                s = _token_scores(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, t, offs_e, E, HI, DI,
-                                  scale, pitch, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kn,
-                                  stride_kd, stride_ct, stride_ce, HI_P, DI_P, BLOCK_E, FP32_DOT, PAGED, PER_PAGE,
-                                  PACKED)
-                tl.store(out_ptr + t * stride_ot + (offs_e - E0), s, mask=e_ok)
+        _tokens_one_by_one(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, out_ptr, t0, T, offs_e, e_ok, E0,
+                           E, HI, DI, scale, pitch, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kn,
+                           stride_kd, stride_ct, stride_ce, stride_ot, HI_P, DI_P, BLOCK_T, BLOCK_E, FP32_DOT, PAGED,
+                           PER_PAGE, PACKED)
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor | PagedRows,

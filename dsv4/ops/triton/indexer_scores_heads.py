@@ -9,12 +9,13 @@ per-token fallback when a block's tokens do not share their rows. Model-dtype ke
 FP8 keys and dense cand take `indexer_scores`' kernels). A program = BLOCK_T tokens x BLOCK_E
 candidates, the key tile [BLOCK_E, Di] loaded once, then per head h:
 
-    tokens-major (default): dots = q_h [BLOCK_T, Di] @ k^T [Di, BLOCK_E]; acc += ReLU(dots) * w_h[:, None]
-    keys-major:             dots = k [BLOCK_E, Di] @ q_h^T [Di, BLOCK_T]; acc += ReLU(dots) * w_h[None, :]
+    dots = q_h [BLOCK_T, Di] @ k^T [Di, BLOCK_E]; acc += ReLU(dots) * w_h[:, None]
 
-q_h is read by pointers or as one TMA box of q viewed as [T, Hi * Di] (q_tma). (tl.range's
-warp_specialize is not offered: Triton 3.6 leaves a loop inside the block's ifs unspecialised for
-sm_90, and a top-level one needs TMA for every load, keys included.)
+q_h is read by pointers or as one TMA box of q viewed as [T, Hi * Di] (q_tma). Measured and left
+out (docs/benchmarks.md, fourteenth session): keys as the dot's A operand, and a Gluon kernel with
+the previous head's epilogue under the next head's dot. (tl.range's warp_specialize is not
+offered: Triton 3.6 leaves a loop inside the block's ifs unspecialised for sm_90, and a top-level
+one needs TMA for every load, keys included.)
 """
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..paged import PagedRows, index_width
-from .indexer_scores import GEMM_TILES, _block_rows, _block_valid, _key_tile, _token_scores, indexer_scores
+from .indexer_scores import GEMM_TILES, _block_rows, _block_valid, _key_tile, _tokens_one_by_one, indexer_scores
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,6 @@ class HeadLoopTiles:
     num_stages: int = 2
     maxnreg: int | None = None  # registers a thread; None: ptxas's choice
     q_tma: bool = False         # q_h as a TMA box (needs q[t] contiguous: stride(1) == Di, stride(2) == 1)
-    keys_major: bool = False    # keys as the dot's A operand (module docstring)
 
 
 # the default tile: q_h a TMA box, 3 stages, ptxas's registers: 1.74 ms a 32,768-entry tile of a
@@ -55,21 +55,6 @@ def heads_ok(q: torch.Tensor, keys: torch.Tensor, cand, tiles: HeadLoopTiles) ->
             and (not tiles.q_tma or tma_ok))
 
 
-@triton.jit
-def wgmma_block(req_ptr, lo_ptr, hi_ptr, offs_t, t_ok, eb0, PER_PAGE: tl.constexpr):
-    """Whether indexer_scores_wgmma's Gluon kernel scores the block of tokens offs_t from
-    candidate eb0 on (the same choice as its _block_choice): the tokens share (req, lo), some
-    column is within the widest range, and lo + eb0 starts a page."""
-    req = tl.load(req_ptr + offs_t, mask=t_ok, other=0)
-    lo = tl.load(lo_ptr + offs_t, mask=t_ok, other=0).to(tl.int32)
-    span = tl.where(t_ok, tl.load(hi_ptr + offs_t, mask=t_ok, other=0).to(tl.int32) - lo, 0)
-    active = span > 0
-    req0 = tl.max(tl.where(active, req, -1), axis=0)
-    lo0 = tl.max(tl.where(active, lo, -1), axis=0)
-    shared = tl.sum((active & ((req != req0) | (lo != lo0))).to(tl.int32), axis=0) == 0
-    return shared & (tl.max(span, axis=0) > eb0) & ((lo0 + eb0) % PER_PAGE == 0)
-
-
 # per-step sizes are not specialised: one compiled variant for every step shape
 @triton.jit(do_not_specialize=("T", "E0", "E", "n_eblk", "pitch", "stride_ct", "stride_ce", "stride_ot"))
 def _scores_heads_kernel(q_ptr, q_desc, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, out_ptr,
@@ -77,19 +62,14 @@ def _scores_heads_kernel(q_ptr, q_desc, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_p
                          stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
                          stride_kn, stride_kd, stride_ct, stride_ce, stride_ot,
                          HI_P: tl.constexpr, DI_P: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                         FP32_DOT: tl.constexpr, PER_PAGE: tl.constexpr, Q_TMA: tl.constexpr,
-                         KEYS_MAJOR: tl.constexpr, SKIP_WGMMA: tl.constexpr):
+                         FP32_DOT: tl.constexpr, PER_PAGE: tl.constexpr, Q_TMA: tl.constexpr):
     # One program = tokens [t0, t0 + BLOCK_T) x candidates [e0, e0 + BLOCK_E) of the tile
     # [E0, E), written to columns e0 - E0 of out; Di == DI_P (a power of two >= 16).
-    # SKIP_WGMMA: blocks the Gluon kernel scores (wgmma_block) are left as they are.
     pid = tl.program_id(0)
     t0 = (pid // n_eblk) * BLOCK_T
     offs_t = t0 + tl.arange(0, BLOCK_T)                                       # [BLOCK_T]
     offs_e = E0 + (pid % n_eblk) * BLOCK_E + tl.arange(0, BLOCK_E)            # [BLOCK_E]
     t_ok, e_ok = offs_t < T, offs_e < E
-    if SKIP_WGMMA:
-        if wgmma_block(req_ptr, lo_ptr, hi_ptr, offs_t, t_ok, E0 + (pid % n_eblk) * BLOCK_E, PER_PAGE):
-            return
     rows, shared = _block_rows(cand_ptr, req_ptr, lo_ptr, hi_ptr, offs_t.to(tl.int64), offs_e, t_ok, e_ok, pitch,
                                stride_ct, stride_ce, True, PER_PAGE)
     if shared:
@@ -101,16 +81,11 @@ def _scores_heads_kernel(q_ptr, q_desc, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_p
             if FP32_DOT:        # fp32 or the interpreter: exact fp32 products (no tf32)
                 k = k.to(tl.float32)
             kt = tl.trans(k)                                                  # [DI_P, BLOCK_E]
-            if KEYS_MAJOR:      # keys not straight from a load: the dot's A operand stays in registers
-                k = tl.where((rows >= 0)[:, None], k, 0.0)
             # Rows past T read token T - 1 (pointers) or zeros (TMA): stored nowhere.
             t_in = tl.minimum(offs_t, T - 1).to(tl.int64)
             q_rows = q_ptr + t_in[:, None] * stride_qt + tl.arange(0, DI_P)[None, :] * stride_qd
             w_rows = w_ptr + t_in * stride_wt
-            if KEYS_MAJOR:
-                acc = tl.zeros([BLOCK_E, BLOCK_T], tl.float32)
-            else:
-                acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+            acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
             for h in range(0, HI):
                 if Q_TMA:
                     q = q_desc.load([t0, h * DI])                              # [BLOCK_T, DI_P]
@@ -120,46 +95,32 @@ def _scores_heads_kernel(q_ptr, q_desc, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_p
                     q = q.to(tl.float32)
                 w = tl.load(w_rows + h * stride_wh).to(tl.float32) * scale    # [BLOCK_T]
                 # bf16 x bf16 products are exact in fp32 and accumulate in fp32, like the reference.
-                if KEYS_MAJOR:
-                    dots = tl.dot(k, tl.trans(q), input_precision="ieee")    # [BLOCK_E, BLOCK_T]
-                    acc += tl.maximum(dots, 0.0) * w[None, :]
-                else:
-                    dots = tl.dot(q, kt, input_precision="ieee")             # [BLOCK_T, BLOCK_E]
-                    acc += tl.maximum(dots, 0.0) * w[:, None]
-            if KEYS_MAJOR:
-                acc = tl.trans(acc)                                           # [BLOCK_T, BLOCK_E]
+                dots = tl.dot(q, kt, input_precision="ieee")                 # [BLOCK_T, BLOCK_E]
+                acc += tl.maximum(dots, 0.0) * w[:, None]
             valid = _block_valid(cand_ptr, lo_ptr, hi_ptr, offs_t, offs_e, t_ok, e_ok, rows, stride_ct, stride_ce,
                                  True)
             scores = tl.where(valid, acc, float("-inf"))
         tl.store(out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + (offs_e - E0)[None, :], scores,
                  mask=t_ok[:, None] & e_ok[None, :])
     else:                   # tokens of different rows (requests, windows): one by one
-        for i in range(0, BLOCK_T):
-            t = (t0 + i).to(tl.int64)
-            if t < T:
-                s = _token_scores(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, t, offs_e, E, HI, DI,
-                                  scale, pitch, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kn,
-                                  stride_kd, stride_ct, stride_ce, HI_P, DI_P, BLOCK_E, FP32_DOT, True, PER_PAGE,
-                                  False)
-                tl.store(out_ptr + t * stride_ot + (offs_e - E0), s, mask=e_ok)
+        _tokens_one_by_one(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_ptr, out_ptr, t0, T, offs_e, e_ok, E0,
+                           E, HI, DI, scale, pitch, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_kn,
+                           stride_kd, stride_ct, stride_ce, stride_ot, HI_P, DI_P, BLOCK_T, BLOCK_E, FP32_DOT, True,
+                           PER_PAGE, False)
 
 
 def indexer_scores_heads(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: PagedRows,
                          tiles: HeadLoopTiles, weight_scale: float = 1.0, e0: int = 0,
-                         e1: int | None = None, out: torch.Tensor | None = None,
-                         skip_wgmma: bool = False) -> torch.Tensor:
+                         e1: int | None = None) -> torch.Tensor:
     """indexer_scores(q, weights, keys, cand, weight_scale=, e0=, e1=) by `_scores_heads_kernel`
-    at `tiles`: [T, e1 - e0] fp32 (into `out` when given). Dense cand, packed FP8 keys, keys of
-    another dtype than q or Di not a power of two >= 16 take indexer_scores' tiled kernel
-    (GEMM_TILES). skip_wgmma: the blocks indexer_scores_wgmma's Gluon kernel scores are left
-    (indexer_scores_wgmma.py; cand.per_page must be its page)."""
+    at `tiles`: [T, e1 - e0] fp32. Inputs it does not take (heads_ok) take indexer_scores' tiled
+    kernel (GEMM_TILES)."""
     import os
     T, Hi, Di = q.shape
     e1 = index_width(cand) if e1 is None else e1
     if not heads_ok(q, keys, cand, tiles):
-        assert out is None and not skip_wgmma, "indexer_scores_heads: out= and skip_wgmma= need the kernel's inputs"
         return indexer_scores(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=e1, tiles=GEMM_TILES)
-    scores = torch.empty((T, e1 - e0), dtype=torch.float32, device=q.device) if out is None else out
+    scores = torch.empty((T, e1 - e0), dtype=torch.float32, device=q.device)
     if T == 0 or e1 <= e0:
         return scores
     req, lo, hi = cand.req.contiguous(), cand.lo.contiguous(), cand.hi.contiguous()
@@ -173,7 +134,7 @@ def indexer_scores_heads(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
         Di ** -0.5 * weight_scale, cand.pitch, q.stride(0), q.stride(1), q.stride(2), weights.stride(0),
         weights.stride(1), keys.stride(0), keys.stride(1), table.stride(0), table.stride(1), scores.stride(0),
         HI_P=max(16, triton.next_power_of_2(Hi)), DI_P=Di, BLOCK_T=tiles.block_t, BLOCK_E=tiles.block_e,
-        FP32_DOT=fp32_dot, PER_PAGE=cand.per_page, Q_TMA=tiles.q_tma,
-        KEYS_MAJOR=tiles.keys_major, SKIP_WGMMA=skip_wgmma, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        FP32_DOT=fp32_dot, PER_PAGE=cand.per_page, Q_TMA=tiles.q_tma, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
         **({} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}))
     return scores
