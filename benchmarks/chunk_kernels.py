@@ -5,7 +5,10 @@ once per pair named: "attention/scores", attention dsv4/ops/triton/attention.py'
 ("heads", "wgmma"; none named: None, indexer_scores' GEMM_TILES kernel), each the median of --repeats runs after a warm-up (benchmarks/long_context.py
 chunk_case), with the ratio less the indexer's O(E) roofline term (target <= 1.5).
 
-    python -m benchmarks.chunk_kernels [--kernels shared,shared/heads] [--repeats 3] [--smoke]
+    python -m benchmarks.chunk_kernels [--kernels shared,shared/heads] [--repeats 3] [--spec S] [--smoke]
+
+--spec loads another model (e.g. `random:flash-slice:6:n_routed_experts=128`, half the experts'
+weights, for an 80 GB card): its chunks are not the target's, only the kernels' A/B.
 """
 from __future__ import annotations
 
@@ -29,13 +32,14 @@ def main() -> int:
     p.add_argument("--kernels", default="shared,shared/heads",
                    help="comma-separated LONG_KERNEL[/TILED_SCORES] values ('none': None)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--spec", default=lc.SPEC, help="the model (default: the target's)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a 64-token chunk at 4096")
     args = p.parse_args()
     device, dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
     sizes = lc.SMOKE if args.smoke else lc.GPU
     first, deep = sizes["chunk_at"]
     tokens = sizes["chunk_tokens"]
-    model = load_model("random:tiny" if args.smoke else lc.SPEC, device, getattr(torch, dtype))
+    model = load_model("random:tiny" if args.smoke else args.spec, device, getattr(torch, dtype))
     at0 = lc.chunk_case(model, device, dtype, "auto", first, tokens, args.repeats)
     lc.log(f"chunk at {first}: {at0}")
     lines = [f"| kernel | at {deep} | at {first} | ratio | less the O(E) term ({lc.TARGET_CHUNK_900K_VS_0}) | runs |",
