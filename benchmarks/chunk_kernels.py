@@ -1,11 +1,13 @@
 """The deep-chunk target with each long-list attention and indexer scores kernel, in one process
 (one machine, one model load): the 2,048-token chunk at position 0 once, then the chunk at ~900k
-once per pair named: "attention/scores", attention dsv4/ops/triton/attention.py's LONG_KERNEL
+once per name: "attention[/scores[/inline]]", attention dsv4/ops/triton/attention.py's LONG_KERNEL
 ("shared", or "none" for the per-token kernel), scores dsv4/ops/triton/indexer.py's TILED_SCORES
-("heads", "wgmma"; none named: None, indexer_scores' GEMM_TILES kernel), each the median of --repeats runs after a warm-up (benchmarks/long_context.py
-chunk_case), with the ratio less the indexer's O(E) roofline term (target <= 1.5).
+("heads"; none named: None, indexer_scores' GEMM_TILES kernel), "inline": the tiles' top-k in
+order on one stream (indexer.py OVERLAP_TOPK off; else beside the next tile's scores); each the
+median of --repeats runs after a warm-up (benchmarks/long_context.py chunk_case), with the ratio
+less the indexer's O(E) roofline term (target <= 1.5).
 
-    python -m benchmarks.chunk_kernels [--kernels shared,shared/heads] [--repeats 3] [--spec S] [--smoke]
+    python -m benchmarks.chunk_kernels [--kernels shared/heads,shared/heads/inline] [--repeats 3] [--spec S] [--smoke]
 
 --spec loads another model (e.g. `random:flash-slice:6:n_routed_experts=128`, half the experts'
 weights, for an 80 GB card): its chunks are not the target's, only the kernels' A/B.
@@ -29,8 +31,8 @@ def net_ratio(deep: dict, first: dict) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--kernels", default="shared,shared/heads",
-                   help="comma-separated LONG_KERNEL[/TILED_SCORES] values ('none': None)")
+    p.add_argument("--kernels", default="shared/heads,shared/heads/inline",
+                   help="comma-separated LONG_KERNEL[/TILED_SCORES[/inline]] values ('none': None)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--spec", default=lc.SPEC, help="the model (default: the target's)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a 64-token chunk at 4096")
@@ -45,9 +47,10 @@ def main() -> int:
     lines = [f"| kernel | at {deep} | at {first} | ratio | less the O(E) term ({lc.TARGET_CHUNK_900K_VS_0}) | runs |",
              "|---|---|---|---|---|---|"]
     for name in args.kernels.split(","):
-        attention, _, scores = name.partition("/")
+        attention, scores, topk = (name.split("/") + ["", ""])[:3]
         triton_attention.LONG_KERNEL = None if attention == "none" else attention
         triton_indexer.TILED_SCORES = scores or None
+        triton_indexer.OVERLAP_TOPK = topk != "inline"
         r = lc.chunk_case(model, device, dtype, "auto", deep, tokens, args.repeats)
         lc.log(f"chunk at {deep}, LONG_KERNEL {name}: {r}")
         lines.append(f"| {name} | {r['ms']:.1f} ms | {at0['ms']:.1f} ms | {r['ms'] / at0['ms']:.2f}x | "

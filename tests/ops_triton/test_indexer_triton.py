@@ -224,6 +224,24 @@ def test_tiles_and_ties_with_the_split_row_topk(device, monkeypatch):
     test_tiles_and_ties_are_the_reference(40, 10, 1, device, monkeypatch)
 
 
+def test_tile_topk_beside_the_scores(device, monkeypatch):
+    """OVERLAP_TOPK: on a GPU each tile's top-k runs on a side stream while the next tile is
+    scored, the same offsets as in order (on the CPU there is no side stream: in order)."""
+    monkeypatch.setattr(tri, "SCORE_TILE", 40)
+    monkeypatch.setattr(tri, "ROWS_MIN", 1)
+    monkeypatch.setattr(row_topk, "MIN_CHUNK", 128)
+    cand, n = random_paged(23, 300, per_page=4, pitch=8, seed=5, device=device)
+    g = torch.Generator().manual_seed(5)
+    q, weights, keys = (torch.randn(*shape, generator=g).to(device) for shape in ((23, 2, 16), (23, 2), (n, 16)))
+    got = {}
+    for overlap in (True, False):
+        monkeypatch.setattr(tri, "OVERLAP_TOPK", overlap)
+        assert (tri._side_stream(q.device) is not None) == (overlap and q.is_cuda)
+        got[overlap] = tri.indexer_topk_offsets(q, weights, keys, cand, 10)
+    assert tri.tile_width(23, 10) < cand.width                  # several tiles
+    assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_fp8_keys(dtype, device):
     """FP8 keys (uint8 [N, Di + 4], dsv4/ops/kv_fp8.py) dequantised in the kernel: the scores

@@ -79,11 +79,11 @@ def fp8_down_defaults(T, ks, tiles=None):
 BF16, FP32 = torch.bfloat16, torch.float32
 
 
-# k = 1, 2 and 6 at T = 1 in both dtypes, k = 3..5 there and k = 1..6 at T = 3 in alternating
+# k = 1, 2 and 6 at T = 1 in both dtypes, k = 3..5 there and k = 1, 2, 5 at T = 3 in alternating
 # dtypes (the interpreter is slow; a k is one more pair through the same loops)
 @pytest.mark.parametrize("T,k,dtype", [(1, k, d) for k in (1, 2, 6) for d in (FP32, BF16)]
                          + [(T, k, BF16 if (k + T) % 2 == 0 else FP32) for T, k in [(1, 3), (1, 4), (1, 5)]]
-                         + [(3, k, BF16 if k % 2 == 0 else FP32) for k in range(1, 7)])
+                         + [(3, k, BF16 if k % 2 == 0 else FP32) for k in (1, 2, 5)])
 def test_decode_fp8(device, dtype, T, k):
     x, weights, ids, w1, w2, w3, scales = make_inputs(device, T, k, dtype, seed=k)
     got = triton_moe.routed_experts(x, weights, ids, w1, w2, w3, LIMIT, scales=scales)

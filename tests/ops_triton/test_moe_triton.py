@@ -60,6 +60,11 @@ def check(device, T, k, dtype, shared=False, **tiles):
         assert ((got.float() - want.float()).abs() <= 2 ** -7 * (terms + want.float().abs())).all()
 
 
+def alternate_dtypes(cases: list[tuple]) -> list[tuple]:
+    """Each case with one dtype, bfloat16 and float32 in turn (the interpreter is slow)."""
+    return [(*c, (torch.bfloat16, torch.float32)[i % 2]) for i, c in enumerate(cases)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,k", [(0, 6), (1, 1), (1, 6), (3, 2), (3, 6)])
 def test_routed_experts(device, dtype, T, k):
@@ -73,9 +78,10 @@ def test_small_tiles(device, dtype):
 
 # SMALL_TILES down: BLOCK_I 32 over I 48 -> 2 I-blocks per expert (the second a masked tail), so
 # k * 2 units; splits that cut inside an expert, unevenly (5 over 12), one unit each (12), and
-# more splits than units (16: empty programs write zero partials)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,k,split", [(1, 6, 2), (1, 6, 5), (1, 6, 12), (1, 6, 16), (3, 2, 3), (3, 6, 7)])
+# more splits than units (16: empty programs write zero partials); the dtypes alternate (the
+# split's arithmetic does not depend on it; test_routed_experts takes every case in both)
+@pytest.mark.parametrize("T,k,split,dtype", alternate_dtypes([(1, 6, 2), (1, 6, 5), (1, 6, 12), (1, 6, 16), (3, 2, 3),
+                                                              (3, 6, 7)]))
 def test_down_split(device, dtype, T, k, split):
     check(device, T, k, dtype, down_split=split, **SMALL_TILES)
 
@@ -88,10 +94,10 @@ def test_down_split_default_tiles(device, split):
 
 # the shared expert as pair k of every token (weight 1): k = 1 and 6, T up to 8 (at k = 3: the
 # interpreter runs every program), the down projection unsplit, split inside and across experts
-# (the shared one included)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,k,split", [(1, 1, None), (1, 6, None), (2, 6, None), (5, 2, None), (8, 3, None),
-                                       (1, 6, 1), (1, 6, 5), (1, 6, 14), (3, 2, 7)])
+# (the shared one included); the dtypes alternate, T = 1, k = 6 unsplit in both
+@pytest.mark.parametrize("T,k,split,dtype", alternate_dtypes([(1, 1, None), (1, 6, None), (2, 6, None), (5, 2, None),
+                                                              (8, 3, None), (1, 6, 1), (1, 6, 5), (1, 6, 14), (3, 2, 7)])
+                         + [(1, 6, None, torch.bfloat16)])
 def test_shared_expert(device, dtype, T, k, split):
     check(device, T, k, dtype, shared=True, down_split=split, **SMALL_TILES)
 

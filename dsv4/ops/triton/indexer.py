@@ -40,6 +40,10 @@ ROWS_MIN = 256      # rows from which a program per row (row_topk) fills an H200
 # (GEMM_TILES). "heads" where it takes the inputs (model-dtype keys, paged candidates), else
 # indexer_scores' own choice.
 TILED_SCORES: str | None = "heads"
+# a prefill chunk's tiles: each tile's top-k on a high-priority side stream, under the next tile's
+# scores (tensor-core bound; the top-k reads the tile, memory and ALU bound), scores tiles kept
+# until the side stream has read them (at most three alive); the same selection (False: in order)
+OVERLAP_TOPK = True
 
 
 # per-step sizes are not specialised: one compiled variant for every step shape
@@ -86,10 +90,10 @@ def _topk_offsets(q, weights, keys, cand, k, weight_scale) -> torch.Tensor:
     T, E = q.shape[0], index_width(cand)
     width = tile_width(T, k)
     if T >= ROWS_MIN:
-        rows = RowTopk(k)
-        for e0 in range(0, E, width):
-            rows.add(_tile_scores(q, weights, keys, cand, weight_scale, e0, min(e0 + width, E)), e0)
-        return rows.offsets()
+        starts = range(0, E, width)
+        score = lambda e0: _tile_scores(q, weights, keys, cand, weight_scale, e0, min(e0 + width, E))  # noqa: E731
+        side = _side_stream(q.device) if E > width else None
+        return _rows_topk(starts, score, k) if side is None else _rows_topk_beside(starts, score, k, side)
     if E <= width:      # one tile (every decode step up to SCORE_TILE / T entries)
         return radix_topk(indexer_scores(q, weights, keys, cand, weight_scale=weight_scale), k)[1]
     running = RunningTopk(T, k, q.device)
@@ -97,6 +101,41 @@ def _topk_offsets(q, weights, keys, cand, k, weight_scale) -> torch.Tensor:
         scores = indexer_scores(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=min(e0 + width, E))
         running.merge(radix_topk(scores, k, e0)[0])
     return running.offsets()
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream | None":
+    """A high-priority stream (torch's pool) for the tiles' top-k, or None where they run in
+    order: not CUDA, OVERLAP_TOPK off, or a CUDA graph being captured."""
+    if not OVERLAP_TOPK or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    return torch.cuda.Stream(device, priority=-1)
+
+
+def _rows_topk(starts, score, k: int) -> torch.Tensor:
+    """[T, k] chosen offsets of the tiles starting at `starts` (score(e0): a tile's scores), one
+    after the other."""
+    rows = RowTopk(k)
+    for e0 in starts:
+        rows.add(score(e0), e0)
+    return rows.offsets()
+
+
+def _rows_topk_beside(starts, score, k: int, side: "torch.cuda.Stream") -> torch.Tensor:
+    """_rows_topk with each tile's top-k on `side`, after its scores on the current stream and
+    under the next tile's: the same offsets, ordered before the current stream's next work."""
+    main = torch.cuda.current_stream(side.device)
+    rows = RowTopk(k)
+    for e0 in starts:
+        tile = score(e0)                # (the current stream)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            rows.add(tile, e0)
+        tile.record_stream(side)        # its memory is reused only once the side stream has read it
+    with torch.cuda.stream(side):
+        out = rows.offsets()
+    main.wait_stream(side)
+    out.record_stream(main)
+    return out
 
 
 def _tile_scores(q, weights, keys, cand, weight_scale, e0, e1) -> torch.Tensor:
