@@ -92,3 +92,8 @@ def test_default_dispatch(aligned, device):
     got = triton_indexer._tile_scores(q, weights, keys, cand, 0.5, 8, E).cpu()
     want = isc.indexer_scores(q, weights, keys, cand, weight_scale=0.5, e0=8, e1=E, tiles=isc.GEMM_TILES).cpu()
     assert torch.equal(got, want)
+    buffer = torch.full((T * E,), float("nan"), device=device)          # out=: the scores in a given view
+    into = triton_indexer._tile_scores(q, weights, keys, cand, 0.5, 8, E, buffer[:T * (E - 8)].view(T, E - 8))
+    assert into.data_ptr() == buffer.data_ptr() and torch.equal(into.cpu(), want)
+    with pytest.raises(ValueError, match="out must be"):
+        triton_indexer._tile_scores(q, weights, keys, cand, 0.5, 8, E, buffer[:T * (E - 7)].view(T, E - 7))

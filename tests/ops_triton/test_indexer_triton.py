@@ -242,6 +242,53 @@ def test_tile_topk_beside_the_scores(device, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))
 
 
+class _InOrder:
+    """A stand-in for a CUDA stream on the CPU (everything runs in order): it records the
+    waits and events of `_rows_topk_beside`."""
+    def __init__(self, log):
+        self.device, self.log = torch.device("cpu"), log
+
+    def wait_event(self, event):
+        self.log.append(("wait", event))
+
+    def wait_stream(self, stream):
+        pass
+
+    def record_event(self):
+        event = sum(kind == "event" for kind, _ in self.log)    # the n-th event: after tile n's top-k
+        self.log.append(("event", event))
+        return event
+
+
+def test_tile_topk_beside_alternates_two_buffers(monkeypatch):
+    """_rows_topk_beside's own logic on the CPU (streams stood in for): the tiles' scores in two
+    alternating buffers (the last tile narrower, a contiguous view), each reuse after the side
+    stream's event for the tile two before; the offsets of the tiles in order."""
+    import contextlib
+    log = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _InOrder(log))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(7, 100, generator=g)
+    scores[scores > 1.5] = 1.0                                  # ties across tiles
+    tiles = [(0, 32), (32, 64), (64, 96), (96, 100)]
+    used = []
+
+    def score(e0, e1, out=None):
+        used.append(out.data_ptr() if out is not None else None)
+        if out is None:
+            return scores[:, e0:e1].clone()
+        assert out.is_contiguous() and out.shape == (7, e1 - e0)
+        return out.copy_(scores[:, e0:e1])
+
+    got = tri._rows_topk_beside(tiles, score, 5, _InOrder(log), 7, 32)
+    want = tri._rows_topk(tiles, score, 5)
+    assert torch.equal(got, want)
+    assert used[0] == used[2] and used[1] == used[3] and used[0] != used[1]
+    assert log == [("event", 0), ("event", 1), ("wait", 0), ("event", 2), ("wait", 1), ("event", 3)]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_fp8_keys(dtype, device):
     """FP8 keys (uint8 [N, Di + 4], dsv4/ops/kv_fp8.py) dequantised in the kernel: the scores

@@ -18,6 +18,8 @@ the same kernel also write the chosen positions (offsets into each token's range
 raw top-k: dsv4/ops/translate.py). The tiling depends only on T, k and the width, never on the
 data (CUDA-graph safe).
 """
+from functools import partial
+
 import torch
 import triton
 import triton.language as tl
@@ -41,8 +43,8 @@ ROWS_MIN = 256      # rows from which a program per row (row_topk) fills an H200
 # indexer_scores' own choice.
 TILED_SCORES: str | None = "heads"
 # a prefill chunk's tiles: each tile's top-k on a high-priority side stream, under the next tile's
-# scores (tensor-core bound; the top-k reads the tile, memory and ALU bound), scores tiles kept
-# until the side stream has read them (at most three alive); the same selection (False: in order)
+# scores (tensor-core bound; the top-k reads the tile, memory and ALU bound), the scores in two
+# buffers of a tile; the same selection (False: in order, one tile's scores at a time)
 OVERLAP_TOPK = True
 
 
@@ -90,10 +92,10 @@ def _topk_offsets(q, weights, keys, cand, k, weight_scale) -> torch.Tensor:
     T, E = q.shape[0], index_width(cand)
     width = tile_width(T, k)
     if T >= ROWS_MIN:
-        starts = range(0, E, width)
-        score = lambda e0: _tile_scores(q, weights, keys, cand, weight_scale, e0, min(e0 + width, E))  # noqa: E731
-        side = _side_stream(q.device) if E > width else None
-        return _rows_topk(starts, score, k) if side is None else _rows_topk_beside(starts, score, k, side)
+        tiles = [(e0, min(e0 + width, E)) for e0 in range(0, E, width)]
+        score = partial(_tile_scores, q, weights, keys, cand, weight_scale)     # (e0, e1[, out]) -> scores
+        side = _side_stream(q.device) if len(tiles) > 1 else None
+        return _rows_topk(tiles, score, k) if side is None else _rows_topk_beside(tiles, score, k, side, T, width)
     if E <= width:      # one tile (every decode step up to SCORE_TILE / T entries)
         return radix_topk(indexer_scores(q, weights, keys, cand, weight_scale=weight_scale), k)[1]
     running = RunningTopk(T, k, q.device)
@@ -111,39 +113,48 @@ def _side_stream(device: torch.device) -> "torch.cuda.Stream | None":
     return torch.cuda.Stream(device, priority=-1)
 
 
-def _rows_topk(starts, score, k: int) -> torch.Tensor:
-    """[T, k] chosen offsets of the tiles starting at `starts` (score(e0): a tile's scores), one
-    after the other."""
+def _rows_topk(tiles: list[tuple[int, int]], score, k: int) -> torch.Tensor:
+    """[T, k] chosen offsets of the entry ranges `tiles` (score(e0, e1): their scores [T, e1 - e0]),
+    one after the other."""
     rows = RowTopk(k)
-    for e0 in starts:
-        rows.add(score(e0), e0)
+    for e0, e1 in tiles:
+        rows.add(score(e0, e1), e0)
     return rows.offsets()
 
 
-def _rows_topk_beside(starts, score, k: int, side: "torch.cuda.Stream") -> torch.Tensor:
+def _rows_topk_beside(tiles: list[tuple[int, int]], score, k: int, side: "torch.cuda.Stream", T: int,
+                      width: int) -> torch.Tensor:
     """_rows_topk with each tile's top-k on `side`, after its scores on the current stream and
-    under the next tile's: the same offsets, ordered before the current stream's next work."""
+    under the next tile's. The scores alternate between two buffers of [T, width]: a tile's
+    scores wait (on the device) until the side stream has read the tile two before. The same
+    offsets, ordered before the current stream's next work."""
     main = torch.cuda.current_stream(side.device)
+    buffers = torch.empty((2, T * width), dtype=torch.float32, device=side.device)
+    read: list = [None, None]          # the side stream's event after its top-k of buffer i's tile
     rows = RowTopk(k)
-    for e0 in starts:
-        tile = score(e0)                # (the current stream)
+    for i, (e0, e1) in enumerate(tiles):
+        if read[i % 2] is not None:
+            main.wait_event(read[i % 2])
+        tile = score(e0, e1, buffers[i % 2, :T * (e1 - e0)].view(T, e1 - e0))
         side.wait_stream(main)
         with torch.cuda.stream(side):
             rows.add(tile, e0)
-        tile.record_stream(side)        # its memory is reused only once the side stream has read it
+        read[i % 2] = side.record_event()
     with torch.cuda.stream(side):
         out = rows.offsets()
-    main.wait_stream(side)
+    main.wait_stream(side)             # (before `buffers` return to the current stream's pool)
     out.record_stream(main)
     return out
 
 
-def _tile_scores(q, weights, keys, cand, weight_scale, e0, e1) -> torch.Tensor:
-    """The scores [T, e1 - e0] of a prefill chunk's tile, by TILED_SCORES' kernel."""
+def _tile_scores(q, weights, keys, cand, weight_scale, e0, e1, out=None) -> torch.Tensor:
+    """The scores [T, e1 - e0] of a prefill chunk's tile (into `out` when given), by
+    TILED_SCORES' kernel."""
     assert TILED_SCORES in (None, "heads"), "TILED_SCORES: None or 'heads'"
     if TILED_SCORES == "heads" and heads_ok(q, keys, cand, HEAD_TILES):
-        return indexer_scores_heads(q, weights, keys, cand, HEAD_TILES, weight_scale=weight_scale, e0=e0, e1=e1)
-    return indexer_scores(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=e1)
+        return indexer_scores_heads(q, weights, keys, cand, HEAD_TILES, weight_scale=weight_scale, e0=e0, e1=e1,
+                                    out=out)
+    return indexer_scores(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=e1, out=out)
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor | PagedRows,

@@ -269,10 +269,11 @@ def _scores_gemm_kernel(q_ptr, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_ptr, hi_pt
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: torch.Tensor | PagedRows,
                    block_e: int = BLOCK_E, weight_scale: float = 1.0, e0: int = 0, e1: int | None = None,
-                   tiles: GemmTiles | None | str = "auto") -> torch.Tensor:
+                   tiles: GemmTiles | None | str = "auto", out: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hi, Di], weights [T, Hi] (x weight_scale), keys [N, Di] (or packed FP8: uint8
     [N, Di + 4]), cand [T, E] (-1 = absent) or a PagedRows of width E -> [T, e1 - e0] fp32: the
-    scores of candidates [e0, e1) (all E by default). tiles: the tiled kernel's launch shape,
+    scores of candidates [e0, e1) (all E by default), written into `out` when given (see
+    scores_out). tiles: the tiled kernel's launch shape,
     None for the per-token kernel (block_e candidates a program), "auto": GEMM_TILES from
     GEMM_MIN_TOKENS tokens on (GEMM_TILES_FP8 for packed keys), else None (a function of T only:
     CUDA-graph safe)."""
@@ -283,7 +284,7 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, c
     if tiles == "auto":
         tiles = (GEMM_TILES_FP8 if packed else GEMM_TILES) if T >= GEMM_MIN_TOKENS else None
     e1 = index_width(cand) if e1 is None else e1
-    scores = torch.empty((T, e1 - e0), dtype=torch.float32, device=q.device)
+    scores = scores_out(out, T, e1 - e0, q.device)
     if T == 0 or e1 <= e0:
         return scores
     if isinstance(cand, PagedRows):
@@ -317,6 +318,17 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, c
             BLOCK_E=tiles.block_e, EVEN_D=Di == di_p, **consts, num_warps=tiles.num_warps,
             num_stages=tiles.num_stages, **({} if tiles.maxnreg is None else {"maxnreg": tiles.maxnreg}))
     return scores
+
+
+def scores_out(out: torch.Tensor | None, T: int, n: int, device) -> torch.Tensor:
+    """`out` if it is a [T, n] fp32 tensor with unit column stride (any row stride: the
+    kernels write rows at out.stride(0)), else a ValueError; None: a new [T, n] tensor."""
+    if out is None:
+        return torch.empty((T, n), dtype=torch.float32, device=device)
+    if out.shape != (T, n) or out.dtype != torch.float32 or (n > 1 and out.stride(1) != 1):
+        raise ValueError(f"indexer scores: out must be [{T}, {n}] float32 with unit column stride, "
+                         f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    return out
 
 
 def _words_ok(keys: torch.Tensor, di: int) -> bool:

@@ -25,7 +25,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..paged import PagedRows, index_width
-from .indexer_scores import GEMM_TILES, _block_rows, _block_valid, _key_tile, _tokens_one_by_one, indexer_scores
+from .indexer_scores import (GEMM_TILES, _block_rows, _block_valid, _key_tile, _tokens_one_by_one, indexer_scores,
+                             scores_out)
 
 
 @dataclass(frozen=True)
@@ -111,16 +112,17 @@ def _scores_heads_kernel(q_ptr, q_desc, w_ptr, keys_ptr, cand_ptr, req_ptr, lo_p
 
 def indexer_scores_heads(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cand: PagedRows,
                          tiles: HeadLoopTiles, weight_scale: float = 1.0, e0: int = 0,
-                         e1: int | None = None) -> torch.Tensor:
-    """indexer_scores(q, weights, keys, cand, weight_scale=, e0=, e1=) by `_scores_heads_kernel`
-    at `tiles`: [T, e1 - e0] fp32. Inputs it does not take (heads_ok) take indexer_scores' tiled
-    kernel (GEMM_TILES)."""
+                         e1: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """indexer_scores(q, weights, keys, cand, weight_scale=, e0=, e1=, out=) by
+    `_scores_heads_kernel` at `tiles`: [T, e1 - e0] fp32. Inputs it does not take (heads_ok) take
+    indexer_scores' tiled kernel (GEMM_TILES)."""
     import os
     T, Hi, Di = q.shape
     e1 = index_width(cand) if e1 is None else e1
     if not heads_ok(q, keys, cand, tiles):
-        return indexer_scores(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=e1, tiles=GEMM_TILES)
-    scores = torch.empty((T, e1 - e0), dtype=torch.float32, device=q.device)
+        return indexer_scores(q, weights, keys, cand, weight_scale=weight_scale, e0=e0, e1=e1, tiles=GEMM_TILES,
+                              out=out)
+    scores = scores_out(out, T, e1 - e0, q.device)
     if T == 0 or e1 <= e0:
         return scores
     req, lo, hi = cand.req.contiguous(), cand.lo.contiguous(), cand.hi.contiguous()
