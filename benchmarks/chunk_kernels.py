@@ -5,7 +5,9 @@ once per name: "attention[/scores[/inline]]", attention dsv4/ops/triton/attentio
 ("heads"; none named: None, indexer_scores' GEMM_TILES kernel), "inline": the tiles' top-k in
 order on one stream (indexer.py OVERLAP_TOPK off; else beside the next tile's scores); each the
 median of --repeats runs after a warm-up (benchmarks/long_context.py chunk_case), with the ratio
-less the indexer's O(E) roofline term (target <= 1.5).
+less the indexer's O(E) roofline term (target <= 1.5). `--mid` times every case twice: with the
+request ending in the chunk's step (as benchmarks/long_context.py does) and going on after it (a
+chunk in the middle of a long prompt: the request's end, its pages and prompt freed, left out).
 
     python -m benchmarks.chunk_kernels [--kernels shared/heads,shared/heads/inline] [--repeats 3] [--spec S] [--smoke]
 
@@ -35,6 +37,7 @@ def main() -> int:
                    help="comma-separated LONG_KERNEL[/TILED_SCORES[/inline]] values ('none': None)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--spec", default=lc.SPEC, help="the model (default: the target's)")
+    p.add_argument("--mid", action="store_true", help="also time the chunks with the request going on after them")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a 64-token chunk at 4096")
     args = p.parse_args()
     device, dtype = ("cpu", "float32") if args.smoke else ("cuda", "bfloat16")
@@ -42,19 +45,20 @@ def main() -> int:
     first, deep = sizes["chunk_at"]
     tokens = sizes["chunk_tokens"]
     model = load_model("random:tiny" if args.smoke else args.spec, device, getattr(torch, dtype))
-    at0 = lc.chunk_case(model, device, dtype, "auto", first, tokens, args.repeats)
-    lc.log(f"chunk at {first}: {at0}")
-    lines = [f"| kernel | at {deep} | at {first} | ratio | less the O(E) term ({lc.TARGET_CHUNK_900K_VS_0}) | runs |",
-             "|---|---|---|---|---|---|"]
-    for name in args.kernels.split(","):
-        attention, scores, topk = (name.split("/") + ["", ""])[:3]
-        triton_attention.LONG_KERNEL = None if attention == "none" else attention
-        triton_indexer.TILED_SCORES = scores or None
-        triton_indexer.OVERLAP_TOPK = topk != "inline"
-        r = lc.chunk_case(model, device, dtype, "auto", deep, tokens, args.repeats)
-        lc.log(f"chunk at {deep}, LONG_KERNEL {name}: {r}")
-        lines.append(f"| {name} | {r['ms']:.1f} ms | {at0['ms']:.1f} ms | {r['ms'] / at0['ms']:.2f}x | "
-                     f"{net_ratio(r, at0):.2f}x | {r['runs_ms']} / {at0['runs_ms']} |")
+    lines = [f"| kernel | request ends in the step | at {deep} | at {first} | ratio | "
+             f"less the O(E) term ({lc.TARGET_CHUNK_900K_VS_0}) | runs |", "|---|---|---|---|---|---|---|"]
+    for ends in (True, False) if args.mid else (True,):
+        at0 = lc.chunk_case(model, device, dtype, "auto", first, tokens, args.repeats, ends)
+        lc.log(f"chunk at {first}, request ends {ends}: {at0}")
+        for name in args.kernels.split(","):
+            attention, scores, topk = (name.split("/") + ["", ""])[:3]
+            triton_attention.LONG_KERNEL = None if attention == "none" else attention
+            triton_indexer.TILED_SCORES = scores or None
+            triton_indexer.OVERLAP_TOPK = topk != "inline"
+            r = lc.chunk_case(model, device, dtype, "auto", deep, tokens, args.repeats, ends)
+            lc.log(f"chunk at {deep}, {name}, request ends {ends}: {r}")
+            lines.append(f"| {name} | {'yes' if ends else 'no'} | {r['ms']:.1f} ms | {at0['ms']:.1f} ms | "
+                         f"{r['ms'] / at0['ms']:.2f}x | {net_ratio(r, at0):.2f}x | {r['runs_ms']} / {at0['runs_ms']} |")
     print("\n".join(lines))
     return 0
 

@@ -191,11 +191,13 @@ def prefill_case(model, device, dtype, kv, n, chunk) -> dict:
     return out
 
 
-def chunk_case(model, device, dtype, kv, start, tokens, repeats: int = 1) -> dict:
+def chunk_case(model, device, dtype, kv, start, tokens, repeats: int = 1, ends: bool = True) -> dict:
     """One `tokens`-token prefill chunk at position `start` (the cache "holds" the tokens
     before it, synthetic as for decode: bench/offline.py), after a warm-up chunk at the same
     position: its time (the median of `repeats` runs, each a new request), and the indexer's
-    O(E) roofline term (indexer_cost) in it."""
+    O(E) roofline term (indexer_cost) in it. The chunk's step samples the request's first token;
+    `ends`: the request ends there too (its pages and prompt freed inside the timed step), else
+    it goes on and is aborted after the timing (a chunk in the middle of a long prompt)."""
     reset_peak(device)
     eng = engine(SPEC if device != "cpu" else "random:tiny", model, device, dtype, kv, max_num_seqs=1,
                  max_num_batched_tokens=tokens, num_pages=(start + tokens) // 256 + 4, max_model_len=start + tokens + 8,
@@ -204,7 +206,8 @@ def chunk_case(model, device, dtype, kv, start, tokens, repeats: int = 1) -> dic
     runs = []
     for tag in ["warm"] + [f"run{i}" for i in range(repeats)]:
         ids = torch.randint(100, model.cfg.vocab_size, (start + tokens,), generator=gen).tolist()
-        req = eng.add_request(f"chunk-{tag}", ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        req = eng.add_request(f"chunk-{tag}", ids, SamplingParams(temperature=0, max_tokens=1 if ends else 2,
+                                                                  ignore_eos=True))
         req.num_computed = start                   # the cache "holds" the tokens before the chunk
         if start and not eng.cache.reserve(req, 0):
             raise RuntimeError(f"chunk at {start}: the cache cannot hold the context")
@@ -214,7 +217,11 @@ def chunk_case(model, device, dtype, kv, start, tokens, repeats: int = 1) -> dic
         eng.step()                                 # the chunk, then its first token
         sync(device)
         runs.append(time.perf_counter() - t)
-        assert req.output_token_ids and not eng.has_unfinished(), "the chunk was not one step"
+        assert req.output_token_ids and eng.has_unfinished() != ends, "the chunk was not one step"
+        if not ends:
+            eng.abort(req.request_id)
+            while eng.has_unfinished():
+                eng.step()
     s = statistics.median(runs[1:])
     term = bound_seconds(indexer_cost(model.cfg, tokens, start, kv_precision(dtype, kv)))
     out = {"start": start, "tokens": tokens, "ms": s * 1e3, "runs_ms": [round(r * 1e3, 2) for r in runs[1:]],

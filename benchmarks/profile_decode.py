@@ -74,7 +74,8 @@ def profile_context(args, model, context: int) -> None:
         for _ in range(args.steps):
             step()
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]   # (ops' own time would count twice)
+    # (ops' own time would count twice; STEP's range has a device-side twin spanning the step's kernels)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.name != STEP]
     gpu = sum(e.self_device_time_total for e in kernels) / args.steps / 1e3
     what = f"prefill of {args.prefill} tokens" if args.prefill else f"batch {args.batch}"
     print(f"{what}, context {context}, {args.kv_cache_dtype} KV: {wall * 1e3:.2f} ms per step wall, "
@@ -109,7 +110,8 @@ def idle_gaps(events, kernels, steps: int, n: int) -> str:
     """The GPU's idle time a step: before its first kernel (from the step's start on the host),
     between kernels, after its last (to the step's end); and the n longest gaps between kernels,
     with the kernels either side and the host ops that began inside the gap (what it waited for)."""
-    windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == STEP]
+    windows = [(e.time_range.start, e.time_range.end) for e in events
+               if e.name == STEP and e.device_type == torch.autograd.DeviceType.CPU]
     host = sorted((e.time_range.start, e.name) for e in events if e.device_type == torch.autograd.DeviceType.CPU)
     gaps, lead, tail = [], 0.0, 0.0
     for a, b in windows:

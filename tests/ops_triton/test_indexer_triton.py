@@ -243,10 +243,10 @@ def test_tile_topk_beside_the_scores(device, monkeypatch):
 
 
 class _InOrder:
-    """A stand-in for a CUDA stream on the CPU (everything runs in order): it records the
-    waits and events of `_rows_topk_beside`."""
-    def __init__(self, log):
-        self.device, self.log = torch.device("cpu"), log
+    """A stand-in for a CUDA stream (everything runs in order on the device's own stream): it
+    records the waits and events of `_rows_topk_beside`."""
+    def __init__(self, log, device):
+        self.device, self.log = torch.device(device), log
 
     def wait_event(self, event):
         self.log.append(("wait", event))
@@ -260,18 +260,19 @@ class _InOrder:
         return event
 
 
-def test_tile_topk_beside_alternates_two_buffers(monkeypatch):
-    """_rows_topk_beside's own logic on the CPU (streams stood in for): the tiles' scores in two
+def test_tile_topk_beside_alternates_two_buffers(device, monkeypatch):
+    """_rows_topk_beside's own logic (streams stood in for, so on the CPU too): the tiles' scores in two
     alternating buffers (the last tile narrower, a contiguous view), each reuse after the side
     stream's event for the tile two before; the offsets of the tiles in order."""
     import contextlib
     log = []
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _InOrder(log))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: _InOrder(log, device))
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
     g = torch.Generator().manual_seed(3)
     scores = torch.randn(7, 100, generator=g)
     scores[scores > 1.5] = 1.0                                  # ties across tiles
+    scores = scores.to(device)
     tiles = [(0, 32), (32, 64), (64, 96), (96, 100)]
     used = []
 
@@ -282,7 +283,7 @@ def test_tile_topk_beside_alternates_two_buffers(monkeypatch):
         assert out.is_contiguous() and out.shape == (7, e1 - e0)
         return out.copy_(scores[:, e0:e1])
 
-    got = tri._rows_topk_beside(tiles, score, 5, _InOrder(log), 7, 32)
+    got = tri._rows_topk_beside(tiles, score, 5, _InOrder(log, device), 7, 32)
     want = tri._rows_topk(tiles, score, 5)
     assert torch.equal(got, want)
     assert used[0] == used[2] and used[1] == used[3] and used[0] != used[1]
