@@ -47,7 +47,10 @@ def main() -> int:
     model = load_model("random:tiny" if args.smoke else args.spec, device, getattr(torch, dtype))
     lines = [f"| kernel | request ends in the step | at {deep} | at {first} | ratio | "
              f"less the O(E) term ({lc.TARGET_CHUNK_900K_VS_0}) | runs |", "|---|---|---|---|---|---|---|"]
+    defaults = triton_attention.LONG_KERNEL, triton_indexer.TILED_SCORES, triton_indexer.OVERLAP_TOPK
     for ends in (True, False) if args.mid else (True,):
+        # the chunk at 0 with the default kernels (not the last name's)
+        triton_attention.LONG_KERNEL, triton_indexer.TILED_SCORES, triton_indexer.OVERLAP_TOPK = defaults
         at0 = lc.chunk_case(model, device, dtype, "auto", first, tokens, args.repeats, ends)
         lc.log(f"chunk at {first}, request ends {ends}: {at0}")
         for name in args.kernels.split(","):
