@@ -62,6 +62,7 @@ from dsv4.ops.attention import sparse_attention as dispatch  # noqa: E402
 from dsv4.ops.paged import PagedRows  # noqa: E402
 from dsv4.ops.triton import attention as tri  # noqa: E402
 from dsv4.ops.triton import attention_shared as shared  # noqa: E402
+from dsv4.ops.triton import attention_wgmma as wgmma  # noqa: E402
 
 H, D, W, K = 64, 512, 128, 512
 HBM_BPS, PEAK_FLOPS = 4.2e12, 800e12
@@ -89,7 +90,9 @@ LAYERS, SWA_PAGE, HCA_PAGE, HCA_RATIO, DECODE_POS = 4, 128, 2, 128, 65536
 # "shared": tokens x heads a program over the union of their ranges, the output channels split in
 # d_parts (dsv4/ops/triton/attention_shared.py): a SharedTiles (block_t, h_block, block_k, d_parts,
 # warps, stages, q_regs, lazy)
-VARIANT_FNS = {"shared": shared.shared_attention}
+# "wgmma": one token x 64 heads a program, Gluon (dsv4/ops/triton/attention_wgmma.py; sm_90 only):
+# block_k keys a block, stages blocks in shared memory (64, 2: 255 regs, 16 B, 200 KB)
+VARIANT_FNS = {"shared": shared.shared_attention, "wgmma": wgmma.wgmma_attention}
 VARIANTS = [("shared", shared.SharedTiles(*tiles)._asdict()) for tiles in [
     (2, 64, 32, 2, 8, 3, False, True),      # 255 regs, 24 B (outside the loops), 224 KB: M = 128 rows,
                                             # acc [128, 256], lazy rescaling
@@ -99,7 +102,7 @@ VARIANTS = [("shared", shared.SharedTiles(*tiles)._asdict()) for tiles in [
     (1, 64, 64, 1, 8, 2, False, True),      # 255, 424 B, 193 KB: M = 64 (one token), acc [64, 512] over
                                             # 2 warp groups (each computing the whole q k^T)
     (1, 64, 32, 1, 8, 4, False, True),      # 255, 136 B, 193 KB
-]]
+]] + [("wgmma", dict(block_k=bk, stages=st)) for bk, st in [(64, 2), (32, 3), (32, 4)]]
 
 
 def make_case(kind, T, gen):
@@ -254,7 +257,7 @@ def variants_table(gen, scale, tokens: int, pos0: int, heads: int = H, dim: int 
             failures += not ok
         except Exception as e:     # a tile that does not fit (shared memory) is reported, not fatal
             print(f"{name:>8} {label:>52}  failed: {type(e).__name__}: {str(e)[:100]}", flush=True)
-            failures += knobs is None
+            failures += name in ("per-tok", "default")
     return failures
 
 
@@ -268,6 +271,8 @@ def candidates(q, sources, sinks, scale) -> list[tuple[str, str, object]]:
              lambda: tri.sparse_attention(q, sources, sinks, scale, **per_token)),
             ("default", f"LONG_KERNEL={tri.LONG_KERNEL}", lambda: tri.sparse_attention(q, sources, sinks, scale))]
     for name, knobs in VARIANTS:
+        if name == "wgmma" and not wgmma.supports_wgmma(q, sources, sinks):
+            continue
         rows.append((name, " ".join(str(v).replace(" ", "") for v in knobs.values()),
                      lambda k=knobs, f=VARIANT_FNS[name]: f(q, sources, sinks, scale, **k)))
     return rows
