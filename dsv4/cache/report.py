@@ -32,13 +32,20 @@ def loaded_weight_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 
 def plan_report(weights: dict[str, int], layout: CacheLayout, plan: CachePlan, dtype: torch.dtype,
-                request_tokens: int, model_dtype_plan: CachePlan | None = None) -> str:
+                request_tokens: int, model_dtype_plan: CachePlan | None = None,
+                workspace: dict[str, int] | None = None, reserved: bool = False) -> str:
     """The report's lines. model_dtype_plan: the plan the same budget gives with model-dtype KV
-    (with FP8 KV), for the capacity gain line."""
+    (with FP8 KV), for the capacity gain line. workspace: engine/workspace.py's components;
+    reserved: whether they were left out of free memory before the cache was sized
+    (sizing.reserves_workspace), else they come beside the cache."""
     lines = _section("weights", weights)
     kv = "packed FP8" if layout.kv_fp8 else str(dtype).removeprefix("torch.")
     lines += _section(f"KV cache, {kv} (as allocated, scratch units included)",
                       cache_components(layout, plan, dtype))
+    if workspace:
+        how = ("left out of free memory before the cache was sized" if reserved
+               else "beside the cache: its size was given")
+        lines += _section(f"workspace ({how})", workspace)
     fit = requests_that_fit(plan, request_tokens)
     bound = "request slots" if fit == plan.max_num_seqs else "history pages"
     lines.append(f"fits: {plan.max_tokens} tokens of history ({plan.num_pages} pages of {PAGE_TOKENS}); "

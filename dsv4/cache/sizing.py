@@ -24,10 +24,28 @@ def prefix_caching(config: EngineConfig) -> bool:
     return config.enable_prefix_caching
 
 
-def plan_cache(layout: CacheLayout, config: EngineConfig, dtype: torch.dtype) -> CachePlan:
-    """`num_pages` when given; else split `cache_memory_gb` (or 90% of the device's free memory,
-    1 GiB on the CPU) between rings, SWA pages, prefix-cache checkpoints (with prefix caching;
-    `num_checkpoints` or `layout.default_checkpoints`) and history pages."""
+def reserves_workspace(config: EngineConfig) -> bool:
+    """Whether the cache is sized from the device's free memory, with the step's workspace
+    (engine/workspace.py) left out of it; else --num-pages or --cache-memory-gb (or the CPU's
+    1 GiB) give the cache's own size and the workspace comes beside it."""
+    return config.num_pages is None and config.cache_memory_gb is None and str(config.device).startswith("cuda")
+
+
+def cache_budget(config: EngineConfig, workspace_bytes: int) -> int:
+    """The cache's bytes without --num-pages: --cache-memory-gb, else 90% of the device's free
+    memory less `workspace_bytes` (reserves_workspace), 1 GiB on the CPU."""
+    if config.cache_memory_gb is not None:
+        return int(config.cache_memory_gb * 2**30)
+    if reserves_workspace(config):
+        free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+        return int(free * 0.9) - workspace_bytes
+    return 2**30
+
+
+def plan_cache(layout: CacheLayout, config: EngineConfig, dtype: torch.dtype, workspace_bytes: int = 0) -> CachePlan:
+    """`num_pages` when given; else split `cache_budget` (workspace_bytes: the step's workspace,
+    left out of free memory) between rings, SWA pages, prefix-cache checkpoints (with prefix
+    caching; `num_checkpoints` or `layout.default_checkpoints`) and history pages."""
     c = config
     ckpt = CheckpointFormat(layout, dtype).nbytes() if prefix_caching(c) else 0
     if c.num_pages is not None:
@@ -36,14 +54,8 @@ def plan_cache(layout: CacheLayout, config: EngineConfig, dtype: torch.dtype) ->
                                           else default_checkpoints(c.num_pages, c.max_num_seqs))
         return CachePlan(num_pages=c.num_pages, num_swa_pages=swa, max_num_seqs=c.max_num_seqs,
                          num_checkpoints=checkpoints)
-    if c.cache_memory_gb is not None:
-        budget = int(c.cache_memory_gb * 2**30)
-    elif str(c.device).startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(c.device))
-        budget = int(free * 0.9)
-    else:
-        budget = 2**30
-    return layout.plan(budget, dtype_bytes(dtype), c.max_num_seqs, c.max_num_batched_tokens, ckpt, c.num_checkpoints)
+    return layout.plan(cache_budget(c, workspace_bytes), dtype_bytes(dtype), c.max_num_seqs, c.max_num_batched_tokens,
+                       ckpt, c.num_checkpoints)
 
 
 def cache_components(layout: CacheLayout, plan: CachePlan, dtype: torch.dtype) -> dict[str, int]:

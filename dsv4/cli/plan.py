@@ -23,15 +23,18 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from ..cache.layout import CacheLayout
     from ..cache.report import model_dtype_plan, plan_report
-    from ..cache.sizing import plan_cache, requests_that_fit
+    from ..cache.sizing import plan_cache, requests_that_fit, reserves_workspace
     from ..config import ConfigError
     from ..engine.context_limit import context_limit
+    from ..engine.workspace import workspace_components
     config = engine_config(args, serving=True)
     cfg = _model_config(args.model)
     dtype = DTYPES[config.dtype]
-    layout = CacheLayout(cfg, spec_slots=config.spec_slots, kv_fp8=config.kv_cache_dtype == "fp8")
+    layout = CacheLayout(cfg, spec_slots=config.spec_slots, with_mtp=config.speculative_config is not None,
+                         kv_fp8=config.kv_cache_dtype == "fp8")
     try:               # the same start-up checks as the engine's (a max_model_len no request could use)
-        plan = plan_cache(layout, config, dtype)
+        workspace = workspace_components(cfg, config, layout, dtype)
+        plan = plan_cache(layout, config, dtype, sum(workspace.values()))
         limit = context_limit(cfg, plan, config)
     except ConfigError as e:
         raise SystemExit(f"--{e.field.replace('_', '-')}: {e}") from None
@@ -40,7 +43,8 @@ def run(args) -> int:
     mix = ", ".join(f"{cfg.compress_ratios.count(r)} {name}" for r, name in kinds.items() if r in cfg.compress_ratios)
     print(f"{args.model}: {cfg.num_hidden_layers} layers ({mix}), {config.dtype}")
     print(plan_report(_weights(cfg, dtype, config), layout, plan, dtype, tokens,
-                      model_dtype_plan(layout, plan, dtype, config.max_num_batched_tokens)))
+                      model_dtype_plan(layout, plan, dtype, config.max_num_batched_tokens),
+                      workspace, reserves_workspace(config)))
     if config.tensor_parallel_size > 1:
         _per_rank(cfg, dtype, config, layout, plan)
     elif config.data_parallel_size > 1:

@@ -13,10 +13,11 @@ import torch
 from ..cache.layout import CacheLayout
 from ..cache.manager import CacheManager
 from ..cache.report import loaded_weight_bytes, model_dtype_plan, plan_report
-from ..cache.sizing import memory_report, plan_cache, prefix_caching
+from ..cache.sizing import memory_report, plan_cache, prefix_caching, reserves_workspace
 from ..cache.tiers import TierOptions
 from ..config import ConfigError, EngineConfig
 from .context_limit import context_limit
+from .workspace import workspace_components
 from .grammar_steps import COMPILE_WAIT_S, GrammarSteps
 from .outputs import RequestOutput
 from .inflight import HostCopy, PromptLogprobRows, StepInFlight
@@ -67,7 +68,8 @@ class LLMEngine(GrammarSteps):
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.tokenizer or model_dir)
         self.layout = CacheLayout(self.cfg, spec_slots=config.spec_slots, with_mtp=spec is not None,
                                   kv_fp8=config.kv_cache_dtype == "fp8")
-        self.plan = plan_cache(self.layout, config, DTYPES[config.dtype])
+        self.workspace = workspace_components(self.cfg, config, self.layout, DTYPES[config.dtype])
+        self.plan = plan_cache(self.layout, config, DTYPES[config.dtype], sum(self.workspace.values()))
         limit = context_limit(self.cfg, self.plan, config)
         self.max_model_len, self.context_limit = limit.tokens, limit.source
         if config.data_parallel_size > 1:     # one scheduler, a step per DP rank (engine/data_parallel.py)
@@ -146,7 +148,8 @@ class LLMEngine(GrammarSteps):
         """The cache line, then the memory plan (`dsv4 plan`'s report, with the loaded weights)."""
         dtype = DTYPES[self.config.dtype]
         plan = plan_report(loaded_weight_bytes(self.model), self.layout, self.plan, dtype, self.max_model_len,
-                           model_dtype_plan(self.layout, self.plan, dtype, self.config.max_num_batched_tokens))
+                           model_dtype_plan(self.layout, self.plan, dtype, self.config.max_num_batched_tokens),
+                           self.workspace, reserves_workspace(self.config))
         return memory_report(self.layout, self.plan, dtype, self.max_model_len, self.config.tensor_parallel_size,
                              self.config.data_parallel_size) + "\n" + plan
 

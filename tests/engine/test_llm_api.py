@@ -156,6 +156,9 @@ def test_memory_report_states_pages_tokens_and_requests(tiny):
     assert "8 request slots" in report
     assert f"{llm.engine.plan.num_swa_pages} sliding-window pages" in report
     assert "4 request(s) of max_model_len 1000 fit at once" in report    # 1000 tokens = 4 pages each
+    # the plan `dsv4 plan` prints, its workspace included (beside the cache: --num-pages sized it)
+    assert "workspace (beside the cache: its size was given):" in report
+    assert "indexer prefill scores" in report and "step activations" in report
 
     few_slots = LLM(tiny.path, max_num_batched_tokens=64, max_num_seqs=2, num_pages=16, max_model_len=1000)
     assert "2 request(s) of max_model_len 1000 fit at once" in few_slots.engine.memory_report()   # slots bound

@@ -46,6 +46,7 @@ TILED_SCORES: str | None = "heads"
 # scores (tensor-core bound; the top-k reads the tile, memory and ALU bound), the scores in two
 # buffers of a tile; the same selection (False: in order, one tile's scores at a time)
 OVERLAP_TOPK = True
+SCORE_BUFFERS = 2   # score buffers of a tile each while the tiles' top-k runs beside (_rows_topk_beside)
 
 
 # per-step sizes are not specialised: one compiled variant for every step shape
@@ -82,6 +83,17 @@ def tile_width(T: int, k: int, block_e: int = BLOCK_E) -> int:
     """Entries per tile: SCORE_TILE / T, at least k, a multiple of block_e."""
     width = max(k, SCORE_TILE // max(T, 1), 1)
     return triton.cdiv(width, block_e) * block_e
+
+
+def score_bytes(T: int, k: int, E: int, side_stream: bool) -> int:
+    """fp32 bytes of the scores `_topk_offsets` holds at once for T tokens over E entries (k <= E):
+    SCORE_BUFFERS buffers [T, tile_width] where the tiles' top-k runs beside the scores (T >=
+    ROWS_MIN, more than one tile, `side_stream`: what `_side_stream` gives), else one tile
+    [T, min(E, tile_width)]. The top-k's own O(T * k) is not counted."""
+    width = tile_width(T, k)
+    if T >= ROWS_MIN and E > width and side_stream:
+        return SCORE_BUFFERS * T * width * 4
+    return T * min(E, width) * 4
 
 
 def _topk_offsets(q, weights, keys, cand, k, weight_scale) -> torch.Tensor:
@@ -125,21 +137,22 @@ def _rows_topk(tiles: list[tuple[int, int]], score, k: int) -> torch.Tensor:
 def _rows_topk_beside(tiles: list[tuple[int, int]], score, k: int, side: "torch.cuda.Stream", T: int,
                       width: int) -> torch.Tensor:
     """_rows_topk with each tile's top-k on `side`, after its scores on the current stream and
-    under the next tile's. The scores alternate between two buffers of [T, width]: a tile's
+    under the next tile's. The scores alternate between SCORE_BUFFERS (two) buffers of [T, width]: a tile's
     scores wait (on the device) until the side stream has read the tile two before. The same
     offsets, ordered before the current stream's next work."""
     main = torch.cuda.current_stream(side.device)
-    buffers = torch.empty((2, T * width), dtype=torch.float32, device=side.device)
-    read: list = [None, None]          # the side stream's event after its top-k of buffer i's tile
+    buffers = torch.empty((SCORE_BUFFERS, T * width), dtype=torch.float32, device=side.device)
+    read: list = [None] * SCORE_BUFFERS     # the side stream's event after its top-k of buffer b's tile
     rows = RowTopk(k)
     for i, (e0, e1) in enumerate(tiles):
-        if read[i % 2] is not None:
-            main.wait_event(read[i % 2])
-        tile = score(e0, e1, buffers[i % 2, :T * (e1 - e0)].view(T, e1 - e0))
+        b = i % SCORE_BUFFERS
+        if read[b] is not None:
+            main.wait_event(read[b])
+        tile = score(e0, e1, buffers[b, :T * (e1 - e0)].view(T, e1 - e0))
         side.wait_stream(main)
         with torch.cuda.stream(side):
             rows.add(tile, e0)
-        read[i % 2] = side.record_event()
+        read[b] = side.record_event()
     with torch.cuda.stream(side):
         out = rows.offsets()
     main.wait_stream(side)             # (before `buffers` return to the current stream's pool)
