@@ -91,7 +91,7 @@ LAYERS, SWA_PAGE, HCA_PAGE, HCA_RATIO, DECODE_POS = 4, 128, 2, 128, 65536
 # d_parts (dsv4/ops/triton/attention_shared.py): a SharedTiles (block_t, h_block, block_k, d_parts,
 # warps, stages, q_regs, lazy)
 # "wgmma": one token x 64 heads a program, Gluon (dsv4/ops/triton/attention_wgmma.py; sm_90 only):
-# block_k keys a block, stages blocks in shared memory (64, 2: 255 regs, 16 B, 200 KB)
+# block_k keys a block, stages blocks in shared memory, sums_at_end (the row sums' terms per thread)
 VARIANT_FNS = {"shared": shared.shared_attention, "wgmma": wgmma.wgmma_attention}
 VARIANTS = [("shared", shared.SharedTiles(*tiles)._asdict()) for tiles in [
     (2, 64, 32, 2, 8, 3, False, True),      # 255 regs, 24 B (outside the loops), 224 KB: M = 128 rows,
@@ -102,7 +102,12 @@ VARIANTS = [("shared", shared.SharedTiles(*tiles)._asdict()) for tiles in [
     (1, 64, 64, 1, 8, 2, False, True),      # 255, 424 B, 193 KB: M = 64 (one token), acc [64, 512] over
                                             # 2 warp groups (each computing the whole q k^T)
     (1, 64, 32, 1, 8, 4, False, True),      # 255, 136 B, 193 KB
-]] + [("wgmma", dict(block_k=bk, stages=st)) for bk, st in [(64, 2), (32, 3), (32, 4)]]
+]] + [("wgmma", dict(block_k=bk, stages=st, sums_at_end=end)) for bk, st, end in [
+    (64, 2, False),                         # 255 regs, 24 B, 200 KB
+    (64, 2, True),                          # 255, 96 B (in the loop), 200 KB
+    (32, 3, False),                         # 243, 0 B, 164 KB
+    (32, 3, True),                          # 254, 0 B, 164 KB
+    (32, 4, True)]]                         # 196 KB
 
 
 def make_case(kind, T, gen):

@@ -38,13 +38,14 @@ def check(q, sources, sinks, **knobs):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("block_k, stages", [(64, 2), (32, 3), (32, 2)])
-def test_mixed_requests(sm90, dtype, block_k, stages):
+@pytest.mark.parametrize("block_k, stages, sums_at_end", [(64, 2, False), (64, 2, True), (32, 3, True),
+                                                        (32, 2, False)])
+def test_mixed_requests(sm90, dtype, block_k, stages, sums_at_end):
     """Tokens of 3 requests in any order, windows, prefixes, full and empty ranges, -1 pages
-    (random_paged), 128 heads (two programs a token)."""
+    (random_paged), 128 heads (two programs a token); the row sums a block or at the end."""
     q, sources, sinks = random_inputs(sm90, 13, 128, torch.bfloat16, widths=(70, 150), dim=DIM)
     q, sources = q.to(dtype), [(kv.to(dtype), idx) for kv, idx in sources]
-    check(q, sources, sinks, block_k=block_k, stages=stages)
+    check(q, sources, sinks, block_k=block_k, stages=stages, sums_at_end=sums_at_end)
 
 
 @pytest.mark.parametrize("start", [0, 150, 1000])
@@ -54,7 +55,7 @@ def test_prefill_chunk(sm90, start):
     q, sources, sinks = chunk_inputs(sm90, 40, 64, torch.bfloat16, start, window=128, dim=DIM)
     check(q, sources, sinks)
     one_item = [sources[0], (sources[1][0], sources[1][1].one_item_pages())]
-    check(q, one_item, sinks, block_k=32, stages=3)
+    check(q, one_item, sinks, block_k=32, stages=3, sums_at_end=True)
 
 
 def test_one_source_empty_and_large(sm90):

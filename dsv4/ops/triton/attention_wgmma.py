@@ -51,12 +51,9 @@ if HAVE_GLUON:
         return gl.where(inside & (page >= 0), page * pitch + e % PER_PAGE, -1)
 
     @gluon.jit
-    def _copy_block(buf, kv_ptr, stride_kv, page_row, lo, span, start, PER_PAGE: gl.constexpr, pitch,
-                    BLOCK_K: gl.constexpr, D: gl.constexpr, ld: gl.constexpr):
-        """cp.async of the pool rows of slots [start, start + BLOCK_K) into buf [BLOCK_K, D]
-        (zeros where a slot has no row), as one commit group."""
-        offs = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, ld))
-        rows = _rows(page_row, lo, span, start, offs, PER_PAGE, pitch)
+    def _copy_block(buf, kv_ptr, stride_kv, rows, D: gl.constexpr, ld: gl.constexpr):
+        """cp.async of pool rows `rows` [BLOCK_K] (SliceLayout(1, ld)) into buf [BLOCK_K, D]
+        (zeros where a row is -1), as one commit group."""
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, ld))
         ptrs = kv_ptr + gl.maximum(rows, 0).to(gl.int64)[:, None] * stride_kv + cols[None, :]
         async_copy.async_copy_global_to_shared(buf, ptrs, mask=(rows >= 0)[:, None])
@@ -65,30 +62,37 @@ if HAVE_GLUON:
     @gluon.jit
     def _walk(q_smem, kv_smem, p_smem, m, l, acc, kv_ptr, stride_kv, page_row, lo, span, pitch, qk_scale,
               PER_PAGE: gl.constexpr, BLOCK_K: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-              s_l: gl.constexpr, o_l: gl.constexpr, ld: gl.constexpr):
-        """One source's slots [0, span) of the program's token: running m, l [64] (log2 units,
-        s_l rows) and acc [64, D] fp32 (o_l) -> (m, l, acc)."""
-        for i in gl.static_range(STAGES - 1):
-            _copy_block(kv_smem.index(i), kv_ptr, stride_kv, page_row, lo, span, i * BLOCK_K, PER_PAGE, pitch,
-                        BLOCK_K, D, ld)
+              SUMS_AT_END: gl.constexpr, s_l: gl.constexpr, o_l: gl.constexpr, ld: gl.constexpr):
+        """One source's slots [0, span) of the program's token: running m [64] (log2 units, s_l
+        rows), l (the row sums [64], or with SUMS_AT_END their terms [64, BLOCK_K] in s_l, summed
+        at the end) and acc [64, D] fp32 (o_l) -> (m, l, acc). A block's page-table reads (the next
+        copy's rows, this block's mask) are issued before its q k^T and used after it: their
+        latency under the dot."""
+        offs_ld = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, ld))
         cols_s = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
+        for i in gl.static_range(STAGES - 1):
+            _copy_block(kv_smem.index(i), kv_ptr, stride_kv,
+                        _rows(page_row, lo, span, i * BLOCK_K, offs_ld, PER_PAGE, pitch), D, ld)
         n_blocks = (span + BLOCK_K - 1) // BLOCK_K
         for j in range(n_blocks):
             async_copy.wait_group(STAGES - 2)           # block j's rows are in (this thread's copies)
             gl.thread_barrier()                         # every thread's copies; block j - 1's dots done
             fence_async_shared()                        # cp.async's writes before the wgmma reads
-            ahead = j + STAGES - 1                      # into the buffer block j - 1 used
-            _copy_block(kv_smem.index(ahead % STAGES), kv_ptr, stride_kv, page_row, lo, span, ahead * BLOCK_K,
-                        PER_PAGE, pitch, BLOCK_K, D, ld)
+            ahead = j + STAGES - 1                      # copied into the buffer block j - 1 used
+            rows_ahead = _rows(page_row, lo, span, ahead * BLOCK_K, offs_ld, PER_PAGE, pitch)
+            valid = _rows(page_row, lo, span, j * BLOCK_K, cols_s, PER_PAGE, pitch) >= 0
             kv = kv_smem.index(j % STAGES)
             s = warpgroup_mma(q_smem, kv.permute((1, 0)), gl.zeros([HEADS_C, BLOCK_K], gl.float32, s_l),
                               use_acc=False)
-            valid = _rows(page_row, lo, span, j * BLOCK_K, cols_s, PER_PAGE, pitch) >= 0
+            _copy_block(kv_smem.index(ahead % STAGES), kv_ptr, stride_kv, rows_ahead, D, ld)
             s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
             m_new = gl.maximum(m, gl.max(s, axis=1))
             alpha = gl.exp2(m - m_new)
             p = gl.exp2(s - m_new[:, None])                                     # masked: 0
-            l = l * alpha + gl.sum(p, axis=1)
+            if SUMS_AT_END:                             # no cross-warp sum a block
+                l = l * alpha[:, None] + p
+            else:
+                l = l * alpha + gl.sum(p, axis=1)
             m = m_new
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
             p_smem.store(p.to(q_smem.dtype))
@@ -107,7 +111,8 @@ if HAVE_GLUON:
                            T, H, W0, W1, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
                            stride_kv0, stride_p0, pitch0, stride_kv1, stride_p1, pitch1,
                            D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, TWO: gl.constexpr,
-                           PER_PAGE0: gl.constexpr, PER_PAGE1: gl.constexpr, num_warps: gl.constexpr):
+                           PER_PAGE0: gl.constexpr, PER_PAGE1: gl.constexpr, SUMS_AT_END: gl.constexpr,
+                           num_warps: gl.constexpr):
         # program = token t, heads [h0, h0 + 64); warps [4, 2]: a warp group's 64 rows, the
         # columns (keys of S, channels of O) split between the two warp groups
         pid = gl.program_id(0)
@@ -133,19 +138,24 @@ if HAVE_GLUON:
         heads_s = h0 + gl.arange(0, HEADS_C, layout=gl.SliceLayout(1, s_l))
         sink = gl.load(sink_ptr + heads_s).to(gl.float32) * 1.4426950408889634
         m = sink                                        # [64] running max (log2 units), >= sink
-        l = gl.zeros([HEADS_C], gl.float32, gl.SliceLayout(1, s_l))
+        if SUMS_AT_END:                                 # each thread's terms of the row sums
+            l = gl.zeros([HEADS_C, BLOCK_K], gl.float32, s_l)
+        else:
+            l = gl.zeros([HEADS_C], gl.float32, gl.SliceLayout(1, s_l))
         acc = gl.zeros([HEADS_C, D], gl.float32, o_l)
         lo = gl.load(lo0_ptr + t).to(gl.int32)
         span = gl.minimum(gl.maximum(gl.load(hi0_ptr + t).to(gl.int32) - lo, 0), W0)
         page_row = pages0_ptr + gl.load(req0_ptr + t) * stride_p0
         m, l, acc = _walk(q_smem, kv_smem, p_smem, m, l, acc, kv0_ptr, stride_kv0, page_row, lo, span, pitch0,
-                          qk_scale, PER_PAGE0, BLOCK_K, D, STAGES, s_l, o_l, ld)
+                          qk_scale, PER_PAGE0, BLOCK_K, D, STAGES, SUMS_AT_END, s_l, o_l, ld)
         if TWO:
             lo = gl.load(lo1_ptr + t).to(gl.int32)
             span = gl.minimum(gl.maximum(gl.load(hi1_ptr + t).to(gl.int32) - lo, 0), W1)
             page_row = pages1_ptr + gl.load(req1_ptr + t) * stride_p1
             m, l, acc = _walk(q_smem, kv_smem, p_smem, m, l, acc, kv1_ptr, stride_kv1, page_row, lo, span, pitch1,
-                              qk_scale, PER_PAGE1, BLOCK_K, D, STAGES, s_l, o_l, ld)
+                              qk_scale, PER_PAGE1, BLOCK_K, D, STAGES, SUMS_AT_END, s_l, o_l, ld)
+        if SUMS_AT_END:
+            l = gl.sum(l, axis=1)
         denom = gl.convert_layout(l + gl.exp2(sink - m), gl.SliceLayout(1, o_l))
         out = (acc / denom[:, None]).to(dt)
         heads_o = h0 + gl.arange(0, HEADS_C, layout=gl.SliceLayout(1, o_l))
@@ -166,11 +176,12 @@ def supports_wgmma(q: torch.Tensor, sources: list, sinks: torch.Tensor) -> bool:
 
 
 def wgmma_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedRows]], sinks: torch.Tensor,
-                    scale: float, block_k: int = 64, stages: int = 2) -> torch.Tensor:
+                    scale: float, block_k: int = 64, stages: int = 2, sums_at_end: bool = False) -> torch.Tensor:
     """q [T, H, 512]; sources [(kv [N, 512], PagedRows)] (one or two); sinks [H] -> out [T, H, 512]
     in q's dtype, as `dsv4.ops.attention.sparse_attention` (supports_wgmma's inputs). block_k: keys
-    a block (64: 200 KB of shared memory with 2 stages); stages: key blocks in shared memory. No
-    host sync (CUDA graphs)."""
+    a block (64: 200 KB of shared memory with 2 stages); stages: key blocks in shared memory;
+    sums_at_end: the softmax's row sums kept as each thread's terms and summed once at the end
+    (no cross-warp sum a block; 16 more registers). No host sync (CUDA graphs)."""
     from .attention_shared import paged_args
     assert supports_wgmma(q, sources, sinks), "wgmma_attention: unsupported inputs"
     assert stages >= 2 and block_k in (32, 64), "wgmma_attention: stages >= 2, block_k 32 or 64"
@@ -186,5 +197,5 @@ def wgmma_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedRows
         T, H, idx0.width, idx1.width, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv0.stride(0), pages0.stride(0), idx0.pitch, kv1.stride(0), pages1.stride(0), idx1.pitch,
         D=D, BLOCK_K=block_k, STAGES=stages, TWO=len(sources) == 2, PER_PAGE0=idx0.per_page,
-        PER_PAGE1=idx1.per_page, num_warps=8)
+        PER_PAGE1=idx1.per_page, SUMS_AT_END=sums_at_end, num_warps=8)
     return out
