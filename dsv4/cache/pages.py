@@ -14,7 +14,7 @@ Free pages are handed out in FIFO order of release (initially ascending ids), so
 released longest ago is reused first and the order is deterministic. Every operation
 costs O(1) per page it names: refcounts and cached flags are numpy arrays, and a list of
 more than a few pages is validated and applied in vectorised passes (no Python work per
-page; a page listed more than once costs one sort of the list), so freeing a long
+page; a list naming a page more than once is tallied by one sort, O(n log n) in C), so freeing a long
 request's thousands of pages stays cheap; a few pages go one at a time, with the same
 results and errors.
 
