@@ -27,7 +27,7 @@ against the bf16 peak: the O(E / 128) attention term of a deep prefill chunk.
 
 With `--deep-hca --variants` (or `--variants`), instead: the same chunk, the per-token kernel's
 default tile (LONG_TILES) and the dispatch's default against every entry of VARIANTS, the
-long-list kernels that `LONG_KERNEL` in dsv4/ops/triton/attention.py can pick (attention_shared.py),
+long-list kernels that `LONG_KERNEL` in dsv4/ops/triton/attention.py can pick (attention_shared.py, attention_wgmma.py),
 each checked against the reference (max error printed) and timed; TFLOP/s count the model's
 FLOPs, not a variant's own. `--one-item` hands the history over as one-item pages, as the
 engine does (docs/architecture.md, "A step's addressing"). `--smoke` runs that table on a

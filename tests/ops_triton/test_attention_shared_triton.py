@@ -91,8 +91,9 @@ def test_supports():
 
 def test_dispatch_behind_switch(device, monkeypatch):
     """triton.attention.sparse_attention takes LONG_KERNEL's kernel for a long prefill only when
-    it is set ("shared" by default), for PagedRows sources, and gives the reference's result."""
-    assert triton_attention.LONG_KERNEL == "shared"
+    it is set ("wgmma" by default, this kernel where that one does not apply), for PagedRows
+    sources, and gives the reference's result."""
+    assert triton_attention.LONG_KERNEL == "wgmma"
     monkeypatch.setattr(triton_attention, "LONG_KERNEL", None)
     calls = []
     kernel = shared.shared_attention
