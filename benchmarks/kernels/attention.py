@@ -102,13 +102,14 @@ VARIANTS = [("shared", shared.SharedTiles(*tiles)._asdict()) for tiles in [
     (1, 64, 64, 1, 8, 2, False, True),      # 255, 424 B, 193 KB: M = 64 (one token), acc [64, 512] over
                                             # 2 warp groups (each computing the whole q k^T)
     (1, 64, 32, 1, 8, 4, False, True),      # 255, 136 B, 193 KB
-]] + [("wgmma", dict(block_k=bk, stages=st, sums_at_end=end, late_copy=late)) for bk, st, end, late in [
-    (64, 2, False, False),                  # 255 regs, 24 B, 200 KB
-    (64, 2, False, True),
-    (64, 2, True, False),                   # 255, 96 B (in the loop), 200 KB
-    (32, 3, False, False),                  # 243, 0 B, 164 KB
-    (32, 3, True, False),                   # 254, 0 B, 164 KB
-    (32, 4, True, False)]]                  # 196 KB
+]] + [("wgmma", dict(block_k=bk, stages=st, sums_at_end=end, copy_at=at)) for bk, st, end, at in [
+    (64, 2, False, 1),                      # 255 regs, 24 B, 200 KB
+    (64, 2, False, 0),                      # 255, 32 B
+    (64, 2, False, 2),                      # 255, 48 B
+    (64, 2, True, 1),                       # 255, 96 B (in the loop)
+    (32, 3, False, 1),                      # 243, 0 B, 164 KB
+    (32, 3, True, 1),                       # 254, 0 B
+    (32, 4, True, 0)]]                      # 255, 16 B, 196 KB
 
 
 def make_case(kind, T, gen):

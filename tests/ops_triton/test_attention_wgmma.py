@@ -38,15 +38,15 @@ def check(q, sources, sinks, **knobs):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("block_k, stages, sums_at_end, late_copy", [
-    (64, 2, False, False), (64, 2, True, True), (32, 3, True, False), (32, 2, False, True)])
-def test_mixed_requests(sm90, dtype, block_k, stages, sums_at_end, late_copy):
+@pytest.mark.parametrize("block_k, stages, sums_at_end, copy_at", [
+    (64, 2, False, 1), (64, 2, True, 2), (32, 3, True, 0), (32, 2, False, 2), (64, 2, False, 0)])
+def test_mixed_requests(sm90, dtype, block_k, stages, sums_at_end, copy_at):
     """Tokens of 3 requests in any order, windows, prefixes, full and empty ranges, -1 pages
     (random_paged), 128 heads (two programs a token); the row sums a block or at the end; the
-    next block's copy after q k^T or after P's fence."""
+    next block's copy before q k^T, after it or after P's fence."""
     q, sources, sinks = random_inputs(sm90, 13, 128, torch.bfloat16, widths=(70, 150), dim=DIM)
     q, sources = q.to(dtype), [(kv.to(dtype), idx) for kv, idx in sources]
-    check(q, sources, sinks, block_k=block_k, stages=stages, sums_at_end=sums_at_end, late_copy=late_copy)
+    check(q, sources, sinks, block_k=block_k, stages=stages, sums_at_end=sums_at_end, copy_at=copy_at)
 
 
 @pytest.mark.parametrize("start", [0, 150, 1000])

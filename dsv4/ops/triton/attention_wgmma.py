@@ -62,30 +62,36 @@ if HAVE_GLUON:
     @gluon.jit
     def _walk(q_smem, kv_smem, p_smem, m, l, acc, kv_ptr, stride_kv, page_row, lo, span, pitch, qk_scale,
               PER_PAGE: gl.constexpr, BLOCK_K: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-              SUMS_AT_END: gl.constexpr, LATE_COPY: gl.constexpr, s_l: gl.constexpr, o_l: gl.constexpr,
+              SUMS_AT_END: gl.constexpr, COPY_AT: gl.constexpr, s_l: gl.constexpr, o_l: gl.constexpr,
               ld: gl.constexpr):
         """One source's slots [0, span) of the program's token: running m [64] (log2 units, s_l
         rows), l (the row sums [64], or with SUMS_AT_END their terms [64, BLOCK_K] in s_l, summed
-        at the end) and acc [64, D] fp32 (o_l) -> (m, l, acc). A block's page-table reads (the next
-        copy's rows, this block's mask) are issued before its q k^T and used after it: their
-        latency under the dot."""
+        at the end) and acc [64, D] fp32 (o_l) -> (m, l, acc). The next block's copy is issued
+        (COPY_AT) 0: before q k^T (its rows read from the page table a block earlier), 1: after
+        q k^T, 2: after P's fence (under P V only); the page-table reads of 1 and 2 and of the
+        block's mask are issued before q k^T and used after it (their latency under the dot)."""
         offs_ld = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(1, ld))
         cols_s = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, s_l))
         for i in gl.static_range(STAGES - 1):
             _copy_block(kv_smem.index(i), kv_ptr, stride_kv,
                         _rows(page_row, lo, span, i * BLOCK_K, offs_ld, PER_PAGE, pitch), D, ld)
+        rows_next = _rows(page_row, lo, span, (STAGES - 1) * BLOCK_K, offs_ld, PER_PAGE, pitch)
         n_blocks = (span + BLOCK_K - 1) // BLOCK_K
         for j in range(n_blocks):
             async_copy.wait_group(STAGES - 2)           # block j's rows are in (this thread's copies)
             gl.thread_barrier()                         # every thread's copies; block j - 1's dots done
             fence_async_shared()                        # cp.async's writes before the wgmma reads
             ahead = j + STAGES - 1                      # copied into the buffer block j - 1 used
-            rows_ahead = _rows(page_row, lo, span, ahead * BLOCK_K, offs_ld, PER_PAGE, pitch)
+            if COPY_AT == 0:
+                _copy_block(kv_smem.index(ahead % STAGES), kv_ptr, stride_kv, rows_next, D, ld)
+                rows_next = _rows(page_row, lo, span, (ahead + 1) * BLOCK_K, offs_ld, PER_PAGE, pitch)
+            else:
+                rows_ahead = _rows(page_row, lo, span, ahead * BLOCK_K, offs_ld, PER_PAGE, pitch)
             valid = _rows(page_row, lo, span, j * BLOCK_K, cols_s, PER_PAGE, pitch) >= 0
             kv = kv_smem.index(j % STAGES)
             s = warpgroup_mma(q_smem, kv.permute((1, 0)), gl.zeros([HEADS_C, BLOCK_K], gl.float32, s_l),
                               use_acc=False)
-            if not LATE_COPY:
+            if COPY_AT == 1:
                 _copy_block(kv_smem.index(ahead % STAGES), kv_ptr, stride_kv, rows_ahead, D, ld)
             s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
             m_new = gl.maximum(m, gl.max(s, axis=1))
@@ -100,7 +106,7 @@ if HAVE_GLUON:
             p_smem.store(p.to(q_smem.dtype))
             fence_async_shared()
             gl.thread_barrier()                         # both warp groups' columns of p
-            if LATE_COPY:                               # after p's fence: the copy runs under P V only
+            if COPY_AT == 2:
                 _copy_block(kv_smem.index(ahead % STAGES), kv_ptr, stride_kv, rows_ahead, D, ld)
             acc = warpgroup_mma(p_smem, kv, acc)
         async_copy.wait_group(0)                        # the copies issued past the last block
@@ -116,7 +122,7 @@ if HAVE_GLUON:
                            stride_kv0, stride_p0, pitch0, stride_kv1, stride_p1, pitch1,
                            D: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr, TWO: gl.constexpr,
                            PER_PAGE0: gl.constexpr, PER_PAGE1: gl.constexpr, SUMS_AT_END: gl.constexpr,
-                           LATE_COPY: gl.constexpr, num_warps: gl.constexpr):
+                           COPY_AT: gl.constexpr, num_warps: gl.constexpr):
         # program = token t, heads [h0, h0 + 64); warps [4, 2]: a warp group's 64 rows, the
         # columns (keys of S, channels of O) split between the two warp groups
         pid = gl.program_id(0)
@@ -151,13 +157,13 @@ if HAVE_GLUON:
         span = gl.minimum(gl.maximum(gl.load(hi0_ptr + t).to(gl.int32) - lo, 0), W0)
         page_row = pages0_ptr + gl.load(req0_ptr + t) * stride_p0
         m, l, acc = _walk(q_smem, kv_smem, p_smem, m, l, acc, kv0_ptr, stride_kv0, page_row, lo, span, pitch0,
-                          qk_scale, PER_PAGE0, BLOCK_K, D, STAGES, SUMS_AT_END, LATE_COPY, s_l, o_l, ld)
+                          qk_scale, PER_PAGE0, BLOCK_K, D, STAGES, SUMS_AT_END, COPY_AT, s_l, o_l, ld)
         if TWO:
             lo = gl.load(lo1_ptr + t).to(gl.int32)
             span = gl.minimum(gl.maximum(gl.load(hi1_ptr + t).to(gl.int32) - lo, 0), W1)
             page_row = pages1_ptr + gl.load(req1_ptr + t) * stride_p1
             m, l, acc = _walk(q_smem, kv_smem, p_smem, m, l, acc, kv1_ptr, stride_kv1, page_row, lo, span, pitch1,
-                              qk_scale, PER_PAGE1, BLOCK_K, D, STAGES, SUMS_AT_END, LATE_COPY, s_l, o_l, ld)
+                              qk_scale, PER_PAGE1, BLOCK_K, D, STAGES, SUMS_AT_END, COPY_AT, s_l, o_l, ld)
         if SUMS_AT_END:
             l = gl.sum(l, axis=1)
         denom = gl.convert_layout(l + gl.exp2(sink - m), gl.SliceLayout(1, o_l))
@@ -181,16 +187,17 @@ def supports_wgmma(q: torch.Tensor, sources: list, sinks: torch.Tensor) -> bool:
 
 def wgmma_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedRows]], sinks: torch.Tensor,
                     scale: float, block_k: int = 64, stages: int = 2, sums_at_end: bool = False,
-                    late_copy: bool = False) -> torch.Tensor:
+                    copy_at: int = 1) -> torch.Tensor:
     """q [T, H, 512]; sources [(kv [N, 512], PagedRows)] (one or two); sinks [H] -> out [T, H, 512]
     in q's dtype, as `dsv4.ops.attention.sparse_attention` (supports_wgmma's inputs). block_k: keys
     a block (64: 200 KB of shared memory with 2 stages); stages: key blocks in shared memory;
     sums_at_end: the softmax's row sums kept as each thread's terms and summed once at the end
-    (no cross-warp sum a block; 16 more registers); late_copy: the next block's copy issued
-    after P's fence (under P V only) instead of after q k^T. No host sync (CUDA graphs)."""
+    (no cross-warp sum a block; 16 more registers); copy_at: where the next block's copy is
+    issued (0: before q k^T, 1: after it, 2: after P's fence; _walk). No host sync (CUDA graphs)."""
     from .attention_shared import paged_args
     assert supports_wgmma(q, sources, sinks), "wgmma_attention: unsupported inputs"
-    assert stages >= 2 and block_k in (32, 64), "wgmma_attention: stages >= 2, block_k 32 or 64"
+    assert stages >= 2 and block_k in (32, 64) and copy_at in (0, 1, 2), \
+        "wgmma_attention: stages >= 2, block_k 32 or 64, copy_at 0, 1 or 2"
     T, H, D = q.shape
     out = torch.empty_like(q)
     if T == 0:
@@ -203,6 +210,6 @@ def wgmma_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedRows
         T, H, idx0.width, idx1.width, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv0.stride(0), pages0.stride(0), idx0.pitch, kv1.stride(0), pages1.stride(0), idx1.pitch,
         D=D, BLOCK_K=block_k, STAGES=stages, TWO=len(sources) == 2, PER_PAGE0=idx0.per_page,
-        PER_PAGE1=idx1.per_page, SUMS_AT_END=sums_at_end, LATE_COPY=late_copy,
+        PER_PAGE1=idx1.per_page, SUMS_AT_END=sums_at_end, COPY_AT=copy_at,
         num_warps=8)
     return out
