@@ -1,6 +1,7 @@
 """Triton kernels run here in Triton's interpreter on the CPU (TRITON_INTERPRET=1, set before
 triton is imported), against their torch references in dsv4/ops. On the GPU machine the same
 tests run compiled (`DSV4_TRITON_DEVICE=cuda`)."""
+import inspect
 import os
 
 import pytest
@@ -9,6 +10,44 @@ if os.environ.get("DSV4_TRITON_DEVICE", "cpu") == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
 pytest.importorskip("triton", reason="triton is part of the test extra")
+
+
+def _skip_repatching_in_device_calls() -> None:
+    """The interpreter patches triton.language (tl.load, tl.sum, ... -> numpy) for a launch and
+    restores it after; it also re-patches it on every call of a @triton.jit helper inside a
+    kernel (a few ms each: inspect.getmembers over tl, tl.tensor, tl.math), per program, which
+    is a third of the run time of kernels that call helpers. Such a call here patches only
+    when one of its language modules is not patched yet (its `load` still the builtin): the
+    same patched modules, the same results; launches are untouched."""
+    from triton.runtime import interpreter as ti
+    import triton.language as tl
+
+    call = ti.InterpretedFunction.__call__
+    if "_patch_lang(self.fn)" not in inspect.getsource(call):     # another Triton: leave it as it is
+        return
+    langs_of: dict = {}
+
+    def unpatched(fn) -> bool:
+        key = (fn, len(fn.__globals__))     # a rewrite adds the interpreter's globals to the module's
+        langs = langs_of.get(key)
+        if langs is None:
+            langs = langs_of[key] = [v for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)]
+        return not langs or any(tl.core.is_builtin(lang.load) for lang in langs)
+
+    def device_call(self, *args, **kwargs):
+        if unpatched(self.fn):
+            ti._patch_lang(self.fn)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise ti.InterpreterError(repr(e)) from e
+
+    ti.InterpretedFunction.__call__ = device_call
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _skip_repatching_in_device_calls()
 
 
 @pytest.fixture

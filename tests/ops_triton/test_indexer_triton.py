@@ -148,9 +148,12 @@ def paged_inputs(T, width, dtype, device, seed=0, index_dtype=torch.long, Hi=8, 
     return q, weights, torch.randn(n, Di, generator=g).to(device, dtype), cand
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("topk", [5, 37, 512])       # fewer than the width, the width, more
-@pytest.mark.parametrize("block_e", [16, tri.BLOCK_E])
+# every (block_e, topk) (topk: fewer than the width, the width, more) in one dtype, alternating so
+# that each block_e and each topk takes both: block_e and the dtype shape the scores kernel (both
+# pairs of them kept), the selection reads fp32 scores and no block_e
+@pytest.mark.parametrize("block_e,topk,dtype", [(b, k, (torch.float32, torch.bfloat16)[(i + j) % 2])
+                                                for i, b in enumerate((16, tri.BLOCK_E))
+                                                for j, k in enumerate((5, 37, 512))])
 def test_paged_is_dense(dtype, topk, block_e, device):
     """Scores and selection from a PagedRows are those of its dense form, bit for bit; the
     selection also agrees with the reference's."""
@@ -190,12 +193,15 @@ def test_paged_dispatch(device, monkeypatch):
     assert_same_selection(got, q, weights, keys, cand.dense(), 6)
 
 
+# SCORE_TILE 1 and 1 << 24 at 23 rows: tiles of 128 entries (k rounded to BLOCK_E; any SCORE_TILE
+# below 23 * 128 gives the same, 40 included: test_tiles_and_ties_with_the_split_row_topk's) over
+# the 300-wide rows, three tiles merged; or one tile
 @pytest.mark.parametrize("rows_min", [1, 1 << 20])
-@pytest.mark.parametrize("score_tile", [1, 40, 1 << 24])
+@pytest.mark.parametrize("score_tile", [1, 1 << 24])
 @pytest.mark.parametrize("topk", [3, 10])
 def test_tiles_and_ties_are_the_reference(score_tile, topk, rows_min, device, monkeypatch):
     """Small-integer inputs (exact sums in any order, many exact ties): the streamed top-k of
-    every tiling (SCORE_TILE 1: tiles of k entries rounded to a block) is the reference's
+    both tilings (SCORE_TILE 1: tiles of k entries rounded to a block) is the reference's
     selection, offsets and rows alike (score desc, ties to the lower offset), with a program
     per row (rows_min 1: row_topk) or many (radix_topk)."""
     monkeypatch.setattr(tri, "SCORE_TILE", score_tile)
@@ -230,15 +236,15 @@ def test_tile_topk_beside_the_scores(device, monkeypatch):
     monkeypatch.setattr(tri, "SCORE_TILE", 40)
     monkeypatch.setattr(tri, "ROWS_MIN", 1)
     monkeypatch.setattr(row_topk, "MIN_CHUNK", 128)
-    cand, n = random_paged(23, 300, per_page=4, pitch=8, seed=5, device=device)
+    cand, n = random_paged(8, 300, per_page=4, pitch=8, seed=5, device=device)     # 8 rows: 3 tiles still
     g = torch.Generator().manual_seed(5)
-    q, weights, keys = (torch.randn(*shape, generator=g).to(device) for shape in ((23, 2, 16), (23, 2), (n, 16)))
+    q, weights, keys = (torch.randn(*shape, generator=g).to(device) for shape in ((8, 2, 16), (8, 2), (n, 16)))
     got = {}
     for overlap in (True, False):
         monkeypatch.setattr(tri, "OVERLAP_TOPK", overlap)
         assert (tri._side_stream(q.device) is not None) == (overlap and q.is_cuda)
         got[overlap] = tri.indexer_topk_offsets(q, weights, keys, cand, 10)
-    assert tri.tile_width(23, 10) < cand.width                  # several tiles
+    assert tri.tile_width(8, 10) < cand.width                   # several tiles
     assert all(torch.equal(a, b) for a, b in zip(got[True], got[False]))
 
 

@@ -51,16 +51,21 @@ def check_topk(device, T, E, k, dtype, one_launch=None):
     torch.testing.assert_close(weights.sum(1), want_w.sum(1), **W_TOL)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6])
-@pytest.mark.parametrize("T", [1, 2, 5, 8])
-@pytest.mark.parametrize("E", [8, 16])
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+# Every (E, T, k) in one dtype, alternating so that each k, each (E, T) and each (E, k) takes both:
+# the dtype only changes _scores_tile's two loads (converted to fp32 at once; the tiles, grid and
+# selection do not depend on it)
+@pytest.mark.parametrize("E,T,k,dtype", [(E, T, k, DTYPES[(ei + ti + k) % 2]) for ei, E in enumerate((8, 16))
+                                         for ti, T in enumerate((1, 2, 5, 8)) for k in range(1, 7)])
 def test_route_topk(device, E, T, k, dtype):
     check_topk(device, T, E, k, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,k", [(1, 6), (2, 3), (5, 1), (8, 6)])
+# E 256 (128 E-blocks a token block): each (T, k) in one dtype, both dtypes taken (see test_route_topk)
+@pytest.mark.parametrize("T,k,dtype", [(T, k, DTYPES[i % 2]) for i, (T, k) in enumerate([(1, 6), (2, 3), (5, 1),
+                                                                                          (8, 6)])])
 def test_route_topk_256(device, T, k, dtype):
     check_topk(device, T, 256, k, dtype)
 
@@ -78,9 +83,12 @@ def make_hash(device, T, E, k, seed=0):
     return token_ids.to(device), tid2eid.to(device)
 
 
-@pytest.mark.parametrize("one_launch", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T,E,k", [(1, 8, 1), (2, 8, 6), (5, 16, 2), (8, 16, 6), (1, 256, 6), (8, 256, 4)])
+# every (T, E, k) with both launch forms, the two in different dtypes (see test_route_topk): each
+# (T, E, k) and each launch form takes both dtypes
+@pytest.mark.parametrize("T,E,k,dtype,one_launch", [
+    (T, E, k, DTYPES[(i + one) % 2], one) for i, (T, E, k) in enumerate([(1, 8, 1), (2, 8, 6), (5, 16, 2), (8, 16, 6),
+                                                                         (1, 256, 6), (8, 256, 4)])
+    for one in (True, False)])
 def test_route_hash(device, T, E, k, dtype, one_launch):
     x, gate_w, _ = make_inputs(device, T, E, k, dtype)
     token_ids, tid2eid = make_hash(device, T, E, k)

@@ -71,9 +71,10 @@ def test_routed_experts(device, dtype, T, k):
     check(device, T, k, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_small_tiles(device, dtype):
-    check(device, 3, 6, dtype, **SMALL_TILES)
+# bf16: fp32 takes the small tiles in test_down_split (splits 5 and 16 at T = 1, 7 at T = 3: several
+# units a program, empty programs) and in test_shared_expert unsplit (one unit a program, as here)
+def test_small_tiles(device):
+    check(device, 3, 6, torch.bfloat16, **SMALL_TILES)
 
 
 # SMALL_TILES down: BLOCK_I 32 over I 48 -> 2 I-blocks per expert (the second a masked tail), so
@@ -92,11 +93,12 @@ def test_down_split_default_tiles(device, split):
     check(device, 2, 6, torch.float32, down_split=split)
 
 
-# the shared expert as pair k of every token (weight 1): k = 1 and 6, T up to 8 (at k = 3: the
-# interpreter runs every program), the down projection unsplit, split inside and across experts
-# (the shared one included); the dtypes alternate, T = 1, k = 6 unsplit in both
+# the shared expert as pair k of every token (weight 1): k = 1 and 6, T up to 5, the down
+# projection unsplit, split inside and across experts (the shared one included); the dtypes
+# alternate, T = 1, k = 6 unsplit in both. Unsplit (the default split) every case here has one
+# (expert, I-block) unit a program: T = 8 at k = 3 repeated T = 5 at k = 2 with more programs
 @pytest.mark.parametrize("T,k,split,dtype", alternate_dtypes([(1, 1, None), (1, 6, None), (2, 6, None), (5, 2, None),
-                                                              (8, 3, None), (1, 6, 1), (1, 6, 5), (1, 6, 14), (3, 2, 7)])
+                                                              (1, 6, 1), (1, 6, 5), (1, 6, 14), (3, 2, 7)])
                          + [(1, 6, None, torch.bfloat16)])
 def test_shared_expert(device, dtype, T, k, split):
     check(device, T, k, dtype, shared=True, down_split=split, **SMALL_TILES)
