@@ -113,6 +113,18 @@ if HAVE_GLUON:
         gl.thread_barrier()
         return m, l, acc
 
+    @gluon.jit
+    def _source(q_smem, kv_smem, p_smem, m, l, acc, t, kv_ptr, pages_ptr, req_ptr, lo_ptr, hi_ptr, W, stride_kv,
+                stride_p, pitch, qk_scale, PER_PAGE: gl.constexpr, BLOCK_K: gl.constexpr, D: gl.constexpr,
+                STAGES: gl.constexpr, SUMS_AT_END: gl.constexpr, COPY_AT: gl.constexpr, s_l: gl.constexpr,
+                o_l: gl.constexpr, ld: gl.constexpr):
+        """_walk over token t's range of one source (its items lo + [0, min(hi - lo, W)))."""
+        lo = gl.load(lo_ptr + t).to(gl.int32)
+        span = gl.minimum(gl.maximum(gl.load(hi_ptr + t).to(gl.int32) - lo, 0), W)
+        page_row = pages_ptr + gl.load(req_ptr + t) * stride_p
+        return _walk(q_smem, kv_smem, p_smem, m, l, acc, kv_ptr, stride_kv, page_row, lo, span, pitch, qk_scale,
+                     PER_PAGE, BLOCK_K, D, STAGES, SUMS_AT_END, COPY_AT, s_l, o_l, ld)
+
     # per-step sizes are not specialised: one compiled variant for every step shape
     @gluon.jit(do_not_specialize=("T", "W0", "W1", "stride_p0", "stride_p1", "pitch0", "pitch1"))
     def _wgmma_attn_kernel(q_ptr, sink_ptr, out_ptr,
@@ -153,17 +165,13 @@ if HAVE_GLUON:
         else:
             l = gl.zeros([HEADS_C], gl.float32, gl.SliceLayout(1, s_l))
         acc = gl.zeros([HEADS_C, D], gl.float32, o_l)
-        lo = gl.load(lo0_ptr + t).to(gl.int32)
-        span = gl.minimum(gl.maximum(gl.load(hi0_ptr + t).to(gl.int32) - lo, 0), W0)
-        page_row = pages0_ptr + gl.load(req0_ptr + t) * stride_p0
-        m, l, acc = _walk(q_smem, kv_smem, p_smem, m, l, acc, kv0_ptr, stride_kv0, page_row, lo, span, pitch0,
-                          qk_scale, PER_PAGE0, BLOCK_K, D, STAGES, SUMS_AT_END, COPY_AT, s_l, o_l, ld)
+        m, l, acc = _source(q_smem, kv_smem, p_smem, m, l, acc, t, kv0_ptr, pages0_ptr, req0_ptr, lo0_ptr, hi0_ptr,
+                            W0, stride_kv0, stride_p0, pitch0, qk_scale, PER_PAGE0, BLOCK_K, D, STAGES, SUMS_AT_END,
+                            COPY_AT, s_l, o_l, ld)
         if TWO:
-            lo = gl.load(lo1_ptr + t).to(gl.int32)
-            span = gl.minimum(gl.maximum(gl.load(hi1_ptr + t).to(gl.int32) - lo, 0), W1)
-            page_row = pages1_ptr + gl.load(req1_ptr + t) * stride_p1
-            m, l, acc = _walk(q_smem, kv_smem, p_smem, m, l, acc, kv1_ptr, stride_kv1, page_row, lo, span, pitch1,
-                              qk_scale, PER_PAGE1, BLOCK_K, D, STAGES, SUMS_AT_END, COPY_AT, s_l, o_l, ld)
+            m, l, acc = _source(q_smem, kv_smem, p_smem, m, l, acc, t, kv1_ptr, pages1_ptr, req1_ptr, lo1_ptr,
+                                hi1_ptr, W1, stride_kv1, stride_p1, pitch1, qk_scale, PER_PAGE1, BLOCK_K, D, STAGES,
+                                SUMS_AT_END, COPY_AT, s_l, o_l, ld)
         if SUMS_AT_END:
             l = gl.sum(l, axis=1)
         denom = gl.convert_layout(l + gl.exp2(sink - m), gl.SliceLayout(1, o_l))
