@@ -195,7 +195,7 @@ def supports_wgmma(q: torch.Tensor, sources: list, sinks: torch.Tensor) -> bool:
 
 def wgmma_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, PagedRows]], sinks: torch.Tensor,
                     scale: float, block_k: int = 64, stages: int = 2, sums_at_end: bool = False,
-                    copy_at: int = 1) -> torch.Tensor:
+                    copy_at: int = 0) -> torch.Tensor:
     """q [T, H, 512]; sources [(kv [N, 512], PagedRows)] (one or two); sinks [H] -> out [T, H, 512]
     in q's dtype, as `dsv4.ops.attention.sparse_attention` (supports_wgmma's inputs). block_k: keys
     a block (64: 200 KB of shared memory with 2 stages); stages: key blocks in shared memory;
