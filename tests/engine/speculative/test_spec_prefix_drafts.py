@@ -44,8 +44,21 @@ def test_resumed_request_drafts_as_alone(tiny, h, writer_tokens, budget):
     assert all(got[rid].num_cached_tokens == 512 for rid in params), "no prefix hit at 512"
 
     for rid, p in params.items():
+        want_drafts, want = alone_run(tiny, h, cfg, rid, resumed, p)
+        assert drafts[rid] == want_drafts, rid
+        assert got[rid].token_ids == want.token_ids, rid
+
+
+_ALONE: dict = {}
+
+
+def alone_run(tiny, h, cfg: dict, rid: str, prompt: list[int], params: SamplingParams):
+    """The request alone on a fresh engine of `cfg` without the prefix cache: (its drafts, its
+    output). It does not depend on the writer, so the two writer cases of a budget share it."""
+    key = (repr(sorted(cfg.items())), rid, tuple(prompt), repr(params))
+    if key not in _ALONE:
         alone = tiny.engine(**cfg, enable_prefix_caching=False)
         alone_drafts = record_drafts(alone)
-        want = h.drive(alone, [h.Req(rid, resumed, p)])[rid]
-        assert drafts[rid] == alone_drafts[rid], rid
-        assert got[rid].token_ids == want.token_ids, rid
+        want = h.drive(alone, [h.Req(rid, prompt, params)])[rid]
+        _ALONE[key] = (alone_drafts[rid], want)
+    return _ALONE[key]
