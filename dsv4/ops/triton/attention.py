@@ -339,7 +339,7 @@ LONG_TILES, LONG_FROM, LONG_MIN_TOKENS = (32, 128, 4, 2), 2048, 256
 # Where LONG_TILES would run (bf16 pools: packed FP8 ones keep this file's kernel) and every source
 # is a PagedRows, another kernel takes the step: "wgmma" (attention_wgmma.py, Gluon, sm_90 with D =
 # 512 and heads a multiple of 64: one token x 64 heads a program, the two warp groups splitting
-# S's keys and O's channels; 5.72 against 8.00 ms an HCA layer of the 2,048-token chunk at 900k
+# S's keys and O's channels; 5.35 against 7.77 ms an HCA layer of the 2,048-token chunk at 900k
 # on an H100, docs/benchmarks.md "Sixteenth session"; elsewhere "shared"'s kernel), "shared"
 # (attention_shared.py: 2 tokens x 64 heads a program over the union of their ranges, the output
 # channels split, every dot a Hopper wgmma, the keys by cp.async; 7.24 against 9.54 ms on the

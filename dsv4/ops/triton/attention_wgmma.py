@@ -12,7 +12,8 @@ block of BLOCK_K keys (K = V: the same pool rows give both dots):
 So no FLOP is computed twice (attention_shared.py's D_PARTS = 2 computes S twice: 1.5x).
 q lives in shared memory (64 KB); the key rows are gathered by cp.async into STAGES buffers, the
 next block's copy issued before this block's dots (its buffer was freed by the barrier that
-ends the previous block). The sink joins the denominator only (m starts at the sink).
+starts the block; its rows read from the page table a block earlier). The sink joins the
+denominator only (m starts at the sink).
 
 Gluon does not run in Triton's interpreter: the kernel is checked on the GPU
 (tests/ops_triton/test_attention_wgmma.py, benchmarks/kernels/attention.py --variants); on the
