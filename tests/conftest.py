@@ -3,7 +3,14 @@ dsv4 and of the transformers oracle for a checkpoint folder."""
 from __future__ import annotations
 
 import json
+import os
 from typing import NamedTuple
+
+# Triton's interpreter on the CPU (tests/ops_triton; `DSV4_TRITON_DEVICE=cuda` on a GPU): the flag
+# must be set before any module defines a @triton.jit kernel, and collection imports the test
+# modules of every directory (some import dsv4.ops.triton) before tests/ops_triton's conftest
+if os.environ.get("DSV4_TRITON_DEVICE", "cpu") == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 import torch
