@@ -367,17 +367,11 @@ def _long_kernel(q: torch.Tensor, sources: list, sinks: torch.Tensor):
     if (_default_tiles(q, slots, [kv for kv, _ in sources]) != LONG_TILES
             or not attention_shared.supports_shared(q, sources, sinks)):
         return None
-    kernels = {"shared": attention_shared.shared_attention, "wgmma": _wgmma_or_shared(q, sources, sinks)}
-    assert LONG_KERNEL in kernels, f"LONG_KERNEL: one of {sorted(kernels)} or None"
-    return kernels[LONG_KERNEL]
-
-
-def _wgmma_or_shared(q: torch.Tensor, sources: list, sinks: torch.Tensor):
-    """attention_wgmma.py's kernel where it takes these inputs (sm_90, D = 512, heads a multiple
-    of 64), else attention_shared.py's."""
-    from . import attention_shared, attention_wgmma
-    if attention_wgmma.supports_wgmma(q, sources, sinks):
-        return attention_wgmma.wgmma_attention
+    assert LONG_KERNEL in ("shared", "wgmma"), "LONG_KERNEL: 'shared', 'wgmma' or None"
+    if LONG_KERNEL == "wgmma":        # attention_wgmma.py's kernel where it takes these inputs
+        from . import attention_wgmma
+        if attention_wgmma.supports_wgmma(q, sources, sinks):
+            return attention_wgmma.wgmma_attention
     return attention_shared.shared_attention
 
 
