@@ -23,6 +23,7 @@ def run(args) -> int:
 
     from ..router.app import Router, build_router_app
     from ..router.backends import Pool
+    from ..serve.http.connection import http_protocol
     from ..serve.http.server import listen_socket
     try:
         router = Router(Pool("prefill", args.prefill, args.policy), Pool("decode", args.decode, args.policy),
@@ -34,5 +35,6 @@ def run(args) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"dsv4 router: ready at http://{host}:{sock.getsockname()[1]} "
           f"(prefill {' '.join(args.prefill)}; decode {' '.join(args.decode)})", flush=True)
-    uvicorn.Server(uvicorn.Config(build_router_app(router), log_level=args.log_level)).run(sockets=[sock])
+    config = uvicorn.Config(build_router_app(router), log_level=args.log_level, http=http_protocol())
+    uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -21,6 +21,7 @@ class ServerLimits:
     max_batch_requests: int = 256      # prompts x n of one HTTP request
     strict_api: bool = False           # unknown request fields: 400 (else ignored with a warning)
     shutdown_timeout: float = 30.0     # seconds running requests get to finish at shutdown
+    header_timeout: float = 60.0       # seconds a request's line and headers may take (connection.py)
     media: MediaPolicy = MediaPolicy()  # where image URLs may point (docs/vision.md)
 
 

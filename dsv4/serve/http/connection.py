@@ -1,0 +1,94 @@
+"""The HTTP/1.1 connection of the API process: uvicorn's httptools protocol with the limits it
+lacks (docs/architecture.md, "Serving").
+
+* A header-read timeout: a request's line and headers must arrive within `header_timeout`
+  seconds of the connection's start (the first request) or of the request's first byte (a
+  later one on a kept-alive connection); else the client gets a 408 and the connection is
+  closed. uvicorn times out idle kept-alive connections only, so a client that sends half a
+  request line held its connection forever.
+* Headers are bounded: more than `MAX_HEADER_BYTES` of request line and headers is a 431 and
+  the connection is closed (httptools buffers a header of any size).
+* Malformed framing is a 400 with an OpenAI error body (uvicorn writes plain text).
+Every such answer closes the connection, as uvicorn's own 400 does.
+"""
+from __future__ import annotations
+
+import json
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from .errors import error_body
+
+HEADER_TIMEOUT_S = 60.0       # a reverse proxy's usual client header timeout
+MAX_HEADER_BYTES = 1 << 20    # (bytes read while the headers were incomplete, counted per read)
+
+
+class LimitedHttpProtocol(HttpToolsProtocol):
+    header_timeout: float = HEADER_TIMEOUT_S
+
+    def connection_made(self, transport) -> None:
+        self._header_timer, self._header_bytes = None, 0
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def connection_lost(self, exc) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._header_timer is not None and not self.transport.is_closing():    # headers still incomplete
+            self._header_bytes += len(data)
+            if self._header_bytes > MAX_HEADER_BYTES:
+                self._cancel_header_timer()
+                self._refuse(431, f"the request line and headers are larger than {MAX_HEADER_BYTES} bytes")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._header_timer is None:
+            self._header_bytes = 0
+            self._arm_header_timer()
+
+    def on_headers_complete(self) -> None:
+        self._cancel_header_timer()
+        super().on_headers_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        self._cancel_header_timer()
+        self._answer_and_close(400, msg)
+
+    def _arm_header_timer(self) -> None:
+        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_timed_out)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_timed_out(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self._refuse(408, f"the request's headers did not arrive within {self.header_timeout:g} s "
+                              f"(--header-timeout)")
+
+    def _refuse(self, status: int, message: str) -> None:
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.flow.pause_reading()          # an earlier pipelined request's answer still goes out,
+            self.cycle.keep_alive = False      # then the connection closes
+            return
+        self._answer_and_close(status, message)
+
+    def _answer_and_close(self, status: int, message: str) -> None:
+        body = json.dumps(error_body(status, message)).encode()
+        head = [STATUS_LINE[status]]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
+                 b"connection: close\r\n\r\n"]
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
+
+
+def http_protocol(header_timeout: float = HEADER_TIMEOUT_S) -> type[LimitedHttpProtocol]:
+    """The protocol class for `uvicorn.Config(http=...)`."""
+    return type("LimitedHttpProtocol", (LimitedHttpProtocol,), {"header_timeout": header_timeout})

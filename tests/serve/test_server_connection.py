@@ -1,0 +1,92 @@
+"""The HTTP level of the API process (serve/http/connection.py; docs/architecture.md,
+"Serving"): headers that never finish get a 408 and a closed connection, oversized headers a
+431, malformed framing an OpenAI 400 body."""
+import json
+import socket
+import threading
+
+import httpx
+import pytest
+import uvicorn
+
+from dsv4.serve.http import connection
+
+pytest_plugins = ["serve.server_fixtures"]
+
+
+def _address(base_url: str) -> tuple[str, int]:
+    host, port = base_url.rsplit("//", 1)[1].rsplit(":", 1)
+    return host, int(port)
+
+
+def _read_to_close(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(1 << 16):
+        data += chunk
+    return data
+
+
+def _error_answer(raw: bytes, status: int) -> dict:
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), raw[:200]
+    assert b"content-type: application/json" in head.lower() and b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    return error
+
+
+@pytest.fixture
+def tiny_server():
+    """uvicorn with the API process's protocol (a 0.3 s header timeout) over a trivial app, on
+    loopback; its socket listens before uvicorn runs, so clients connect at once."""
+    from dsv4.serve.http.server import listen_socket
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sock = listen_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, http=connection.http_protocol(0.3), lifespan="off",
+                                           log_level="critical"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    yield sock.getsockname()
+    server.should_exit = True
+    thread.join(30)
+    sock.close()
+
+
+def test_headers_that_never_finish_get_a_408_and_the_connection_closed(tiny_server):
+    with socket.create_connection(tiny_server, timeout=30) as uploading, \
+            socket.create_connection(tiny_server, timeout=30) as kept, \
+            socket.create_connection(tiny_server, timeout=30) as stalled:
+        # complete headers, body pending: its timer (armed first) is cancelled with the headers
+        uploading.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n")
+        kept.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert kept.recv(1 << 16).endswith(b"\r\n\r\nok")
+        kept.sendall(b"GET / HTTP/1.1\r\nHo")                   # a kept-alive connection's next request
+        stalled.sendall(b"GET /heal")                            # half a request line
+        for sock in (stalled, kept):
+            error = _error_answer(_read_to_close(sock), 408)
+            assert "--header-timeout" in error["message"]
+        uploading.sendall(b"{}")                                 # (its deadline passed before the others')
+        assert uploading.recv(1 << 16).startswith(b"HTTP/1.1 200 ")
+    assert httpx.get(f"http://{tiny_server[0]}:{tiny_server[1]}/", trust_env=False).text == "ok"
+
+
+def test_oversized_headers_get_a_431(tiny_server, monkeypatch):
+    monkeypatch.setattr(connection, "MAX_HEADER_BYTES", 1000)
+    with socket.create_connection(tiny_server, timeout=30) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nX-Big: " + b"a" * 1500)
+        _error_answer(_read_to_close(sock), 431)
+
+
+def test_malformed_framing_gets_an_openai_400_body(fake_server):
+    with socket.create_connection(_address(fake_server.base_url), timeout=30) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
+        _error_answer(_read_to_close(sock), 400)
+    assert httpx.get(fake_server.base_url + "/health", trust_env=False).status_code == 200
