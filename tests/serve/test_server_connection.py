@@ -1,6 +1,6 @@
 """The HTTP level of the API process (serve/http/connection.py; docs/architecture.md,
 "Serving"): headers that never finish get a 408 and a closed connection, oversized headers a
-431, malformed framing an OpenAI 400 body."""
+431, malformed framing an OpenAI 400 body; HEAD answers every GET route."""
 import json
 import socket
 import threading
@@ -90,3 +90,13 @@ def test_malformed_framing_gets_an_openai_400_body(fake_server):
         sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n")
         _error_answer(_read_to_close(sock), 400)
     assert httpx.get(fake_server.base_url + "/health", trust_env=False).status_code == 200
+
+
+def test_head_answers_every_get_route_without_a_body(fake_server):
+    with httpx.Client(base_url=fake_server.base_url, trust_env=False, timeout=30) as http:
+        for path in ("/health", "/v1/models", "/v1/models/dsv4-test", "/metrics", "/version", "/openapi.json"):
+            got, head = http.get(path), http.head(path)
+            assert (head.status_code, head.content) == (200, b""), path
+            assert head.headers.get("content-type") == got.headers.get("content-type"), path
+        assert http.head("/v1/models/gpt-4").status_code == 404
+        assert http.head("/v1/completions").status_code == 405

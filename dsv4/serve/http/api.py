@@ -5,6 +5,7 @@ bodies, the OpenAPI schema.
 starts the client's socket tasks in the server's event loop. With an API key, every
 `/v1/*` route and `/tokenize`, `/detokenize` need `Authorization: Bearer KEY` (401
 otherwise); `/health`, `/metrics`, `/version` and `/openapi.json` stay open, as in vLLM.
+Every GET route answers HEAD too (`HeadAsGet`).
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def build_app(state: ServerState, on_ready=None, warm: bool = False, server_inde
         app.add_middleware(BearerAuth, api_key=state.api_key)
     if server_index is not None:
         app.add_middleware(ServerIndexHeader, index=server_index)
+    app.add_middleware(HeadAsGet)
     _add_routes(app, state)
     openapi.install(app, utility.version()["version"])
     return app
@@ -71,6 +73,25 @@ class BearerAuth:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class HeadAsGet:
+    """Pure ASGI middleware: `HEAD` is answered as `GET` without the body (status and headers as
+    GET's: `HEAD /health` is 200 when GET's is); FastAPI's GET routes take no HEAD by themselves."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def without_body(message):
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+        await self.app({**scope, "method": "GET"}, receive, without_body)
 
 
 class ServerIndexHeader:
