@@ -63,7 +63,11 @@ class Tokenizer:
         return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
-        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        if len(ids) < ENCODE_BATCH_FROM:
+            return self._hf.decode(ids, skip_special_tokens=skip_special_tokens)
+        # as `encode`: `decode` holds the GIL for the whole call, `decode_batch` releases it.
+        return self._hf.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
 
     def max_token_chars(self) -> int:
         """An upper bound on the characters one token stands for in any text: the longest

@@ -1,6 +1,8 @@
-"""The HTTP level of the API process (serve/http/connection.py; docs/architecture.md,
+"""The HTTP level of the API process (serve/http/connection.py, render.py; docs/architecture.md,
 "Serving"): headers that never finish get a 408 and a closed connection, oversized headers a
-431, malformed framing an OpenAI 400 body; HEAD answers every GET route."""
+431, malformed framing an OpenAI 400 body; HEAD answers every GET route; a large whole
+response is rendered off the event loop, in pieces, while other requests are served."""
+import asyncio
 import json
 import socket
 import threading
@@ -9,7 +11,7 @@ import httpx
 import pytest
 import uvicorn
 
-from dsv4.serve.http import connection
+from dsv4.serve.http import connection, render
 
 pytest_plugins = ["serve.server_fixtures"]
 
@@ -100,3 +102,62 @@ def test_head_answers_every_get_route_without_a_body(fake_server):
             assert head.headers.get("content-type") == got.headers.get("content-type"), path
         assert http.head("/v1/models/gpt-4").status_code == 404
         assert http.head("/v1/completions").status_code == 405
+
+
+# ---- large whole responses -----------------------------------------------------------------
+def _dumps(value) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def test_pieces_are_the_json_text_in_bounded_calls(monkeypatch):
+    monkeypatch.setattr(render, "STRING_CHARS", 1000)       # (a long string is cut into pieces too)
+    top = [{f"t{j}": -1.0 - j / 7 for j in range(20)} for _ in range(300)]
+    chat = {"content": [{"token": "é", "logprob": -1.0, "bytes": [195, 169],
+                         "top_logprobs": [{"token": "\"\n", "logprob": -2.5, "bytes": [34, 10]}] * 20}] * 300}
+    body = {"id": "x", "choices": [{"index": i, "text": "ab\"\\\u2028" * 40_000, "logprobs": {"top_logprobs": top},
+                                    "chat": chat, "empty": [], "nested": [[1, [2]], {}], "ints": {1: 2}}
+                                   for i in range(3)], "usage": None}
+    parts = list(render.pieces(body, budget=256))
+    assert "".join(parts) == _dumps(body) and render.render(body) == _dumps(body).encode()
+    assert len(parts) > 1000 and max(len(p) for p in parts) < len(_dumps(body)) // 200
+    for value in (1, "x", [], {}, [None] * 100, {"a": float("inf")}):
+        if value == {"a": float("inf")}:
+            with pytest.raises(ValueError):       # as Starlette's JSONResponse: no NaN/Infinity
+                render.render(value)
+        else:
+            assert render.render(value) == _dumps(value).encode()
+
+
+def test_a_large_completion_is_rendered_while_other_requests_are_served(fake_server, monkeypatch):
+    """The big body's render is held (in its worker thread) until a health check and a whole
+    stream have been answered: were it rendered on the event loop, neither could be."""
+    rendering, release = threading.Event(), threading.Event()
+
+    async def held_to_thread(fn, *args):
+        def held():
+            rendering.set()
+            assert release.wait(60)
+            return fn(*args)
+        return await asyncio.to_thread(held)
+
+    monkeypatch.setattr(render, "to_thread", held_to_thread)
+    big = {"prompt": "hi", "n": 128, "logprobs": 20, "max_tokens": 16}
+    answer = {}
+    worker = threading.Thread(target=lambda: answer.update(r=httpx.post(
+        fake_server.base_url + "/v1/completions", json=big, timeout=120, trust_env=False)))
+    worker.start()
+    try:
+        assert rendering.wait(60), "the large body was not rendered in a worker thread"
+        with httpx.Client(base_url=fake_server.base_url, trust_env=False, timeout=30) as http:
+            assert http.get("/health").status_code == 200
+            events = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "stream": True}).text
+            assert events.endswith("data: [DONE]\n\n") and events.count("data: {") >= 2
+            assert not answer
+    finally:
+        release.set()
+        worker.join(60)
+    r = answer["r"]
+    assert r.status_code == 200, r.text[:300]
+    choices = r.json()["choices"]
+    assert len(choices) == 128 and all(len(top) == 20 for c in choices for top in c["logprobs"]["top_logprobs"])
+    assert render.weight(r.json()) > render.IN_THREAD_FROM

@@ -45,6 +45,16 @@ def test_exact_round_trip_of_arbitrary_text(tok):
     assert tok.decode(tok.encode(text)) == text
 
 
+def test_long_id_lists_decode_as_one_call_does(tok):
+    """From ENCODE_BATCH_FROM ids `decode` takes the batch call (it releases the GIL): same text."""
+    from dsv4.text.tokenizer import ENCODE_BATCH_FROM
+    ids = tok.encode("ß 中文 🎉 x" * 2000) + [tok.special_ids[THINK_END], 7]
+    assert len(ids) >= ENCODE_BATCH_FROM
+    for skip in (False, True):
+        assert tok.decode(ids, skip) == tok._hf.decode(ids, skip_special_tokens=skip)
+    assert tok.decode(iter(ids)) == tok._hf.decode(ids, skip_special_tokens=False)
+
+
 def test_from_dir_requires_tokenizer_json(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.from_dir(tmp_path)

@@ -12,13 +12,12 @@ from __future__ import annotations
 import contextlib
 import hmac
 import inspect
-import json
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from . import errors, openapi, utility
+from . import errors, openapi, render, utility
 from .chat import create_chat_completion
 from .completions import create_completion
 from .limits import BodySizeLimit
@@ -163,10 +162,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
 async def _in_thread(handler, raw: bytes, state: ServerState) -> Response:
     """handler(raw, state) -> dict, run and JSON-encoded in a worker thread (a million
-    token ids take a while either way)."""
-    def run() -> bytes:
-        return json.dumps(handler(raw, state), ensure_ascii=False, separators=(",", ":")).encode()
-    return Response(await run_in_threadpool(run), media_type="application/json")
+    token ids take a while either way), in pieces (render.py: the loop gets the GIL between them)."""
+    return Response(await run_in_threadpool(lambda: render.render(handler(raw, state))), media_type="application/json")
 
 
 def _require_engine(state: ServerState) -> None:

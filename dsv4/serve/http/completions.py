@@ -73,7 +73,11 @@ class CompletionChoice:
             if self.logprobs is not None:
                 lp = _join(lp, self.logprobs.build(out.token_ids, out.logprobs or []))
         if self.logprobs is not None and lp is not None:
-            self.lp_all = _join(self.lp_all, lp)
+            if self.lp_all is None:
+                self.lp_all = {k: list(v) for k, v in lp.items()}
+            else:                                       # (in place: a new list per output was quadratic)
+                for k, v in lp.items():
+                    self.lp_all[k].extend(v)
         self.text += text
         if out.finished:
             self.finish_reason = "length" if self.score_only else out.finish_reason

@@ -17,6 +17,7 @@ from ..client import EngineDead, RequestGroup
 from .errors import APIError, error_body
 from ...engine.ipc import RequestFailed, TokenOutput
 from .metrics import RequestTracker
+from .render import json_response
 
 log = logging.getLogger("dsv4.serve")
 DONE = "data: [DONE]\n\n"
@@ -90,14 +91,14 @@ def guarded(group: RequestGroup, tracker: RequestTracker):
 async def respond_whole(group: RequestGroup, tracker: RequestTracker, head: dict, choices: list, usage,
                         extra: dict | Callable[[], dict] | None = None):
     """Non-streaming answer: feed every output to its choice, then one JSON body (with
-    `extra`'s fields; a callable is asked once every output is in)."""
-    from fastapi.responses import JSONResponse
+    `extra`'s fields; a callable is asked once every output is in), rendered off the event loop
+    when large (render.py)."""
     with guarded(group, tracker):
         async for index, out in outputs(group, tracker):
             choices[index].update(out)
     extra = extra() if callable(extra) else extra
     body = {**head, **(extra or {}), "choices": [c.whole() for c in choices], "usage": usage.to_dict()}
-    return JSONResponse(body, headers={"X-Request-Id": head["id"]})
+    return await json_response(body, headers={"X-Request-Id": head["id"]})
 
 
 def _end(group: RequestGroup, tracker: RequestTracker, reason: str) -> None:
