@@ -38,6 +38,9 @@ def register(subparsers) -> None:
     limits.add_argument("--header-timeout", type=float, default=60.0, metavar="S",
                         help="seconds a request's line and headers may take to arrive; a slower client gets "
                              "408 and its connection is closed (default: 60)")
+    limits.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
+                        help="seconds a request's body may go without a byte arriving; then 408 and the "
+                             "connection is closed (default: 60)")
     media = p.add_argument_group("images (vision models, docs/vision.md)")
     media.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                        help="image URLs may name files (file://) inside DIR (default: no local files)")
@@ -108,8 +111,9 @@ def _limits(args):
         raise SystemExit(f"dsv4 serve: --max-batch-requests must be >= 1, got {args.max_batch_requests}")
     if not args.shutdown_timeout >= 0:
         raise SystemExit(f"dsv4 serve: --shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    if not args.header_timeout > 0:
-        raise SystemExit(f"dsv4 serve: --header-timeout must be > 0, got {args.header_timeout}")
+    for flag in ("header_timeout", "body_timeout"):
+        if not getattr(args, flag) > 0:
+            raise SystemExit(f"dsv4 serve: --{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     from ..serve.http.media import MediaPolicy
     if not args.media_max_mb > 0 or not args.media_timeout > 0:
         raise SystemExit("dsv4 serve: --media-max-mb and --media-timeout must be > 0")
@@ -119,7 +123,7 @@ def _limits(args):
                         args.media_timeout)
     return ServerLimits(max_body_bytes=int(args.max_request_body_mb * MB), max_batch_requests=args.max_batch_requests,
                         strict_api=args.strict_api, shutdown_timeout=args.shutdown_timeout,
-                        header_timeout=args.header_timeout, media=media)
+                        header_timeout=args.header_timeout, body_timeout=args.body_timeout, media=media)
 
 
 def api_server_count(args, disaggregated: bool) -> int:

@@ -37,10 +37,11 @@ def _error_answer(raw: bytes, status: int) -> dict:
     return error
 
 
-@pytest.fixture
-def tiny_server():
-    """uvicorn with the API process's protocol (a 0.3 s header timeout) over a trivial app, on
-    loopback; its socket listens before uvicorn runs, so clients connect at once."""
+@pytest.fixture(params=[(0.3, 30.0)])
+def tiny_server(request):
+    """uvicorn with the API process's protocol (header and body timeouts: the param, by default
+    a 0.3 s header timeout) over a trivial app, on loopback; its socket listens before uvicorn
+    runs, so clients connect at once."""
     from dsv4.serve.http.server import listen_socket
 
     async def app(scope, receive, send):
@@ -52,7 +53,7 @@ def tiny_server():
         await send({"type": "http.response.body", "body": b"ok"})
 
     sock = listen_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, http=connection.http_protocol(0.3), lifespan="off",
+    server = uvicorn.Server(uvicorn.Config(app, http=connection.http_protocol(*request.param), lifespan="off",
                                            log_level="critical"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -77,6 +78,20 @@ def test_headers_that_never_finish_get_a_408_and_the_connection_closed(tiny_serv
             assert "--header-timeout" in error["message"]
         uploading.sendall(b"{}")                                 # (its deadline passed before the others')
         assert uploading.recv(1 << 16).startswith(b"HTTP/1.1 200 ")
+    assert httpx.get(f"http://{tiny_server[0]}:{tiny_server[1]}/", trust_env=False).text == "ok"
+
+
+@pytest.mark.parametrize("tiny_server", [(30.0, 0.3)], indirect=True)
+def test_a_body_that_stops_arriving_gets_a_408_and_the_connection_closed(tiny_server):
+    with socket.create_connection(tiny_server, timeout=30) as stalled, \
+            socket.create_connection(tiny_server, timeout=30) as whole:
+        stalled.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n{}")     # 2 of 10 bytes
+        whole.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        assert whole.recv(1 << 16).endswith(b"\r\n\r\nok")      # a whole body: its timer cancelled
+        error = _error_answer(_read_to_close(stalled), 408)
+        assert "--body-timeout" in error["message"]
+        whole.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")         # (kept alive past the deadline)
+        assert whole.recv(1 << 16).endswith(b"\r\n\r\nok")
     assert httpx.get(f"http://{tiny_server[0]}:{tiny_server[1]}/", trust_env=False).text == "ok"
 
 
@@ -161,3 +176,10 @@ def test_a_large_completion_is_rendered_while_other_requests_are_served(fake_ser
     choices = r.json()["choices"]
     assert len(choices) == 128 and all(len(top) == 20 for c in choices for top in c["logprobs"]["top_logprobs"])
     assert render.weight(r.json()) > render.IN_THREAD_FROM
+
+
+@pytest.mark.parametrize("flag", ["--header-timeout", "--body-timeout"])
+def test_timeout_flags_must_be_positive(flag):
+    from dsv4.cli import main
+    with pytest.raises(SystemExit, match=f"{flag} must be > 0, got 0"):
+        main(["serve", flag, "0"])

@@ -6,6 +6,11 @@ lacks (docs/architecture.md, "Serving").
   later one on a kept-alive connection); else the client gets a 408 and the connection is
   closed. uvicorn times out idle kept-alive connections only, so a client that sends half a
   request line held its connection forever.
+* A body idle timeout: once the headers are in, a request body may go at most `body_timeout`
+  seconds without a byte arriving (while the server reads; not while it has paused reading
+  for the application to catch up); else a 408 where no answer has started, and the
+  connection is closed either way, the application seeing a disconnect. A client that sent
+  headers and then its body a byte a minute held the connection and its request forever.
 * Headers are bounded: more than `MAX_HEADER_BYTES` of request line and headers is a 431 and
   the connection is closed (httptools buffers a header of any size).
 * Malformed framing is a 400 with an OpenAI error body (uvicorn writes plain text).
@@ -20,19 +25,22 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from .errors import error_body
 
 HEADER_TIMEOUT_S = 60.0       # a reverse proxy's usual client header timeout
+BODY_TIMEOUT_S = 60.0         # ... and its usual client body timeout (between two reads)
 MAX_HEADER_BYTES = 1 << 20    # (bytes read while the headers were incomplete, counted per read)
 
 
 class LimitedHttpProtocol(HttpToolsProtocol):
     header_timeout: float = HEADER_TIMEOUT_S
+    body_timeout: float = BODY_TIMEOUT_S
 
     def connection_made(self, transport) -> None:
-        self._header_timer, self._header_bytes = None, 0
+        self._header_timer, self._header_bytes, self._body_timer = None, 0, None
         super().connection_made(transport)
         self._arm_header_timer()
 
     def connection_lost(self, exc) -> None:
         self._cancel_header_timer()
+        self._cancel_body_timer()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -52,6 +60,15 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._cancel_header_timer()
         super().on_headers_complete()
+        self._arm_body_timer()        # (a request without a body completes at once: cancelled)
+
+    def on_body(self, body: bytes) -> None:
+        super().on_body(body)
+        self._arm_body_timer()
+
+    def on_message_complete(self) -> None:
+        self._cancel_body_timer()
+        super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:
         self._cancel_header_timer()
@@ -71,6 +88,31 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self._refuse(408, f"the request's headers did not arrive within {self.header_timeout:g} s "
                               f"(--header-timeout)")
 
+    def _arm_body_timer(self) -> None:
+        self._cancel_body_timer()
+        self._body_timer = self.loop.call_later(self.body_timeout, self._body_timed_out)
+
+    def _cancel_body_timer(self) -> None:
+        if self._body_timer is not None:
+            self._body_timer.cancel()
+            self._body_timer = None
+
+    def _body_timed_out(self) -> None:
+        self._body_timer = None
+        if self.transport.is_closing() or self.cycle is None:
+            return
+        if self.flow.read_paused:         # we stopped reading, not the client: wait on
+            self._arm_body_timer()
+            return
+        cycle = self.cycle
+        cycle.disconnected = True         # the application's receive() says so; its sends are dropped
+        cycle.message_event.set()
+        if cycle.response_started:
+            self.transport.close()
+        else:
+            self._answer_and_close(408, f"no byte of the request's body arrived for {self.body_timeout:g} s "
+                                        f"(--body-timeout)")
+
     def _refuse(self, status: int, message: str) -> None:
         if self.cycle is not None and not self.cycle.response_complete:
             self.flow.pause_reading()          # an earlier pipelined request's answer still goes out,
@@ -89,6 +131,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.transport.close()
 
 
-def http_protocol(header_timeout: float = HEADER_TIMEOUT_S) -> type[LimitedHttpProtocol]:
+def http_protocol(header_timeout: float = HEADER_TIMEOUT_S,
+                  body_timeout: float = BODY_TIMEOUT_S) -> type[LimitedHttpProtocol]:
     """The protocol class for `uvicorn.Config(http=...)`."""
-    return type("LimitedHttpProtocol", (LimitedHttpProtocol,), {"header_timeout": header_timeout})
+    return type("LimitedHttpProtocol", (LimitedHttpProtocol,),
+                {"header_timeout": header_timeout, "body_timeout": body_timeout})

@@ -22,6 +22,7 @@ class ServerLimits:
     strict_api: bool = False           # unknown request fields: 400 (else ignored with a warning)
     shutdown_timeout: float = 30.0     # seconds running requests get to finish at shutdown
     header_timeout: float = 60.0       # seconds a request's line and headers may take (connection.py)
+    body_timeout: float = 60.0         # seconds a request's body may go without a byte (connection.py)
     media: MediaPolicy = MediaPolicy()  # where image URLs may point (docs/vision.md)
 
 

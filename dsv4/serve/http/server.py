@@ -139,7 +139,8 @@ class APIServer:
             if s.disagg is not None:
                 from ...disagg.serving import add_disagg_routes
                 add_disagg_routes(app, state, s.disagg)
-            config = uvicorn.Config(app, log_level=s.log_level, http=http_protocol(s.limits.header_timeout))
+            config = uvicorn.Config(app, log_level=s.log_level,
+                                    http=http_protocol(s.limits.header_timeout, s.limits.body_timeout))
             gc.freeze()     # start-up objects (app, tokenizer) out of the full collections that run while serving
             self.uvicorn = GracefulServer(config, s.limits.shutdown_timeout, self.client.fail_all,
                                           on_stop=self.workers.stop if self.workers is not None else None)
