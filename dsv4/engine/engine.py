@@ -68,7 +68,7 @@ class LLMEngine(GrammarSteps):
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.tokenizer or model_dir)
         self.layout = CacheLayout(self.cfg, spec_slots=config.spec_slots, with_mtp=spec is not None,
                                   kv_fp8=config.kv_cache_dtype == "fp8")
-        self.workspace = workspace_components(self.cfg, config, self.layout, DTYPES[config.dtype])
+        self.workspace = workspace_components(self.cfg, config, DTYPES[config.dtype])
         self.plan = plan_cache(self.layout, config, DTYPES[config.dtype], sum(self.workspace.values()))
         limit = context_limit(self.cfg, self.plan, config)
         self.max_model_len, self.context_limit = limit.tokens, limit.source

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.layout import CacheLayout
 from ..config import CSA_RATIO, EngineConfig, ModelConfig
 
 # the components a plan names
@@ -21,8 +20,7 @@ def context_bound(cfg: ModelConfig, config: EngineConfig) -> int:
     return config.max_model_len or cfg.max_position_embeddings
 
 
-def workspace_components(cfg: ModelConfig, config: EngineConfig, layout: CacheLayout,
-                         dtype: torch.dtype) -> dict[str, int]:
+def workspace_components(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> dict[str, int]:
     """Bytes of each workspace term, T = max_num_batched_tokens (the largest step), E = C4
     entries of the longest request (context_bound / 4), k = min(index_topk, E):
     - INDEXER: the scores of one prefill chunk's tiles (ops/triton/indexer.py, score_bytes):
@@ -39,7 +37,7 @@ def workspace_components(cfg: ModelConfig, config: EngineConfig, layout: CacheLa
     out = {INDEXER: indexer_score_bytes(cfg, config, T, side_stream=cuda),
            ACTIVATIONS: T * step_bytes_per_token(cfg, dtype, logits=True)}
     if cuda and not config.enforce_eager and config.cuda_graph_max_bs > 0 and config.data_parallel_size == 1:
-        out[GRAPHS] = graph_bytes(cfg, config, layout, dtype)
+        out[GRAPHS] = graph_bytes(cfg, config, dtype)
     return out
 
 
@@ -71,7 +69,7 @@ def step_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, logits: bool) -> 
     return streams + max(streams + max(attention, moe), head)
 
 
-def graph_bytes(cfg: ModelConfig, config: EngineConfig, layout: CacheLayout, dtype: torch.dtype) -> int:
+def graph_bytes(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> int:
     """The decode CUDA graphs (engine/cuda_graphs.py): every shape `warmup` captures (uniform
     steps of q = 1, and k + 1 with k speculative tokens), sharing one pool:
     - the pool's peak: the largest shape's step (B * q tokens) without the head (it runs after
@@ -80,9 +78,9 @@ def graph_bytes(cfg: ModelConfig, config: EngineConfig, layout: CacheLayout, dty
     - each shape's outputs kept in the pool: the head input [B * q, H] (and with an MTP
       drafter the streams [B * q, N, H], with DSpark the taps [B * q, n_taps * H]);
     - each shape's static inputs (the padded ForwardBatch's leaves in one device buffer,
-      HostToDevice.allocate): exactly as build_step makes them.
+      HostToDevice.allocate): cuda_graphs.static_bytes, exactly what StepGraphs allocates.
     The speculative drafters' own graphs are not counted."""
-    from ..engine.cuda_graphs import graph_shapes
+    from .cuda_graphs import graph_shapes, static_bytes
     spec, elem = config.speculative_config, torch.empty((), dtype=dtype).element_size()
     qs = (1, spec.num_speculative_tokens + 1) if spec is not None else (1,)
     per_row = cfg.hidden_size * elem
@@ -95,15 +93,4 @@ def graph_bytes(cfg: ModelConfig, config: EngineConfig, layout: CacheLayout, dty
     top = max(s.seqs * s.tokens for s in shapes)
     pool = top * step_bytes_per_token(cfg, dtype, logits=False) + indexer_score_bytes(cfg, config, top, False)
     outputs = sum(s.seqs * s.tokens for s in shapes) * per_row
-    return pool + outputs + sum(static_input_bytes(layout, s, config.max_num_seqs, context_bound(cfg, config))
-                                for s in shapes)
-
-
-def static_input_bytes(layout: CacheLayout, shape, max_num_seqs: int, max_model_len: int) -> int:
-    """Bytes of the device buffer StepGraphs keeps for `shape`'s padded batch."""
-    from ..cache.addressing import Scratch, build_step
-    from .cuda_graphs import warmup_seqs
-    from .upload import _layout, leaf_tensors
-    scratch = Scratch(0, 0, 0)
-    batch = build_step(warmup_seqs(shape, scratch, max_model_len), layout, max_num_seqs + 1, shape, scratch)
-    return _layout(leaf_tensors(batch))[1]
+    return pool + outputs + sum(map(static_bytes, shapes))
