@@ -78,7 +78,8 @@ class LLMEngine(GrammarSteps):
                                                                       self.workers)
         else:
             self.cache = CacheManager(self.layout, self.plan, prefix_caching=prefix_caching(config))
-            self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs)
+            self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs,
+                                       config.max_prompt_logprobs_tokens)
             self.runner = ModelRunner(self.model, self.layout, self.plan, self.cache, config.device,
                                       0 if config.enforce_eager else config.cuda_graph_max_bs,
                                       keep_hidden=spec is not None and spec.method != "dspark",

@@ -108,7 +108,21 @@ def test_graphs_counted_only_where_captured():
     assert ws.GRAPHS not in parts["cpu"] and parts["cuda"][ws.GRAPHS] > 0
     eager = ws.workspace_components(cfg, EngineConfig(device="cuda", enforce_eager=True, **base), torch.float32)
     assert ws.GRAPHS not in eager
-    assert parts["cpu"][ws.ACTIVATIONS] == 64 * ws.step_bytes_per_token(cfg, torch.float32, logits=True)
+    # 64 tokens a step: every row may have logits (a prompt-logprobs chunk of the whole step)
+    assert parts["cpu"][ws.ACTIVATIONS] == ws.step_bytes(cfg, torch.float32, 64, 64)
+
+
+def test_logits_rows_bound_by_the_prompt_logprobs_limit():
+    """One chunk of prompt-logprobs rows beside a row a sequence (k + 1 verifying k drafts), or
+    every sequence verifying, whichever is more; never more than the step's tokens."""
+    def rows(tokens, limit, k=0):
+        spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+        return ws.logits_rows(EngineConfig(max_num_batched_tokens=tokens, max_num_seqs=64,
+                                           max_prompt_logprobs_tokens=limit, speculative_config=spec))
+    assert rows(2048, 512) == 512 + 63
+    assert rows(2048, 8, k=2) == 8 + 63 * 3
+    assert rows(2048, 1, k=2) == 64 * 3
+    assert rows(300, 512) == 300
 
 
 def test_free_memory_budget_leaves_out_exactly_the_workspace(monkeypatch):
