@@ -276,6 +276,7 @@ class EngineConfig:
     dtype: str = "float32"                 # float32 | bfloat16
     max_num_batched_tokens: int | None = None   # tokens per step, all sequences together; None: by device (default_batched_tokens)
     max_num_seqs: int = 64                 # sequences per step (and request state slots)
+    max_prompt_logprobs_tokens: int = 512  # prompt positions a step computes prompt logprobs for (logits rows)
     max_model_len: int | None = None       # prompt + output tokens; None: min(model max, cache)
     num_pages: int | None = None           # 256-token history pages; None: from the memory budget
     cache_memory_gb: float | None = None   # cache budget; None: 1 GiB on CPU, 90% of free on GPU
@@ -307,7 +308,7 @@ class EngineConfig:
     def __post_init__(self):
         if self.max_num_batched_tokens is None:
             object.__setattr__(self, "max_num_batched_tokens", default_batched_tokens(self.device, serving=False))
-        for name in ("max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_bs"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "cuda_graph_max_bs", "max_prompt_logprobs_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, f"expected a positive integer, got {getattr(self, name)}")
         if self.dtype not in ("float32", "bfloat16"):

@@ -173,6 +173,19 @@ def _pad_rows(a: np.ndarray, rows: int, fill: int) -> np.ndarray:
     return out
 
 
+def padded_leaf_shapes(shape: StepShape) -> list[tuple[int, ...]]:
+    """The shapes of the tensors (all int64) of `build_step`'s batch padded to `shape`, T =
+    seqs x tokens: token ids, positions, SWA writes, the logits rows and each read's req / lo /
+    hi are [T]; each plan's entry slot, entry position, ring destination and source [T] and its
+    groups [T, span]; the page tables [seqs, columns]. What a CUDA graph's static inputs hold
+    (engine/cuda_graphs.py), known without building a step."""
+    B, T = shape.seqs, shape.seqs * shape.tokens
+    columns = _history_columns(shape.e4, shape.e128)
+    tables = [(B, shape.swa_pages), (B, columns), (B, columns * (PAGE_TOKENS // HCA_RATIO))]
+    plans = [(T, 2 * CSA_RATIO), (T, HCA_RATIO)]
+    return [(T,)] * (3 + 3 * 3 + 2 * 4 + 1) + tables + plans
+
+
 def _swa_only_batch(token_ids, positions, swa_write, swa: PagedRows, logits_rows: torch.Tensor,
                     seq_lens: tuple[int, ...]) -> ForwardBatch:
     """A ForwardBatch whose compressed-entry reads are empty and whose plans close no group."""

@@ -13,6 +13,9 @@ HELP = {
     "max_num_batched_tokens": "tokens per step across all sequences (default: 8192 serving and 16384 offline on a "
                               "GPU of >= 70 GiB other than an A100, 2048 and 8192 on other GPUs, 2048 on the CPU)",
     "max_num_seqs": "sequences per step",
+    "max_prompt_logprobs_tokens": "prompt positions a step computes prompt logprobs for, all requests together (a "
+                                  "request asking for them prefills in chunks of at most this): bounds the logits "
+                                  "rows of a step, which the memory plan's workspace counts",
     "max_model_len": "prompt + output tokens of one request (default: model max or what the cache holds)",
     "num_pages": "256-token history pages in the KV cache (default: from the memory budget)",
     "cache_memory_gb": "KV cache budget in GiB (default: 1 on CPU, 90%% of free GPU memory)",

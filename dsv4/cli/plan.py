@@ -33,7 +33,7 @@ def run(args) -> int:
     layout = CacheLayout(cfg, spec_slots=config.spec_slots, with_mtp=config.speculative_config is not None,
                          kv_fp8=config.kv_cache_dtype == "fp8")
     try:               # the same start-up checks as the engine's (a max_model_len no request could use)
-        workspace = workspace_components(cfg, config, layout, dtype)
+        workspace = workspace_components(cfg, config, dtype)
         plan = plan_cache(layout, config, dtype, sum(workspace.values()))
         limit = context_limit(cfg, plan, config)
     except ConfigError as e:

@@ -29,6 +29,7 @@ import msgspec
 
 from ..config_parse import vision_dict
 from ..model.vision.spans import ImageSpan
+from .deferred_free import DeferredFree
 from .ipc import (AbortRequests, AddRequest, Addresses, EngineStats, Ready, RequestFailed, ResetPrefixCache,
                   Shutdown, StartupFailed, StepOutputs, TokenOutput, decode_input, encode, engine_sockets,
                   parent_alive)
@@ -41,6 +42,7 @@ class EngineCore:
     def __init__(self, engine):
         self.engine = engine
         engine.make_output = self._output   # the engine's step returns our wire outputs (made per token)
+        engine.deferred_free = DeferredFree()   # (our outputs keep no prompt: the engine frees them, between steps)
         self._sent: dict[str, int] = {}   # request id -> tokens already forwarded
         self._aborted: set[str] = set()   # aborted since the last step: their outputs made before are dropped
         self._failures: list[RequestFailed] = []
@@ -95,6 +97,11 @@ class EngineCore:
             outs = [o for o in outs if o.request_id not in self._aborted]
             self._aborted.clear()
         return outs
+
+    def idle(self) -> list:
+        """No work: free what ended requests left (engine/deferred_free.py); no outputs."""
+        self.engine.deferred_free.release_all()
+        return []
 
     def _isolate(self) -> list:
         """Run each request the failed step may have touched (the running ones and the next
@@ -237,7 +244,7 @@ def serve_loop(core: EngineCore, inbox, outbox, parent_pid: int) -> None:
             return
         for m in messages:
             core.handle(m)
-        outputs = core.step() if core.has_work else []
+        outputs = core.step() if core.has_work else core.idle()
         failures = core.take_failures()
         if messages or outputs or failures:
             outbox.send_step(StepOutputs(outputs, failures, core.stats()))   # (each API process its own part)

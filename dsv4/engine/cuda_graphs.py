@@ -18,15 +18,16 @@ machines without CUDA.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
-from ..cache.addressing import Scratch, SeqChunk, StepShape, build_step
+from ..cache.addressing import Scratch, SeqChunk, StepShape, build_step, padded_leaf_shapes
 from ..cache.layout import SWA_PAGE_TOKENS
 from ..cache.step_rows import StepRows, as_rows
 from ..config import CSA_RATIO, HCA_RATIO
 from ..model.forward_batch import ForwardBatch
-from .upload import HostToDevice, leaf_tensors, replace_leaves, tensor_leaves
+from .upload import HostToDevice, leaf_tensors, packed_bytes, replace_leaves, tensor_leaves
 
 log = logging.getLogger("dsv4.engine")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -56,10 +57,29 @@ def graph_shapes(max_bs: int, max_seqs: int, max_model_len: int, q: int, window:
     position <= max_model_len, for steps of at most max_seqs sequences. Largest batches first
     (their graphs take the most memory)."""
     top = batch_bucket(max_seqs, max_bs) or max_bs
-    widths = sorted({(width_bucket(end // 4), width_bucket(end // 128)) for end in range(q, max_model_len + 1)})
+    widths = end_widths(q, max_model_len)
     swa = (window + q - 2) // SWA_PAGE_TOKENS + 2
     return [StepShape(seqs=b, tokens=q, e4=e4, e128=e128, swa_pages=swa)
             for b in sorted((b for b in BATCH_BUCKETS if b <= top), reverse=True) for e4, e128 in widths]
+
+
+def static_bytes(shape: StepShape) -> int:
+    """Bytes of the device buffer a shape's graph reads its batch from (`StepGraphs._static`:
+    the padded batch's int64 leaves packed as HostToDevice.allocate packs them)."""
+    return packed_bytes([8 * math.prod(s) for s in padded_leaf_shapes(shape)])
+
+
+def end_widths(first: int, last: int) -> list[tuple[int, int]]:
+    """The distinct (E4, E128) width pairs of sequences ending at any position in [first, last],
+    in order: one per run of ends with the same pair (a width bucket b covers the entry counts
+    up to b, so the pair changes only where end // 4 or end // 128 passes its bucket), not one
+    per position."""
+    widths, end = [], first
+    while end <= last:
+        e4, e128 = width_bucket(end // CSA_RATIO), width_bucket(end // HCA_RATIO)
+        widths.append((e4, e128))
+        end = min(CSA_RATIO * (e4 + 1), HCA_RATIO * (e128 + 1))
+    return widths
 
 
 def warmup_seqs(shape: StepShape, scratch: Scratch, max_end: int) -> list[SeqChunk]:

@@ -172,9 +172,10 @@ class DPScheduler:
     by rank."""
 
     def __init__(self, caches: DPCaches, max_num_batched_tokens: int, max_num_seqs: int,
-                 hit_slack: int | None = None):
+                 hit_slack: int | None = None, max_prompt_logprobs_tokens: int | None = None):
         self.caches = caches
-        self.ranks = [Scheduler(c, max_num_batched_tokens, max_num_seqs) for c in caches.ranks]
+        self.ranks = [Scheduler(c, max_num_batched_tokens, max_num_seqs, max_prompt_logprobs_tokens)
+                      for c in caches.ranks]
         self.hit_slack = default_hit_slack(max_num_seqs) if hit_slack is None else hit_slack
 
     @property
@@ -297,7 +298,8 @@ def check_expert_split(model_dir: str, config: EngineConfig) -> None:
 def dp_engine_parts(model, layout, plan, config, workers) -> tuple[DPCaches, DPScheduler, DPRunner]:
     """Rank 0's cache records, scheduler and runner for `config.data_parallel_size` ranks."""
     caches = DPCaches(layout, plan, config.data_parallel_size, prefix_caching(config))
-    scheduler = DPScheduler(caches, config.max_num_batched_tokens, config.max_num_seqs)
+    scheduler = DPScheduler(caches, config.max_num_batched_tokens, config.max_num_seqs,
+                            max_prompt_logprobs_tokens=config.max_prompt_logprobs_tokens)
     local = ModelRunner(model, layout, plan, caches, config.device, 0)    # no CUDA graphs (see DPRunner)
     return caches, scheduler, DPRunner(local, caches, workers.comm)
 

@@ -17,6 +17,7 @@ from ..cache.sizing import memory_report, plan_cache, prefix_caching, reserves_w
 from ..cache.tiers import TierOptions
 from ..config import ConfigError, EngineConfig
 from .context_limit import context_limit
+from .deferred_free import DeferredFree
 from .workspace import workspace_components
 from .grammar_steps import COMPILE_WAIT_S, GrammarSteps
 from .outputs import RequestOutput
@@ -68,7 +69,7 @@ class LLMEngine(GrammarSteps):
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(config.tokenizer or model_dir)
         self.layout = CacheLayout(self.cfg, spec_slots=config.spec_slots, with_mtp=spec is not None,
                                   kv_fp8=config.kv_cache_dtype == "fp8")
-        self.workspace = workspace_components(self.cfg, config, self.layout, DTYPES[config.dtype])
+        self.workspace = workspace_components(self.cfg, config, DTYPES[config.dtype])
         self.plan = plan_cache(self.layout, config, DTYPES[config.dtype], sum(self.workspace.values()))
         limit = context_limit(self.cfg, self.plan, config)
         self.max_model_len, self.context_limit = limit.tokens, limit.source
@@ -78,7 +79,8 @@ class LLMEngine(GrammarSteps):
                                                                       self.workers)
         else:
             self.cache = CacheManager(self.layout, self.plan, prefix_caching=prefix_caching(config))
-            self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs)
+            self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs,
+                                       config.max_prompt_logprobs_tokens)
             self.runner = ModelRunner(self.model, self.layout, self.plan, self.cache, config.device,
                                       0 if config.enforce_eager else config.cuda_graph_max_bs,
                                       keep_hidden=spec is not None and spec.method != "dspark",
@@ -118,6 +120,10 @@ class LLMEngine(GrammarSteps):
         # straight from the request instead (engine/core.py: only the new tokens, no copy of
         # all generated ones per step, one object per token); None: no output
         self.make_output: Callable[[Request, list[int]], object | None] = self.output_of
+        # the prompts of requests that ended, freed a slice after each launch (engine/deferred_free.py):
+        # set by the engine core, whose outputs do not keep them; None: they die where they die (the
+        # offline API's outputs keep them past the step)
+        self.deferred_free: DeferredFree | None = None
         self._carried: list[RequestOutput] = []           # outputs of a step read after a failure
         self.grammars = None        # structured registry.Grammars or remote.WorkerGrammars, made on the first
         #                             constrained request
@@ -216,6 +222,8 @@ class LLMEngine(GrammarSteps):
         if req is not None and not req.is_finished:
             self.scheduler.finish(req, Status.ABORTED)
             req.finish_reason = "abort"
+        if req is not None and self.deferred_free is not None:
+            self.deferred_free.hold(req.prompt_token_ids)
         self._stops.pop(request_id, None)
         if self.grammars is not None:
             self.grammars.drop(request_id)      # (a compile in flight: its result is dropped)
@@ -248,6 +256,8 @@ class LLMEngine(GrammarSteps):
         if not chunks:
             drained = self._drain()
             if not drained and not outputs:
+                if self.deferred_free is not None:
+                    self.deferred_free.release_all()     # nothing runs: nobody waits for it
                 if self._compiling:             # only compiles to wait for (bounded: new requests may come)
                     self.grammars.wait_compiled(COMPILE_WAIT_S)
                 else:
@@ -262,6 +272,8 @@ class LLMEngine(GrammarSteps):
             self._carried = outputs + self._drain()     # returned by the next step
             raise
         previous, self._inflight = self._inflight, launched
+        if self.deferred_free is not None:
+            self.deferred_free.release()            # (the device runs the launched step meanwhile)
         if previous is not None:
             outputs += self._complete(previous, following=launched)
         if not self.async_scheduling:
@@ -417,6 +429,8 @@ class LLMEngine(GrammarSteps):
                 self._text(req)         # decoded once, at the end
             self.scheduler.finish(req)
             self.requests.pop(req.request_id, None)
+            if self.deferred_free is not None:
+                self.deferred_free.hold(req.prompt_token_ids)
             self._stops.pop(req.request_id, None)
             if self.grammars is not None:
                 self.grammars.drop(req.request_id)

@@ -57,9 +57,13 @@ class ScheduledChunk:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, cache: CacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_prompt_logprobs_tokens: int | None = None):
+        """max_prompt_logprobs_tokens: the prompt positions of all chunks computing prompt
+        logprobs in one step (every row of such a chunk has logits); None: the token budget."""
         self.cache = cache
         self.max_tokens, self.max_seqs = max_num_batched_tokens, max_num_seqs
+        self.max_logprob_rows = max_prompt_logprobs_tokens or max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.prefix_queries = 0      # tokens of admitted requests looked up in the prefix cache
@@ -93,6 +97,10 @@ class Scheduler:
             left = 1 if i < num_decoding else req.num_remaining
             drafts = len(req.spec_token_ids) if left == 1 else 0     # decoding: RUNNING, one token left
             n = min(left + drafts, budget)
+            if req.params.prompt_logprobs is not None and req.num_computed < len(req.prompt_token_ids):
+                n = min(n, self._logprob_rows_left(chunks))
+                if not n:
+                    continue
             if req.images:
                 n = atomic_chunk(req.images, req.num_computed, n)
             before = len(chunks)
@@ -104,10 +112,11 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_seqs:
             req = self.waiting[i]
-            if req.grammar_pending or self._waits_for_twin(req) or self.cache.waits_for_tiers(req):
+            rows = self._logprob_rows_left(chunks) if req.params.prompt_logprobs is not None else budget
+            if req.grammar_pending or not rows or self._waits_for_twin(req) or self.cache.waits_for_tiers(req):
                 i += 1
                 continue
-            n = self._admit(req, budget)
+            n = self._admit(req, min(budget, rows))
             if not n:
                 break
             del self.waiting[i]
@@ -116,6 +125,13 @@ class Scheduler:
             chunks.append(ScheduledChunk(req, n))
             budget -= n
         return chunks
+
+    def _logprob_rows_left(self, chunks: list[ScheduledChunk]) -> int:
+        """Prompt positions a chunk computing prompt logprobs may still have in this step (only
+        requests asking for them pay this pass over the step's chunks)."""
+        return max(self.max_logprob_rows - sum(c.num_tokens for c in chunks if c.request.params.prompt_logprobs
+                                               is not None and c.request.num_computed < len(c.request.prompt_token_ids)),
+                   0)
 
     def _admit(self, req: Request, budget: int) -> int:
         """Reserve the first chunk of a waiting request, resuming from a prefix hit when there

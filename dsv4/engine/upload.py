@@ -25,6 +25,11 @@ def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     return offsets, total
 
 
+def packed_bytes(sizes: list[int]) -> int:
+    """The size of the buffer `_layout` lays tensors of these byte sizes out in."""
+    return sum(-(-n // ALIGN) * ALIGN for n in sizes)
+
+
 _NUMPY_LACKS = (torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)      # dtypes numpy has not
 
 

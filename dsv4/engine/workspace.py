@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.layout import CacheLayout
 from ..config import CSA_RATIO, EngineConfig, ModelConfig
 
 # the components a plan names
@@ -21,25 +20,23 @@ def context_bound(cfg: ModelConfig, config: EngineConfig) -> int:
     return config.max_model_len or cfg.max_position_embeddings
 
 
-def workspace_components(cfg: ModelConfig, config: EngineConfig, layout: CacheLayout,
-                         dtype: torch.dtype) -> dict[str, int]:
+def workspace_components(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> dict[str, int]:
     """Bytes of each workspace term, T = max_num_batched_tokens (the largest step), E = C4
     entries of the longest request (context_bound / 4), k = min(index_topk, E):
     - INDEXER: the scores of one prefill chunk's tiles (ops/triton/indexer.py, score_bytes):
       fp32 [T, tile_width(T, k)] twice where the tiles' top-k runs beside the scores (CUDA,
       OVERLAP_TOPK, T >= ROWS_MIN, E over one tile), else one tile [T, min(E, tile_width)];
       0 without CSA layers;
-    - ACTIVATIONS: T x step_bytes_per_token with every row's logits (a prompt-logprobs
-      chunk asks for them all);
+    - ACTIVATIONS: step_bytes of T tokens with the most logits rows a step has (logits_rows);
     - GRAPHS (CUDA, graphs on, one data-parallel rank): graph_bytes.
     The terms are added although the indexer's and the head's peaks do not coincide: an
     upper bound."""
     T = config.max_num_batched_tokens
     cuda = torch.device(config.device).type == "cuda"
     out = {INDEXER: indexer_score_bytes(cfg, config, T, side_stream=cuda),
-           ACTIVATIONS: T * step_bytes_per_token(cfg, dtype, logits=True)}
+           ACTIVATIONS: step_bytes(cfg, dtype, T, logits_rows(config))}
     if cuda and not config.enforce_eager and config.cuda_graph_max_bs > 0 and config.data_parallel_size == 1:
-        out[GRAPHS] = graph_bytes(cfg, config, layout, dtype)
+        out[GRAPHS] = graph_bytes(cfg, config, dtype)
     return out
 
 
@@ -52,14 +49,15 @@ def indexer_score_bytes(cfg: ModelConfig, config: EngineConfig, tokens: int, sid
     return score_bytes(tokens, min(cfg.index_topk, E), E, side_stream and OVERLAP_TOPK) if E else 0
 
 
-def step_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, logits: bool) -> int:
-    """Activation bytes per token of a step at its peak (model dtype elem bytes, N = hc_mult,
-    H = hidden): the residual streams [T, N, H] kept across blocks, plus the larger of
+def step_bytes(cfg: ModelConfig, dtype: torch.dtype, tokens: int, logits_rows: int) -> int:
+    """Activation bytes of a step of `tokens` tokens, `logits_rows` of them with logits, at its
+    peak (model dtype elem bytes, N = hc_mult, H = hidden): the residual streams [T, N, H] kept
+    across blocks (and while the head runs), plus the larger of
     - a block: the new streams of hc_post [T, N, H] beside the old, and the larger of attention
       (q, its output and the output's inverse RoPE: 3 x [T, heads, head_dim]) and the MoE (the
       grouped GEMMs' SwiGLU rows [T * k, I] and down rows [T * k, H], their fp32 sum [T, H],
       the router's fp32 scores [T, n_experts]);
-    - the head (logits): its output [T, vocab] in the model dtype and its fp32 copy.
+    - the head: head_bytes_per_row for each logits row.
     Small terms (projections' low-rank outputs, the indexer's queries, RoPE tables, routing
     ids) are not counted."""
     c, elem = cfg, torch.empty((), dtype=dtype).element_size()
@@ -67,22 +65,39 @@ def step_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, logits: bool) -> 
     attention = 3 * c.num_attention_heads * c.head_dim * elem
     k = c.num_experts_per_tok
     moe = k * (c.moe_intermediate_size + c.hidden_size) * elem + 4 * (c.hidden_size + c.n_routed_experts)
-    head = c.vocab_size * (elem + 4) if logits else 0
-    return streams + max(streams + max(attention, moe), head)
+    return tokens * streams + max(tokens * (streams + max(attention, moe)), logits_rows * head_bytes_per_row(cfg, dtype))
 
 
-def graph_bytes(cfg: ModelConfig, config: EngineConfig, layout: CacheLayout, dtype: torch.dtype) -> int:
+def head_bytes_per_row(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """What the head allocates per logits row (DeepseekV4.head_logits): its output [vocab] in
+    the model dtype and, unless that is fp32 already, the fp32 copy."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return cfg.vocab_size * (elem + (4 if dtype != torch.float32 else 0))
+
+
+def logits_rows(config: EngineConfig) -> int:
+    """The most rows of a step with logits (engine/runner.py, ModelRunner.seq_chunk): every row
+    of the chunks computing prompt logprobs, max_prompt_logprobs_tokens together at most
+    (engine/scheduler.py); q at most of each other chunk (k + 1 to verify k drafts, else 1);
+    max_num_seqs chunks; never more rows than the step's tokens."""
+    spec = config.speculative_config
+    q = spec.num_speculative_tokens + 1 if spec is not None else 1
+    S, P = config.max_num_seqs, config.max_prompt_logprobs_tokens
+    return min(config.max_num_batched_tokens, max(S * q, P + (S - 1) * q))
+
+
+def graph_bytes(cfg: ModelConfig, config: EngineConfig, dtype: torch.dtype) -> int:
     """The decode CUDA graphs (engine/cuda_graphs.py): every shape `warmup` captures (uniform
     steps of q = 1, and k + 1 with k speculative tokens), sharing one pool:
     - the pool's peak: the largest shape's step (B * q tokens) without the head (it runs after
-      the graph): B * q x step_bytes_per_token, plus its indexer scores (one tile: no side
+      the graph): step_bytes of B * q tokens and no logits rows, plus its indexer scores (one tile: no side
       stream while capturing);
     - each shape's outputs kept in the pool: the head input [B * q, H] (and with an MTP
       drafter the streams [B * q, N, H], with DSpark the taps [B * q, n_taps * H]);
     - each shape's static inputs (the padded ForwardBatch's leaves in one device buffer,
-      HostToDevice.allocate): exactly as build_step makes them.
+      HostToDevice.allocate): cuda_graphs.static_bytes, exactly what StepGraphs allocates.
     The speculative drafters' own graphs are not counted."""
-    from ..engine.cuda_graphs import graph_shapes
+    from .cuda_graphs import graph_shapes, static_bytes
     spec, elem = config.speculative_config, torch.empty((), dtype=dtype).element_size()
     qs = (1, spec.num_speculative_tokens + 1) if spec is not None else (1,)
     per_row = cfg.hidden_size * elem
@@ -93,17 +108,6 @@ def graph_bytes(cfg: ModelConfig, config: EngineConfig, layout: CacheLayout, dty
     if not shapes:
         return 0
     top = max(s.seqs * s.tokens for s in shapes)
-    pool = top * step_bytes_per_token(cfg, dtype, logits=False) + indexer_score_bytes(cfg, config, top, False)
+    pool = step_bytes(cfg, dtype, top, 0) + indexer_score_bytes(cfg, config, top, False)
     outputs = sum(s.seqs * s.tokens for s in shapes) * per_row
-    return pool + outputs + sum(static_input_bytes(layout, s, config.max_num_seqs, context_bound(cfg, config))
-                                for s in shapes)
-
-
-def static_input_bytes(layout: CacheLayout, shape, max_num_seqs: int, max_model_len: int) -> int:
-    """Bytes of the device buffer StepGraphs keeps for `shape`'s padded batch."""
-    from ..cache.addressing import Scratch, build_step
-    from .cuda_graphs import warmup_seqs
-    from .upload import _layout, leaf_tensors
-    scratch = Scratch(0, 0, 0)
-    batch = build_step(warmup_seqs(shape, scratch, max_model_len), layout, max_num_seqs + 1, shape, scratch)
-    return _layout(leaf_tensors(batch))[1]
+    return pool + outputs + sum(map(static_bytes, shapes))

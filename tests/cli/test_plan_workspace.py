@@ -8,13 +8,13 @@ import contextlib
 import pytest
 import torch
 
-from dsv4.cache.addressing import Scratch, build_step
+from dsv4.cache.addressing import Scratch, build_step, padded_leaf_shapes
 from dsv4.cache.layout import CacheLayout
 from dsv4.cache.sizing import cache_budget, plan_cache, reserves_workspace
 from dsv4.cli import main
 from dsv4.config import EngineConfig
 from dsv4.engine import workspace as ws
-from dsv4.engine.cuda_graphs import StepGraphs, graph_shapes, warmup_seqs
+from dsv4.engine.cuda_graphs import StepGraphs, graph_shapes, static_bytes, warmup_seqs
 from dsv4.engine.upload import HostToDevice, leaf_tensors
 from dsv4.model.random_init import preset_config
 from dsv4.ops.triton import indexer as tri
@@ -72,7 +72,7 @@ def test_indexer_term_is_the_score_buffers_the_tiles_allocate(monkeypatch):
     assert tri.score_bytes(T, k, width // 2, side_stream=True) == T * (width // 2) * 4   # one tile
     cfg = preset_config("tiny")
     config = EngineConfig(device="cuda", max_num_batched_tokens=T, max_model_len=4 * E, enforce_eager=True)
-    assert ws.workspace_components(cfg, config, CacheLayout(cfg), torch.float32)[ws.INDEXER] == \
+    assert ws.workspace_components(cfg, config, torch.float32)[ws.INDEXER] == \
         tri.score_bytes(T, min(cfg.index_topk, E), E, side_stream=tri.OVERLAP_TOPK)
 
 
@@ -84,27 +84,45 @@ def test_indexer_term_at_a_2048_token_chunk_of_a_long_context():
 
 
 def test_graph_static_buffers_are_what_step_graphs_allocate():
+    """static_bytes (a closed form) is the buffer StepGraphs allocates for a shape's padded step,
+    and padded_leaf_shapes the shapes of that step's tensors, for decode and verify shapes."""
     cfg = preset_config("tiny")
     layout = CacheLayout(cfg)
     graphs = StepGraphs.__new__(StepGraphs)
     graphs.buffers, graphs.h2d = {}, HostToDevice("cpu")
     scratch = Scratch(0, 0, 0)
-    for shape in graph_shapes(8, 6, 700, 1, cfg.sliding_window)[::7]:
-        padded = build_step(warmup_seqs(shape, scratch, 700), layout, 7, shape, scratch)
-        flat, _ = graphs._static(shape, padded, leaf_tensors(padded))
-        assert flat.numel() * flat.element_size() == ws.static_input_bytes(layout, shape, 6, 700)
+    for q in (1, 3):
+        for shape in graph_shapes(8, 6, 700, q, cfg.sliding_window)[::7]:
+            padded = build_step(warmup_seqs(shape, scratch, 700), layout, 7, shape, scratch)
+            leaves = leaf_tensors(padded)
+            assert sorted(tuple(t.shape) for t in leaves) == sorted(padded_leaf_shapes(shape))
+            assert {t.dtype for t in leaves} == {torch.int64}
+            flat, _ = graphs._static(shape, padded, leaves)
+            assert flat.numel() * flat.element_size() == static_bytes(shape)
 
 
 def test_graphs_counted_only_where_captured():
     cfg = preset_config("tiny")
     base = dict(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=600, cuda_graph_max_bs=4)
-    parts = {device: ws.workspace_components(cfg, EngineConfig(device=device, **base), CacheLayout(cfg),
-                                             torch.float32) for device in ("cpu", "cuda")}
+    parts = {device: ws.workspace_components(cfg, EngineConfig(device=device, **base), torch.float32) for device in ("cpu", "cuda")}
     assert ws.GRAPHS not in parts["cpu"] and parts["cuda"][ws.GRAPHS] > 0
-    eager = ws.workspace_components(cfg, EngineConfig(device="cuda", enforce_eager=True, **base), CacheLayout(cfg),
-                                    torch.float32)
+    eager = ws.workspace_components(cfg, EngineConfig(device="cuda", enforce_eager=True, **base), torch.float32)
     assert ws.GRAPHS not in eager
-    assert parts["cpu"][ws.ACTIVATIONS] == 64 * ws.step_bytes_per_token(cfg, torch.float32, logits=True)
+    # 64 tokens a step: every row may have logits (a prompt-logprobs chunk of the whole step)
+    assert parts["cpu"][ws.ACTIVATIONS] == ws.step_bytes(cfg, torch.float32, 64, 64)
+
+
+def test_logits_rows_bound_by_the_prompt_logprobs_limit():
+    """One chunk of prompt-logprobs rows beside a row a sequence (k + 1 verifying k drafts), or
+    every sequence verifying, whichever is more; never more than the step's tokens."""
+    def rows(tokens, limit, k=0):
+        spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+        return ws.logits_rows(EngineConfig(max_num_batched_tokens=tokens, max_num_seqs=64,
+                                           max_prompt_logprobs_tokens=limit, speculative_config=spec))
+    assert rows(2048, 512) == 512 + 63
+    assert rows(2048, 8, k=2) == 8 + 63 * 3
+    assert rows(2048, 1, k=2) == 64 * 3
+    assert rows(300, 512) == 300
 
 
 def test_free_memory_budget_leaves_out_exactly_the_workspace(monkeypatch):
@@ -138,7 +156,7 @@ def test_cli_prints_the_workspace_and_fits_after_it(capsys, monkeypatch):
                           cuda_graph_max_bs=4)
     cfg = preset_config("tiny")
     layout = CacheLayout(cfg)
-    workspace = sum(ws.workspace_components(cfg, config, layout, torch.float32).values())
+    workspace = sum(ws.workspace_components(cfg, config, torch.float32).values())
     plan = plan_cache(layout, config, torch.float32, workspace)
     assert f"fits: {plan.max_tokens} tokens" in out
     assert plan.max_tokens < plan_cache(layout, config, torch.float32, 0).max_tokens

@@ -3,7 +3,7 @@ targets for the padding rows) give the same results as the unpadded step. Here t
 step runs eagerly (capture=False); on a GPU the same padded step is captured and replayed."""
 import pytest
 
-from dsv4.engine.cuda_graphs import StepGraphs, batch_bucket, width_bucket
+from dsv4.engine.cuda_graphs import StepGraphs, batch_bucket, end_widths, width_bucket
 
 
 def _engine(tiny, padded: bool, async_scheduling: str = "off"):
@@ -42,6 +42,14 @@ def test_buckets():
     assert [batch_bucket(n, 256) for n in (1, 3, 9, 256)] == [1, 4, 16, 256]
     assert batch_bucket(257, 256) is None and batch_bucket(5, 4) is None
     assert [width_bucket(n) for n in (0, 1, 16, 17, 100, 512, 513, 4098)] == [16, 16, 16, 32, 128, 512, 1024, 4608]
+
+
+def test_end_widths_are_every_ends_pair_once():
+    """end_widths walks the runs of equal (E4, E128) buckets: the same pairs as every end's,
+    across the bucket rules' changes (powers of two, multiples of 512, 16 an octave past 8192)."""
+    for first, last in ((1, 40_000), (4, 40_000), (3, 3), (5, 4)):
+        every = sorted({(width_bucket(e // 4), width_bucket(e // 128)) for e in range(first, last + 1)})
+        assert end_widths(first, last) == every, (first, last)
 
 
 def test_graphs_are_kept_for_the_engines_life():
