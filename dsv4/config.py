@@ -276,7 +276,10 @@ class EngineConfig:
     dtype: str = "float32"                 # float32 | bfloat16
     max_num_batched_tokens: int | None = None   # tokens per step, all sequences together; None: by device (default_batched_tokens)
     max_num_seqs: int = 64                 # sequences per step (and request state slots)
-    max_prompt_logprobs_tokens: int = 512  # prompt positions a step computes prompt logprobs for (logits rows)
+    # prompt positions a step computes prompt logprobs for (logits rows), all requests together: 2048
+    # keeps an evaluation's scoring prefills (many short prompts) at 2,048 tokens a step while the
+    # memory plan's fp32 logits stay ~1 GiB (V4's 129k vocabulary) at any token budget
+    max_prompt_logprobs_tokens: int = 2048
     max_model_len: int | None = None       # prompt + output tokens; None: min(model max, cache)
     num_pages: int | None = None           # 256-token history pages; None: from the memory budget
     cache_memory_gb: float | None = None   # cache budget; None: 1 GiB on CPU, 90% of free on GPU
