@@ -29,80 +29,88 @@ BODY_TIMEOUT_S = 60.0         # ... and its usual client body timeout (between t
 MAX_HEADER_BYTES = 1 << 20    # (bytes read while the headers were incomplete, counted per read)
 
 
+class _Deadline:
+    """A re-armable timer on the loop: `expired()` runs `seconds` after the last `arm`, unless
+    cancelled first."""
+
+    def __init__(self, loop, seconds: float, expired):
+        self.loop, self.seconds, self.expired, self.handle = loop, seconds, expired, None
+
+    @property
+    def armed(self) -> bool:
+        return self.handle is not None
+
+    def arm(self) -> None:
+        self.cancel()
+        self.handle = self.loop.call_later(self.seconds, self._fire)
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+    def _fire(self) -> None:
+        self.handle = None
+        self.expired()
+
+
 class LimitedHttpProtocol(HttpToolsProtocol):
     header_timeout: float = HEADER_TIMEOUT_S
     body_timeout: float = BODY_TIMEOUT_S
 
     def connection_made(self, transport) -> None:
-        self._header_timer, self._header_bytes, self._body_timer = None, 0, None
+        self._headers = _Deadline(self.loop, self.header_timeout, self._headers_timed_out)
+        self._body = _Deadline(self.loop, self.body_timeout, self._body_timed_out)
+        self._header_bytes = 0
         super().connection_made(transport)
-        self._arm_header_timer()
+        self._headers.arm()
 
     def connection_lost(self, exc) -> None:
-        self._cancel_header_timer()
-        self._cancel_body_timer()
+        self._headers.cancel()
+        self._body.cancel()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self._header_timer is not None and not self.transport.is_closing():    # headers still incomplete
+        if self._headers.armed and not self.transport.is_closing():    # headers still incomplete
             self._header_bytes += len(data)
             if self._header_bytes > MAX_HEADER_BYTES:
-                self._cancel_header_timer()
+                self._headers.cancel()
                 self._refuse(431, f"the request line and headers are larger than {MAX_HEADER_BYTES} bytes")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        if self._header_timer is None:
+        if not self._headers.armed:
             self._header_bytes = 0
-            self._arm_header_timer()
+            self._headers.arm()
 
     def on_headers_complete(self) -> None:
-        self._cancel_header_timer()
+        self._headers.cancel()
         super().on_headers_complete()
-        self._arm_body_timer()        # (a request without a body completes at once: cancelled)
+        self._body.arm()              # (a request without a body completes at once: cancelled)
 
     def on_body(self, body: bytes) -> None:
         super().on_body(body)
-        self._arm_body_timer()
+        self._body.arm()
 
     def on_message_complete(self) -> None:
-        self._cancel_body_timer()
+        self._body.cancel()
         super().on_message_complete()
 
     def send_400_response(self, msg: str) -> None:
-        self._cancel_header_timer()
+        self._headers.cancel()
         self._answer_and_close(400, msg)
 
-    def _arm_header_timer(self) -> None:
-        self._header_timer = self.loop.call_later(self.header_timeout, self._headers_timed_out)
-
-    def _cancel_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
     def _headers_timed_out(self) -> None:
-        self._header_timer = None
         if not self.transport.is_closing():
             self._refuse(408, f"the request's headers did not arrive within {self.header_timeout:g} s "
                               f"(--header-timeout)")
 
-    def _arm_body_timer(self) -> None:
-        self._cancel_body_timer()
-        self._body_timer = self.loop.call_later(self.body_timeout, self._body_timed_out)
-
-    def _cancel_body_timer(self) -> None:
-        if self._body_timer is not None:
-            self._body_timer.cancel()
-            self._body_timer = None
-
     def _body_timed_out(self) -> None:
-        self._body_timer = None
         if self.transport.is_closing() or self.cycle is None:
             return
         if self.flow.read_paused:         # we stopped reading, not the client: wait on
-            self._arm_body_timer()
+            self._body.arm()
             return
         cycle = self.cycle
         cycle.disconnected = True         # the application's receive() says so; its sends are dropped
