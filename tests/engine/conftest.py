@@ -308,6 +308,10 @@ class Tiny:
 def _make_tiny(tmp_path_factory, **overrides) -> Tiny:
     from dsv4.model.random_init import preset_config, random_state, save_checkpoint
     from dsv4.model.weights import load_model
+    # 3 Sinkhorn iterations instead of the preset's 20: a runtime loop bound (the column pass and
+    # two row/column rounds of dsv4/ops/mhc.py's loop still run, the oracle's too), whose 80
+    # small torch ops a layer and step were a fifth of these engines' CPU time
+    overrides = {"hc_sinkhorn_iters": 3, **overrides}
     cfg = preset_config("tiny", index_n_heads=INDEX_HEADS, **overrides)
     path = str(tmp_path_factory.mktemp("tiny-engine"))
     save_checkpoint(cfg, random_state(cfg, seed=1234), path, names="deepseek")

@@ -43,8 +43,27 @@ def _skip_repatching_in_device_calls() -> None:
     ti.InterpretedFunction.__call__ = device_call
 
 
+def _skip_discarded_overflow_checks() -> None:
+    """Integer +, -, * in the interpreter first redo the operation in int64 and compare it with
+    the type's range (`sanitize_overflow`, on by default), then hand the result to
+    device_assert, which drops it unless the options' `debug` is set (it is not): two casts, an
+    operation, two comparisons and an `and` per integer operation, per program, for nothing
+    (two fifths of an FP8 MoE decode kernel's time). Off while debug is off: the same values,
+    the same (absent) assertions."""
+    import dataclasses
+
+    from triton.runtime import interpreter as ti
+
+    builder = getattr(ti, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if options is None or getattr(options, "debug", True) or not getattr(options, "sanitize_overflow", False):
+        return       # another Triton, or asserts that would fire: leave it as it is
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _skip_repatching_in_device_calls()
+    _skip_discarded_overflow_checks()
 
 
 @pytest.fixture
