@@ -2,7 +2,8 @@
 (one machine, one model load): the 2,048-token chunk at position 0 once, then the chunk at ~900k
 once per name: "attention[/scores[/inline]]", attention dsv4/ops/triton/attention.py's LONG_KERNEL
 ("shared", or "none" for the per-token kernel), scores dsv4/ops/triton/indexer.py's TILED_SCORES
-("heads"; none named: None, indexer_scores' GEMM_TILES kernel), "inline": the tiles' top-k in
+("heads", or "heads=BTxBExWxS" for that kernel at HeadLoopTiles(BT, BE, W, S, q_tma=True) instead
+of HEAD_TILES; none named: None, indexer_scores' GEMM_TILES kernel), "inline": the tiles' top-k in
 order on one stream (indexer.py OVERLAP_TOPK off; else beside the next tile's scores); each the
 median of --repeats runs after a warm-up (benchmarks/long_context.py chunk_case), with the ratio
 less the indexer's O(E) roofline term (target <= 1.5). `--mid` times every case twice: with the
@@ -24,11 +25,21 @@ from benchmarks import long_context as lc
 from dsv4.model.weights import load_model
 from dsv4.ops.triton import attention as triton_attention
 from dsv4.ops.triton import indexer as triton_indexer
+from dsv4.ops.triton.indexer_scores_heads import HeadLoopTiles
 
 
 def net_ratio(deep: dict, first: dict) -> float:
     """(deep chunk - its O(E) term) / (chunk at 0 - its term)."""
     return (deep["ms"] - deep["indexer_bound_ms"]) / (first["ms"] - first["indexer_bound_ms"])
+
+
+def scores_kernel(scores: str) -> tuple[str | None, HeadLoopTiles]:
+    """"heads=64x256x8x3" -> ("heads", HeadLoopTiles(64, 256, 8, 3, q_tma=True)); else (scores or
+    None, HEAD_TILES)."""
+    name, _, tiles = scores.partition("=")
+    if not tiles:
+        return name or None, triton_indexer.HEAD_TILES
+    return name, HeadLoopTiles(*(int(v) for v in tiles.split("x")), q_tma=True)
 
 
 def main() -> int:
@@ -47,16 +58,18 @@ def main() -> int:
     model = load_model("random:tiny" if args.smoke else args.spec, device, getattr(torch, dtype))
     lines = [f"| kernel | request ends in the step | at {deep} | at {first} | ratio | "
              f"less the O(E) term ({lc.TARGET_CHUNK_900K_VS_0}) | runs |", "|---|---|---|---|---|---|---|"]
-    defaults = triton_attention.LONG_KERNEL, triton_indexer.TILED_SCORES, triton_indexer.OVERLAP_TOPK
+    defaults = (triton_attention.LONG_KERNEL, triton_indexer.TILED_SCORES, triton_indexer.OVERLAP_TOPK,
+                triton_indexer.HEAD_TILES)
     for ends in (True, False) if args.mid else (True,):
         # the chunk at 0 with the default kernels (not the last name's)
-        triton_attention.LONG_KERNEL, triton_indexer.TILED_SCORES, triton_indexer.OVERLAP_TOPK = defaults
+        (triton_attention.LONG_KERNEL, triton_indexer.TILED_SCORES, triton_indexer.OVERLAP_TOPK,
+         triton_indexer.HEAD_TILES) = defaults
         at0 = lc.chunk_case(model, device, dtype, "auto", first, tokens, args.repeats, ends)
         lc.log(f"chunk at {first}, request ends {ends}: {at0}")
         for name in args.kernels.split(","):
             attention, scores, topk = (name.split("/") + ["", ""])[:3]
             triton_attention.LONG_KERNEL = None if attention == "none" else attention
-            triton_indexer.TILED_SCORES = scores or None
+            triton_indexer.TILED_SCORES, triton_indexer.HEAD_TILES = scores_kernel(scores)
             triton_indexer.OVERLAP_TOPK = topk != "inline"
             r = lc.chunk_case(model, device, dtype, "auto", deep, tokens, args.repeats, ends)
             lc.log(f"chunk at {deep}, {name}, request ends {ends}: {r}")
