@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import sys
 
+from .args import add_connection_timeouts
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("router", help="prefill/decode router (OpenAI-compatible)",
@@ -14,6 +16,7 @@ def register(subparsers) -> None:
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
     p.add_argument("--policy", choices=("least-loaded", "round-robin"), default="least-loaded")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S")
+    add_connection_timeouts(p)
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=run)
 
@@ -35,6 +38,7 @@ def run(args) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"dsv4 router: ready at http://{host}:{sock.getsockname()[1]} "
           f"(prefill {' '.join(args.prefill)}; decode {' '.join(args.decode)})", flush=True)
-    config = uvicorn.Config(build_router_app(router), log_level=args.log_level, http=http_protocol())
+    config = uvicorn.Config(build_router_app(router), log_level=args.log_level, 
+                            http=http_protocol(args.header_timeout, args.body_timeout))
     uvicorn.Server(config).run(sockets=[sock])
     return 0

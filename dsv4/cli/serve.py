@@ -5,6 +5,7 @@ import os
 import signal
 import sys
 
+from .args import add_connection_timeouts
 from .engine_args import add_engine_args, engine_config
 
 DEMO_NAME = "dsv4-demo"
@@ -35,12 +36,7 @@ def register(subparsers) -> None:
                              "X-Ignored-Fields header and warn once in the log)")
     limits.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
                         help="on SIGTERM/SIGINT, seconds running requests get to finish (default: 30)")
-    limits.add_argument("--header-timeout", type=float, default=60.0, metavar="S",
-                        help="seconds a request's line and headers may take to arrive; a slower client gets "
-                             "408 and its connection is closed (default: 60)")
-    limits.add_argument("--body-timeout", type=float, default=60.0, metavar="S",
-                        help="seconds a request's body may go without a byte arriving; then 408 and the "
-                             "connection is closed (default: 60)")
+    add_connection_timeouts(limits)
     media = p.add_argument_group("images (vision models, docs/vision.md)")
     media.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                        help="image URLs may name files (file://) inside DIR (default: no local files)")
@@ -111,9 +107,6 @@ def _limits(args):
         raise SystemExit(f"dsv4 serve: --max-batch-requests must be >= 1, got {args.max_batch_requests}")
     if not args.shutdown_timeout >= 0:
         raise SystemExit(f"dsv4 serve: --shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
-    for flag in ("header_timeout", "body_timeout"):
-        if not getattr(args, flag) > 0:
-            raise SystemExit(f"dsv4 serve: --{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     from ..serve.http.media import MediaPolicy
     if not args.media_max_mb > 0 or not args.media_timeout > 0:
         raise SystemExit("dsv4 serve: --media-max-mb and --media-timeout must be > 0")

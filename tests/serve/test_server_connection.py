@@ -178,8 +178,23 @@ def test_a_large_completion_is_rendered_while_other_requests_are_served(fake_ser
     assert render.weight(r.json()) > render.IN_THREAD_FROM
 
 
+@pytest.mark.parametrize("command", [["serve"], ["router", "--prefill", "http://p", "--decode", "http://d"]])
 @pytest.mark.parametrize("flag", ["--header-timeout", "--body-timeout"])
-def test_timeout_flags_must_be_positive(flag):
+def test_timeout_flags_must_be_positive(command, flag, capsys):
     from dsv4.cli import main
-    with pytest.raises(SystemExit, match=f"{flag} must be > 0, got 0"):
-        main(["serve", flag, "0"])
+    with pytest.raises(SystemExit):
+        main([*command, flag, "0"])
+    assert f"argument {flag}: expected a positive number (or inf), got 0" in capsys.readouterr().err
+
+
+def test_the_router_takes_the_header_timeout(tmp_path):
+    from serve.server_fixtures import ServerProcess
+    router = ServerProcess(["--prefill", "http://127.0.0.1:9", "--decode", "http://127.0.0.1:9", "--port", "0",
+                            "--header-timeout", "0.3", "--log-level", "warning"], tmp_path / "router.log",
+                           command="router")
+    try:
+        with socket.create_connection(_address(router.base_url), timeout=30) as stalled:
+            stalled.sendall(b"GET /heal")                            # half a request line
+            assert "--header-timeout" in _error_answer(_read_to_close(stalled), 408)["message"]
+    finally:
+        router.stop()
