@@ -34,7 +34,9 @@ def run(args) -> int:
                          kv_fp8=config.kv_cache_dtype == "fp8")
     try:               # the same start-up checks as the engine's (a max_model_len no request could use)
         workspace = workspace_components(cfg, config, dtype)
-        plan = plan_cache(layout, config, dtype, sum(workspace.values()))
+        # sized from free memory: the engine measures it with the weights loaded, this with none
+        loaded = sum(_device_weights(cfg, dtype, config).values()) if reserves_workspace(config) else 0
+        plan = plan_cache(layout, config, dtype, sum(workspace.values()) + loaded)
         limit = context_limit(cfg, plan, config)
     except ConfigError as e:
         raise SystemExit(f"--{e.field.replace('_', '-')}: {e}") from None
@@ -58,14 +60,9 @@ def run(args) -> int:
 def _per_rank(cfg, dtype, config, layout, plan) -> None:
     """One rank of --tensor-parallel-size N: its share of the weights (dsv4/parallel/
     tensor_parallel.py: the split kinds / N) and the whole KV cache."""
-    from ..bench.params import model_params
     from ..cache.sizing import cache_bytes, per_rank_report
-    n, elem = config.tensor_parallel_size, torch.empty((), dtype=dtype).element_size()
-    weights = _weights(cfg, dtype, config)
-    whole_attention = sum(cfg.hidden_size * (cfg.q_lora_rank + cfg.head_dim) for _ in model_params(cfg).layers) * elem
-    split = {"attention projections": (weights["attention projections"] - whole_attention) / n + whole_attention}
-    split.update((k, v / n) for k, v in weights.items() if k.startswith(("shared", "routed", "embedding")))
-    rank = {**weights, **{k: int(v) for k, v in split.items()}, "KV cache (whole)": cache_bytes(layout, plan, dtype)}
+    n = config.tensor_parallel_size
+    rank = {**_device_weights(cfg, dtype, config), "KV cache (whole)": cache_bytes(layout, plan, dtype)}
     _section(f"per rank of {n} (tensor parallel{', experts split E/N' if config.enable_expert_parallel else ''})", rank)
     print(per_rank_report(layout, plan, dtype, n))
 
@@ -75,9 +72,8 @@ def _per_dp_rank(cfg, dtype, config, layout, plan) -> None:
     expert_parallel.py): the routed experts / N, every other weight whole, and a whole cache
     of its own for its own requests."""
     from ..cache.sizing import cache_bytes, per_rank_report
-    n, weights = config.data_parallel_size, _weights(cfg, dtype, config)
-    rank = {k: v // n if k.startswith("routed") else v for k, v in weights.items()}
-    rank["KV cache (its own requests)"] = cache_bytes(layout, plan, dtype)
+    n = config.data_parallel_size
+    rank = {**_device_weights(cfg, dtype, config), "KV cache (its own requests)": cache_bytes(layout, plan, dtype)}
     _section(f"per rank of {n} (data-parallel attention, experts split E/N)", rank)
     print(per_rank_report(layout, plan, dtype, 1, n))
 
@@ -111,6 +107,23 @@ def _weights(cfg, dtype: torch.dtype, config) -> dict[str, int]:
         f"routed experts ({p.n_routed_experts} per layer)": int(routed_bytes),
         "embedding and head": (p.embed + p.head) * elem,
     }
+
+
+def _device_weights(cfg, dtype: torch.dtype, config) -> dict[str, int]:
+    """_weights on one device: under --tensor-parallel-size N the split kinds / N (dsv4/parallel/
+    tensor_parallel.py; the attention's q_a and kv projections stay whole), under
+    --data-parallel-size N the routed experts / N, else all of them."""
+    from ..bench.params import model_params
+    weights = _weights(cfg, dtype, config)
+    if config.tensor_parallel_size > 1:
+        n, elem = config.tensor_parallel_size, torch.empty((), dtype=dtype).element_size()
+        whole = sum(cfg.hidden_size * (cfg.q_lora_rank + cfg.head_dim) for _ in model_params(cfg).layers) * elem
+        split = {"attention projections": (weights["attention projections"] - whole) / n + whole}
+        split.update((k, v / n) for k, v in weights.items() if k.startswith(("shared", "routed", "embedding")))
+        return {**weights, **{k: int(v) for k, v in split.items()}}
+    if config.data_parallel_size > 1:
+        return {k: v // config.data_parallel_size if k.startswith("routed") else v for k, v in weights.items()}
+    return weights
 
 
 def _section(title: str, parts: dict[str, int]) -> None:

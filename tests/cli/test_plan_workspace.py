@@ -1,6 +1,7 @@
 """The plan's workspace (engine/workspace.py): its indexer term is the bytes the indexer's tiles
 allocate, its graph buffers the bytes StepGraphs allocates, and where the cache is sized from
-free memory the cache's budget is smaller by exactly the workspace's bytes."""
+free memory the cache's budget is smaller by exactly the workspace's bytes (and, in `dsv4 plan`,
+which loads nothing, the weights' bytes)."""
 from __future__ import annotations
 
 import contextlib
@@ -12,6 +13,7 @@ from dsv4.cache.addressing import Scratch, build_step, padded_leaf_shapes
 from dsv4.cache.layout import CacheLayout
 from dsv4.cache.sizing import cache_budget, plan_cache, reserves_workspace
 from dsv4.cli import main
+from dsv4.cli import plan as plan_cli
 from dsv4.config import EngineConfig
 from dsv4.engine import workspace as ws
 from dsv4.engine.cuda_graphs import StepGraphs, graph_shapes, static_bytes, warmup_seqs
@@ -157,8 +159,9 @@ def test_cli_prints_the_workspace_and_fits_after_it(capsys, monkeypatch):
     cfg = preset_config("tiny")
     layout = CacheLayout(cfg)
     workspace = sum(ws.workspace_components(cfg, config, torch.float32).values())
-    plan = plan_cache(layout, config, torch.float32, workspace)
+    weights = sum(plan_cli._weights(cfg, torch.float32, config).values())   # not loaded: left out too
+    plan = plan_cache(layout, config, torch.float32, workspace + weights)
     assert f"fits: {plan.max_tokens} tokens" in out
-    assert plan.max_tokens < plan_cache(layout, config, torch.float32, 0).max_tokens
+    assert plan.max_tokens < plan_cache(layout, config, torch.float32, workspace).max_tokens
     assert main(args + ["--cache-memory-gb", "0.5"]) == 0
     assert "workspace (beside the cache: its size was given):" in capsys.readouterr().out
