@@ -27,8 +27,9 @@ S = 4
 
 @pytest.fixture(scope="module")
 def plain_path(tmp_path_factory) -> str:
-    """8 layers (0, 4, 128, 4, 0, 4, 128, 4): four CSA layers; config.json without IndexCache."""
-    cfg = preset_config("tiny", layers=8, index_n_heads=16)
+    """8 layers (0, 4, 128, 4, 0, 4, 128, 4): four CSA layers; config.json without IndexCache;
+    3 Sinkhorn iterations, as tests/engine/conftest.py's tiny model (a runtime loop bound)."""
+    cfg = preset_config("tiny", layers=8, index_n_heads=16, hc_sinkhorn_iters=3)
     path = str(tmp_path_factory.mktemp("tiny8"))
     save_checkpoint(cfg, random_state(cfg, seed=1234), path, names="deepseek")
     return path

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
 from vision_images import png  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-CFG = preset_config("tiny-vision")
+CFG = preset_config("tiny-vision", hc_sinkhorn_iters=3)     # 3 Sinkhorn iterations: as tests/engine/conftest.py
 IMAGE_TOKEN = CFG.vision.image_token_id
 
 

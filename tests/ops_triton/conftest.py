@@ -61,9 +61,38 @@ def _skip_discarded_overflow_checks() -> None:
     builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
 
+def _np_dtypes_from_a_table() -> None:
+    """The interpreter maps a Triton dtype to its numpy storage dtype (`_get_np_dtype`) several
+    times per operation, per program, building a 19-entry dict of np.dtype objects on every call
+    (a twelfth of the row top-k kernels' time). Here each dtype's answer is the interpreter's
+    own, computed once and kept: the same numpy dtypes, and an unknown dtype still raises there."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    original = getattr(ti, "_get_np_dtype", None)
+    if original is None:
+        return                                    # another Triton: leave it as it is
+    table: dict = {}
+    uint64 = np.dtype(np.uint64)
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+        if isinstance(tt_dtype, tl.pointer_type):
+            return uint64
+        found = table.get(tt_dtype)
+        if found is None:
+            found = table[tt_dtype] = original(tt_dtype)
+        return found
+
+    ti._get_np_dtype = get_np_dtype
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _skip_repatching_in_device_calls()
     _skip_discarded_overflow_checks()
+    _np_dtypes_from_a_table()
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from dsv4.engine.engine import LLMEngine
 from dsv4.parallel.comm import Comm, free_port
 from dsv4.sampling_params import SamplingParams
 
-MODEL = "random:tiny"
+MODEL = "random:tiny::hc_sinkhorn_iters=3"     # 3 Sinkhorn iterations: as tests/engine/conftest.py's tiny model
 REL_TOL = 1e-4          # fp32: max|Δ| <= REL_TOL * max|ref| per logits row
 # chunked prefill (a 48-token budget cuts the 300- and 150-token prompts; 300 crosses C128 groups)
 # and mixed steps (decodes beside prefill chunks)

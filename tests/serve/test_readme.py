@@ -112,12 +112,29 @@ OTHERS = [ln.split(" #")[0].strip() for b in blocks("bash") for ln in lines(b)
 RUNNABLE = [ln for ln in OTHERS if "/tmp/tiny" in ln or "random:" in ln]
 
 
+# the `dsv4` entry point (dsv4.cli.main) on each line in turn, in one fresh process: one start-up
+# (torch and the CLI imported once) for all the lines; the first that fails stops it, named
+RUN_IN_TURN = """
+import shlex, sys
+from dsv4.cli import main
+for line in sys.argv[1:]:
+    print("$", line, flush=True)
+    try:
+        code = main(shlex.split(line)[1:])
+    except SystemExit as e:
+        code = e.code
+    if code:
+        sys.exit(f"{line!r} exited with {code}")
+"""
+
+
 def test_commands_on_the_random_checkpoint_run_as_written(tmp_path):
     assert RUNNABLE[0].startswith("dsv4 init-random /tmp/tiny") and len(RUNNABLE) >= 4
-    for line in RUNNABLE:
-        command = [sys.executable, "-m", "dsv4.cli", *shlex.split(line.replace("/tmp/tiny", str(tmp_path / "tiny")))[1:]]
-        r = subprocess.run(command, capture_output=True, text=True, env=_env(tmp_path), cwd=ROOT, timeout=300)
-        assert r.returncode == 0, (line, r.stdout, r.stderr)
+    lines = [line.replace("/tmp/tiny", str(tmp_path / "tiny")) for line in RUNNABLE]
+    r = subprocess.run([sys.executable, "-c", RUN_IN_TURN, *lines], capture_output=True, text=True,
+                       env=_env(tmp_path), cwd=ROOT, timeout=600)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert [ln[2:] for ln in r.stdout.splitlines() if ln.startswith("$ ")] == lines, r.stdout
 
 
 def test_other_commands_parse():

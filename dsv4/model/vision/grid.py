@@ -14,8 +14,10 @@ in the prompt, at absolute position `start`:
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 IMAGE_START, IMAGE_PAD, IMAGE, IMAGE_NEW_LINE, IMAGE_END = range(5)
 COMPRESS_PAD_TO = 4
@@ -80,6 +82,7 @@ def block_length(n_llm_h: int, n_llm_w: int, start: int) -> int:
 def block_layout(n_llm_h: int, n_llm_w: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(types [block_length] long: the kind of each position, IMAGE_* above; perm [n_h * n_w]
     long: the row-major aligner row of each IMAGE position, in block order)."""
+    import torch     # here: dsv4/engine/core.py (-> spans -> grid) imports no torch until it loads the engine
     pads = COMPRESS_PAD_TO - 1 - start % COMPRESS_PAD_TO
     rows, row_len = n_llm_h + n_llm_h % 2, n_llm_w + 1
     grid_types = torch.full((rows, row_len), IMAGE_PAD, dtype=torch.long)

@@ -35,7 +35,7 @@ class Model:
 def tiny(tmp_path_factory) -> Model:
     from dsv4.model.random_init import preset_config, random_state, save_checkpoint
     from dsv4.model.weights import load_model
-    cfg = preset_config("tiny-dspark", index_n_heads=16)
+    cfg = preset_config("tiny-dspark", index_n_heads=16, hc_sinkhorn_iters=3)   # 3: as tests/engine/conftest.py
     path = str(tmp_path_factory.mktemp("tiny-dspark"))
     save_checkpoint(cfg, random_state(cfg, seed=1234), path, names="deepseek")
     return Model(path, cfg, load_model(path))
