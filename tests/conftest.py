@@ -16,6 +16,28 @@ import pytest
 import torch
 
 
+# folders whose modules each run on one xdist worker: their module-scoped fixtures (engines,
+# one-process reference runs, rank processes, server clusters) are then built once, not once on
+# each worker that the module's tests happen to be sent to
+ONE_WORKER_PER_MODULE = ("tests/engine/", "tests/disagg/", "tests/parallel/")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` (--dist load): as load, tests shared out one by one, but a module of
+    ONE_WORKER_PER_MODULE is one unit of work."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesAsUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module.startswith(ONE_WORKER_PER_MODULE) else nodeid
+
+    return ModulesAsUnits(config, log)
+
+
 class Checkpoint(NamedTuple):
     path: str
     cfg: object      # dsv4.config.ModelConfig as written (before quantisation)
