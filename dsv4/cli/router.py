@@ -38,7 +38,7 @@ def run(args) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"dsv4 router: ready at http://{host}:{sock.getsockname()[1]} "
           f"(prefill {' '.join(args.prefill)}; decode {' '.join(args.decode)})", flush=True)
-    config = uvicorn.Config(build_router_app(router), log_level=args.log_level, 
+    config = uvicorn.Config(build_router_app(router), log_level=args.log_level,
                             http=http_protocol(args.header_timeout, args.body_timeout))
     uvicorn.Server(config).run(sockets=[sock])
     return 0
